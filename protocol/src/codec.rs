@@ -1,0 +1,263 @@
+//! The frame codec: `u32` big-endian payload length, then the payload (a postcard-encoded
+//! [`Message`]). Decoding checks the length against [`MAX_FRAME_LEN`] before allocating, never
+//! panics, and validates every record it carries.
+
+use crate::message::Message;
+
+/// Bytes of the length prefix.
+pub const FRAME_HEADER_LEN: usize = 4;
+/// Largest payload accepted or produced (16 MiB).
+pub const MAX_FRAME_LEN: usize = 16 << 20;
+
+/// Why bytes are not a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// The length prefix announces more than [`MAX_FRAME_LEN`].
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME_LEN}-byte limit")]
+    TooLarge(usize),
+    /// The payload is not a valid message.
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+}
+
+/// Encodes `msg` as one frame (header + payload).
+pub fn encode_frame(msg: &Message) -> Result<Vec<u8>, CodecError> {
+    let mut out = vec![0u8; FRAME_HEADER_LEN];
+    let mut out = postcard::to_extend(msg, std::mem::take(&mut out))
+        .map_err(|e| CodecError::Malformed(e.to_string()))?;
+    let len = out.len() - FRAME_HEADER_LEN;
+    if len > MAX_FRAME_LEN {
+        return Err(CodecError::TooLarge(len));
+    }
+    out[..FRAME_HEADER_LEN].copy_from_slice(&(len as u32).to_be_bytes());
+    Ok(out)
+}
+
+/// Reads the payload length from a frame header, refusing lengths over the limit.
+pub fn frame_len(header: [u8; FRAME_HEADER_LEN]) -> Result<usize, CodecError> {
+    let len = u32::from_be_bytes(header) as usize;
+    if len > MAX_FRAME_LEN {
+        return Err(CodecError::TooLarge(len));
+    }
+    Ok(len)
+}
+
+/// Decodes one payload (without its header).
+pub fn decode_payload(payload: &[u8]) -> Result<Message, CodecError> {
+    if payload.len() > MAX_FRAME_LEN {
+        return Err(CodecError::TooLarge(payload.len()));
+    }
+    let (msg, rest): (Message, &[u8]) =
+        postcard::take_from_bytes(payload).map_err(|e| CodecError::Malformed(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(CodecError::Malformed(format!(
+            "{} trailing bytes after the message",
+            rest.len()
+        )));
+    }
+    if let Message::Index(batch) = &msg {
+        for r in &batch.records {
+            r.validate()
+                .map_err(|e| CodecError::Malformed(e.to_string()))?;
+        }
+    }
+    Ok(msg)
+}
+
+/// Decodes the first frame in `buf`: `Ok(None)` when more bytes are needed, otherwise the
+/// message and how many bytes it used.
+pub fn decode_frame(buf: &[u8]) -> Result<Option<(Message, usize)>, CodecError> {
+    if buf.len() < FRAME_HEADER_LEN {
+        return Ok(None);
+    }
+    let mut header = [0u8; FRAME_HEADER_LEN];
+    header.copy_from_slice(&buf[..FRAME_HEADER_LEN]);
+    let len = frame_len(header)?;
+    let Some(payload) = buf.get(FRAME_HEADER_LEN..FRAME_HEADER_LEN + len) else {
+        return Ok(None);
+    };
+    Ok(Some((decode_payload(payload)?, FRAME_HEADER_LEN + len)))
+}
+
+/// Splits a byte stream into messages.
+#[derive(Default, Debug)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+}
+
+impl FrameDecoder {
+    /// An empty decoder.
+    pub fn new() -> FrameDecoder {
+        FrameDecoder::default()
+    }
+
+    /// Appends received bytes.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next complete message, if any.
+    pub fn next_message(&mut self) -> Result<Option<Message>, CodecError> {
+        match decode_frame(&self.buf)? {
+            Some((msg, used)) => {
+                self.buf.drain(..used);
+                Ok(Some(msg))
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::*;
+    use proptest::prelude::*;
+
+    fn hash() -> impl Strategy<Value = Hash> {
+        any::<[u8; 32]>().prop_map(Hash)
+    }
+
+    fn relpath() -> impl Strategy<Value = RelPath> {
+        prop::collection::vec("[a-z0-9_]{1,8}", 1..4).prop_map(|c| RelPath::new(&c.join("/")).unwrap())
+    }
+
+    fn vv() -> impl Strategy<Value = VersionVector> {
+        prop::collection::vec((any::<u64>(), 1u64..1000), 1..4)
+            .prop_map(|p| VersionVector::from_pairs(p.into_iter().map(|(d, c)| (ShortId(d), c))))
+    }
+
+    fn record() -> impl Strategy<Value = FileRecord> {
+        (relpath(), 0u8..4, any::<u32>(), any::<i64>(), prop::collection::vec((1u32..100_000, hash()), 0..5), vv(), any::<u64>(), any::<u64>())
+            .prop_map(|(path, k, mode, mtime_ns, chunks, version, by, sequence)| {
+                let chunks: Vec<Chunk> = chunks.into_iter().map(|(len, hash)| Chunk { len, hash }).collect();
+                let (kind, deleted) = match k { 0 => (FileKind::File, false), 1 => (FileKind::Dir, false), 2 => (FileKind::Symlink, false), _ => (FileKind::File, true) };
+                let live_file = kind == FileKind::File && !deleted;
+                FileRecord {
+                    path,
+                    kind,
+                    deleted,
+                    mode: mode & MODE_SYNC_MASK,
+                    mtime_ns,
+                    size: if live_file { chunks.iter().map(|c| c.len as u64).sum() } else { 0 },
+                    hash: Hash::of(&mtime_ns.to_le_bytes()),
+                    chunks: if live_file { chunks } else { vec![] },
+                    target: if kind == FileKind::Symlink && !deleted { "../t".into() } else { String::new() },
+                    version,
+                    modified_by: ShortId(by),
+                    sequence,
+                }
+            })
+    }
+
+    fn message() -> impl Strategy<Value = Message> {
+        let folder = "[a-z]{1,10}".prop_map(|s| FolderId::new(&s).unwrap());
+        prop_oneof![
+            (any::<u32>(), ".{0,20}", prop::collection::vec((folder.clone(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()), 0..4))
+                .prop_map(|(v, n, f)| Message::Hello(Hello { protocol_version: v, device_name: n, folders: f.into_iter().map(|(folder, index_id, your_index_id, your_sequence, max_sequence)| HelloFolder { folder, index_id, your_index_id, your_sequence, max_sequence }).collect() })),
+            (folder.clone(), prop::collection::vec(record(), 0..5), any::<u64>())
+                .prop_map(|(folder, records, up_to)| Message::Index(IndexBatch { folder, records, up_to })),
+            (folder.clone(), any::<u64>()).prop_map(|(folder, sequence)| Message::IndexAck(IndexAck { folder, sequence })),
+            (folder, prop::collection::vec(hash(), 0..10)).prop_map(|(folder, hashes)| Message::Request(ChunkRequest { folder, hashes })),
+            (hash(), prop::option::of(prop::collection::vec(any::<u8>(), 0..300)), any::<bool>())
+                .prop_map(|(hash, data, compressed)| Message::Response(ChunkResponse { hash, data, compressed })),
+            ".{0,30}".prop_map(|m| Message::Error { code: ErrorCode::NotShared, message: m }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_message_round_trips(msg in message()) {
+            let frame = encode_frame(&msg).unwrap();
+            let (back, used) = decode_frame(&frame).unwrap().unwrap();
+            prop_assert_eq!(used, frame.len());
+            prop_assert_eq!(back, msg);
+        }
+
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..2000)) {
+            let _ = decode_frame(&bytes);
+            let _ = decode_payload(&bytes);
+        }
+
+        #[test]
+        fn truncated_frames_ask_for_more(msg in message(), cut in 0usize..64) {
+            let frame = encode_frame(&msg).unwrap();
+            let cut = cut.min(frame.len().saturating_sub(1));
+            prop_assert_eq!(decode_frame(&frame[..cut]), Ok(None));
+        }
+
+        #[test]
+        fn stream_decoder_splits_frames(msgs in prop::collection::vec(message(), 1..5), step in 1usize..50) {
+            let bytes: Vec<u8> = msgs.iter().flat_map(|m| encode_frame(m).unwrap()).collect();
+            let mut dec = FrameDecoder::new();
+            let mut out = Vec::new();
+            for piece in bytes.chunks(step) {
+                dec.push(piece);
+                while let Some(m) = dec.next_message().unwrap() {
+                    out.push(m);
+                }
+            }
+            prop_assert_eq!(out, msgs);
+        }
+    }
+
+    #[test]
+    fn oversized_length_is_refused_before_reading() {
+        let mut frame = ((MAX_FRAME_LEN + 1) as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(&[0; 16]);
+        assert_eq!(decode_frame(&frame), Err(CodecError::TooLarge(MAX_FRAME_LEN + 1)));
+    }
+
+    #[test]
+    fn a_path_with_dotdot_from_a_peer_is_malformed() {
+        // Hand-build an Index frame whose record path is "../etc/passwd".
+        let good = Message::Index(IndexBatch {
+            folder: FolderId::new("f").unwrap(),
+            records: vec![FileRecord {
+                path: RelPath::new("aa/etc/passwd").unwrap(),
+                kind: FileKind::Dir,
+                deleted: false,
+                mode: 0o755,
+                mtime_ns: 0,
+                size: 0,
+                hash: Hash::ZERO,
+                chunks: vec![],
+                target: String::new(),
+                version: VersionVector::from_pairs([(ShortId(1), 1)]),
+                modified_by: ShortId(1),
+                sequence: 1,
+            }],
+            up_to: 1,
+        });
+        let mut frame = encode_frame(&good).unwrap();
+        let pos = frame.windows(2).position(|w| w == b"aa").unwrap();
+        frame[pos] = b'.';
+        frame[pos + 1] = b'.';
+        assert!(matches!(decode_frame(&frame), Err(CodecError::Malformed(_))));
+    }
+
+    #[test]
+    fn inconsistent_chunk_list_is_malformed() {
+        let msg = Message::Index(IndexBatch {
+            folder: FolderId::new("f").unwrap(),
+            records: vec![FileRecord {
+                path: RelPath::new("x").unwrap(),
+                kind: FileKind::File,
+                deleted: false,
+                mode: 0o644,
+                mtime_ns: 0,
+                size: 10,
+                hash: Hash::ZERO,
+                chunks: vec![Chunk { len: 3, hash: Hash::ZERO }],
+                target: String::new(),
+                version: VersionVector::from_pairs([(ShortId(1), 1)]),
+                modified_by: ShortId(1),
+                sequence: 1,
+            }],
+            up_to: 1,
+        });
+        let frame = encode_frame(&msg).unwrap();
+        assert!(matches!(decode_frame(&frame), Err(CodecError::Malformed(_))));
+    }
+}

@@ -1,0 +1,30 @@
+//! # meshfs-protocol: the vocabulary of meshfs and its wire format
+//!
+//! Every other meshfs crate speaks in these types: [`DeviceId`], [`FolderId`], [`RelPath`],
+//! [`VersionVector`], [`FileRecord`] and the wire [`Message`]s with their frame codec.
+//!
+//! **Architecture invariant:** this crate is pure. It does no IO, spawns no tasks and reads no
+//! clock; time and randomness come in as arguments. That is what lets the deterministic
+//! simulation run many replicas in one thread with the same code the daemon runs.
+//!
+//! **Architecture invariant:** values are valid by construction. A `RelPath`, `DeviceId` or
+//! `FolderId` can only be built through a constructor that checks every rule (also when
+//! decoded from the wire), so a function that receives one never re-checks it.
+#![deny(missing_docs)]
+
+mod codec;
+mod ids;
+mod message;
+mod path;
+mod record;
+mod vv;
+
+pub use codec::{decode_frame, decode_payload, encode_frame, frame_len, CodecError, FrameDecoder, FRAME_HEADER_LEN, MAX_FRAME_LEN};
+pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
+pub use message::{
+    ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch, Message,
+    PROTOCOL_VERSION,
+};
+pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
+pub use record::{Chunk, FileKind, FileRecord, Hash, RecordError, MODE_SYNC_MASK};
+pub use vv::{VersionVector, VvOrdering};

@@ -1,0 +1,268 @@
+//! Version vectors: which device's edits a version has seen.
+//!
+//! A vector maps a device's [`ShortId`] to a counter. Vectors are kept sorted by device with
+//! no zero counters, so equal histories have equal representations (and equal encodings).
+
+use crate::ids::ShortId;
+use serde::{Deserialize, Deserializer, Serialize};
+use std::cmp::Ordering;
+
+/// How two versions relate causally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VvOrdering {
+    /// Same history.
+    Equal,
+    /// `self` happened before `other` (`other` has seen everything `self` has, and more).
+    Before,
+    /// `self` has seen everything `other` has, and more.
+    After,
+    /// Neither has seen all of the other: a conflict candidate.
+    Concurrent,
+}
+
+/// A version vector: device → counter, sorted, without zero entries.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+pub struct VersionVector(Vec<(ShortId, u64)>);
+
+impl VersionVector {
+    /// The empty vector (no history).
+    pub fn new() -> VersionVector {
+        VersionVector(Vec::new())
+    }
+
+    /// Builds a vector from any (device, counter) pairs; zero counters are dropped and
+    /// duplicates keep their largest counter.
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (ShortId, u64)>) -> VersionVector {
+        let mut v = VersionVector::new();
+        for (d, c) in pairs {
+            if c > v.get(d) {
+                v.set(d, c);
+            }
+        }
+        v
+    }
+
+    /// The (device, counter) pairs, sorted by device.
+    pub fn entries(&self) -> &[(ShortId, u64)] {
+        &self.0
+    }
+
+    /// Whether no device has a counter.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The counter of `dev` (0 when absent).
+    pub fn get(&self, dev: ShortId) -> u64 {
+        match self.0.binary_search_by_key(&dev, |e| e.0) {
+            Ok(i) => self.0[i].1,
+            Err(_) => 0,
+        }
+    }
+
+    fn set(&mut self, dev: ShortId, counter: u64) {
+        match self.0.binary_search_by_key(&dev, |e| e.0) {
+            Ok(i) if counter == 0 => {
+                self.0.remove(i);
+            }
+            Ok(i) => self.0[i].1 = counter,
+            Err(_) if counter == 0 => {}
+            Err(i) => self.0.insert(i, (dev, counter)),
+        }
+    }
+
+    /// Records a new edit by `dev`: its counter becomes `max(counter + 1, floor)`.
+    ///
+    /// The daemon passes the current Unix time in seconds as `floor`, so a device whose
+    /// journal was lost and recreated still produces versions that are never *before* the
+    /// ones it made earlier (they are concurrent or newer, and so never silently overwritten).
+    pub fn increment(&mut self, dev: ShortId, floor: u64) {
+        let next = (self.get(dev) + 1).max(floor);
+        self.set(dev, next);
+    }
+
+    /// A copy with `dev`'s counter incremented (see [`VersionVector::increment`]).
+    pub fn incremented(&self, dev: ShortId, floor: u64) -> VersionVector {
+        let mut v = self.clone();
+        v.increment(dev, floor);
+        v
+    }
+
+    /// Pointwise maximum of the two vectors: the least vector that has seen both.
+    pub fn merge(&self, other: &VersionVector) -> VersionVector {
+        let mut out = Vec::with_capacity(self.0.len().max(other.0.len()));
+        let (mut i, mut j) = (0, 0);
+        while i < self.0.len() || j < other.0.len() {
+            match (self.0.get(i), other.0.get(j)) {
+                (Some(a), Some(b)) => match a.0.cmp(&b.0) {
+                    Ordering::Less => {
+                        out.push(*a);
+                        i += 1;
+                    }
+                    Ordering::Greater => {
+                        out.push(*b);
+                        j += 1;
+                    }
+                    Ordering::Equal => {
+                        out.push((a.0, a.1.max(b.1)));
+                        i += 1;
+                        j += 1;
+                    }
+                },
+                (Some(a), None) => {
+                    out.push(*a);
+                    i += 1;
+                }
+                (None, Some(b)) => {
+                    out.push(*b);
+                    j += 1;
+                }
+                (None, None) => break,
+            }
+        }
+        VersionVector(out)
+    }
+
+    /// How `self` relates to `other`.
+    pub fn compare(&self, other: &VersionVector) -> VvOrdering {
+        let (mut less, mut greater) = (false, false);
+        let (mut i, mut j) = (0, 0);
+        while i < self.0.len() || j < other.0.len() {
+            let (a, b) = match (self.0.get(i), other.0.get(j)) {
+                (Some(a), Some(b)) => match a.0.cmp(&b.0) {
+                    Ordering::Less => {
+                        i += 1;
+                        (a.1, 0)
+                    }
+                    Ordering::Greater => {
+                        j += 1;
+                        (0, b.1)
+                    }
+                    Ordering::Equal => {
+                        i += 1;
+                        j += 1;
+                        (a.1, b.1)
+                    }
+                },
+                (Some(a), None) => {
+                    i += 1;
+                    (a.1, 0)
+                }
+                (None, Some(b)) => {
+                    j += 1;
+                    (0, b.1)
+                }
+                (None, None) => break,
+            };
+            less |= a < b;
+            greater |= a > b;
+        }
+        match (less, greater) {
+            (false, false) => VvOrdering::Equal,
+            (true, false) => VvOrdering::Before,
+            (false, true) => VvOrdering::After,
+            (true, true) => VvOrdering::Concurrent,
+        }
+    }
+
+    /// Whether `self` has seen everything `other` has (Equal or After).
+    pub fn dominates(&self, other: &VersionVector) -> bool {
+        matches!(self.compare(other), VvOrdering::Equal | VvOrdering::After)
+    }
+}
+
+impl std::fmt::Display for VersionVector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("{")?;
+        for (i, (d, c)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{}:{}", d.display7(), c)?;
+        }
+        f.write_str("}")
+    }
+}
+
+impl<'de> Deserialize<'de> for VersionVector {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // Canonicalise whatever arrives: sorted, unique, no zeros.
+        let pairs = Vec::<(ShortId, u64)>::deserialize(d)?;
+        Ok(VersionVector::from_pairs(pairs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn vv() -> impl Strategy<Value = VersionVector> {
+        prop::collection::vec((0u64..5, 0u64..6), 0..6)
+            .prop_map(|p| VersionVector::from_pairs(p.into_iter().map(|(d, c)| (ShortId(d), c))))
+    }
+
+    proptest! {
+        #[test]
+        fn merge_is_commutative(a in vv(), b in vv()) {
+            prop_assert_eq!(a.merge(&b), b.merge(&a));
+        }
+
+        #[test]
+        fn merge_is_associative(a in vv(), b in vv(), c in vv()) {
+            prop_assert_eq!(a.merge(&b).merge(&c), a.merge(&b.merge(&c)));
+        }
+
+        #[test]
+        fn merge_is_idempotent(a in vv()) {
+            prop_assert_eq!(a.merge(&a), a);
+        }
+
+        #[test]
+        fn merge_is_an_upper_bound(a in vv(), b in vv()) {
+            let m = a.merge(&b);
+            prop_assert!(m.dominates(&a));
+            prop_assert!(m.dominates(&b));
+        }
+
+        #[test]
+        fn compare_is_consistent_with_merge(a in vv(), b in vv()) {
+            // a ≤ b exactly when merging a into b changes nothing.
+            prop_assert_eq!(b.dominates(&a), a.merge(&b) == b);
+        }
+
+        #[test]
+        fn compare_is_antisymmetric(a in vv(), b in vv()) {
+            let flipped = match a.compare(&b) {
+                VvOrdering::Before => VvOrdering::After,
+                VvOrdering::After => VvOrdering::Before,
+                o => o,
+            };
+            prop_assert_eq!(b.compare(&a), flipped);
+            prop_assert_eq!(a.compare(&b) == VvOrdering::Equal, a == b);
+        }
+
+        #[test]
+        fn compare_is_transitive(a in vv(), b in vv(), c in vv()) {
+            if a.dominates(&b) && b.dominates(&c) {
+                prop_assert!(a.dominates(&c));
+            }
+        }
+
+        #[test]
+        fn increment_moves_strictly_forward(a in vv(), d in 0u64..5, floor in 0u64..10) {
+            let b = a.incremented(ShortId(d), floor);
+            prop_assert_eq!(b.compare(&a), VvOrdering::After);
+            prop_assert!(b.get(ShortId(d)) >= floor);
+        }
+    }
+
+    #[test]
+    fn concurrent_edits_are_concurrent() {
+        let base = VersionVector::new().incremented(ShortId(1), 0);
+        let a = base.incremented(ShortId(1), 0);
+        let b = base.incremented(ShortId(2), 0);
+        assert_eq!(a.compare(&b), VvOrdering::Concurrent);
+        assert_eq!(base.compare(&a), VvOrdering::Before);
+    }
+}
