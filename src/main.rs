@@ -1,1 +1,601 @@
-fn main() {}
+//! `meshfs`: the command-line interface. Parses arguments, edits the config, talks to the
+//! running daemon over its control socket, reads the journal, and runs the daemon itself.
+//! See `docs/cli.md` for every command and `--json` field.
+
+mod journal_cmd;
+
+use anyhow::{anyhow, bail, Context as _};
+use clap::{CommandFactory, Parser, Subcommand};
+use meshfs_daemon::config::{Config, FolderConfig, Home, PeerConfig, DEFAULT_LISTEN};
+use meshfs_daemon::control;
+use meshfs_daemon::identity::Identity;
+use meshfs_protocol::{DeviceId, FolderId};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+/// Exit code: the daemon is not running.
+const EXIT_NO_DAEMON: u8 = 3;
+/// Exit code: `--wait-synced` timed out.
+const EXIT_TIMEOUT: u8 = 4;
+
+#[derive(Parser)]
+#[command(name = "meshfs", version, about = "Continuously synchronized folders across your devices", long_about = None,
+    after_help = "Quick start on two devices:\n  A$ meshfs init --name laptop && meshfs id\n  B$ meshfs init --name server && meshfs id\n  A$ meshfs folder add ~/work --id work\n  A$ meshfs peer add <B-ID> --addr server.lan:7788 --share work\n  B$ meshfs folder add ~/work --id work\n  B$ meshfs peer add <A-ID> --addr laptop.lan:7788 --share work\n  A$ meshfs daemon    B$ meshfs daemon\n  A$ meshfs status --wait-synced")]
+struct Cli {
+    /// Where config, keys and state live (default: XDG config and data dirs).
+    #[arg(long, global = true, env = "MESHFS_HOME")]
+    home: Option<PathBuf>,
+    /// Log level for the daemon (error, warn, info, debug, trace); RUST_LOG overrides it.
+    #[arg(long, global = true)]
+    log_level: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create this device's identity and config (refuses to overwrite).
+    #[command(
+        after_help = "Example: meshfs --home /tmp/a init --name laptop --listen 127.0.0.1:7788"
+    )]
+    Init {
+        /// A name for this device.
+        #[arg(long)]
+        name: Option<String>,
+        /// UDP address for QUIC.
+        #[arg(long, default_value = DEFAULT_LISTEN)]
+        listen: String,
+    },
+    /// Print this device's id (give it to your other devices' `peer add`).
+    Id,
+    /// Replicated folders.
+    #[command(subcommand)]
+    Folder(FolderCmd),
+    /// Known peers.
+    #[command(subcommand)]
+    Peer(PeerCmd),
+    /// Share a folder with a known peer.
+    #[command(after_help = "Example: meshfs share work MFZWI3D-BONSGYC-...")]
+    Share {
+        /// The folder id.
+        folder: String,
+        /// The peer's device id.
+        device: String,
+    },
+    /// Run the engine in the foreground until SIGINT/SIGTERM.
+    Daemon,
+    /// Mount a folder through the running daemon.
+    Mount {
+        /// The folder id.
+        folder: String,
+        /// Where to mount it.
+        mountpoint: PathBuf,
+    },
+    /// Unmount a folder.
+    Unmount {
+        /// The folder id.
+        folder: String,
+    },
+    /// Rescan a folder now (the daemon also scans at start and watches for changes).
+    Scan {
+        /// The folder id.
+        folder: String,
+    },
+    /// Folders, peers, connections, pending work, in sync or not.
+    #[command(
+        after_help = "Example: meshfs status --wait-synced --timeout 60   # exit 0 once every folder is in sync\nExit codes: 0 ok/in sync, 3 daemon not running, 4 timed out."
+    )]
+    Status {
+        /// One JSON document (fields in docs/cli.md).
+        #[arg(long)]
+        json: bool,
+        /// Block until every folder is in sync with every peer that shares it.
+        #[arg(long)]
+        wait_synced: bool,
+        /// Give up waiting after this many seconds.
+        #[arg(long, default_value_t = 60.0)]
+        timeout: f64,
+    },
+    /// The change history of a folder.
+    #[command(
+        after_help = "Examples:\n  meshfs journal work --path docs/report.txt\n  meshfs journal work --device laptop --since 2h\n  meshfs journal work --since 1042 --follow --json"
+    )]
+    Journal(journal_cmd::JournalArgs),
+    /// Conflict files that still exist.
+    Conflicts {
+        /// The folder id.
+        folder: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print shell completions.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Subcommand)]
+enum FolderCmd {
+    /// Replicate the directory PATH (created if missing).
+    #[command(after_help = "Example: meshfs folder add ~/work --id work")]
+    Add {
+        /// The directory.
+        path: PathBuf,
+        /// The folder id shared with peers (default: random).
+        #[arg(long)]
+        id: Option<String>,
+    },
+    /// List folders.
+    List {
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop replicating a folder (its files stay on disk).
+    Remove {
+        /// The folder id.
+        id: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum PeerCmd {
+    /// Trust a device and (optionally) share folders with it.
+    #[command(
+        after_help = "Example: meshfs peer add MFZWI3D-BONSGYC-... --addr 192.168.1.20:7788 --share work"
+    )]
+    Add {
+        /// The peer's device id (`meshfs id` on that device).
+        device: String,
+        /// Where to reach it (HOST:PORT); omit if only it dials you.
+        #[arg(long)]
+        addr: Option<String>,
+        /// A name for it.
+        #[arg(long)]
+        name: Option<String>,
+        /// Share this folder with it (repeatable).
+        #[arg(long = "share")]
+        share: Vec<String>,
+    },
+    /// List peers.
+    List {
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Forget a peer (it is refused from then on).
+    Remove {
+        /// The peer's device id.
+        device: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let home = Home::resolve(cli.home.as_deref());
+    let is_daemon = matches!(cli.command, Command::Daemon);
+    let level = cli.log_level.clone().unwrap_or_else(|| {
+        if is_daemon {
+            "info".into()
+        } else {
+            "warn".into()
+        }
+    });
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli.command, &home) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("meshfs: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn reload_if_running(home: &Home) -> anyhow::Result<()> {
+    if let Some(reply) = control::request(home, &serde_json::json!({"op": "reload"}))? {
+        if reply.get("ok").and_then(|v| v.as_bool()) != Some(true) {
+            bail!(
+                "the daemon refused the new config: {}",
+                reply
+                    .get("error")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("unknown error")
+            );
+        }
+    }
+    Ok(())
+}
+
+fn parse_device(s: &str) -> anyhow::Result<DeviceId> {
+    s.parse::<DeviceId>()
+        .map_err(|e| anyhow!("{s:?} is not a device id: {e}"))
+}
+
+fn random_folder_id() -> String {
+    const ALPHA: &[u8] = b"abcdefghijkmnpqrstuvwxyz23456789";
+    (0..10)
+        .map(|_| ALPHA[rand::random::<usize>() % ALPHA.len()] as char)
+        .collect()
+}
+
+fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
+    match cmd {
+        Command::Init { name, listen } => {
+            if Identity::exists(&home.identity_dir()) || home.config_file().exists() {
+                bail!("meshfs is already initialised in {} (identity or config exists); refusing to overwrite it. Use another --home to create a second device.", home.config_dir.display());
+            }
+            if listen.parse::<std::net::SocketAddr>().is_err() {
+                bail!("--listen {listen:?} is not an IP:PORT address");
+            }
+            let name = name.unwrap_or_else(|| {
+                std::fs::read_to_string("/etc/hostname")
+                    .map(|s| s.trim().to_string())
+                    .unwrap_or_else(|_| "meshfs".into())
+            });
+            std::fs::create_dir_all(&home.state_dir)
+                .with_context(|| format!("creating {}", home.state_dir.display()))?;
+            let id = Identity::generate(&name)?;
+            id.save(&home.identity_dir())?;
+            Config::new(&name, &listen).save(home)?;
+            println!("{}", id.device_id);
+            eprintln!(
+                "initialised device {name:?} in {}",
+                home.config_dir.display()
+            );
+            Ok(0)
+        }
+        Command::Id => {
+            let id = Identity::load(&home.identity_dir())
+                .map_err(|e| anyhow!("{e} (run `meshfs init` first)"))?;
+            println!("{}", id.device_id);
+            Ok(0)
+        }
+        Command::Folder(FolderCmd::Add { path, id }) => {
+            let mut config = Config::load(home)?;
+            let id = id.unwrap_or_else(random_folder_id);
+            FolderId::new(&id)?;
+            std::fs::create_dir_all(&path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            let path = path
+                .canonicalize()
+                .with_context(|| format!("resolving {}", path.display()))?;
+            if config.folder(&id).is_some() {
+                bail!("a folder with id {id:?} already exists (see `meshfs folder list`)");
+            }
+            if let Some(f) = config
+                .folders
+                .iter()
+                .find(|f| f.path == path || path.starts_with(&f.path) || f.path.starts_with(&path))
+            {
+                bail!(
+                    "{} overlaps folder {:?} at {}; folders must not nest",
+                    path.display(),
+                    f.id,
+                    f.path.display()
+                );
+            }
+            config.folders.push(FolderConfig {
+                id: id.clone(),
+                path,
+                watch: true,
+            });
+            config.save(home)?;
+            reload_if_running(home)?;
+            println!("{id}");
+            Ok(0)
+        }
+        Command::Folder(FolderCmd::List { json }) => {
+            let config = Config::load(home)?;
+            if json {
+                let v: Vec<_> = config.folders.iter().map(|f| serde_json::json!({"id": f.id, "path": f.path, "watch": f.watch,
+                    "shared_with": config.peers.iter().filter(|p| p.folders.contains(&f.id)).map(|p| p.id.clone()).collect::<Vec<_>>()})).collect();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                for f in &config.folders {
+                    let n = config
+                        .peers
+                        .iter()
+                        .filter(|p| p.folders.contains(&f.id))
+                        .count();
+                    println!(
+                        "{:<16} {}  (shared with {n} peer{})",
+                        f.id,
+                        f.path.display(),
+                        if n == 1 { "" } else { "s" }
+                    );
+                }
+            }
+            Ok(0)
+        }
+        Command::Folder(FolderCmd::Remove { id }) => {
+            let mut config = Config::load(home)?;
+            if config.folder(&id).is_none() {
+                bail!("no folder {id:?} (see `meshfs folder list`)");
+            }
+            config.folders.retain(|f| f.id != id);
+            for p in &mut config.peers {
+                p.folders.retain(|f| f != &id);
+            }
+            config.save(home)?;
+            reload_if_running(home)?;
+            Ok(0)
+        }
+        Command::Peer(PeerCmd::Add {
+            device,
+            addr,
+            name,
+            share,
+        }) => {
+            let id = parse_device(&device)?;
+            if Identity::load(&home.identity_dir()).is_ok_and(|me| me.device_id == id) {
+                bail!("{device} is this device's own id; add the id of another device");
+            }
+            let mut config = Config::load(home)?;
+            if let Some(a) = &addr {
+                if !meshfs_daemon::config::looks_like_host_port(a) {
+                    bail!("--addr {a:?} is not HOST:PORT");
+                }
+            }
+            for f in &share {
+                if config.folder(f).is_none() {
+                    bail!("no folder {f:?} to share (add it first with `meshfs folder add PATH --id {f}`)");
+                }
+            }
+            match config.peer_mut(&id) {
+                Some(p) => {
+                    if let Some(a) = addr {
+                        p.addr = a;
+                    }
+                    if let Some(n) = name {
+                        p.name = n;
+                    }
+                    for f in share {
+                        if !p.folders.contains(&f) {
+                            p.folders.push(f);
+                        }
+                    }
+                }
+                None => config.peers.push(PeerConfig {
+                    id: id.to_string(),
+                    name: name.unwrap_or_default(),
+                    addr: addr.unwrap_or_default(),
+                    folders: share,
+                }),
+            }
+            config.save(home)?;
+            reload_if_running(home)?;
+            Ok(0)
+        }
+        Command::Peer(PeerCmd::List { json }) => {
+            let config = Config::load(home)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&config.peers.iter().map(|p| serde_json::json!({"device_id": p.id, "name": p.name, "addr": p.addr, "folders": p.folders})).collect::<Vec<_>>())?);
+            } else {
+                for p in &config.peers {
+                    println!(
+                        "{}  {:<12} {:<22} {}",
+                        p.id,
+                        p.name,
+                        if p.addr.is_empty() {
+                            "(dials us)"
+                        } else {
+                            &p.addr
+                        },
+                        p.folders.join(",")
+                    );
+                }
+            }
+            Ok(0)
+        }
+        Command::Peer(PeerCmd::Remove { device }) => {
+            let id = parse_device(&device)?;
+            let mut config = Config::load(home)?;
+            let before = config.peers.len();
+            config
+                .peers
+                .retain(|p| p.id.parse::<DeviceId>().ok() != Some(id));
+            if config.peers.len() == before {
+                bail!("no peer {device} (see `meshfs peer list`)");
+            }
+            config.save(home)?;
+            reload_if_running(home)?;
+            Ok(0)
+        }
+        Command::Share { folder, device } => {
+            let id = parse_device(&device)?;
+            let mut config = Config::load(home)?;
+            if config.folder(&folder).is_none() {
+                bail!("no folder {folder:?} (see `meshfs folder list`)");
+            }
+            let p = config.peer_mut(&id).ok_or_else(|| anyhow!("unknown peer {device}: add it first with `meshfs peer add {device} --addr HOST:PORT`"))?;
+            if !p.folders.contains(&folder) {
+                p.folders.push(folder);
+            }
+            config.save(home)?;
+            reload_if_running(home)?;
+            Ok(0)
+        }
+        Command::Daemon => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(control::run_daemon(home.clone()))?;
+            Ok(0)
+        }
+        Command::Mount { folder, .. } | Command::Unmount { folder } => {
+            Config::load(home)?
+                .folder(&folder)
+                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
+            bail!("this build of meshfs has no FUSE layer yet: folder {folder:?} is replicated as a plain directory (edit it in place; changes are captured by the watcher)")
+        }
+        Command::Scan { folder } => {
+            Config::load(home)?
+                .folder(&folder)
+                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
+            match control::request(home, &serde_json::json!({"op": "scan", "folder": folder}))? {
+                None => {
+                    eprintln!("meshfs: the daemon is not running; changes are picked up when it starts (`meshfs daemon`)");
+                    Ok(EXIT_NO_DAEMON)
+                }
+                Some(r) if r.get("ok").and_then(|v| v.as_bool()) == Some(true) => {
+                    println!(
+                        "{} change(s) journaled",
+                        r.get("changes").and_then(|v| v.as_u64()).unwrap_or(0)
+                    );
+                    Ok(0)
+                }
+                Some(r) => bail!(
+                    "scan failed: {}",
+                    r.get("error")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("unknown error")
+                ),
+            }
+        }
+        Command::Status {
+            json,
+            wait_synced,
+            timeout,
+        } => status(home, json, wait_synced, timeout),
+        Command::Journal(args) => journal_cmd::run(home, args),
+        Command::Conflicts { folder, json } => {
+            let fid = FolderId::new(&folder)?;
+            Config::load(home)?
+                .folder(&folder)
+                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
+            let j = meshfs_daemon::journal::Journal::open(&home.journal_file())?;
+            let list = meshfs_daemon::conflicts::list(&j, &fid);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else if list.is_empty() {
+                println!("no conflicts in {folder}");
+            } else {
+                for c in list {
+                    println!("{}\n    belongs to {}; losing version by {} at {} ({} bytes); kept version by {} ({} bytes)", c.path, c.original, c.loser_device, c.loser_time, c.size, c.winner_device.as_deref().unwrap_or("-"), c.winner_size.map_or("-".into(), |s| s.to_string()));
+                }
+            }
+            Ok(0)
+        }
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "meshfs", &mut std::io::stdout());
+            Ok(0)
+        }
+    }
+}
+
+fn status(home: &Home, json: bool, wait_synced: bool, timeout: f64) -> anyhow::Result<u8> {
+    let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+    let mut stable = 0;
+    loop {
+        let Some(st) = control::request(home, &serde_json::json!({"op": "status"}))? else {
+            eprintln!(
+                "meshfs: no daemon is running for {} (start it with `meshfs daemon`)",
+                home.config_dir.display()
+            );
+            return Ok(EXIT_NO_DAEMON);
+        };
+        let synced = st.get("in_sync").and_then(|v| v.as_bool()).unwrap_or(false);
+        // In sync must hold on three polls in a row, so a change captured a moment ago counts.
+        stable = if synced { stable + 1 } else { 0 };
+        if !wait_synced || stable >= 3 || Instant::now() >= deadline {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&st)?);
+            } else {
+                print_status(&st);
+            }
+            if wait_synced && stable < 3 {
+                eprintln!("meshfs: not in sync after {timeout} s");
+                return Ok(EXIT_TIMEOUT);
+            }
+            return Ok(0);
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+fn print_status(st: &serde_json::Value) {
+    let s = |v: &serde_json::Value, k: &str| {
+        v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string()
+    };
+    let u = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+    let dev = &st["device"];
+    println!(
+        "device  {} ({})  listening on {}",
+        s(dev, "name"),
+        s(dev, "id"),
+        s(dev, "listen")
+    );
+    println!(
+        "sync    {}",
+        if st["in_sync"].as_bool() == Some(true) {
+            "in sync"
+        } else {
+            "syncing"
+        }
+    );
+    for f in st["folders"].as_array().into_iter().flatten() {
+        println!(
+            "folder  {:<12} {}  {} files, {} dirs, {} bytes, {} conflict(s), {}",
+            s(f, "id"),
+            s(f, "path"),
+            u(f, "files"),
+            u(f, "dirs"),
+            u(f, "bytes"),
+            u(f, "conflicts"),
+            if f["in_sync"].as_bool() == Some(true) {
+                "in sync"
+            } else {
+                "syncing"
+            }
+        );
+        for p in f["peers"].as_array().into_iter().flatten() {
+            println!(
+                "          with {}: {}{}",
+                &s(p, "device_id")[..7.min(s(p, "device_id").len())],
+                if p["connected"].as_bool() == Some(true) {
+                    "connected"
+                } else {
+                    "disconnected"
+                },
+                if u(p, "pending_records") > 0 {
+                    format!(", {} record(s) to send", u(p, "pending_records"))
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    for p in st["peers"].as_array().into_iter().flatten() {
+        let rtt = p["rtt_ms"]
+            .as_f64()
+            .map_or("-".into(), |r| format!("{r:.1} ms"));
+        println!(
+            "peer    {} {:<12} {:<22} {}  rtt {rtt}  sent {} B  received {} B",
+            s(p, "short_id"),
+            s(p, "name"),
+            s(p, "addr"),
+            if p["connected"].as_bool() == Some(true) {
+                "connected"
+            } else {
+                "disconnected"
+            },
+            u(p, "bytes_sent"),
+            u(p, "bytes_received")
+        );
+    }
+    for r in st["refused_devices"].as_array().into_iter().flatten() {
+        println!(
+            "refused unknown device {} (add it with `meshfs peer add {} --addr HOST:PORT`)",
+            r.as_str().unwrap_or(""),
+            r.as_str().unwrap_or("")
+        );
+    }
+}

@@ -119,7 +119,8 @@ mod tests {
     }
 
     fn relpath() -> impl Strategy<Value = RelPath> {
-        prop::collection::vec("[a-z0-9_]{1,8}", 1..4).prop_map(|c| RelPath::new(&c.join("/")).unwrap())
+        prop::collection::vec("[a-z0-9_]{1,8}", 1..4)
+            .prop_map(|c| RelPath::new(&c.join("/")).unwrap())
     }
 
     fn vv() -> impl Strategy<Value = VersionVector> {
@@ -128,10 +129,27 @@ mod tests {
     }
 
     fn record() -> impl Strategy<Value = FileRecord> {
-        (relpath(), 0u8..4, any::<u32>(), any::<i64>(), prop::collection::vec((1u32..100_000, hash()), 0..5), vv(), any::<u64>(), any::<u64>())
+        (
+            relpath(),
+            0u8..4,
+            any::<u32>(),
+            any::<i64>(),
+            prop::collection::vec((1u32..100_000, hash()), 0..5),
+            vv(),
+            any::<u64>(),
+            any::<u64>(),
+        )
             .prop_map(|(path, k, mode, mtime_ns, chunks, version, by, sequence)| {
-                let chunks: Vec<Chunk> = chunks.into_iter().map(|(len, hash)| Chunk { len, hash }).collect();
-                let (kind, deleted) = match k { 0 => (FileKind::File, false), 1 => (FileKind::Dir, false), 2 => (FileKind::Symlink, false), _ => (FileKind::File, true) };
+                let chunks: Vec<Chunk> = chunks
+                    .into_iter()
+                    .map(|(len, hash)| Chunk { len, hash })
+                    .collect();
+                let (kind, deleted) = match k {
+                    0 => (FileKind::File, false),
+                    1 => (FileKind::Dir, false),
+                    2 => (FileKind::Symlink, false),
+                    _ => (FileKind::File, true),
+                };
                 let live_file = kind == FileKind::File && !deleted;
                 FileRecord {
                     path,
@@ -139,10 +157,18 @@ mod tests {
                     deleted,
                     mode: mode & MODE_SYNC_MASK,
                     mtime_ns,
-                    size: if live_file { chunks.iter().map(|c| c.len as u64).sum() } else { 0 },
+                    size: if live_file {
+                        chunks.iter().map(|c| c.len as u64).sum()
+                    } else {
+                        0
+                    },
                     hash: Hash::of(&mtime_ns.to_le_bytes()),
                     chunks: if live_file { chunks } else { vec![] },
-                    target: if kind == FileKind::Symlink && !deleted { "../t".into() } else { String::new() },
+                    target: if kind == FileKind::Symlink && !deleted {
+                        "../t".into()
+                    } else {
+                        String::new()
+                    },
                     version,
                     modified_by: ShortId(by),
                     sequence,
@@ -153,15 +179,68 @@ mod tests {
     fn message() -> impl Strategy<Value = Message> {
         let folder = "[a-z]{1,10}".prop_map(|s| FolderId::new(&s).unwrap());
         prop_oneof![
-            (any::<u32>(), ".{0,20}", prop::collection::vec((folder.clone(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()), 0..4))
-                .prop_map(|(v, n, f)| Message::Hello(Hello { protocol_version: v, device_name: n, folders: f.into_iter().map(|(folder, index_id, your_index_id, your_sequence, max_sequence)| HelloFolder { folder, index_id, your_index_id, your_sequence, max_sequence }).collect() })),
-            (folder.clone(), prop::collection::vec(record(), 0..5), any::<u64>())
-                .prop_map(|(folder, records, up_to)| Message::Index(IndexBatch { folder, records, up_to })),
-            (folder.clone(), any::<u64>()).prop_map(|(folder, sequence)| Message::IndexAck(IndexAck { folder, sequence })),
-            (folder, prop::collection::vec(hash(), 0..10)).prop_map(|(folder, hashes)| Message::Request(ChunkRequest { folder, hashes })),
-            (hash(), prop::option::of(prop::collection::vec(any::<u8>(), 0..300)), any::<bool>())
-                .prop_map(|(hash, data, compressed)| Message::Response(ChunkResponse { hash, data, compressed })),
-            ".{0,30}".prop_map(|m| Message::Error { code: ErrorCode::NotShared, message: m }),
+            (
+                any::<u32>(),
+                ".{0,20}",
+                prop::collection::vec(
+                    (
+                        folder.clone(),
+                        any::<u64>(),
+                        any::<u64>(),
+                        any::<u64>(),
+                        any::<u64>()
+                    ),
+                    0..4
+                )
+            )
+                .prop_map(|(v, n, f)| Message::Hello(Hello {
+                    protocol_version: v,
+                    device_name: n,
+                    folders: f
+                        .into_iter()
+                        .map(
+                            |(folder, index_id, your_index_id, your_sequence, max_sequence)| {
+                                HelloFolder {
+                                    folder,
+                                    index_id,
+                                    your_index_id,
+                                    your_sequence,
+                                    max_sequence,
+                                }
+                            }
+                        )
+                        .collect()
+                })),
+            (
+                folder.clone(),
+                prop::collection::vec(record(), 0..5),
+                any::<u64>()
+            )
+                .prop_map(|(folder, records, up_to)| Message::Index(IndexBatch {
+                    folder,
+                    records,
+                    up_to
+                })),
+            (folder.clone(), any::<u64>())
+                .prop_map(|(folder, sequence)| Message::IndexAck(IndexAck { folder, sequence })),
+            (folder, prop::collection::vec(hash(), 0..10))
+                .prop_map(|(folder, hashes)| Message::Request(ChunkRequest { folder, hashes })),
+            (
+                hash(),
+                prop::option::of(prop::collection::vec(any::<u8>(), 0..300)),
+                any::<bool>()
+            )
+                .prop_map(|(hash, data, compressed)| Message::Response(
+                    ChunkResponse {
+                        hash,
+                        data,
+                        compressed
+                    }
+                )),
+            ".{0,30}".prop_map(|m| Message::Error {
+                code: ErrorCode::NotShared,
+                message: m
+            }),
         ]
     }
 
@@ -206,7 +285,10 @@ mod tests {
     fn oversized_length_is_refused_before_reading() {
         let mut frame = ((MAX_FRAME_LEN + 1) as u32).to_be_bytes().to_vec();
         frame.extend_from_slice(&[0; 16]);
-        assert_eq!(decode_frame(&frame), Err(CodecError::TooLarge(MAX_FRAME_LEN + 1)));
+        assert_eq!(
+            decode_frame(&frame),
+            Err(CodecError::TooLarge(MAX_FRAME_LEN + 1))
+        );
     }
 
     #[test]
@@ -234,7 +316,10 @@ mod tests {
         let pos = frame.windows(2).position(|w| w == b"aa").unwrap();
         frame[pos] = b'.';
         frame[pos + 1] = b'.';
-        assert!(matches!(decode_frame(&frame), Err(CodecError::Malformed(_))));
+        assert!(matches!(
+            decode_frame(&frame),
+            Err(CodecError::Malformed(_))
+        ));
     }
 
     #[test]
@@ -249,7 +334,10 @@ mod tests {
                 mtime_ns: 0,
                 size: 10,
                 hash: Hash::ZERO,
-                chunks: vec![Chunk { len: 3, hash: Hash::ZERO }],
+                chunks: vec![Chunk {
+                    len: 3,
+                    hash: Hash::ZERO,
+                }],
                 target: String::new(),
                 version: VersionVector::from_pairs([(ShortId(1), 1)]),
                 modified_by: ShortId(1),
@@ -258,6 +346,9 @@ mod tests {
             up_to: 1,
         });
         let frame = encode_frame(&msg).unwrap();
-        assert!(matches!(decode_frame(&frame), Err(CodecError::Malformed(_))));
+        assert!(matches!(
+            decode_frame(&frame),
+            Err(CodecError::Malformed(_))
+        ));
     }
 }

@@ -297,10 +297,16 @@ mod tests {
     #[test]
     fn device_id_errors_say_what_is_wrong() {
         let id = DeviceId::from_bytes([7; 32]).to_string();
-        assert!(matches!("ABC".parse::<DeviceId>(), Err(DeviceIdError::Length(3))));
+        assert!(matches!(
+            "ABC".parse::<DeviceId>(),
+            Err(DeviceIdError::Length(3))
+        ));
         let bad = id.replacen('A', "1", 1);
         if bad != id {
-            assert!(matches!(bad.parse::<DeviceId>(), Err(DeviceIdError::Character { ch: '1', .. })));
+            assert!(matches!(
+                bad.parse::<DeviceId>(),
+                Err(DeviceIdError::Character { ch: '1', .. })
+            ));
         }
     }
 

@@ -19,7 +19,10 @@ mod path;
 mod record;
 mod vv;
 
-pub use codec::{decode_frame, decode_payload, encode_frame, frame_len, CodecError, FrameDecoder, FRAME_HEADER_LEN, MAX_FRAME_LEN};
+pub use codec::{
+    decode_frame, decode_payload, encode_frame, frame_len, CodecError, FrameDecoder,
+    FRAME_HEADER_LEN, MAX_FRAME_LEN,
+};
 pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
 pub use message::{
     ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch, Message,

@@ -250,13 +250,31 @@ mod tests {
     fn rejects_each_rule() {
         assert_eq!(RelPath::new(""), Err(PathError::Empty));
         assert!(matches!(RelPath::new("."), Err(PathError::DotComponent(_))));
-        assert!(matches!(RelPath::new("a/./b"), Err(PathError::DotComponent(_))));
-        assert!(matches!(RelPath::new(".meshfs/db"), Err(PathError::Internal(_))));
-        assert!(matches!(RelPath::new("a/.meshfs-tmp-1"), Err(PathError::Internal(_))));
-        assert!(matches!(RelPath::new(&"a/".repeat(2000)), Err(PathError::TooLong)));
+        assert!(matches!(
+            RelPath::new("a/./b"),
+            Err(PathError::DotComponent(_))
+        ));
+        assert!(matches!(
+            RelPath::new(".meshfs/db"),
+            Err(PathError::Internal(_))
+        ));
+        assert!(matches!(
+            RelPath::new("a/.meshfs-tmp-1"),
+            Err(PathError::Internal(_))
+        ));
+        assert!(matches!(
+            RelPath::new(&"a/".repeat(2000)),
+            Err(PathError::TooLong)
+        ));
         // "e" + combining acute is NFD; its NFC form is accepted.
-        assert!(matches!(RelPath::new("cafe\u{301}"), Err(PathError::NotNfc(_))));
-        assert_eq!(RelPath::normalized("cafe\u{301}").unwrap().as_str(), "caf\u{e9}");
+        assert!(matches!(
+            RelPath::new("cafe\u{301}"),
+            Err(PathError::NotNfc(_))
+        ));
+        assert_eq!(
+            RelPath::normalized("cafe\u{301}").unwrap().as_str(),
+            "caf\u{e9}"
+        );
         assert!(RelPath::new(".meshignore").is_ok());
     }
 

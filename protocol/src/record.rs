@@ -33,7 +33,9 @@ impl Hash {
 
     /// Parses 64 hex digits.
     pub fn from_hex(s: &str) -> Option<Hash> {
-        let bytes = data_encoding::HEXLOWER_PERMISSIVE.decode(s.as_bytes()).ok()?;
+        let bytes = data_encoding::HEXLOWER_PERMISSIVE
+            .decode(s.as_bytes())
+            .ok()?;
         Some(Hash(bytes.try_into().ok()?))
     }
 }

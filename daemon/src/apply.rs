@@ -1,0 +1,724 @@
+//! Applying a peer's records: the driver of [`reconcile::decide`]'s steps against the real
+//! store and journal. This is the numbered commit order of `docs/architecture.md`:
+//!
+//! 1. decide every record against the journal (under the folder's lock); local-only steps
+//!    (metadata, directories, symlinks, deletions, conflict siblings of local content) are done
+//!    and journaled at once;
+//! 2. file contents are assembled in temp files from local chunks (chunk index) and chunks
+//!    fetched from the peer, each verified by blake3 (no lock held: local edits go on);
+//! 3. every temp file is verified against the record's whole-file hash;
+//! 4. (lock) the records are journaled as *pending* in one transaction;
+//! 5. the temp files are made durable together (`syncfs`), each target is checked against the
+//!    stat the journal expects, and renamed over it; each touched directory is fsynced once;
+//! 6. the applied records are committed in one transaction, which also clears their pending
+//!    rows. A crash between 4 and 6 is completed at start-up ([`recover_pending`]).
+//!
+//! A target that changed on disk since it was last scanned is not replaced: the path is
+//! rescanned (its local edit becomes a version) and the remote record decided again.
+
+use crate::engine::{Engine, FolderRt};
+use crate::journal::{Change, Journal, LocalStat, Op};
+use crate::reconcile::{self, Context, Outcome, ReplicaView, Step};
+use crate::store::{Expect, StoreError, TempFile};
+use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// How often a record whose target keeps changing under us is decided again.
+const MAX_ROUNDS: usize = 3;
+
+struct View<'a> {
+    journal: &'a Journal,
+    folder: &'a FolderId,
+}
+
+impl ReplicaView for View<'_> {
+    fn get(&self, path: &RelPath) -> Option<FileRecord> {
+        self.journal
+            .get(self.folder, path)
+            .ok()
+            .flatten()
+            .map(|s| s.record)
+    }
+    fn has_live_below(&self, dir: &RelPath) -> bool {
+        self.journal
+            .has_live_below(self.folder, dir)
+            .unwrap_or(true)
+    }
+}
+
+/// A file content to assemble.
+struct Transfer {
+    record: FileRecord,
+    op: Op,
+    source: Option<DeviceId>,
+    expect: Expect,
+    detail: Option<String>,
+    /// The remote record this transfer serves (for re-deciding after a failed install).
+    remote: FileRecord,
+    /// The temp file, already holding every chunk found locally.
+    temp: TempFile,
+    /// Chunks still to fetch: (hash, length, offset in this file).
+    missing: Vec<(Hash, u32, u64)>,
+}
+
+/// Starts a transfer: creates the temp file and copies in every chunk this device already has
+/// (any file of the folder, through the chunk index). Done at decision time, under the folder
+/// lock, so a later deletion in the same batch (the old name of a renamed file) cannot take
+/// the local copy away first.
+#[allow(clippy::too_many_arguments)]
+fn prepare(
+    journal: &Journal,
+    rt: &FolderRt,
+    folder: &FolderId,
+    record: FileRecord,
+    op: Op,
+    source: Option<DeviceId>,
+    expect: Expect,
+    detail: Option<String>,
+    remote: FileRecord,
+    keep_open: bool,
+) -> Result<Transfer, String> {
+    let mut temp = rt
+        .store
+        .create_temp(&record.path)
+        .map_err(|e| e.to_string())?;
+    let mut missing = Vec::new();
+    for (off, c) in record.chunk_offsets() {
+        let local = journal.find_chunk(folder, &c.hash).unwrap_or_default();
+        match local
+            .into_iter()
+            .find_map(|l| rt.store.read_chunk(&l.path, l.offset, l.len, &c.hash).ok())
+        {
+            Some(d) => rt
+                .store
+                .write_temp(&mut temp, off, &d)
+                .map_err(|e| e.to_string())?,
+            None => missing.push((c.hash, c.len, off)),
+        }
+    }
+    if !keep_open {
+        rt.store.close_temp(&mut temp);
+    }
+    Ok(Transfer {
+        record,
+        op,
+        source,
+        expect,
+        detail,
+        remote,
+        temp,
+        missing,
+    })
+}
+
+fn expect_for(journal: &Journal, folder: &FolderId, path: &RelPath) -> Expect {
+    match journal.get(folder, path).ok().flatten() {
+        Some(s) if !s.record.deleted => match s.local {
+            Some(l) => Expect::Matches(l),
+            None => Expect::Anything,
+        },
+        _ => Expect::Absent,
+    }
+}
+
+fn local_of(journal: &Journal, folder: &FolderId, path: &RelPath) -> Option<LocalStat> {
+    journal
+        .get(folder, path)
+        .ok()
+        .flatten()
+        .and_then(|s| s.local)
+}
+
+fn op_for(prev: Option<&FileRecord>, new: &FileRecord) -> Op {
+    match prev {
+        _ if new.deleted => Op::Delete,
+        None => Op::Create,
+        Some(p) if p.deleted => Op::Create,
+        Some(p) if p.same_content(new) => Op::Metadata,
+        Some(_) => Op::Modify,
+    }
+}
+
+/// Reconciles and applies `records` received from `peer`.
+pub async fn receive(
+    engine: &Arc<Engine>,
+    folder: &FolderId,
+    peer: DeviceId,
+    conn: &quinn::Connection,
+    records: Vec<FileRecord>,
+) -> Result<(), String> {
+    let rt = engine
+        .folder(folder)
+        .ok_or_else(|| format!("folder {folder} is not running here"))?;
+    let mut todo = order(records);
+    for _round in 0..MAX_ROUNDS {
+        if todo.is_empty() {
+            return Ok(());
+        }
+        let decided = {
+            let engine = engine.clone();
+            let rt = rt.clone();
+            let folder = folder.clone();
+            tokio::task::spawn_blocking(move || decide_all(&engine, &rt, &folder, peer, todo))
+                .await
+                .map_err(|e| e.to_string())??
+        };
+        todo = transfer(engine, &rt, folder, conn, decided).await?;
+    }
+    if !todo.is_empty() {
+        tracing::warn!(%folder, n = todo.len(), "paths kept changing during apply; they will be retried");
+        return Err("local files kept changing during apply".into());
+    }
+    Ok(())
+}
+
+/// Live records first, parents before children; then tombstones, children before parents.
+fn order(mut records: Vec<FileRecord>) -> Vec<FileRecord> {
+    records.sort_by(|a, b| {
+        let ka = (
+            a.deleted,
+            if a.deleted {
+                usize::MAX - depth(a)
+            } else {
+                depth(a)
+            },
+        );
+        let kb = (
+            b.deleted,
+            if b.deleted {
+                usize::MAX - depth(b)
+            } else {
+                depth(b)
+            },
+        );
+        ka.cmp(&kb).then(a.sequence.cmp(&b.sequence))
+    });
+    records
+}
+
+fn depth(r: &FileRecord) -> usize {
+    r.path.components().count()
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn conflict_detail(
+    local: Option<&FileRecord>,
+    remote: &FileRecord,
+    winner_is_local: bool,
+) -> String {
+    let side = |r: &FileRecord| {
+        serde_json::json!({
+            "modified_by": r.modified_by.display7(),
+            "mtime_ns": r.mtime_ns,
+            "size": r.size,
+            "hash": r.hash.to_string(),
+            "deleted": r.deleted,
+            "version": r.version.to_string(),
+        })
+    };
+    serde_json::json!({
+        "winner": if winner_is_local { "local" } else { "remote" },
+        "local": local.map(side),
+        "remote": side(remote),
+    })
+    .to_string()
+}
+
+/// A transfer's record and bookkeeping once its temp file is handed to the fetcher.
+struct Meta {
+    record: FileRecord,
+    op: Op,
+    source: Option<DeviceId>,
+    expect: Expect,
+    detail: Option<String>,
+    remote: FileRecord,
+}
+
+/// What step 1 leaves to do.
+struct Decided {
+    /// File contents to assemble.
+    transfers: Vec<Transfer>,
+    /// Remote records whose local target changed under us: rescan, then decide again.
+    redo: Vec<FileRecord>,
+}
+
+/// Step 1: decide each record and do what needs no content transfer.
+fn decide_all(
+    engine: &Engine,
+    rt: &FolderRt,
+    folder: &FolderId,
+    peer: DeviceId,
+    records: Vec<FileRecord>,
+) -> Result<Decided, String> {
+    let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;
+    let mut journal = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
+    let ctx = Context {
+        local_device: engine.short,
+        now_secs: now_secs(),
+    };
+    let mut transfers = Vec::new();
+    let mut redo = Vec::new();
+    for remote in records {
+        let local_before = journal
+            .get(folder, &remote.path)
+            .map_err(|e| e.to_string())?
+            .map(|s| s.record);
+        let decision = reconcile::decide(
+            &View {
+                journal: &journal,
+                folder,
+            },
+            &ctx,
+            &remote,
+        );
+        let conflict = match decision.outcome {
+            Outcome::Conflict { winner_is_local } => Some(conflict_detail(
+                local_before.as_ref(),
+                &remote,
+                winner_is_local,
+            )),
+            _ => None,
+        };
+        if let Some(d) = &conflict {
+            tracing::info!(%folder, path = %remote.path, detail = %d, "conflict resolved");
+        }
+        for step in decision.steps {
+            let change = match step {
+                Step::UpdateLocal { record } => {
+                    let prev = journal
+                        .get(folder, &record.path)
+                        .map_err(|e| e.to_string())?;
+                    let mut local = prev.as_ref().and_then(|p| p.local);
+                    if let (Some(p), false) = (&prev, record.deleted) {
+                        let disk_differs = p.record.mode != record.mode
+                            || (record.kind == FileKind::File
+                                && p.record.mtime_ns != record.mtime_ns);
+                        if disk_differs && record.kind != FileKind::Symlink {
+                            let mtime = (record.kind == FileKind::File).then_some(record.mtime_ns);
+                            match rt.store.set_meta(
+                                &record.path,
+                                record.mode,
+                                mtime,
+                                expect_for(&journal, folder, &record.path),
+                            ) {
+                                Ok(l) => local = Some(l),
+                                Err(e) => {
+                                    tracing::warn!(path = %record.path, error = %e, "cannot set metadata; the next scan will reconcile it")
+                                }
+                            }
+                        }
+                    }
+                    let op = if conflict.is_some() {
+                        Op::Conflict
+                    } else {
+                        Op::Metadata
+                    };
+                    Some(Change {
+                        record,
+                        op,
+                        local,
+                        source: None,
+                        detail: conflict.clone(),
+                    })
+                }
+                Step::ReviveDir { record } => {
+                    let local = rt
+                        .store
+                        .make_dir(&record.path, record.mode)
+                        .map_err(|e| e.to_string())?;
+                    Some(Change {
+                        record,
+                        op: Op::Create,
+                        local: Some(local),
+                        source: None,
+                        detail: Some("directory kept: a live entry below it".into()),
+                    })
+                }
+                Step::PreserveLocal { from, record } => {
+                    let expect = match local_of(&journal, folder, &from) {
+                        Some(l) => Expect::Matches(l),
+                        None => Expect::Anything,
+                    };
+                    match rt.store.preserve_as(&from, &record.path, expect) {
+                        Ok(local) => Some(Change {
+                            record,
+                            op: Op::Conflict,
+                            local: Some(local),
+                            source: None,
+                            detail: conflict
+                                .clone()
+                                .or(Some(format!("conflict copy of {from}"))),
+                        }),
+                        Err(StoreError::Changed(_)) => {
+                            // The local file changed since it was scanned: capture that edit, then decide again.
+                            redo.push(remote.clone());
+                            break;
+                        }
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+                Step::PreserveRemote { record } => {
+                    let expect = expect_for(&journal, folder, &record.path);
+                    let keep_open = transfers.len() < 64;
+                    transfers.push(prepare(
+                        &journal,
+                        rt,
+                        folder,
+                        record,
+                        Op::Conflict,
+                        None,
+                        expect,
+                        conflict.clone(),
+                        remote.clone(),
+                        keep_open,
+                    )?);
+                    None
+                }
+                Step::ApplyRemote { record } => {
+                    let prev = journal
+                        .get(folder, &record.path)
+                        .map_err(|e| e.to_string())?;
+                    let prev_rec = prev.as_ref().map(|p| &p.record);
+                    let op = if conflict.is_some() {
+                        Op::Conflict
+                    } else {
+                        op_for(prev_rec, &record)
+                    };
+                    let expect = expect_for(&journal, folder, &record.path);
+                    let live_prev = prev.as_ref().filter(|p| !p.record.deleted);
+                    let result: Result<Option<LocalStat>, StoreError> = if record.deleted {
+                        match live_prev.map(|p| p.record.kind) {
+                            Some(FileKind::Dir) => rt.store.remove_dir(&record.path).map(|_| None),
+                            Some(_) => rt.store.remove_file(&record.path, expect).map(|_| None),
+                            None => Ok(None),
+                        }
+                    } else {
+                        match record.kind {
+                            FileKind::Dir => {
+                                if live_prev.is_some_and(|p| p.record.kind != FileKind::Dir) {
+                                    rt.store
+                                        .remove_file(&record.path, expect)
+                                        .and_then(|_| rt.store.make_dir(&record.path, record.mode))
+                                        .map(Some)
+                                } else {
+                                    rt.store.make_dir(&record.path, record.mode).map(Some)
+                                }
+                            }
+                            FileKind::Symlink => rt
+                                .store
+                                .make_symlink(&record.path, &record.target, record.mtime_ns, expect)
+                                .map(Some),
+                            FileKind::File => {
+                                if live_prev.is_some_and(|p| {
+                                    p.record.kind == FileKind::File
+                                        && p.record.hash == record.hash
+                                        && p.record.size == record.size
+                                }) {
+                                    rt.store
+                                        .set_meta(
+                                            &record.path,
+                                            record.mode,
+                                            Some(record.mtime_ns),
+                                            expect,
+                                        )
+                                        .map(Some)
+                                } else {
+                                    let keep_open = transfers.len() < 64;
+                                    transfers.push(prepare(
+                                        &journal,
+                                        rt,
+                                        folder,
+                                        record,
+                                        op,
+                                        Some(peer),
+                                        expect,
+                                        conflict.clone(),
+                                        remote.clone(),
+                                        keep_open,
+                                    )?);
+                                    continue;
+                                }
+                            }
+                        }
+                    };
+                    match result {
+                        Ok(local) => Some(Change {
+                            record,
+                            op,
+                            local,
+                            source: Some(peer),
+                            detail: conflict.clone(),
+                        }),
+                        Err(StoreError::NotEmpty(p)) => {
+                            tracing::info!(path = %p, "directory still holds untracked entries; kept on disk");
+                            Some(Change {
+                                record,
+                                op,
+                                local: None,
+                                source: Some(peer),
+                                detail: Some(
+                                    "directory kept on disk: untracked entries inside".into(),
+                                ),
+                            })
+                        }
+                        Err(StoreError::Changed(p)) => {
+                            tracing::debug!(path = %p, "changed under apply; rescanning and deciding again");
+                            redo.push(remote.clone());
+                            None
+                        }
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+            };
+            if let Some(c) = change {
+                journal.commit(folder, vec![c]).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    Ok(Decided { transfers, redo })
+}
+
+/// Steps 2–6 for the transfers; returns the remote records to decide again.
+async fn transfer(
+    engine: &Arc<Engine>,
+    rt: &Arc<FolderRt>,
+    folder: &FolderId,
+    conn: &quinn::Connection,
+    decided: Decided,
+) -> Result<Vec<FileRecord>, String> {
+    let Decided {
+        transfers: work,
+        redo,
+    } = decided;
+    if !redo.is_empty() {
+        rescan(
+            engine,
+            rt,
+            folder,
+            redo.iter().map(|r| r.path.clone()).collect(),
+        )
+        .await?;
+    }
+    if work.is_empty() {
+        return Ok(redo);
+    }
+    let mut missing: HashMap<Hash, (u32, Vec<(usize, u64)>)> = HashMap::new();
+    let mut temps: Vec<Option<TempFile>> = Vec::with_capacity(work.len());
+    let mut work: Vec<Transfer> = work;
+    for (i, t) in work.iter_mut().enumerate() {
+        for (h, len, off) in std::mem::take(&mut t.missing) {
+            missing
+                .entry(h)
+                .or_insert((len, Vec::new()))
+                .1
+                .push((i, off));
+        }
+    }
+    let mut metas = Vec::with_capacity(work.len());
+    for t in work {
+        let Transfer {
+            record,
+            op,
+            source,
+            expect,
+            detail,
+            remote,
+            temp,
+            ..
+        } = t;
+        temps.push(Some(temp));
+        metas.push(Meta {
+            record,
+            op,
+            source,
+            expect,
+            detail,
+            remote,
+        });
+    }
+    if !missing.is_empty() {
+        let wanted: Vec<(Hash, u32)> = missing.iter().map(|(h, (len, _))| (*h, *len)).collect();
+        let store = &rt.store;
+        let mut sink = |hash: Hash, data: Vec<u8>| -> Result<(), String> {
+            if let Some((_, places)) = missing.get(&hash) {
+                for (i, off) in places {
+                    if let Some(Some(t)) = temps.get_mut(*i) {
+                        store
+                            .write_temp(t, *off, &data)
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+            Ok(())
+        };
+        let fetched = crate::peers::fetch(conn, folder, wanted, &mut sink).await;
+        let failure = match fetched {
+            Ok(absent) if absent.is_empty() => None,
+            Ok(absent) => Some(format!(
+                "peer no longer has {} chunk(s); will retry when its index catches up",
+                absent.len()
+            )),
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failure {
+            for t in temps.into_iter().flatten() {
+                rt.store.discard_temp(t);
+            }
+            return Err(e);
+        }
+    }
+    // Step 3: verify whole files.
+    let mut ready: Vec<(Meta, TempFile)> = Vec::new();
+    for (t, temp) in metas.into_iter().zip(temps) {
+        let Some(mut temp) = temp else { continue };
+        match rt.store.finish_temp(
+            &mut temp,
+            &t.record.hash,
+            t.record.size,
+            t.record.mode,
+            t.record.mtime_ns,
+        ) {
+            Ok(()) => ready.push((t, temp)),
+            Err(e) => {
+                rt.store.discard_temp(temp);
+                return Err(e.to_string());
+            }
+        }
+    }
+    // Steps 4–6 under the folder lock.
+    let engine2 = engine.clone();
+    let rt2 = rt.clone();
+    let folder2 = folder.clone();
+    let mut changed = tokio::task::spawn_blocking(move || install(&engine2, &rt2, &folder2, ready))
+        .await
+        .map_err(|e| e.to_string())??;
+    if !changed.is_empty() {
+        rescan(
+            engine,
+            rt,
+            folder,
+            changed.iter().map(|r| r.path.clone()).collect(),
+        )
+        .await?;
+    }
+    changed.extend(redo);
+    Ok(changed)
+}
+
+fn install(
+    engine: &Engine,
+    rt: &FolderRt,
+    folder: &FolderId,
+    ready: Vec<(Meta, TempFile)>,
+) -> Result<Vec<FileRecord>, String> {
+    let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;
+    let mut journal = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
+    let pending: Vec<(FileRecord, Option<DeviceId>)> = ready
+        .iter()
+        .map(|(t, _)| (t.record.clone(), t.source))
+        .collect();
+    journal
+        .put_pending(folder, &pending)
+        .map_err(|e| e.to_string())?;
+    // Re-read expectations now that the lock is held again: a scan may have run meanwhile.
+    let (meta, batch): (Vec<Meta>, Vec<(TempFile, Expect)>) = ready
+        .into_iter()
+        .map(|(t, temp)| {
+            let now = expect_for(&journal, folder, &t.record.path);
+            let e = if now == t.expect {
+                t.expect
+            } else {
+                Expect::Matches(LocalStat {
+                    inode: u64::MAX,
+                    ..Default::default()
+                })
+            };
+            (t, (temp, e))
+        })
+        .unzip();
+    let results = rt.store.install(batch);
+    let mut changes = Vec::new();
+    let mut redo = Vec::new();
+    let mut cleared = Vec::new();
+    for (t, r) in meta.into_iter().zip(results) {
+        match r {
+            Ok(local) => changes.push(Change {
+                record: t.record,
+                op: t.op,
+                local: Some(local),
+                source: t.source,
+                detail: t.detail,
+            }),
+            Err(StoreError::Changed(_)) => {
+                cleared.push(t.record.path.clone());
+                redo.push(t.remote);
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    journal
+        .clear_pending(folder, &cleared)
+        .map_err(|e| e.to_string())?;
+    journal.commit(folder, changes).map_err(|e| e.to_string())?;
+    Ok(redo)
+}
+
+/// Captures local edits at `paths` (they beat an apply to the disk).
+async fn rescan(
+    engine: &Arc<Engine>,
+    _rt: &Arc<FolderRt>,
+    folder: &FolderId,
+    paths: Vec<RelPath>,
+) -> Result<(), String> {
+    engine.scan_paths(folder, paths).await.map(|_| ())
+}
+
+/// Completes applies interrupted between steps 4 and 6: a file that already holds the pending
+/// content becomes that remote version; any other pending row is dropped (the peer sends the
+/// record again, since it was never acknowledged).
+pub fn recover_pending(
+    journal: &mut Journal,
+    rt: &FolderRt,
+    folder: &FolderId,
+) -> Result<usize, String> {
+    let pending = journal.pending(folder).map_err(|e| e.to_string())?;
+    let mut done = Vec::new();
+    let mut dropped = Vec::new();
+    for (record, source) in pending {
+        let ok = match rt.store.stat(&record.path) {
+            Ok(Some(st)) if st.kind == Some(FileKind::File) && st.local.size == record.size => rt
+                .store
+                .open_file(&record.path)
+                .ok()
+                .and_then(|f| {
+                    crate::chunker::chunk_reader(std::io::BufReader::new(f), record.size).ok()
+                })
+                .filter(|c| c.hash == record.hash)
+                .map(|_| st.local),
+            _ => None,
+        };
+        match ok {
+            Some(local) => done.push(Change {
+                op: Op::Modify,
+                local: Some(local),
+                source,
+                detail: Some("completed after restart".into()),
+                record,
+            }),
+            None => dropped.push(record.path),
+        }
+    }
+    let n = done.len();
+    journal
+        .clear_pending(folder, &dropped)
+        .map_err(|e| e.to_string())?;
+    journal.commit(folder, done).map_err(|e| e.to_string())?;
+    Ok(n)
+}

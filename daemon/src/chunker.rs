@@ -1,0 +1,163 @@
+//! Content hashing and content-defined chunking (FastCDC 2020 + blake3).
+//!
+//! Boundaries depend on content, not offsets, so inserting bytes into a file changes one or
+//! two chunks instead of every chunk after the insert. Chunk sizes scale with the file so a
+//! record's chunk list stays small enough for one index frame (see `docs/architecture.md`
+//! for the sizes and the measurement behind them).
+
+use meshfs_protocol::{Chunk, Hash};
+use std::io::Read;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bytes read for hashing since the process started (the scanner's tests read it to prove an
+/// unchanged tree is not re-read).
+pub static BYTES_HASHED: AtomicU64 = AtomicU64::new(0);
+
+/// (min, avg, max) chunk sizes for a file of `size` bytes.
+pub fn chunk_sizes(size: u64) -> (u32, u32, u32) {
+    const KIB: u32 = 1024;
+    if size <= 1 << 30 {
+        (16 * KIB, 64 * KIB, 256 * KIB)
+    } else if size <= 16 << 30 {
+        (64 * KIB, 256 * KIB, 1024 * KIB)
+    } else {
+        (256 * KIB, 1024 * KIB, 4096 * KIB)
+    }
+}
+
+/// A file's content summary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Content {
+    /// blake3 of the whole content.
+    pub hash: Hash,
+    /// Bytes read.
+    pub size: u64,
+    /// The chunk list.
+    pub chunks: Vec<Chunk>,
+}
+
+/// Hashes and chunks everything `reader` yields. `size_hint` picks the chunk sizes; the
+/// result describes exactly the bytes read.
+pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Content> {
+    let (min, avg, max) = chunk_sizes(size_hint);
+    let (min, avg, max) = (min as usize, avg as usize, max as usize);
+    let mut whole = blake3::Hasher::new();
+    let mut chunks = Vec::new();
+    // A window of at least two max-size chunks so every cut point search has its full range.
+    let mut buf = vec![0u8; (max * 4).max(4 << 20)];
+    let mut filled = 0usize;
+    let mut eof = false;
+    let mut total = 0u64;
+    loop {
+        while !eof && filled < buf.len() {
+            let n = reader.read(&mut buf[filled..])?;
+            if n == 0 {
+                eof = true;
+            }
+            filled += n;
+        }
+        if filled == 0 {
+            break;
+        }
+        let cdc = fastcdc::v2020::FastCDC::new(&buf[..filled], min, avg, max);
+        let mut consumed = 0usize;
+        for c in cdc {
+            // Keep a trailing chunk that may only end because the window ended.
+            if !eof && c.offset + c.length == filled {
+                break;
+            }
+            let data = &buf[c.offset..c.offset + c.length];
+            whole.update(data);
+            chunks.push(Chunk {
+                len: c.length as u32,
+                hash: Hash::of(data),
+            });
+            consumed = c.offset + c.length;
+        }
+        total += consumed as u64;
+        buf.copy_within(consumed..filled, 0);
+        filled -= consumed;
+        if eof && filled == 0 {
+            break;
+        }
+    }
+    BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
+    Ok(Content {
+        hash: Hash(*whole.finalize().as_bytes()),
+        size: total,
+        chunks,
+    })
+}
+
+/// Hashes and chunks an in-memory buffer.
+pub fn chunk_bytes(data: &[u8]) -> Content {
+    match chunk_reader(data, data.len() as u64) {
+        Ok(c) => c,
+        // Reading from a slice cannot fail.
+        Err(_) => Content {
+            hash: Hash::of(data),
+            size: data.len() as u64,
+            chunks: Vec::new(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::{RngCore, SeedableRng};
+
+    fn noise(len: usize, seed: u64) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+        v
+    }
+
+    #[test]
+    fn chunks_cover_the_content_and_hash_matches() {
+        let data = noise(3 << 20, 1);
+        let c = chunk_bytes(&data);
+        assert_eq!(c.hash, Hash::of(&data));
+        assert_eq!(
+            c.chunks.iter().map(|c| c.len as u64).sum::<u64>(),
+            data.len() as u64
+        );
+        let mut off = 0;
+        for ch in &c.chunks {
+            assert_eq!(ch.hash, Hash::of(&data[off..off + ch.len as usize]));
+            off += ch.len as usize;
+        }
+    }
+
+    #[test]
+    fn an_insert_in_the_middle_changes_few_chunks() {
+        let data = noise(8 << 20, 2);
+        let mut edited = data[..4 << 20].to_vec();
+        edited.extend_from_slice(b"inserted bytes");
+        edited.extend_from_slice(&data[4 << 20..]);
+        let a = chunk_bytes(&data);
+        let b = chunk_bytes(&edited);
+        let known: std::collections::HashSet<_> = a.chunks.iter().map(|c| c.hash).collect();
+        let new = b.chunks.iter().filter(|c| !known.contains(&c.hash)).count();
+        assert!(new <= 3, "{new} new chunks");
+    }
+
+    proptest! {
+        #[test]
+        fn windowed_reading_equals_one_pass(len in 0usize..600_000, seed in any::<u64>(), step in 1usize..70_000) {
+            let data = noise(len, seed);
+            struct Trickle<'a>(&'a [u8], usize);
+            impl Read for Trickle<'_> {
+                fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+                    let n = self.0.len().min(self.1).min(out.len());
+                    out[..n].copy_from_slice(&self.0[..n]);
+                    self.0 = &self.0[n..];
+                    Ok(n)
+                }
+            }
+            let a = chunk_reader(Trickle(&data, step), len as u64).unwrap();
+            prop_assert_eq!(a, chunk_bytes(&data));
+        }
+    }
+}

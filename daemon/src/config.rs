@@ -1,0 +1,362 @@
+//! The user's configuration (`config.toml`) and where meshfs keeps its files.
+//!
+//! `--home DIR` / `MESHFS_HOME` puts everything under one directory (config, identity, journal,
+//! control socket), so tests and several daemons can share a machine; without it meshfs uses
+//! the XDG config and data directories. The config is validated when loaded, and errors name
+//! the field. Writes are atomic (temp file + rename), so a crash never leaves half a config.
+
+use meshfs_protocol::{DeviceId, FolderId};
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// Default QUIC listen address.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:7788";
+
+/// Where this device's files live.
+#[derive(Clone, Debug)]
+pub struct Home {
+    /// `config.toml`'s directory.
+    pub config_dir: PathBuf,
+    /// Identity, journal and control socket.
+    pub state_dir: PathBuf,
+}
+
+impl Home {
+    /// `--home DIR` if given (or `MESHFS_HOME`), else the XDG directories.
+    pub fn resolve(home: Option<&Path>) -> Home {
+        if let Some(h) = home {
+            return Home {
+                config_dir: h.to_path_buf(),
+                state_dir: h.join("state"),
+            };
+        }
+        let user_home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/root"));
+        let config = std::env::var_os("XDG_CONFIG_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| user_home.join(".config"));
+        let data = std::env::var_os("XDG_DATA_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| user_home.join(".local/share"));
+        Home {
+            config_dir: config.join("meshfs"),
+            state_dir: data.join("meshfs"),
+        }
+    }
+
+    /// The config file.
+    pub fn config_file(&self) -> PathBuf {
+        self.config_dir.join("config.toml")
+    }
+
+    /// The journal database.
+    pub fn journal_file(&self) -> PathBuf {
+        self.state_dir.join("journal.db")
+    }
+
+    /// The directory holding `cert.der` and `key.der`.
+    pub fn identity_dir(&self) -> PathBuf {
+        self.state_dir.clone()
+    }
+
+    /// The daemon's control socket.
+    pub fn control_socket(&self) -> PathBuf {
+        self.state_dir.join("control.sock")
+    }
+}
+
+/// Why a config could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// No config file: `meshfs init` has not run for this home.
+    #[error("no meshfs config at {0}: run `meshfs init` first (or pass the right --home)")]
+    Missing(PathBuf),
+    /// The file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// Which file.
+        path: PathBuf,
+        /// What happened.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for a meshfs config.
+    #[error("{path}: {message}")]
+    Parse {
+        /// Which file.
+        path: PathBuf,
+        /// The parser's explanation, naming the field.
+        message: String,
+    },
+    /// A field has a value meshfs cannot use.
+    #[error("{path}: field `{field}`: {message}")]
+    Invalid {
+        /// Which file.
+        path: PathBuf,
+        /// The field, e.g. `peer[1].id`.
+        field: String,
+        /// What is wrong and what to do.
+        message: String,
+    },
+}
+
+/// The whole config file.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This device.
+    pub device: DeviceConfig,
+    /// Tuning knobs (all optional).
+    #[serde(default)]
+    pub options: Options,
+    /// Replicated folders.
+    #[serde(default, rename = "folder")]
+    pub folders: Vec<FolderConfig>,
+    /// Known peers (the only devices this one talks to).
+    #[serde(default, rename = "peer")]
+    pub peers: Vec<PeerConfig>,
+}
+
+/// `[device]`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConfig {
+    /// Human name of this device.
+    pub name: String,
+    /// UDP address the QUIC endpoint listens on.
+    pub listen: String,
+}
+
+/// `[options]`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Options {
+    /// How long changes to one path are coalesced before they are journaled, in ms.
+    pub coalesce_ms: u64,
+    /// How long history entries are kept, in days (0: forever).
+    pub history_retention_days: u64,
+    /// How long tombstones are kept, in days: a peer offline longer than this may bring a
+    /// deleted file back (it is never lost). 0: forever.
+    pub tombstone_retention_days: u64,
+    /// Seconds between dial attempts to a disconnected peer, at most.
+    pub max_redial_secs: u64,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            coalesce_ms: 5,
+            history_retention_days: 0,
+            tombstone_retention_days: 365,
+            max_redial_secs: 30,
+        }
+    }
+}
+
+/// One `[[folder]]`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FolderConfig {
+    /// The folder id shared with peers.
+    pub id: String,
+    /// The replica directory.
+    pub path: PathBuf,
+    /// Watch the directory with inotify (on by default).
+    #[serde(default = "yes")]
+    pub watch: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// One `[[peer]]`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// The peer's device id (as `meshfs id` prints it on that device).
+    pub id: String,
+    /// A name for people.
+    #[serde(default)]
+    pub name: String,
+    /// Where to dial it (`HOST:PORT`); empty: only it dials us.
+    #[serde(default)]
+    pub addr: String,
+    /// Folder ids shared with it.
+    #[serde(default)]
+    pub folders: Vec<String>,
+}
+
+impl Config {
+    /// A fresh config for `init`.
+    pub fn new(name: &str, listen: &str) -> Config {
+        Config {
+            device: DeviceConfig {
+                name: name.to_string(),
+                listen: listen.to_string(),
+            },
+            options: Options::default(),
+            folders: Vec::new(),
+            peers: Vec::new(),
+        }
+    }
+
+    /// Reads and validates `home`'s config.
+    pub fn load(home: &Home) -> Result<Config, ConfigError> {
+        let path = home.config_file();
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ConfigError::Missing(path))
+            }
+            Err(source) => return Err(ConfigError::Io { path, source }),
+        };
+        let config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        config.validate(&path)?;
+        Ok(config)
+    }
+
+    /// Writes the config atomically (temp file, fsync, rename).
+    pub fn save(&self, home: &Home) -> Result<(), ConfigError> {
+        let path = home.config_file();
+        let io = |source| ConfigError::Io {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&home.config_dir).map_err(io)?;
+        let text = toml::to_string_pretty(self).map_err(|e| ConfigError::Parse {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let tmp = home.config_dir.join(".config.toml.tmp");
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io)?;
+            f.write_all(text.as_bytes()).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io)?;
+        Ok(())
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |field: String, message: String| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            field,
+            message,
+        };
+        if self.device.name.trim().is_empty() {
+            return Err(invalid("device.name".into(), "must not be empty".into()));
+        }
+        if self.device.listen.parse::<SocketAddr>().is_err() {
+            return Err(invalid(
+                "device.listen".into(),
+                format!("{:?} is not an IP:PORT address", self.device.listen),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, f) in self.folders.iter().enumerate() {
+            FolderId::new(&f.id).map_err(|e| invalid(format!("folder[{i}].id"), e.to_string()))?;
+            if !seen.insert(f.id.clone()) {
+                return Err(invalid(
+                    format!("folder[{i}].id"),
+                    format!("folder {:?} is listed twice", f.id),
+                ));
+            }
+            if !f.path.is_absolute() {
+                return Err(invalid(
+                    format!("folder[{i}].path"),
+                    "must be an absolute path".into(),
+                ));
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, p) in self.peers.iter().enumerate() {
+            let id: DeviceId = p.id.parse().map_err(|e: meshfs_protocol::DeviceIdError| {
+                invalid(format!("peer[{i}].id"), e.to_string())
+            })?;
+            if !seen.insert(id) {
+                return Err(invalid(
+                    format!("peer[{i}].id"),
+                    "this peer is listed twice".into(),
+                ));
+            }
+            if !p.addr.is_empty() && !looks_like_host_port(&p.addr) {
+                return Err(invalid(
+                    format!("peer[{i}].addr"),
+                    format!("{:?} is not HOST:PORT", p.addr),
+                ));
+            }
+            for (j, f) in p.folders.iter().enumerate() {
+                if !self.folders.iter().any(|x| &x.id == f) {
+                    return Err(invalid(
+                        format!("peer[{i}].folders[{j}]"),
+                        format!("no folder {f:?} in this config (add it with `meshfs folder add`)"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The folder with this id.
+    pub fn folder(&self, id: &str) -> Option<&FolderConfig> {
+        self.folders.iter().find(|f| f.id == id)
+    }
+
+    /// The peer with this device id.
+    pub fn peer(&self, id: &DeviceId) -> Option<&PeerConfig> {
+        self.peers
+            .iter()
+            .find(|p| p.id.parse::<DeviceId>().ok().as_ref() == Some(id))
+    }
+
+    /// Mutable access to the peer with this device id.
+    pub fn peer_mut(&mut self, id: &DeviceId) -> Option<&mut PeerConfig> {
+        self.peers
+            .iter_mut()
+            .find(|p| p.id.parse::<DeviceId>().ok().as_ref() == Some(id))
+    }
+
+    /// Every configured peer's id (config is validated, so all parse).
+    pub fn peer_ids(&self) -> Vec<DeviceId> {
+        self.peers
+            .iter()
+            .filter_map(|p| p.id.parse().ok())
+            .collect()
+    }
+}
+
+/// Whether `s` has the shape `HOST:PORT` (IPv6 in brackets).
+pub fn looks_like_host_port(s: &str) -> bool {
+    match s.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok(),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_validates() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        c.folders.push(FolderConfig {
+            id: "work".into(),
+            path: "/tmp/w".into(),
+            watch: true,
+        });
+        c.save(&home).unwrap();
+        assert_eq!(Config::load(&home).unwrap(), c);
+        std::fs::write(home.config_file(), "[device]\nname='a'\nlisten='nope'\n").unwrap();
+        let err = Config::load(&home).unwrap_err().to_string();
+        assert!(err.contains("device.listen"), "{err}");
+    }
+}

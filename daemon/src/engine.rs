@@ -1,0 +1,596 @@
+//! The engine: owns the journal, the folders (store, watcher, capture loop), the QUIC endpoint
+//! and the peer connections, and answers the control socket. `meshfs daemon` runs one.
+//!
+//! Start-up order: open the journal → for each folder: remove leftover temp files, complete
+//! interrupted applies ([`crate::apply::recover_pending`]), scan the whole folder (changes made
+//! while no daemon ran are journaled exactly once), start the watcher → listen → dial peers.
+
+use crate::capture::{self, CaptureMsg, Coalescer};
+use crate::config::{Config, Home, Options};
+use crate::identity::Identity;
+use crate::ignore::IgnoreRules;
+use crate::journal::Journal;
+use crate::peers::{self, Peers};
+use crate::scanner::{self, ScanTarget};
+use crate::store::Store;
+use crate::transport::{self, TrustStore};
+use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use tokio::sync::{broadcast, mpsc, watch, Notify};
+
+/// Records committed per journal transaction by a scan.
+const SCAN_COMMIT_BATCH: usize = 4096;
+
+/// A running folder.
+pub struct FolderRt {
+    /// The folder id.
+    pub id: FolderId,
+    /// The replica store.
+    pub store: Store,
+    /// `.meshignore` rules (reloaded when the file changes).
+    pub ignore: RwLock<IgnoreRules>,
+    /// Serializes capture and apply on this folder, so the engine never captures its own
+    /// applies as local edits and never applies over an edit it has not captured.
+    pub op_lock: Mutex<()>,
+    /// Feeds the capture loop (the watcher and, later, the FUSE layer send here).
+    pub capture: mpsc::UnboundedSender<CaptureMsg>,
+    /// Paths waiting in the capture loop.
+    pub capture_pending: std::sync::atomic::AtomicUsize,
+    watcher: Mutex<Option<notify::RecommendedWatcher>>,
+}
+
+/// The engine of one device.
+pub struct Engine {
+    /// Where this device's files live.
+    pub home: Home,
+    /// This device.
+    pub device: DeviceId,
+    /// Its short id (version-vector key).
+    pub short: ShortId,
+    config: RwLock<Config>,
+    /// The journal (blocking calls; never held across an await).
+    pub journal: Mutex<Journal>,
+    folders: RwLock<HashMap<FolderId, Arc<FolderRt>>>,
+    /// Connected peers and their sync status.
+    pub peers: Mutex<Peers>,
+    /// Woken when a peer connects, disconnects or reports progress.
+    pub peer_changed: Notify,
+    /// A folder's journal gained entries (local or applied remote changes).
+    pub changes: broadcast::Sender<FolderId>,
+    /// The QUIC endpoint.
+    pub endpoint: quinn::Endpoint,
+    /// Devices allowed to connect.
+    pub trust: TrustStore,
+    /// Set to true when the daemon stops.
+    pub stopping: watch::Sender<bool>,
+    /// Woken at shutdown (sessions say goodbye).
+    pub shutdown: Notify,
+    dialers: Mutex<HashMap<DeviceId, (String, Arc<Notify>)>>,
+    started: Instant,
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl Engine {
+    /// Opens everything and starts the background work. Must run inside a tokio runtime.
+    pub async fn start(home: Home) -> anyhow::Result<Arc<Engine>> {
+        let config = Config::load(&home)?;
+        let identity = Identity::load(&home.identity_dir())?;
+        let journal = Journal::open(&home.journal_file())?;
+        let listen: std::net::SocketAddr = config.device.listen.parse()?;
+        let trust = TrustStore::new(config.peer_ids());
+        let endpoint = transport::endpoint(&identity, listen, trust.clone()).map_err(|e| {
+            anyhow::anyhow!(
+                "{e}; change device.listen in {}",
+                home.config_file().display()
+            )
+        })?;
+        let (changes, _) = broadcast::channel(4096);
+        let (stopping, _) = watch::channel(false);
+        let engine = Arc::new(Engine {
+            device: identity.device_id,
+            short: identity.device_id.short(),
+            home,
+            config: RwLock::new(config.clone()),
+            journal: Mutex::new(journal),
+            folders: RwLock::new(HashMap::new()),
+            peers: Mutex::new(Peers::default()),
+            peer_changed: Notify::new(),
+            changes,
+            endpoint: endpoint.clone(),
+            trust,
+            stopping,
+            shutdown: Notify::new(),
+            dialers: Mutex::new(HashMap::new()),
+            started: Instant::now(),
+        });
+        for f in &config.folders {
+            engine.start_folder(f).await?;
+        }
+        tokio::spawn(peers::accept_loop(engine.clone(), endpoint));
+        tokio::spawn(retention_loop(engine.clone()));
+        engine.sync_dialers();
+        tracing::info!(device = %engine.device, listen = %listen, "meshfs daemon running");
+        Ok(engine)
+    }
+
+    /// This device's name.
+    pub fn name(&self) -> String {
+        self.config
+            .read()
+            .map(|c| c.device.name.clone())
+            .unwrap_or_default()
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> Options {
+        self.config
+            .read()
+            .map(|c| c.options.clone())
+            .unwrap_or_default()
+    }
+
+    /// A copy of the config in force.
+    pub fn config(&self) -> Config {
+        self.config
+            .read()
+            .map(|c| c.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+
+    /// The folders this device shares with `peer` (and runs).
+    pub fn shared_with(&self, peer: &DeviceId) -> Vec<FolderId> {
+        let running: HashSet<FolderId> = self
+            .folders
+            .read()
+            .map(|f| f.keys().cloned().collect())
+            .unwrap_or_default();
+        self.config
+            .read()
+            .ok()
+            .and_then(|c| c.peer(peer).map(|p| p.folders.clone()))
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|f| FolderId::new(&f).ok())
+            .filter(|f| running.contains(f))
+            .collect()
+    }
+
+    /// A running folder.
+    pub fn folder(&self, id: &FolderId) -> Option<Arc<FolderRt>> {
+        self.folders.read().ok()?.get(id).cloned()
+    }
+
+    /// Tells sessions that `folder`'s journal gained entries.
+    pub fn changes_notify(&self, folder: &FolderId) {
+        let _ = self.changes.send(folder.clone());
+    }
+
+    async fn start_folder(self: &Arc<Self>, f: &crate::config::FolderConfig) -> anyhow::Result<()> {
+        let id = FolderId::new(&f.id)?;
+        let store = Store::open(&f.path).map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
+        let removed = store.remove_temps();
+        if removed > 0 {
+            tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let rt = Arc::new(FolderRt {
+            id: id.clone(),
+            ignore: RwLock::new(IgnoreRules::load(&f.path)),
+            store,
+            op_lock: Mutex::new(()),
+            capture: tx.clone(),
+            capture_pending: Default::default(),
+            watcher: Mutex::new(None),
+        });
+        {
+            let mut j = self
+                .journal
+                .lock()
+                .map_err(|_| anyhow::anyhow!("journal lock poisoned"))?;
+            j.folder(&id)?;
+            let done =
+                crate::apply::recover_pending(&mut j, &rt, &id).map_err(|e| anyhow::anyhow!(e))?;
+            if done > 0 {
+                tracing::info!(folder = %id, done, "completed applies interrupted by a crash");
+            }
+        }
+        if f.watch {
+            match capture::watch(&f.path, tx) {
+                Ok(w) => {
+                    if let Ok(mut slot) = rt.watcher.lock() {
+                        *slot = Some(w);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(folder = %id, error = %e, "cannot watch the folder; changes are found by scans only")
+                }
+            }
+        }
+        if let Ok(mut m) = self.folders.write() {
+            m.insert(id.clone(), rt.clone());
+        }
+        let started = Instant::now();
+        let n = self
+            .scan_paths(&id, Vec::new())
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        tracing::info!(folder = %id, path = %f.path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned");
+        tokio::spawn(capture_loop(self.clone(), rt, rx));
+        Ok(())
+    }
+
+    /// Scans `paths` (empty: the whole folder) and journals what changed. Returns the number of
+    /// new versions.
+    pub async fn scan_paths(
+        self: &Arc<Self>,
+        folder: &FolderId,
+        paths: Vec<RelPath>,
+    ) -> Result<usize, String> {
+        let engine = self.clone();
+        let folder = folder.clone();
+        tokio::task::spawn_blocking(move || engine.scan_blocking(&folder, &paths))
+            .await
+            .map_err(|e| e.to_string())?
+    }
+
+    fn scan_blocking(&self, folder: &FolderId, paths: &[RelPath]) -> Result<usize, String> {
+        let rt = self
+            .folder(folder)
+            .ok_or_else(|| format!("no folder {folder} on this device"))?;
+        if paths.is_empty()
+            || paths
+                .iter()
+                .any(|p| p.as_str() == crate::ignore::IGNORE_FILE)
+        {
+            if let Ok(mut ig) = rt.ignore.write() {
+                *ig = IgnoreRules::load(rt.store.root());
+            }
+        }
+        let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;
+        let ignore = rt.ignore.read().map_err(|_| "ignore lock poisoned")?;
+        let target = ScanTarget {
+            folder,
+            store: &rt.store,
+            ignore: &ignore,
+            local: self.short,
+            now_secs: now_secs(),
+        };
+        let report = {
+            let j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
+            scanner::scan(&target, &j, paths).map_err(|e| e.to_string())?
+        };
+        let n = report.changes.len();
+        let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
+        for (path, local) in &report.restat {
+            j.set_local_stat(folder, path, *local)
+                .map_err(|e| e.to_string())?;
+        }
+        let mut changes = report.changes;
+        while !changes.is_empty() {
+            let rest = changes.split_off(changes.len().min(SCAN_COMMIT_BATCH));
+            j.commit(folder, changes).map_err(|e| e.to_string())?;
+            changes = rest;
+        }
+        drop(j);
+        if n > 0 {
+            self.changes_notify(folder);
+        }
+        Ok(n)
+    }
+
+    /// Starts/stops dial loops so that every configured peer with an address has one.
+    fn sync_dialers(self: &Arc<Self>) {
+        let config = self.config();
+        let Ok(mut dialers) = self.dialers.lock() else {
+            return;
+        };
+        let mut wanted: HashMap<DeviceId, String> = HashMap::new();
+        for p in &config.peers {
+            if let (Ok(id), false) = (p.id.parse::<DeviceId>(), p.addr.is_empty()) {
+                wanted.insert(id, p.addr.clone());
+            }
+        }
+        dialers.retain(|id, (addr, stop)| {
+            let keep = wanted.get(id) == Some(addr);
+            if !keep {
+                stop.notify_one();
+            }
+            keep
+        });
+        for (id, addr) in wanted {
+            if !dialers.contains_key(&id) {
+                let stop = Arc::new(Notify::new());
+                dialers.insert(id, (addr.clone(), stop.clone()));
+                tokio::spawn(peers::dial_loop(self.clone(), id, addr, stop));
+            }
+        }
+    }
+
+    /// Re-reads the config: new folders start, removed ones stop, trust and dialers follow the
+    /// peer list, and peers whose shares changed reconnect (so their hello is current).
+    pub async fn reload(self: &Arc<Self>) -> anyhow::Result<()> {
+        let new = Config::load(&self.home)?;
+        let old = self.config();
+        *self
+            .config
+            .write()
+            .map_err(|_| anyhow::anyhow!("config lock poisoned"))? = new.clone();
+        let new_ids: HashSet<DeviceId> = new.peer_ids().into_iter().collect();
+        for id in old.peer_ids() {
+            if !new_ids.contains(&id) {
+                self.trust.remove(&id);
+            }
+        }
+        for id in &new_ids {
+            self.trust.add(*id);
+        }
+        let running: HashSet<String> = self
+            .folders
+            .read()
+            .map(|f| f.keys().map(|k| k.to_string()).collect())
+            .unwrap_or_default();
+        for f in &new.folders {
+            if !running.contains(&f.id) {
+                self.start_folder(f).await?;
+            }
+        }
+        let wanted: HashSet<String> = new.folders.iter().map(|f| f.id.clone()).collect();
+        if let Ok(mut m) = self.folders.write() {
+            m.retain(|id, rt| {
+                let keep = wanted.contains(id.as_str());
+                if !keep {
+                    if let Ok(mut w) = rt.watcher.lock() {
+                        *w = None;
+                    }
+                }
+                keep
+            });
+        }
+        let links: Vec<(DeviceId, quinn::Connection)> = self
+            .peers
+            .lock()
+            .map(|p| {
+                p.connected()
+                    .into_iter()
+                    .filter_map(|d| p.link(&d).map(|l| (d, l.conn.clone())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (id, conn) in links {
+            let before = old.peer(&id).map(|p| p.folders.clone());
+            let after = new.peer(&id).map(|p| p.folders.clone());
+            if before != after {
+                conn.close(2u32.into(), b"configuration changed");
+            }
+        }
+        self.sync_dialers();
+        Ok(())
+    }
+
+    /// Stops sessions and the endpoint.
+    pub async fn stop(&self) {
+        let _ = self.stopping.send(true);
+        self.shutdown.notify_waiters();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.endpoint.close(0u32.into(), b"daemon stopping");
+        if let Ok(d) = self.dialers.lock() {
+            for (_, stop) in d.values() {
+                stop.notify_one();
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+    }
+
+    /// The daemon's state as the `status --json` document (see `docs/cli.md`).
+    pub fn status(&self) -> serde_json::Value {
+        let config = self.config();
+        let peers = self.peers.lock().ok();
+        let mut folders_json = Vec::new();
+        let folders: Vec<Arc<FolderRt>> = self
+            .folders
+            .read()
+            .map(|f| f.values().cloned().collect())
+            .unwrap_or_default();
+        let mut all_synced = true;
+        for rt in folders {
+            let counts = self
+                .journal
+                .lock()
+                .ok()
+                .and_then(|j| j.counts(&rt.id).ok())
+                .unwrap_or_default();
+            let max = self
+                .journal
+                .lock()
+                .ok()
+                .and_then(|mut j| j.folder(&rt.id).ok())
+                .map(|s| s.max_sequence)
+                .unwrap_or(0);
+            let capture_pending = rt
+                .capture_pending
+                .load(std::sync::atomic::Ordering::Relaxed);
+            let mut peer_list = Vec::new();
+            let mut folder_synced = capture_pending == 0;
+            for p in &config.peers {
+                if !p.folders.iter().any(|f| f == rt.id.as_str()) {
+                    continue;
+                }
+                let Ok(pid) = p.id.parse::<DeviceId>() else {
+                    continue;
+                };
+                let connected = peers.as_ref().is_some_and(|x| x.link(&pid).is_some());
+                let s = peers
+                    .as_ref()
+                    .and_then(|x| x.sync.get(&(pid, rt.id.clone())).cloned());
+                let in_sync =
+                    connected && s.as_ref().is_some_and(|s| s.in_sync && s.our_acked >= max);
+                folder_synced &= in_sync;
+                peer_list.push(serde_json::json!({
+                    "device_id": pid.to_string(),
+                    "name": p.name,
+                    "connected": connected,
+                    "in_sync": in_sync,
+                    "our_sequence": max,
+                    "acked_by_peer": s.as_ref().map_or(0, |s| s.our_acked),
+                    "their_sequence": s.as_ref().map_or(0, |s| s.their_known_max),
+                    "applied_from_peer": s.as_ref().map_or(0, |s| s.their_applied),
+                    "pending_records": s.as_ref().map_or(0, |s| max.saturating_sub(s.our_acked)),
+                }));
+            }
+            all_synced &= folder_synced;
+            let conflicts = self
+                .journal
+                .lock()
+                .ok()
+                .map(|j| crate::conflicts::list(&j, &rt.id).len())
+                .unwrap_or(0);
+            folders_json.push(serde_json::json!({
+                "id": rt.id.to_string(),
+                "path": rt.store.root().display().to_string(),
+                "files": counts.files,
+                "dirs": counts.dirs,
+                "symlinks": counts.symlinks,
+                "bytes": counts.bytes,
+                "tombstones": counts.tombstones,
+                "sequence": max,
+                "capture_pending": capture_pending,
+                "conflicts": conflicts,
+                "in_sync": folder_synced,
+                "peers": peer_list,
+            }));
+        }
+        let mut peers_json = Vec::new();
+        for p in &config.peers {
+            let Ok(pid) = p.id.parse::<DeviceId>() else {
+                continue;
+            };
+            let stats = peers.as_ref().and_then(|x| x.stats(&pid));
+            let last_seen = peers
+                .as_ref()
+                .and_then(|x| x.last_seen.get(&pid).copied())
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_secs());
+            peers_json.push(serde_json::json!({
+                "device_id": pid.to_string(),
+                "short_id": pid.short().display7(),
+                "name": p.name,
+                "addr": p.addr,
+                "folders": p.folders,
+                "connected": stats.is_some(),
+                "rtt_ms": stats.as_ref().map(|s| s.rtt.as_secs_f64() * 1000.0),
+                "bytes_sent": stats.as_ref().map_or(0, |s| s.bytes_sent),
+                "bytes_received": stats.as_ref().map_or(0, |s| s.bytes_received),
+                "last_seen_unix": last_seen,
+            }));
+        }
+        let (sent, received) = peers.as_ref().map(|p| p.totals()).unwrap_or((0, 0));
+        let refused: Vec<serde_json::Value> = self
+            .trust
+            .refused()
+            .into_iter()
+            .map(|(id, _)| serde_json::json!(id.to_string()))
+            .collect();
+        serde_json::json!({
+            "device": {
+                "id": self.device.to_string(),
+                "short_id": self.short.display7(),
+                "name": config.device.name,
+                "listen": config.device.listen,
+                "uptime_secs": self.started.elapsed().as_secs(),
+            },
+            "in_sync": all_synced,
+            "folders": folders_json,
+            "peers": peers_json,
+            "refused_devices": refused,
+            "bytes_sent": sent,
+            "bytes_received": received,
+        })
+    }
+}
+
+/// Applies the history and tombstone retention of `[options]` once an hour.
+async fn retention_loop(engine: Arc<Engine>) {
+    let mut stopping = engine.stopping.subscribe();
+    loop {
+        let o = engine.options();
+        let now_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i64)
+            .unwrap_or(0);
+        let day_ns: i64 = 86_400 * 1_000_000_000;
+        let folders: Vec<FolderId> = engine
+            .folders
+            .read()
+            .map(|f| f.keys().cloned().collect())
+            .unwrap_or_default();
+        if let Ok(mut j) = engine.journal.lock() {
+            for f in &folders {
+                if o.history_retention_days > 0 {
+                    let _ = j.prune_history(f, now_ns - o.history_retention_days as i64 * day_ns);
+                }
+                if o.tombstone_retention_days > 0 {
+                    let _ =
+                        j.prune_tombstones(f, now_ns - o.tombstone_retention_days as i64 * day_ns);
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(3600)) => {}
+            _ = stopping.changed() => return,
+        }
+    }
+}
+
+/// Coalesces a folder's events and scans what is ready.
+async fn capture_loop(
+    engine: Arc<Engine>,
+    rt: Arc<FolderRt>,
+    mut rx: mpsc::UnboundedReceiver<CaptureMsg>,
+) {
+    let quiet = Duration::from_millis(engine.options().coalesce_ms);
+    let open_quiet = Duration::from_secs(1);
+    let mut c = Coalescer::default();
+    let mut next: Option<Instant> = None;
+    let mut stopping = engine.stopping.subscribe();
+    loop {
+        let sleep = async {
+            match next {
+                Some(t) => tokio::time::sleep_until(t.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            msg = rx.recv() => {
+                let Some(msg) = msg else { return };
+                let now = Instant::now();
+                c.add(msg, now);
+                while let Ok(m) = rx.try_recv() {
+                    c.add(m, now);
+                }
+                rt.capture_pending.store(c.len().max(1), std::sync::atomic::Ordering::Relaxed);
+                let due = now + quiet;
+                next = Some(next.map_or(due, |n| n.min(due)));
+            }
+            _ = sleep => {
+                let (rescan, paths, n) = c.take_ready(Instant::now(), quiet, open_quiet);
+                next = n;
+                let scopes = if rescan { Vec::new() } else { paths };
+                if rescan || !scopes.is_empty() {
+                    if let Err(e) = engine.scan_paths(&rt.id, scopes).await {
+                        tracing::warn!(folder = %rt.id, error = %e, "scan failed");
+                    }
+                }
+                rt.capture_pending.store(c.len(), std::sync::atomic::Ordering::Relaxed);
+            }
+            _ = stopping.changed() => return,
+        }
+    }
+}

@@ -1,0 +1,1414 @@
+//! The journal: this device's durable memory of its replicated folders, one SQLite database
+//! in WAL mode.
+//!
+//! **What it owns.** The schema (numbered migrations in `journal/schema.rs`) and, per folder:
+//! the current record of every path (tombstones included) with the local stat of the file
+//! that backs it and the peer it came from; the local sequence counter and index id; the
+//! append-only history of every change applied here; per-peer progress; the chunk index
+//! (chunk hash → where a local copy lives); and the *pending* rows of the apply bracket
+//! (DESIGN §6).
+//!
+//! **What it never does.** It opens no file but its database and decides nothing: it does
+//! not compare versions, pick winners or look at replica directories. It stores what the
+//! engine hands it, checks it (every record is validated before it is written and again
+//! when it is read back) and gives it back. The wall clock is read only to timestamp
+//! history rows, and [`Journal::commit_at`] takes that time as an argument.
+//!
+//! # Commit order
+//!
+//! [`Journal::commit`] is one SQLite transaction:
+//! 1. `BEGIN IMMEDIATE`: the write lock is taken up-front, so a commit never fails half-way
+//!    on a lock upgrade;
+//! 2. read the folder's `max_sequence` (creating the folder if it is new);
+//! 3. for each change, in order: validate the record; `seq = ++max_sequence`; write the
+//!    current record (with `seq`, local stat, source, `changed_at = now`), updating the
+//!    existing row in place so its id stays; append the history row; replace the chunk-index
+//!    rows of that record (live files only: offsets are the running sum of chunk lengths);
+//!    delete the pending row of that path;
+//! 4. store `max_sequence` and the folder's counts, adjusted by what each change replaced;
+//! 5. `COMMIT`.
+//!
+//! An error or a crash anywhere before step 5 leaves nothing of the batch behind: no record,
+//! no history row, no consumed sequence. So sequences are gapless, every history row has a
+//! record change with the same sequence, and a peer that resumes from a sequence misses
+//! nothing.
+//!
+//! # Durability
+//!
+//! `synchronous = NORMAL` in WAL mode: every transaction is atomic, and transactions reach the
+//! disk in order — a power cut may lose the last few, never half of one, never one without
+//! those before it (so peer progress written after a commit never outlives that commit).
+//! [`Journal::put_pending`] alone runs with `synchronous = FULL`: it is the promise written
+//! before the store renames files into place, and it must be on disk before any rename is.
+//! The commit that replaces it afterwards needs no flush: if it is lost, the pending rows
+//! survive and start-up completes them.
+//!
+//! # Storage conventions
+//!
+//! - SQLite integers are signed 64-bit. u64 values (sequences, index ids, short ids, sizes,
+//!   inodes) are stored **bit-cast** (`v as i64`, read back `as u64`): values ≥ 2^63 read back
+//!   exactly but sort negative in SQL. Only sequences are compared in SQL, and they never get
+//!   there.
+//! - Paths are stored as their UTF-8 text; SQLite's BINARY collation orders them byte-wise,
+//!   exactly as `RelPath`'s `Ord` does. "Ordered by path" means that order.
+//! - Version vectors and chunk lists are postcard-encoded blobs; hashes and device ids are
+//!   32-byte blobs.
+//! - The chunk index refers to a record by its row id (not its path, which would be repeated
+//!   per chunk) and is searched by the first 8 bytes of the chunk hash.
+
+mod rows;
+mod schema;
+
+use meshfs_protocol::{
+    DeviceId, FileKind, FileRecord, FolderId, Hash, RecordError, RelPath, ShortId, VersionVector,
+};
+use rows::{encode, to_i64, to_u64, HISTORY_COLUMNS, RECORD_COLUMNS};
+use rusqlite::ffi::ErrorCode;
+use rusqlite::types::Value;
+use rusqlite::{params, params_from_iter, Connection, OptionalExtension, TransactionBehavior};
+use std::fmt;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How long a statement waits for another connection's lock before failing.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+/// SQLite page cache per connection, in KiB (a negative `cache_size` is KiB).
+const CACHE_KIB: i64 = 8000;
+/// At most this many locations are returned for one chunk: one good copy is enough, a few
+/// allow for copies that changed on disk since they were journaled.
+pub const MAX_CHUNK_LOCATIONS: usize = 8;
+
+/// Why a journal operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// An SQLite error without a more specific meaning.
+    #[error("journal database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The journal file cannot be opened or created.
+    #[error("cannot open the journal {}: {source}; check that its directory exists and is writable", path.display())]
+    CannotOpen {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite said.
+        source: rusqlite::Error,
+    },
+    /// The file exists but is not a meshfs journal.
+    #[error("{} is not a meshfs journal: {reason}; move it aside or point --home elsewhere", path.display())]
+    NotAJournal {
+        /// The file.
+        path: PathBuf,
+        /// What it is instead.
+        reason: String,
+    },
+    /// The journal was written by a newer meshfs.
+    #[error("the journal {} has schema version {found}, this meshfs understands up to {supported}: it was written by a newer meshfs; upgrade meshfs", path.display())]
+    TooNew {
+        /// The database file.
+        path: PathBuf,
+        /// Its schema version.
+        found: u32,
+        /// The newest version this build knows.
+        supported: u32,
+    },
+    /// SQLite reports the database file damaged.
+    #[error("the journal {} is damaged ({source}); stop the daemon and move the file aside: meshfs rescans the folders into a new journal (their change history is lost)", path.display())]
+    Damaged {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite said.
+        source: rusqlite::Error,
+    },
+    /// Another connection held the database lock for longer than the busy timeout.
+    #[error("the journal {} stayed locked by another process ({source}); is another meshfs daemon running with the same --home?", path.display())]
+    Locked {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite said.
+        source: rusqlite::Error,
+    },
+    /// The disk holding the journal is full.
+    #[error("the disk holding the journal {} is full ({source}): the change was not recorded; free some space", path.display())]
+    DiskFull {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite said.
+        source: rusqlite::Error,
+    },
+    /// A stored row does not decode or breaks a record invariant.
+    #[error("journal row is unreadable: {what}; the journal may be damaged: stop the daemon and move it aside to rebuild it by a rescan")]
+    Corrupt {
+        /// Which row, and what is wrong with it.
+        what: String,
+    },
+    /// The caller asked to journal a record that breaks its invariants (a bug in the caller).
+    #[error("refusing to journal an invalid record in folder {folder}: {source}")]
+    InvalidRecord {
+        /// The folder.
+        folder: FolderId,
+        /// What is wrong with the record.
+        source: RecordError,
+    },
+}
+
+/// Result of journal operations.
+pub type Result<T> = std::result::Result<T, JournalError>;
+
+/// What the scanner knows about the file on disk that backs a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct LocalStat {
+    /// Inode number.
+    pub inode: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, ns since the Unix epoch.
+    pub mtime_ns: i64,
+    /// Status change time, ns since the Unix epoch.
+    pub ctime_ns: i64,
+    /// `st_mode` (type and permission bits).
+    pub mode: u32,
+}
+
+/// The operation a history row records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A path came into existence.
+    Create,
+    /// A file's content changed.
+    Modify,
+    /// A path was deleted (the record is a tombstone).
+    Delete,
+    /// A path appeared as the destination of a rename.
+    Rename,
+    /// Only metadata (mode, mtime) changed.
+    Metadata,
+    /// The result of resolving a conflict.
+    Conflict,
+}
+
+impl Op {
+    /// Lower-case name, as stored and shown.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Op::Create => "create",
+            Op::Modify => "modify",
+            Op::Delete => "delete",
+            Op::Rename => "rename",
+            Op::Metadata => "metadata",
+            Op::Conflict => "conflict",
+        }
+    }
+
+    /// Inverse of [`Op::as_str`].
+    pub fn parse(s: &str) -> Option<Op> {
+        Some(match s {
+            "create" => Op::Create,
+            "modify" => Op::Modify,
+            "delete" => Op::Delete,
+            "rename" => Op::Rename,
+            "metadata" => Op::Metadata,
+            "conflict" => Op::Conflict,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One new version to journal.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Change {
+    /// The version; `record.sequence` is ignored: commit assigns the sequence.
+    pub record: FileRecord,
+    /// What happened, for history.
+    pub op: Op,
+    /// The file on disk that backs it; `None` for tombstones or when unknown.
+    pub local: Option<LocalStat>,
+    /// The peer this version was received from; `None` = made on this device.
+    pub source: Option<DeviceId>,
+    /// Free text (or JSON) for history, e.g. a rename's origin or a conflict's description.
+    pub detail: Option<String>,
+}
+
+/// A current record as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredRecord {
+    /// The record; `record.sequence` is its local sequence.
+    pub record: FileRecord,
+    /// The file on disk that backs it, as last seen.
+    pub local: Option<LocalStat>,
+    /// The peer it was received from; `None` = made on this device.
+    pub source: Option<DeviceId>,
+}
+
+/// A folder's index identity and sequence counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FolderState {
+    /// Random, non-zero; a new one tells peers to forget what they know of our sequences.
+    pub index_id: u64,
+    /// The highest sequence assigned in this folder (0 before the first commit).
+    pub max_sequence: u64,
+}
+
+/// One row of a folder's history.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistoryEntry {
+    /// The local sequence assigned to this change.
+    pub sequence: u64,
+    /// When it was journaled here, ns since the Unix epoch (wall clock).
+    pub time_ns: i64,
+    /// The path.
+    pub path: RelPath,
+    /// What happened.
+    pub op: Op,
+    /// What the path is.
+    pub kind: FileKind,
+    /// Whether the version is a tombstone.
+    pub deleted: bool,
+    /// The device that made the version.
+    pub modified_by: ShortId,
+    /// The peer it came from; `None` = made here.
+    pub source: Option<DeviceId>,
+    /// The version's vector.
+    pub version: VersionVector,
+    /// Content hash.
+    pub hash: Hash,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Free text given with the change.
+    pub detail: Option<String>,
+}
+
+/// Which history rows to return.
+///
+/// The result is ascending by sequence. With `since_time_ns` or `since_sequence`, it is the
+/// *first* `limit` matches after that point; otherwise the *last* `limit` matches (the most
+/// recent), still ascending.
+#[derive(Clone, Debug, Default)]
+pub struct HistoryQuery {
+    /// That path, or anything below it.
+    pub path: Option<RelPath>,
+    /// Versions made by this device (`modified_by`).
+    pub device: Option<ShortId>,
+    /// Rows journaled at or after this time (inclusive).
+    pub since_time_ns: Option<i64>,
+    /// Rows with a sequence greater than this (exclusive).
+    pub since_sequence: Option<u64>,
+    /// At most this many rows.
+    pub limit: Option<usize>,
+}
+
+/// How far a peer and this device have exchanged one folder's index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerProgress {
+    /// The peer's index id that `their_sequence` refers to.
+    pub their_index_id: u64,
+    /// The highest of their records applied here.
+    pub their_sequence: u64,
+    /// The highest of ours they acknowledged.
+    pub our_acked: u64,
+}
+
+/// Where a local copy of a chunk lives (as of the last journaled version of that file; the
+/// reader verifies the hash, since the file may have changed since).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkLocation {
+    /// The folder.
+    pub folder: FolderId,
+    /// The file.
+    pub path: RelPath,
+    /// Byte offset of the chunk in the file.
+    pub offset: u64,
+    /// Length of the chunk.
+    pub len: u32,
+}
+
+/// What a folder holds, by current records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FolderCounts {
+    /// Live regular files.
+    pub files: u64,
+    /// Live directories.
+    pub dirs: u64,
+    /// Live symlinks.
+    pub symlinks: u64,
+    /// Total size of live files.
+    pub bytes: u64,
+    /// Tombstones of any kind.
+    pub tombstones: u64,
+}
+
+/// The journal database. `Send`; the engine shares it behind a mutex.
+pub struct Journal {
+    conn: Connection,
+    path: PathBuf,
+    schema_version: u32,
+}
+
+impl fmt::Debug for Journal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Journal")
+            .field("path", &self.path)
+            .field("schema_version", &self.schema_version)
+            .finish()
+    }
+}
+
+// Insert and update are separate statements (after a probe) rather than one upsert: a
+// single-row INSERT or rowid UPDATE needs no statement journal, and the probe tells whether
+// old chunk rows exist. Parameters are the same for both: ?1 is the folder key on insert and
+// the record id on update.
+const INSERT_RECORD: &str = "INSERT INTO records (folder, path, kind, deleted, mode, mtime_ns, \
+    size, hash, chunks, target, version, modified_by, sequence, local_inode, local_size, \
+    local_mtime_ns, local_ctime_ns, local_mode, source, changed_at) \
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20)";
+
+const UPDATE_RECORD: &str = "UPDATE records SET kind = ?3, deleted = ?4, mode = ?5, \
+    mtime_ns = ?6, size = ?7, hash = ?8, chunks = ?9, target = ?10, version = ?11, \
+    modified_by = ?12, sequence = ?13, local_inode = ?14, local_size = ?15, \
+    local_mtime_ns = ?16, local_ctime_ns = ?17, local_mode = ?18, source = ?19, \
+    changed_at = ?20 WHERE id = ?1 AND path = ?2";
+
+const INSERT_HISTORY: &str = "INSERT INTO history (folder, sequence, time_ns, path, op, kind, \
+    deleted, modified_by, source, version, hash, size, mode, detail) \
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)";
+
+/// The range of the paths strictly below `dir`: every "dir/…" sorts in `["dir/", "dir0")`
+/// because `'0'` is the byte after `'/'`.
+fn below_bounds(dir: &RelPath) -> (String, String) {
+    (format!("{}/", dir.as_str()), format!("{}0", dir.as_str()))
+}
+
+fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// The chunk index's key for a hash: its first 8 bytes (see the schema).
+fn hash_key(hash: &Hash) -> i64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&hash.0[..8]);
+    i64::from_be_bytes(b)
+}
+
+fn limit_sql(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+fn device_blob(d: &Option<DeviceId>) -> Option<&[u8]> {
+    d.as_ref().map(|d| &d.as_bytes()[..])
+}
+
+/// Turns SQLite errors that have a meaning for the user into errors that name the file.
+fn classify(path: &Path, e: JournalError) -> JournalError {
+    let JournalError::Sqlite(err) = e else {
+        return e;
+    };
+    let path = path.to_path_buf();
+    match err.sqlite_error_code() {
+        Some(ErrorCode::DatabaseCorrupt) | Some(ErrorCode::NotADatabase) => {
+            JournalError::Damaged { path, source: err }
+        }
+        Some(ErrorCode::DatabaseBusy) | Some(ErrorCode::DatabaseLocked) => {
+            JournalError::Locked { path, source: err }
+        }
+        Some(ErrorCode::DiskFull) => JournalError::DiskFull { path, source: err },
+        Some(ErrorCode::CannotOpen) => JournalError::CannotOpen { path, source: err },
+        _ => JournalError::Sqlite(err),
+    }
+}
+
+/// The folder's key and state, if it exists.
+fn lookup_folder(conn: &Connection, folder: &FolderId) -> Result<Option<(i64, FolderState)>> {
+    let mut st =
+        conn.prepare_cached("SELECT id, index_id, max_sequence FROM folders WHERE name = ?1")?;
+    let row = st
+        .query_row([folder.as_str()], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })
+        .optional()?;
+    Ok(row.map(|(key, index_id, max)| {
+        (
+            key,
+            FolderState {
+                index_id: to_u64(index_id),
+                max_sequence: to_u64(max),
+            },
+        )
+    }))
+}
+
+fn new_index_id() -> u64 {
+    loop {
+        let id: u64 = rand::random();
+        if id != 0 {
+            return id;
+        }
+    }
+}
+
+/// The folder's key and state, creating the folder if it is missing.
+fn ensure_folder(conn: &Connection, folder: &FolderId) -> Result<(i64, FolderState)> {
+    if let Some(found) = lookup_folder(conn, folder)? {
+        return Ok(found);
+    }
+    let index_id = new_index_id();
+    conn.prepare_cached("INSERT INTO folders (name, index_id, max_sequence) VALUES (?1, ?2, 0)")?
+        .execute(params![folder.as_str(), to_i64(index_id)])?;
+    Ok((
+        conn.last_insert_rowid(),
+        FolderState {
+            index_id,
+            max_sequence: 0,
+        },
+    ))
+}
+
+impl Journal {
+    /// Opens the journal at `path`, creating it if missing and migrating it to the current
+    /// schema. A file that is not a meshfs journal, is damaged, or was written by a newer
+    /// meshfs gives an error naming the path.
+    pub fn open(path: &Path) -> Result<Journal> {
+        let opened = (|| {
+            let mut conn = Connection::open(path)?;
+            conn.busy_timeout(BUSY_TIMEOUT)?;
+            // Read-only checks first, so that a file that is not ours is left byte for byte
+            // as it was (switching to WAL would rewrite its header). The first read of a
+            // file that is not a database fails here.
+            let found = schema::check_identity(&conn, path)?;
+            let mode: String =
+                conn.pragma_update_and_check(None, "journal_mode", "wal", |r| r.get(0))?;
+            if !mode.eq_ignore_ascii_case("wal") {
+                tracing::warn!(
+                    path = %path.display(),
+                    mode,
+                    "the journal's file system does not support WAL mode; using {mode}"
+                );
+            }
+            conn.pragma_update(None, "synchronous", "NORMAL")?;
+            conn.pragma_update(None, "cache_size", -CACHE_KIB)?;
+            // Checkpoint every 16 MiB of WAL rather than 4: a page rewritten by several
+            // commits in that window (random leaves of the path and hash indexes at first
+            // scan) is copied into the database once. Truncate the WAL back after that.
+            conn.pragma_update(None, "wal_autocheckpoint", 4000)?;
+            conn.pragma_update(None, "journal_size_limit", 64i64 << 20)?;
+            conn.set_prepared_statement_cache_capacity(64);
+            let version = schema::migrate(&mut conn, path, found)?;
+            Ok((conn, version))
+        })();
+        let (conn, schema_version) = opened.map_err(|e| match e {
+            JournalError::Sqlite(err)
+                if err.sqlite_error_code() == Some(ErrorCode::NotADatabase) =>
+            {
+                JournalError::NotAJournal {
+                    path: path.to_path_buf(),
+                    reason: format!("it is not an SQLite database ({err})"),
+                }
+            }
+            e => classify(path, e),
+        })?;
+        Ok(Journal {
+            conn,
+            path: path.to_path_buf(),
+            schema_version,
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The schema version of the open database (always the latest this build knows).
+    pub fn schema_version(&self) -> u32 {
+        self.schema_version
+    }
+
+    /// Runs a read, naming the file in errors that concern it.
+    fn read<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        f(&self.conn).map_err(|e| classify(&self.path, e))
+    }
+
+    /// Runs `f` in one IMMEDIATE transaction: all of it is committed, or none of it.
+    fn write<T>(&mut self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        let r = (|| {
+            let tx = self
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let v = f(&tx)?;
+            tx.commit()?;
+            Ok(v)
+        })();
+        r.map_err(|e| classify(&self.path, e))
+    }
+
+    /// The folder's state, creating the folder (random non-zero index id, sequence 0) if it
+    /// is missing.
+    pub fn folder(&mut self, folder: &FolderId) -> Result<FolderState> {
+        self.write(|tx| Ok(ensure_folder(tx, folder)?.1))
+    }
+
+    /// Every folder in the journal, ordered by folder id.
+    pub fn folders(&self) -> Result<Vec<(FolderId, FolderState)>> {
+        self.read(|c| {
+            let mut st =
+                c.prepare_cached("SELECT name, index_id, max_sequence FROM folders ORDER BY name")?;
+            let mut rows = st.query([])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let name: String = r.get(0)?;
+                out.push((
+                    rows::folder_id(&name)?,
+                    FolderState {
+                        index_id: to_u64(r.get(1)?),
+                        max_sequence: to_u64(r.get(2)?),
+                    },
+                ));
+            }
+            Ok(out)
+        })
+    }
+
+    /// Deletes every row of the folder (records, history, peers, chunks, pending) in one
+    /// transaction. Nothing happens if the folder is unknown.
+    pub fn remove_folder(&mut self, folder: &FolderId) -> Result<()> {
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(());
+            };
+            for table in ["chunks", "history", "records", "pending", "peers"] {
+                tx.execute(&format!("DELETE FROM {table} WHERE folder = ?1"), [key])?;
+            }
+            tx.execute("DELETE FROM folders WHERE id = ?1", [key])?;
+            Ok(())
+        })
+    }
+
+    /// Gives the folder a new random index id (creating it if missing), so that peers
+    /// re-request our whole index, and forgets what every peer acknowledged of ours. The
+    /// sequence counter continues.
+    pub fn reset_index(&mut self, folder: &FolderId) -> Result<FolderState> {
+        self.write(|tx| {
+            let (key, state) = ensure_folder(tx, folder)?;
+            let mut index_id = new_index_id();
+            while index_id == state.index_id {
+                index_id = new_index_id();
+            }
+            tx.execute(
+                "UPDATE folders SET index_id = ?2 WHERE id = ?1",
+                params![key, to_i64(index_id)],
+            )?;
+            tx.execute("UPDATE peers SET our_acked = 0 WHERE folder = ?1", [key])?;
+            Ok(FolderState { index_id, ..state })
+        })
+    }
+
+    /// The current record of `path`, tombstones included.
+    pub fn get(&self, folder: &FolderId, path: &RelPath) -> Result<Option<StoredRecord>> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(None);
+            };
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {RECORD_COLUMNS} FROM records WHERE folder = ?1 AND path = ?2"
+            ))?;
+            let mut rows = st.query(params![key, path.as_str()])?;
+            match rows.next()? {
+                Some(r) => Ok(Some(rows::stored_record(folder, r)?)),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Every record strictly below `dir` ("dir/…", tombstones included), ordered by path.
+    pub fn below(&self, folder: &FolderId, dir: &RelPath) -> Result<Vec<StoredRecord>> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let (lo, hi) = below_bounds(dir);
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {RECORD_COLUMNS} FROM records \
+                 WHERE folder = ?1 AND path >= ?2 AND path < ?3 ORDER BY path"
+            ))?;
+            let mut rows = st.query(params![key, lo, hi])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                out.push(rows::stored_record(folder, r)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Whether any non-deleted record lies strictly below `dir`.
+    pub fn has_live_below(&self, folder: &FolderId, dir: &RelPath) -> Result<bool> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(false);
+            };
+            let (lo, hi) = below_bounds(dir);
+            let mut st = c.prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM records \
+                 WHERE folder = ?1 AND path >= ?2 AND path < ?3 AND deleted = 0)",
+            )?;
+            Ok(st.query_row(params![key, lo, hi], |r| r.get::<_, bool>(0))?)
+        })
+    }
+
+    /// Calls `f` with every current record (tombstones too), ordered by path, one row at a
+    /// time (memory does not grow with the folder), until `f` breaks.
+    ///
+    /// The statement stays open while `f` runs: `f` may read the journal, but a write through
+    /// another connection waits for it (WAL readers do not block writers of this database,
+    /// but this connection's own writes are impossible while it is borrowed).
+    pub fn for_each_record(
+        &self,
+        folder: &FolderId,
+        f: &mut dyn FnMut(StoredRecord) -> ControlFlow<()>,
+    ) -> Result<()> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(());
+            };
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {RECORD_COLUMNS} FROM records WHERE folder = ?1 ORDER BY path"
+            ))?;
+            let mut rows = st.query([key])?;
+            while let Some(r) = rows.next()? {
+                if f(rows::stored_record(folder, r)?).is_break() {
+                    break;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Current records with a sequence greater than `after`, ascending, at most `limit`.
+    pub fn records_since(
+        &self,
+        folder: &FolderId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<StoredRecord>> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {RECORD_COLUMNS} FROM records \
+                 WHERE folder = ?1 AND sequence > ?2 ORDER BY sequence LIMIT ?3"
+            ))?;
+            let mut rows = st.query(params![key, to_i64(after), limit_sql(limit)])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                out.push(rows::stored_record(folder, r)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Journals `changes` in one transaction (see the module's commit order), timestamping
+    /// history with the wall clock. Returns the assigned sequences, in order.
+    pub fn commit(&mut self, folder: &FolderId, changes: Vec<Change>) -> Result<Vec<u64>> {
+        self.commit_at(folder, changes, now_ns())
+    }
+
+    /// [`Journal::commit`] with an explicit history time (ns since the Unix epoch).
+    pub fn commit_at(
+        &mut self,
+        folder: &FolderId,
+        changes: Vec<Change>,
+        time_ns: i64,
+    ) -> Result<Vec<u64>> {
+        self.write(|tx| {
+            let (key, state) = ensure_folder(tx, folder)?;
+            let mut seq = state.max_sequence;
+            let mut tally = Tally::default();
+            let mut out = Vec::with_capacity(changes.len());
+            let mut probe = tx.prepare_cached(
+                "SELECT id, kind, deleted, size FROM records WHERE folder = ?1 AND path = ?2",
+            )?;
+            let mut insert = tx.prepare_cached(INSERT_RECORD)?;
+            let mut update = tx.prepare_cached(UPDATE_RECORD)?;
+            let mut history = tx.prepare_cached(INSERT_HISTORY)?;
+            let mut drop_chunks = tx.prepare_cached("DELETE FROM chunks WHERE record = ?1")?;
+            let mut add_chunk = tx.prepare_cached(
+                "INSERT INTO chunks (record, file_offset, len, hash_key, hash, folder) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?;
+            let mut drop_pending =
+                tx.prepare_cached("DELETE FROM pending WHERE folder = ?1 AND path = ?2")?;
+            // Pending rows are rare; when there are none, skip one probe per change.
+            let any_pending: bool = tx
+                .prepare_cached("SELECT EXISTS (SELECT 1 FROM pending WHERE folder = ?1)")?
+                .query_row([key], |r| r.get(0))?;
+            for change in &changes {
+                let rec = &change.record;
+                rec.validate()
+                    .map_err(|source| JournalError::InvalidRecord {
+                        folder: folder.clone(),
+                        source,
+                    })?;
+                seq += 1;
+                let version = encode(&rec.version, "version vector")?;
+                let chunks = encode(&rec.chunks, "chunk list")?;
+                let source = device_blob(&change.source);
+                let local = change.local.as_ref();
+                let existing: Option<(i64, String, bool, i64)> = probe
+                    .query_row(params![key, rec.path.as_str()], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                    })
+                    .optional()?;
+                let old_kind = match &existing {
+                    Some((_, kind, deleted, size)) => {
+                        let kind = FileKind::parse(kind).ok_or_else(|| JournalError::Corrupt {
+                            what: format!(
+                                "folder {folder}, path {}: unknown kind {kind:?}",
+                                rec.path
+                            ),
+                        })?;
+                        tally.remove(kind, *deleted, to_u64(*size));
+                        Some((kind, *deleted))
+                    }
+                    None => None,
+                };
+                tally.add(rec.kind, rec.deleted, rec.size);
+                let values = |first: i64| {
+                    [
+                        Value::Integer(first),
+                        Value::Text(rec.path.as_str().to_string()),
+                        Value::Text(rec.kind.as_str().to_string()),
+                        Value::Integer(rec.deleted.into()),
+                        Value::Integer(rec.mode.into()),
+                        Value::Integer(rec.mtime_ns),
+                        Value::Integer(to_i64(rec.size)),
+                        Value::Blob(rec.hash.0.to_vec()),
+                        Value::Blob(chunks.clone()),
+                        Value::Text(rec.target.clone()),
+                        Value::Blob(version.clone()),
+                        Value::Integer(to_i64(rec.modified_by.0)),
+                        Value::Integer(to_i64(seq)),
+                        local.map_or(Value::Null, |l| Value::Integer(to_i64(l.inode))),
+                        local.map_or(Value::Null, |l| Value::Integer(to_i64(l.size))),
+                        local.map_or(Value::Null, |l| Value::Integer(l.mtime_ns)),
+                        local.map_or(Value::Null, |l| Value::Integer(l.ctime_ns)),
+                        local.map_or(Value::Null, |l| Value::Integer(l.mode.into())),
+                        source.map_or(Value::Null, |s| Value::Blob(s.to_vec())),
+                        Value::Integer(time_ns),
+                    ]
+                };
+                let record_id = match existing {
+                    Some((id, ..)) => {
+                        let n = update.execute(params_from_iter(values(id)))?;
+                        if n != 1 {
+                            return Err(JournalError::Corrupt {
+                                what: format!(
+                                    "folder {folder}, path {}: record {id} vanished during a commit",
+                                    rec.path
+                                ),
+                            });
+                        }
+                        // Only live files have chunk rows (this loop keeps it so).
+                        if old_kind == Some((FileKind::File, false)) {
+                            drop_chunks.execute([id])?;
+                        }
+                        id
+                    }
+                    None => {
+                        insert.execute(params_from_iter(values(key)))?;
+                        tx.last_insert_rowid()
+                    }
+                };
+                history.execute(params![
+                    key,
+                    to_i64(seq),
+                    time_ns,
+                    rec.path.as_str(),
+                    change.op.as_str(),
+                    rec.kind.as_str(),
+                    rec.deleted,
+                    to_i64(rec.modified_by.0),
+                    source,
+                    version,
+                    &rec.hash.0[..],
+                    to_i64(rec.size),
+                    rec.mode,
+                    change.detail,
+                ])?;
+                if rec.kind == FileKind::File && !rec.deleted {
+                    for (offset, chunk) in rec.chunk_offsets() {
+                        add_chunk.execute(params![
+                            record_id,
+                            to_i64(offset),
+                            chunk.len,
+                            hash_key(&chunk.hash),
+                            &chunk.hash.0[..],
+                            key
+                        ])?;
+                    }
+                }
+                if any_pending {
+                    drop_pending.execute(params![key, rec.path.as_str()])?;
+                }
+                out.push(seq);
+            }
+            tx.prepare_cached(
+                "UPDATE folders SET max_sequence = ?2, files = files + ?3, dirs = dirs + ?4, \
+                 symlinks = symlinks + ?5, bytes = bytes + ?6, tombstones = tombstones + ?7 \
+                 WHERE id = ?1",
+            )?
+            .execute(params![
+                key,
+                to_i64(seq),
+                tally.files,
+                tally.dirs,
+                tally.symlinks,
+                tally.bytes,
+                tally.tombstones
+            ])?;
+            Ok(out)
+        })
+    }
+
+    /// Records what the scanner saw on disk for an existing record: no new version, no
+    /// history. Nothing happens if the path has no record.
+    pub fn set_local_stat(
+        &mut self,
+        folder: &FolderId,
+        path: &RelPath,
+        local: LocalStat,
+    ) -> Result<()> {
+        self.set_local_stats(folder, &[(path.clone(), local)])
+    }
+
+    /// [`Journal::set_local_stat`] for many paths in one transaction.
+    pub fn set_local_stats(
+        &mut self,
+        folder: &FolderId,
+        items: &[(RelPath, LocalStat)],
+    ) -> Result<()> {
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(());
+            };
+            let mut st = tx.prepare_cached(
+                "UPDATE records SET local_inode = ?3, local_size = ?4, local_mtime_ns = ?5, \
+                 local_ctime_ns = ?6, local_mode = ?7 WHERE folder = ?1 AND path = ?2",
+            )?;
+            for (path, l) in items {
+                st.execute(params![
+                    key,
+                    path.as_str(),
+                    to_i64(l.inode),
+                    to_i64(l.size),
+                    l.mtime_ns,
+                    l.ctime_ns,
+                    l.mode
+                ])?;
+            }
+            Ok(())
+        })
+    }
+
+    /// History rows matching `q`, ascending by sequence (see [`HistoryQuery`] for `limit`).
+    pub fn history(&self, folder: &FolderId, q: &HistoryQuery) -> Result<Vec<HistoryEntry>> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut sql = format!("SELECT {HISTORY_COLUMNS} FROM history WHERE folder = ?");
+            let mut args = vec![Value::Integer(key)];
+            if let Some(p) = &q.path {
+                // [p, p0) holds p, everything below it, and names like "p.txt" that sort
+                // between them; the last clause keeps only p and "p/…".
+                let (below, hi) = below_bounds(p);
+                sql.push_str(" AND path >= ? AND path < ? AND (path = ? OR path >= ?)");
+                args.push(Value::Text(p.as_str().to_string()));
+                args.push(Value::Text(hi));
+                args.push(Value::Text(p.as_str().to_string()));
+                args.push(Value::Text(below));
+            }
+            if let Some(d) = q.device {
+                sql.push_str(" AND modified_by = ?");
+                args.push(Value::Integer(to_i64(d.0)));
+            }
+            if let Some(t) = q.since_time_ns {
+                sql.push_str(" AND time_ns >= ?");
+                args.push(Value::Integer(t));
+            }
+            if let Some(s) = q.since_sequence {
+                sql.push_str(" AND sequence > ?");
+                args.push(Value::Integer(to_i64(s)));
+            }
+            let oldest_first = q.since_time_ns.is_some() || q.since_sequence.is_some();
+            sql.push_str(if oldest_first {
+                " ORDER BY sequence ASC LIMIT ?"
+            } else {
+                " ORDER BY sequence DESC LIMIT ?"
+            });
+            args.push(Value::Integer(q.limit.map_or(-1, limit_sql)));
+            let mut st = c.prepare_cached(&sql)?;
+            let mut rows = st.query(params_from_iter(args))?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                out.push(rows::history_entry(folder, r)?);
+            }
+            if !oldest_first {
+                out.reverse();
+            }
+            Ok(out)
+        })
+    }
+
+    /// The highest sequence in the folder's history (0 if it has none).
+    pub fn max_history_sequence(&self, folder: &FolderId) -> Result<u64> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(0);
+            };
+            let max: Option<i64> = c
+                .prepare_cached("SELECT max(sequence) FROM history WHERE folder = ?1")?
+                .query_row([key], |r| r.get(0))?;
+            Ok(max.map_or(0, to_u64))
+        })
+    }
+
+    /// How far `peer` and this device got with the folder's index; zeros when unknown.
+    pub fn peer_progress(&self, folder: &FolderId, peer: &DeviceId) -> Result<PeerProgress> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(PeerProgress::default());
+            };
+            let mut st = c.prepare_cached(
+                "SELECT their_index_id, their_sequence, our_acked FROM peers \
+                 WHERE folder = ?1 AND peer = ?2",
+            )?;
+            let row = st
+                .query_row(params![key, &peer.as_bytes()[..]], |r| {
+                    Ok(PeerProgress {
+                        their_index_id: to_u64(r.get(0)?),
+                        their_sequence: to_u64(r.get(1)?),
+                        our_acked: to_u64(r.get(2)?),
+                    })
+                })
+                .optional()?;
+            Ok(row.unwrap_or_default())
+        })
+    }
+
+    /// Records that the peer's records up to `sequence` of its index `index_id` are applied
+    /// here (creating the folder if missing).
+    pub fn set_their_sequence(
+        &mut self,
+        folder: &FolderId,
+        peer: &DeviceId,
+        index_id: u64,
+        sequence: u64,
+    ) -> Result<()> {
+        self.write(|tx| {
+            let (key, _) = ensure_folder(tx, folder)?;
+            tx.prepare_cached(
+                "INSERT INTO peers (folder, peer, their_index_id, their_sequence, our_acked) \
+                 VALUES (?1, ?2, ?3, ?4, 0) ON CONFLICT (folder, peer) DO UPDATE SET \
+                 their_index_id = excluded.their_index_id, \
+                 their_sequence = excluded.their_sequence",
+            )?
+            .execute(params![
+                key,
+                &peer.as_bytes()[..],
+                to_i64(index_id),
+                to_i64(sequence)
+            ])?;
+            Ok(())
+        })
+    }
+
+    /// Records that the peer acknowledged our records up to `sequence` (creating the folder
+    /// if missing).
+    pub fn set_our_acked(
+        &mut self,
+        folder: &FolderId,
+        peer: &DeviceId,
+        sequence: u64,
+    ) -> Result<()> {
+        self.write(|tx| {
+            let (key, _) = ensure_folder(tx, folder)?;
+            tx.prepare_cached(
+                "INSERT INTO peers (folder, peer, their_index_id, their_sequence, our_acked) \
+                 VALUES (?1, ?2, 0, 0, ?3) ON CONFLICT (folder, peer) DO UPDATE SET \
+                 our_acked = excluded.our_acked",
+            )?
+            .execute(params![key, &peer.as_bytes()[..], to_i64(sequence)])?;
+            Ok(())
+        })
+    }
+
+    /// Forgets the peer's progress in every folder.
+    pub fn forget_peer(&mut self, peer: &DeviceId) -> Result<()> {
+        self.write(|tx| {
+            tx.execute("DELETE FROM peers WHERE peer = ?1", [&peer.as_bytes()[..]])?;
+            Ok(())
+        })
+    }
+
+    /// Where local copies of the chunk `hash` live in `folder` (at most
+    /// [`MAX_CHUNK_LOCATIONS`]).
+    pub fn find_chunk(&self, folder: &FolderId, hash: &Hash) -> Result<Vec<ChunkLocation>> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(
+                "SELECT r.path, c.file_offset, c.len FROM chunks c \
+                 JOIN records r ON r.id = c.record \
+                 WHERE c.hash_key = ?1 AND c.hash = ?2 AND c.folder = ?3 LIMIT ?4",
+            )?;
+            let mut rows = st.query(params![
+                hash_key(hash),
+                &hash.0[..],
+                key,
+                limit_sql(MAX_CHUNK_LOCATIONS)
+            ])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                out.push(chunk_location(folder.clone(), r, 0)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Where local copies of the chunk `hash` live in any folder (at most
+    /// [`MAX_CHUNK_LOCATIONS`]).
+    pub fn find_chunk_anywhere(&self, hash: &Hash) -> Result<Vec<ChunkLocation>> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT f.name, r.path, c.file_offset, c.len FROM chunks c \
+                 JOIN records r ON r.id = c.record JOIN folders f ON f.id = c.folder \
+                 WHERE c.hash_key = ?1 AND c.hash = ?2 LIMIT ?3",
+            )?;
+            let mut rows = st.query(params![
+                hash_key(hash),
+                &hash.0[..],
+                limit_sql(MAX_CHUNK_LOCATIONS)
+            ])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let name: String = r.get(0)?;
+                out.push(chunk_location(rows::folder_id(&name)?, r, 1)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Writes the pending side of the apply bracket (DESIGN §6): these remote versions are
+    /// about to be renamed into place. One transaction, flushed to disk before it returns;
+    /// replaces any pending row of the same paths. [`Journal::commit`] of a path, or
+    /// [`Journal::clear_pending`], removes its row.
+    pub fn put_pending(
+        &mut self,
+        folder: &FolderId,
+        items: &[(FileRecord, Option<DeviceId>)],
+    ) -> Result<()> {
+        // FULL only around this transaction: the promise must be durable before any rename.
+        self.conn
+            .pragma_update(None, "synchronous", "FULL")
+            .map_err(|e| classify(&self.path, e.into()))?;
+        let written = self.write(|tx| {
+            let (key, _) = ensure_folder(tx, folder)?;
+            let mut st = tx.prepare_cached(
+                "INSERT OR REPLACE INTO pending (folder, path, record, source) \
+                 VALUES (?1, ?2, ?3, ?4)",
+            )?;
+            for (record, source) in items {
+                record
+                    .validate()
+                    .map_err(|source| JournalError::InvalidRecord {
+                        folder: folder.clone(),
+                        source,
+                    })?;
+                st.execute(params![
+                    key,
+                    record.path.as_str(),
+                    encode(record, "pending record")?,
+                    device_blob(source)
+                ])?;
+            }
+            Ok(())
+        });
+        let restored = self
+            .conn
+            .pragma_update(None, "synchronous", "NORMAL")
+            .map_err(|e| classify(&self.path, e.into()));
+        written.and(restored)
+    }
+
+    /// The pending rows of the folder, ordered by path.
+    pub fn pending(&self, folder: &FolderId) -> Result<Vec<(FileRecord, Option<DeviceId>)>> {
+        self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(
+                "SELECT path, record, source FROM pending WHERE folder = ?1 ORDER BY path",
+            )?;
+            let mut rows = st.query([key])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                out.push(rows::pending_item(folder, r)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Removes the pending rows of `paths` (an apply that was abandoned), in one transaction.
+    pub fn clear_pending(&mut self, folder: &FolderId, paths: &[RelPath]) -> Result<()> {
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(());
+            };
+            let mut st =
+                tx.prepare_cached("DELETE FROM pending WHERE folder = ?1 AND path = ?2")?;
+            for p in paths {
+                st.execute(params![key, p.as_str()])?;
+            }
+            Ok(())
+        })
+    }
+
+    /// How many live files, directories and symlinks, bytes and tombstones the folder holds.
+    ///
+    /// Kept up to date by every commit (and tombstone pruning), so this reads one row.
+    pub fn counts(&self, folder: &FolderId) -> Result<FolderCounts> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT files, dirs, symlinks, bytes, tombstones FROM folders WHERE name = ?1",
+            )?;
+            let row = st
+                .query_row([folder.as_str()], |r| {
+                    Ok([r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?])
+                })
+                .optional()?;
+            let Some(values) = row else {
+                return Ok(FolderCounts::default());
+            };
+            let [files, dirs, symlinks, bytes, tombstones] = values.map(|v: i64| u64::try_from(v));
+            let bad = |_| JournalError::Corrupt {
+                what: format!("folder {folder}: a count is negative: {values:?}"),
+            };
+            Ok(FolderCounts {
+                files: files.map_err(bad)?,
+                dirs: dirs.map_err(bad)?,
+                symlinks: symlinks.map_err(bad)?,
+                bytes: bytes.map_err(bad)?,
+                tombstones: tombstones.map_err(bad)?,
+            })
+        })
+    }
+
+    /// Counts the folder's records from scratch (what [`Journal::counts`] keeps
+    /// incrementally): for checks and repairs, it reads every record.
+    pub fn recount(&self, folder: &FolderId) -> Result<FolderCounts> {
+        self.read(|c| {
+            let mut counts = FolderCounts::default();
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(counts);
+            };
+            let mut st = c.prepare_cached(
+                "SELECT kind, deleted, count(*), coalesce(sum(size), 0) FROM records \
+                 WHERE folder = ?1 GROUP BY kind, deleted",
+            )?;
+            let mut rows = st.query([key])?;
+            while let Some(r) = rows.next()? {
+                let kind: String = r.get(0)?;
+                let deleted: bool = r.get(1)?;
+                let n = to_u64(r.get(2)?);
+                let bytes = to_u64(r.get(3)?);
+                if deleted {
+                    counts.tombstones += n;
+                    continue;
+                }
+                match FileKind::parse(&kind) {
+                    Some(FileKind::File) => {
+                        counts.files += n;
+                        counts.bytes += bytes;
+                    }
+                    Some(FileKind::Dir) => counts.dirs += n,
+                    Some(FileKind::Symlink) => counts.symlinks += n,
+                    None => {
+                        return Err(JournalError::Corrupt {
+                            what: format!("folder {folder}: records of unknown kind {kind:?}"),
+                        })
+                    }
+                }
+            }
+            Ok(counts)
+        })
+    }
+
+    /// Deletes history rows journaled before `older_than_ns`; current records are untouched.
+    /// Returns how many rows were deleted.
+    pub fn prune_history(&mut self, folder: &FolderId, older_than_ns: i64) -> Result<u64> {
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(0);
+            };
+            let n = tx.execute(
+                "DELETE FROM history WHERE folder = ?1 AND time_ns < ?2",
+                params![key, older_than_ns],
+            )?;
+            Ok(n as u64)
+        })
+    }
+
+    /// Deletes tombstones whose last change was journaled before `older_than_ns`. Returns how
+    /// many were deleted.
+    pub fn prune_tombstones(&mut self, folder: &FolderId, older_than_ns: i64) -> Result<u64> {
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(0);
+            };
+            // Tombstones have no chunk rows; this keeps it so even if one had.
+            tx.execute(
+                "DELETE FROM chunks WHERE record IN (SELECT id FROM records \
+                 WHERE folder = ?1 AND deleted = 1 AND changed_at < ?2)",
+                params![key, older_than_ns],
+            )?;
+            let n = tx.execute(
+                "DELETE FROM records WHERE folder = ?1 AND deleted = 1 AND changed_at < ?2",
+                params![key, older_than_ns],
+            )?;
+            tx.execute(
+                "UPDATE folders SET tombstones = tombstones - ?2 WHERE id = ?1",
+                params![key, n as i64],
+            )?;
+            Ok(n as u64)
+        })
+    }
+}
+
+/// Changes to a folder's counts during one commit.
+#[derive(Default)]
+struct Tally {
+    files: i64,
+    dirs: i64,
+    symlinks: i64,
+    bytes: i64,
+    tombstones: i64,
+}
+
+impl Tally {
+    fn apply(&mut self, kind: FileKind, deleted: bool, size: u64, sign: i64) {
+        if deleted {
+            self.tombstones += sign;
+            return;
+        }
+        match kind {
+            FileKind::File => {
+                self.files += sign;
+                self.bytes = self.bytes.wrapping_add(sign.wrapping_mul(to_i64(size)));
+            }
+            FileKind::Dir => self.dirs += sign,
+            FileKind::Symlink => self.symlinks += sign,
+        }
+    }
+
+    fn add(&mut self, kind: FileKind, deleted: bool, size: u64) {
+        self.apply(kind, deleted, size, 1);
+    }
+
+    fn remove(&mut self, kind: FileKind, deleted: bool, size: u64) {
+        self.apply(kind, deleted, size, -1);
+    }
+}
+
+/// Decodes `path, file_offset, len` starting at column `first`.
+fn chunk_location(folder: FolderId, r: &rusqlite::Row<'_>, first: usize) -> Result<ChunkLocation> {
+    let raw: String = r.get(first)?;
+    let len: i64 = r.get(first + 2)?;
+    let len = u32::try_from(len).map_err(|_| JournalError::Corrupt {
+        what: format!("folder {folder}, path {raw:?}: chunk length {len} is not a u32"),
+    })?;
+    Ok(ChunkLocation {
+        path: rows::path_of(&folder, &raw)?,
+        offset: to_u64(r.get(first + 1)?),
+        len,
+        folder,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_names_round_trip() {
+        for op in [
+            Op::Create,
+            Op::Modify,
+            Op::Delete,
+            Op::Rename,
+            Op::Metadata,
+            Op::Conflict,
+        ] {
+            assert_eq!(Op::parse(op.as_str()), Some(op));
+        }
+        assert_eq!(Op::parse("moved"), None);
+    }
+
+    #[test]
+    fn below_bounds_hold_exactly_the_subtree() {
+        let dir = RelPath::new("a/b").unwrap();
+        let (lo, hi) = below_bounds(&dir);
+        let inside = |p: &str| p >= lo.as_str() && p < hi.as_str();
+        for p in ["a/b/c", "a/b/c/d", "a/b/\u{10FFFF}", "a/b/!"] {
+            assert!(inside(p), "{p}");
+        }
+        for p in [
+            "a/b",
+            "a/b.txt",
+            "a/b!",
+            "a/b0",
+            "a/bc",
+            "a/c",
+            "a/b\u{e9}/x",
+        ] {
+            assert!(!inside(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn bit_cast_keeps_every_u64() {
+        for v in [0, 1, i64::MAX as u64, i64::MAX as u64 + 1, u64::MAX] {
+            assert_eq!(to_u64(to_i64(v)), v);
+        }
+    }
+
+    #[test]
+    fn sqlite_errors_that_concern_the_file_name_it() {
+        let err = rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CORRUPT),
+            None,
+        );
+        let e = classify(Path::new("/x/journal.db"), JournalError::Sqlite(err));
+        assert!(matches!(e, JournalError::Damaged { .. }));
+        assert!(e.to_string().contains("/x/journal.db"), "{e}");
+    }
+
+    #[test]
+    fn journal_is_send() {
+        fn send<T: Send>() {}
+        send::<Journal>();
+    }
+}

@@ -1,0 +1,194 @@
+//! The journal's schema: numbered migrations, and the checks that a file is a meshfs journal.
+//!
+//! The schema version lives in `PRAGMA user_version`; `PRAGMA application_id` marks the file as
+//! meshfs's. Migration `n` (1-based) turns version `n - 1` into version `n` and runs in one
+//! transaction together with the version bump, so a crash mid-migration leaves the previous
+//! version intact. Migrations are only ever appended: an existing one is never edited.
+
+use super::{JournalError, Result};
+use rusqlite::{Connection, TransactionBehavior};
+use std::path::Path;
+
+/// `PRAGMA application_id` of a meshfs journal: "mshf".
+pub(super) const APPLICATION_ID: i32 = 0x6D73_6866;
+
+/// Every migration, in order; `MIGRATIONS[n - 1]` produces schema version `n`.
+///
+/// Integers are SQLite's signed 64 bits; u64 values are stored bit-cast (see the module
+/// documentation of `journal`). Tables are STRICT so a value of the wrong type is refused
+/// when written instead of discovered when read.
+const MIGRATIONS: &[&str] = &[
+    // 1: folders, current records, history, peers, chunk index, pending bracket.
+    r#"
+    CREATE TABLE folders (
+        id           INTEGER PRIMARY KEY,
+        name         TEXT NOT NULL UNIQUE,
+        index_id     INTEGER NOT NULL,
+        max_sequence INTEGER NOT NULL,
+        -- FolderCounts, kept by every commit so that status reads one row
+        files        INTEGER NOT NULL DEFAULT 0,
+        dirs         INTEGER NOT NULL DEFAULT 0,
+        symlinks     INTEGER NOT NULL DEFAULT 0,
+        bytes        INTEGER NOT NULL DEFAULT 0,
+        tombstones   INTEGER NOT NULL DEFAULT 0
+    ) STRICT;
+
+    CREATE TABLE records (
+        id             INTEGER PRIMARY KEY,
+        folder         INTEGER NOT NULL,
+        path           TEXT NOT NULL,
+        kind           TEXT NOT NULL,
+        deleted        INTEGER NOT NULL,
+        mode           INTEGER NOT NULL,
+        mtime_ns       INTEGER NOT NULL,
+        size           INTEGER NOT NULL,
+        hash           BLOB NOT NULL,
+        chunks         BLOB NOT NULL,
+        target         TEXT NOT NULL,
+        version        BLOB NOT NULL,
+        modified_by    INTEGER NOT NULL,
+        sequence       INTEGER NOT NULL,
+        local_inode    INTEGER,
+        local_size     INTEGER,
+        local_mtime_ns INTEGER,
+        local_ctime_ns INTEGER,
+        local_mode     INTEGER,
+        source         BLOB,
+        changed_at     INTEGER NOT NULL,
+        UNIQUE (folder, path)
+    ) STRICT;
+    CREATE UNIQUE INDEX records_by_sequence ON records (folder, sequence);
+
+    CREATE TABLE history (
+        folder      INTEGER NOT NULL,
+        sequence    INTEGER NOT NULL,
+        time_ns     INTEGER NOT NULL,
+        path        TEXT NOT NULL,
+        op          TEXT NOT NULL,
+        kind        TEXT NOT NULL,
+        deleted     INTEGER NOT NULL,
+        modified_by INTEGER NOT NULL,
+        source      BLOB,
+        version     BLOB NOT NULL,
+        hash        BLOB NOT NULL,
+        size        INTEGER NOT NULL,
+        mode        INTEGER NOT NULL,
+        detail      TEXT,
+        PRIMARY KEY (folder, sequence)
+    ) STRICT, WITHOUT ROWID;
+    CREATE INDEX history_by_path ON history (folder, path, sequence);
+    CREATE INDEX history_by_time ON history (folder, time_ns);
+
+    CREATE TABLE peers (
+        folder         INTEGER NOT NULL,
+        peer           BLOB NOT NULL,
+        their_index_id INTEGER NOT NULL,
+        their_sequence INTEGER NOT NULL,
+        our_acked      INTEGER NOT NULL,
+        PRIMARY KEY (folder, peer)
+    ) STRICT, WITHOUT ROWID;
+    CREATE INDEX peers_by_peer ON peers (peer);
+
+    -- hash_key is the first 8 bytes of hash (big-endian, bit-cast): chunk hashes are random,
+    -- so every insert lands on a random leaf of the hash index, and a key of 8 bytes instead
+    -- of 32 keeps that index small enough to stay in the page cache.
+    CREATE TABLE chunks (
+        record      INTEGER NOT NULL,
+        file_offset INTEGER NOT NULL,
+        len         INTEGER NOT NULL,
+        hash_key    INTEGER NOT NULL,
+        hash        BLOB NOT NULL,
+        folder      INTEGER NOT NULL,
+        PRIMARY KEY (record, file_offset)
+    ) STRICT, WITHOUT ROWID;
+    CREATE INDEX chunks_by_hash ON chunks (hash_key);
+
+    CREATE TABLE pending (
+        folder INTEGER NOT NULL,
+        path   TEXT NOT NULL,
+        record BLOB NOT NULL,
+        source BLOB,
+        PRIMARY KEY (folder, path)
+    ) STRICT;
+    "#,
+];
+
+/// The schema version this build writes and understands.
+pub(super) const LATEST_VERSION: u32 = MIGRATIONS.len() as u32;
+
+/// Migrates a database that [`check_identity`] accepted at version `found` to
+/// [`LATEST_VERSION`]. Returns the schema version.
+pub(super) fn migrate(conn: &mut Connection, path: &Path, found: u32) -> Result<u32> {
+    if found == LATEST_VERSION {
+        return Ok(found);
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate() {
+        let version = i as u32 + 1;
+        // IMMEDIATE, and the version re-read inside: another process opening the same new
+        // file at the same moment migrates first, and this one then sees nothing to do.
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let current = user_version(&tx)?;
+        if current >= version {
+            continue;
+        }
+        tx.execute_batch(sql)?;
+        tx.pragma_update(None, "user_version", version)?;
+        tx.pragma_update(None, "application_id", APPLICATION_ID)?;
+        tx.commit()?;
+    }
+    let now = user_version(conn)?;
+    if now != LATEST_VERSION {
+        return Err(JournalError::Corrupt {
+            what: format!(
+                "{}: schema version is {now} after migrating to {LATEST_VERSION}",
+                path.display()
+            ),
+        });
+    }
+    Ok(now)
+}
+
+/// Reads the file's identity and schema version, refusing files that belong to another
+/// program or to a newer meshfs. Writes nothing.
+pub(super) fn check_identity(conn: &Connection, path: &Path) -> Result<u32> {
+    let app: i32 = conn.pragma_query_value(None, "application_id", |r| r.get(0))?;
+    let version = user_version(conn)?;
+    let not_ours = |reason: String| JournalError::NotAJournal {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if app != APPLICATION_ID {
+        if app != 0 {
+            return Err(not_ours(format!(
+                "it is an SQLite database with application id {app:#x}, not meshfs's"
+            )));
+        }
+        let tables: i64 = conn.query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'table'",
+            [],
+            |r| r.get(0),
+        )?;
+        // A database without our mark may only be new: no tables and schema version 0.
+        if version != 0 || tables != 0 {
+            return Err(not_ours(format!(
+                "it is an SQLite database of another program ({tables} tables, user_version {version})"
+            )));
+        }
+    }
+    if version > LATEST_VERSION {
+        return Err(JournalError::TooNew {
+            path: path.to_path_buf(),
+            found: version,
+            supported: LATEST_VERSION,
+        });
+    }
+    Ok(version)
+}
+
+fn user_version(conn: &Connection) -> Result<u32> {
+    let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    // user_version is a signed 32-bit header field: a negative value is not ours.
+    u32::try_from(v).map_err(|_| JournalError::Corrupt {
+        what: format!("schema version {v} is negative"),
+    })
+}

@@ -1,0 +1,639 @@
+//! Peer connections: dialing with backoff, accepting, keeping exactly one connection per peer,
+//! driving a [`Session`] over it, and serving and fetching chunks on request streams.
+//!
+//! **One connection per peer pair.** When both sides dial at once, each ends up holding two
+//! connections; both keep the one dialed by the larger device id and close the other, so the
+//! choice is the same on both ends without another round trip and no dial waits on a timer.
+//!
+//! The session logic (what to send, when a folder is in sync) lives in [`crate::session`]; this
+//! module only moves its messages and runs the applies it asks for.
+
+use crate::engine::Engine;
+use crate::journal::Journal;
+use crate::session::{Action, FolderSyncStatus, IndexSource, Session, SessionFolder};
+use crate::transport::{self, LinkStats};
+use meshfs_protocol::{
+    ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hash, Message,
+};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, Notify};
+
+/// Most hashes in one chunk request.
+const REQUEST_HASHES: usize = 256;
+/// Most bytes asked for in one chunk request.
+const REQUEST_BYTES: u64 = 4 << 20;
+/// Chunk requests in flight per fetch.
+const REQUESTS_IN_FLIGHT: usize = 24;
+
+/// A live connection to a peer.
+#[derive(Clone)]
+pub struct PeerLink {
+    /// The QUIC connection.
+    pub conn: quinn::Connection,
+    /// Which device dialed it.
+    pub dialer: DeviceId,
+    /// When it was established.
+    pub since: Instant,
+    /// Distinguishes connections to the same peer.
+    pub serial: u64,
+}
+
+/// What the engine knows about each peer's connection and sessions.
+#[derive(Default)]
+pub struct Peers {
+    links: HashMap<DeviceId, PeerLink>,
+    /// Per (peer, folder) sync status, as the session last reported it.
+    pub sync: HashMap<(DeviceId, FolderId), FolderSyncStatus>,
+    /// Bytes moved by connections that have closed.
+    pub closed_sent: u64,
+    /// Bytes received by connections that have closed.
+    pub closed_received: u64,
+    /// When each peer was last connected.
+    pub last_seen: HashMap<DeviceId, std::time::SystemTime>,
+    serial: u64,
+}
+
+impl Peers {
+    /// The current connection to `peer`.
+    pub fn link(&self, peer: &DeviceId) -> Option<&PeerLink> {
+        self.links.get(peer)
+    }
+
+    /// Every connected peer.
+    pub fn connected(&self) -> Vec<DeviceId> {
+        self.links.keys().copied().collect()
+    }
+
+    /// Stats of every live connection, summed, plus closed ones.
+    pub fn totals(&self) -> (u64, u64) {
+        let mut sent = self.closed_sent;
+        let mut recv = self.closed_received;
+        for l in self.links.values() {
+            let s = transport::link_stats(&l.conn);
+            sent += s.bytes_sent;
+            recv += s.bytes_received;
+        }
+        (sent, recv)
+    }
+
+    /// Link stats of one peer.
+    pub fn stats(&self, peer: &DeviceId) -> Option<LinkStats> {
+        self.links.get(peer).map(|l| transport::link_stats(&l.conn))
+    }
+}
+
+/// Registers a new connection, resolving duplicates. Returns the link to run a session on, or
+/// `None` when the new connection lost to an existing one (it is closed).
+fn register(
+    engine: &Engine,
+    peer: DeviceId,
+    conn: quinn::Connection,
+    dialer: DeviceId,
+) -> Option<PeerLink> {
+    let mut peers = engine.peers.lock().ok()?;
+    peers.serial += 1;
+    let serial = peers.serial;
+    let preferred = engine.device.max(peer);
+    if let Some(old) = peers.links.get(&peer) {
+        let old_alive = old.conn.close_reason().is_none();
+        let keep_old = old_alive && old.dialer == preferred && dialer != preferred;
+        if keep_old {
+            conn.close(1u32.into(), b"duplicate connection");
+            return None;
+        }
+        let old = old.clone();
+        let s = transport::link_stats(&old.conn);
+        peers.closed_sent += s.bytes_sent;
+        peers.closed_received += s.bytes_received;
+        old.conn.close(1u32.into(), b"duplicate connection");
+    }
+    let link = PeerLink {
+        conn,
+        dialer,
+        since: Instant::now(),
+        serial,
+    };
+    peers.links.insert(peer, link.clone());
+    peers.last_seen.insert(peer, std::time::SystemTime::now());
+    Some(link)
+}
+
+fn unregister(engine: &Engine, peer: &DeviceId, serial: u64) {
+    if let Ok(mut peers) = engine.peers.lock() {
+        if peers.links.get(peer).is_some_and(|l| l.serial == serial) {
+            if let Some(old) = peers.links.remove(peer) {
+                let s = transport::link_stats(&old.conn);
+                peers.closed_sent += s.bytes_sent;
+                peers.closed_received += s.bytes_received;
+            }
+            peers.sync.retain(|(p, _), _| p != peer);
+            peers.last_seen.insert(*peer, std::time::SystemTime::now());
+        }
+    }
+    engine.peer_changed.notify_waiters();
+}
+
+/// Accepts incoming connections forever.
+pub async fn accept_loop(engine: Arc<Engine>, endpoint: quinn::Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            match transport::accept(incoming).await {
+                Ok((conn, peer)) => {
+                    if let Some(link) = register(&engine, peer, conn, peer) {
+                        run_link(engine, peer, link).await;
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "incoming connection failed"),
+            }
+        });
+    }
+}
+
+/// Keeps a connection to `peer` (at `addr`) up: dials when there is none, with backoff.
+pub async fn dial_loop(engine: Arc<Engine>, peer: DeviceId, addr: String, stop: Arc<Notify>) {
+    let mut backoff = Duration::from_millis(100);
+    let max = Duration::from_secs(engine.options().max_redial_secs.max(1));
+    loop {
+        let connected = engine
+            .peers
+            .lock()
+            .map(|p| p.links.contains_key(&peer))
+            .unwrap_or(false);
+        if connected {
+            backoff = Duration::from_millis(100);
+            tokio::select! {
+                _ = engine.peer_changed.notified() => continue,
+                _ = stop.notified() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+            }
+        }
+        match resolve(&addr).await {
+            Some(sa) => match transport::dial(&engine.endpoint, sa, peer).await {
+                Ok(conn) => {
+                    if let Some(link) = register(&engine, peer, conn, engine.device) {
+                        let e = engine.clone();
+                        tokio::spawn(run_link(e, peer, link));
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    tracing::info!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
+                }
+            },
+            None => tracing::warn!(peer = %peer.short(), %addr, "cannot resolve peer address"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stop.notified() => return,
+        }
+        backoff = (backoff * 2).min(max);
+    }
+}
+
+async fn resolve(addr: &str) -> Option<SocketAddr> {
+    if let Ok(sa) = addr.parse() {
+        return Some(sa);
+    }
+    tokio::net::lookup_host(addr).await.ok()?.next()
+}
+
+/// The journal as the session's source of records to send.
+struct JournalSource<'a> {
+    journal: &'a mut Journal,
+}
+
+impl IndexSource for JournalSource<'_> {
+    fn records_since(
+        &mut self,
+        folder: &FolderId,
+        peer: &DeviceId,
+        after: u64,
+        limit: usize,
+    ) -> (Vec<FileRecord>, u64) {
+        let max = self.max_sequence(folder);
+        match self.journal.records_since(folder, after, limit) {
+            Ok(rows) => {
+                let scanned = if rows.len() < limit {
+                    max
+                } else {
+                    rows.last().map_or(max, |r| r.record.sequence)
+                };
+                let recs = rows
+                    .into_iter()
+                    .filter(|r| r.source.as_ref() != Some(peer))
+                    .map(|r| r.record)
+                    .collect();
+                (recs, scanned.max(after))
+            }
+            Err(e) => {
+                tracing::error!(%folder, error = %e, "journal read failed");
+                (Vec::new(), after)
+            }
+        }
+    }
+
+    fn max_sequence(&mut self, folder: &FolderId) -> u64 {
+        self.journal
+            .folder(folder)
+            .map(|s| s.max_sequence)
+            .unwrap_or(0)
+    }
+}
+
+enum LinkEvent {
+    Message(Message),
+    Closed(String),
+    Applied(FolderId, u64),
+    ApplyFailed(FolderId, String),
+}
+
+/// Runs the session of one connection until it closes.
+async fn run_link(engine: Arc<Engine>, peer: DeviceId, link: PeerLink) {
+    let conn = link.conn.clone();
+    tracing::info!(peer = %peer.short(), addr = %conn.remote_address(), "peer connected");
+    engine.peer_changed.notify_waiters();
+    let serial = link.serial;
+    let result = drive_session(&engine, peer, &link).await;
+    if let Err(reason) = &result {
+        tracing::info!(peer = %peer.short(), %reason, "session ended");
+    }
+    conn.close(0u32.into(), b"session ended");
+    unregister(&engine, &peer, serial);
+    tracing::info!(peer = %peer.short(), "peer disconnected");
+}
+
+fn session_folders(engine: &Engine, peer: &DeviceId) -> Vec<SessionFolder> {
+    let shared = engine.shared_with(peer);
+    let Ok(mut j) = engine.journal.lock() else {
+        return Vec::new();
+    };
+    shared
+        .into_iter()
+        .filter_map(|folder| {
+            let st = j.folder(&folder).ok()?;
+            let pr = j.peer_progress(&folder, peer).ok()?;
+            Some(SessionFolder {
+                folder,
+                index_id: st.index_id,
+                their_index_id: pr.their_index_id,
+                their_sequence: pr.their_sequence,
+                our_acked: pr.our_acked,
+            })
+        })
+        .collect()
+}
+
+async fn drive_session(
+    engine: &Arc<Engine>,
+    peer: DeviceId,
+    link: &PeerLink,
+) -> Result<(), String> {
+    let conn = &link.conn;
+    let (mut send, recv) = if link.dialer == engine.device {
+        conn.open_bi().await.map_err(|e| e.to_string())?
+    } else {
+        conn.accept_bi().await.map_err(|e| e.to_string())?
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel::<LinkEvent>();
+    // Control stream reader.
+    {
+        let tx = tx.clone();
+        let mut recv = recv;
+        tokio::spawn(async move {
+            loop {
+                match transport::read_message(&mut recv).await {
+                    Ok(Some(m)) => {
+                        if tx.send(LinkEvent::Message(m)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => {
+                        let _ = tx.send(LinkEvent::Closed("control stream ended".into()));
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(LinkEvent::Closed(e.to_string()));
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    // Request streams from the peer.
+    {
+        let engine = engine.clone();
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            while let Ok((s, r)) = conn.accept_bi().await {
+                let engine = engine.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = serve_request(&engine, peer, s, r).await {
+                        tracing::warn!(peer = %peer.short(), error = %e, "refused a chunk request");
+                    }
+                });
+            }
+        });
+    }
+    let mut session = Session::new(engine.name(), peer, session_folders(engine, &peer));
+    let mut changes = engine.changes.subscribe();
+    let first = {
+        let mut j = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
+        session.start(&mut JournalSource { journal: &mut j })
+    };
+    let mut pending = first;
+    loop {
+        for action in std::mem::take(&mut pending) {
+            match action {
+                Action::Send(m) => {
+                    transport::write_message(&mut send, &m)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                Action::Receive {
+                    folder,
+                    records,
+                    up_to,
+                } => {
+                    let engine = engine.clone();
+                    let tx = tx.clone();
+                    let conn = conn.clone();
+                    tokio::spawn(async move {
+                        let ev = match crate::apply::receive(&engine, &folder, peer, &conn, records)
+                            .await
+                        {
+                            Ok(()) => LinkEvent::Applied(folder, up_to),
+                            Err(e) => LinkEvent::ApplyFailed(folder, e),
+                        };
+                        let _ = tx.send(ev);
+                    });
+                }
+                Action::SaveTheirSequence {
+                    folder,
+                    index_id,
+                    sequence,
+                } => {
+                    if let Ok(mut j) = engine.journal.lock() {
+                        if let Err(e) = j.set_their_sequence(&folder, &peer, index_id, sequence) {
+                            tracing::error!(%folder, error = %e, "cannot save peer progress");
+                        }
+                    }
+                }
+                Action::SaveOurAcked { folder, sequence } => {
+                    if let Ok(mut j) = engine.journal.lock() {
+                        if let Err(e) = j.set_our_acked(&folder, &peer, sequence) {
+                            tracing::error!(%folder, error = %e, "cannot save peer progress");
+                        }
+                    }
+                }
+                Action::Close { reason } => return Err(reason),
+            }
+        }
+        publish_status(engine, peer, &session);
+        tokio::select! {
+            ev = rx.recv() => {
+                let Some(ev) = ev else { return Err("link closed".into()) };
+                let mut j = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
+                let mut src = JournalSource { journal: &mut j };
+                pending = match ev {
+                    LinkEvent::Message(m) => {
+                        if let Message::Error { code, message } = &m {
+                            tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
+                        }
+                        session.handle(m, &mut src)
+                    }
+                    LinkEvent::Applied(folder, up_to) => {
+                        drop(j);
+                        engine.changes_notify(&folder);
+                        session.applied(&folder, up_to)
+                    }
+                    LinkEvent::ApplyFailed(folder, e) => {
+                        tracing::error!(peer = %peer.short(), %folder, error = %e, "applying remote changes failed; will retry after reconnecting");
+                        return Err(format!("apply failed: {e}"));
+                    }
+                    LinkEvent::Closed(reason) => return Err(reason),
+                };
+            }
+            ch = changes.recv() => {
+                let folders: Vec<FolderId> = match ch {
+                    Ok(f) => vec![f],
+                    Err(_) => engine.shared_with(&peer),
+                };
+                let mut j = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
+                let mut src = JournalSource { journal: &mut j };
+                for f in folders {
+                    pending.extend(session.local_changed(&f, &mut src));
+                }
+            }
+            _ = engine.shutdown.notified() => {
+                let _ = transport::write_message(&mut send, &Message::Error { code: ErrorCode::Shutdown, message: "daemon stopping".into() }).await;
+                return Err("shutdown".into());
+            }
+        }
+    }
+}
+
+fn publish_status(engine: &Engine, peer: DeviceId, session: &Session) {
+    let folders = engine.shared_with(&peer);
+    if let Ok(mut p) = engine.peers.lock() {
+        for f in folders {
+            if let Some(s) = session.folder_status(&f) {
+                p.sync.insert((peer, f), s);
+            }
+        }
+    }
+    engine.peer_changed.notify_waiters();
+}
+
+/// Answers one chunk request stream, checking on every request that the folder is shared with
+/// the requester.
+async fn serve_request(
+    engine: &Engine,
+    peer: DeviceId,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+) -> Result<(), String> {
+    let req = match transport::read_message(&mut recv)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        Some(Message::Request(r)) => r,
+        Some(_) | None => {
+            let _ = transport::write_message(
+                &mut send,
+                &Message::Error {
+                    code: ErrorCode::BadFrame,
+                    message: "expected a chunk request".into(),
+                },
+            )
+            .await;
+            return Err("request stream without a request".into());
+        }
+    };
+    if !engine.shared_with(&peer).contains(&req.folder) {
+        let _ = transport::write_message(
+            &mut send,
+            &Message::Error {
+                code: ErrorCode::NotShared,
+                message: format!("folder {} is not shared with you", req.folder),
+            },
+        )
+        .await;
+        return Err(format!(
+            "peer {} asked for unshared folder {}",
+            peer.short(),
+            req.folder
+        ));
+    }
+    let Some(rt) = engine.folder(&req.folder) else {
+        return Err(format!("folder {} not running", req.folder));
+    };
+    for hash in req.hashes {
+        let data = {
+            let locs = engine
+                .journal
+                .lock()
+                .ok()
+                .and_then(|j| j.find_chunk(&req.folder, &hash).ok())
+                .unwrap_or_default();
+            locs.into_iter()
+                .find_map(|l| rt.store.read_chunk(&l.path, l.offset, l.len, &hash).ok())
+        };
+        let resp = match data {
+            Some(d) => {
+                let (data, compressed) = compress(d);
+                ChunkResponse {
+                    hash,
+                    data: Some(data),
+                    compressed,
+                }
+            }
+            None => ChunkResponse {
+                hash,
+                data: None,
+                compressed: false,
+            },
+        };
+        transport::write_message(&mut send, &Message::Response(resp))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let _ = send.finish();
+    Ok(())
+}
+
+/// zstd when it saves at least an eighth; raw otherwise.
+fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
+    if d.len() >= 512 {
+        if let Ok(c) = zstd::bulk::compress(&d, 1) {
+            if c.len() < d.len() - d.len() / 8 {
+                return (c, true);
+            }
+        }
+    }
+    (d, false)
+}
+
+/// Fetches chunks of `folder` from `conn`, many requests in flight; calls `sink` with each
+/// verified chunk. Returns the hashes the peer did not have.
+pub async fn fetch(
+    conn: &quinn::Connection,
+    folder: &FolderId,
+    wanted: Vec<(Hash, u32)>,
+    sink: &mut (dyn FnMut(Hash, Vec<u8>) -> Result<(), String> + Send),
+) -> Result<Vec<Hash>, String> {
+    let mut groups: Vec<Vec<Hash>> = Vec::new();
+    let mut cur: Vec<Hash> = Vec::new();
+    let mut bytes = 0u64;
+    for (h, len) in wanted {
+        if !cur.is_empty() && (cur.len() >= REQUEST_HASHES || bytes + len as u64 > REQUEST_BYTES) {
+            groups.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+        bytes += len as u64;
+        cur.push(h);
+    }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    let (tx, mut rx) = mpsc::channel::<Result<(Hash, Option<Vec<u8>>), String>>(256);
+    let sem = Arc::new(tokio::sync::Semaphore::new(REQUESTS_IN_FLIGHT));
+    for g in groups {
+        let conn = conn.clone();
+        let folder = folder.clone();
+        let tx = tx.clone();
+        let sem = sem.clone();
+        tokio::spawn(async move {
+            let Ok(_permit) = sem.acquire_owned().await else {
+                return;
+            };
+            if let Err(e) = request_group(&conn, folder, g, &tx).await {
+                let _ = tx.send(Err(e)).await;
+            }
+        });
+    }
+    drop(tx);
+    let mut missing = Vec::new();
+    while let Some(item) = rx.recv().await {
+        let (hash, data) = item?;
+        match data {
+            Some(d) => sink(hash, d)?,
+            None => missing.push(hash),
+        }
+    }
+    Ok(missing)
+}
+
+async fn request_group(
+    conn: &quinn::Connection,
+    folder: FolderId,
+    hashes: Vec<Hash>,
+    tx: &mpsc::Sender<Result<(Hash, Option<Vec<u8>>), String>>,
+) -> Result<(), String> {
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    let n = hashes.len();
+    transport::write_message(
+        &mut send,
+        &Message::Request(ChunkRequest {
+            folder,
+            hashes: hashes.clone(),
+        }),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let _ = send.finish();
+    for want in hashes.iter().take(n) {
+        let msg = transport::read_message(&mut recv)
+            .await
+            .map_err(|e| e.to_string())?;
+        let resp = match msg {
+            Some(Message::Response(r)) => r,
+            Some(Message::Error { message, .. }) => {
+                return Err(format!("peer refused chunk request: {message}"))
+            }
+            _ => return Err("chunk stream ended early".into()),
+        };
+        if &resp.hash != want {
+            return Err("chunk responses out of order".into());
+        }
+        let data = match resp.data {
+            Some(d) if resp.compressed => Some(
+                zstd::bulk::decompress(&d, meshfs_protocol::MAX_FRAME_LEN)
+                    .map_err(|e| format!("bad zstd chunk: {e}"))?,
+            ),
+            other => other,
+        };
+        if let Some(d) = &data {
+            if Hash::of(d) != resp.hash {
+                return Err(format!("chunk {} failed verification", resp.hash.short()));
+            }
+        }
+        if tx.send(Ok((resp.hash, data))).await.is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}

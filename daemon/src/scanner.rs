@@ -1,0 +1,504 @@
+//! The scanner: state-based change detection, the safety net under trace-based capture.
+//!
+//! It compares a subtree on disk with the journal's current records by (inode, size, mtime,
+//! mode) and reads contents only for files that differ, so a scan of an unchanged tree reads
+//! no file contents. It never follows symlinks, never enters `.meshfs*` names, skips special
+//! files with a warning, and turns a new path whose (inode, size, mtime) matches a path that
+//! just vanished into a rename that re-uses the known content instead of hashing it again.
+//!
+//! The scanner only *detects*: it returns journal [`Change`]s; the engine commits them.
+
+use crate::chunker;
+use crate::ignore::IgnoreRules;
+use crate::journal::{Change, Journal, JournalError, LocalStat, Op};
+use crate::reconcile::{new_local_version, Context};
+use crate::store::{stat_of, Store};
+use meshfs_protocol::{FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, INTERNAL_PREFIX};
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// What a scan looked at and found.
+#[derive(Debug, Default)]
+pub struct ScanReport {
+    /// The changes to journal, in a safe order: new directories parent-first, then files, then
+    /// deletions deepest-first.
+    pub changes: Vec<Change>,
+    /// Entries examined on disk.
+    pub entries: u64,
+    /// Files whose content was read.
+    pub hashed_files: u64,
+    /// Bytes read for hashing.
+    pub hashed_bytes: u64,
+    /// Paths whose stat changed but content did not (journal stat refreshed, no version).
+    pub restat: Vec<(RelPath, LocalStat)>,
+}
+
+/// What a scan needs to know about a folder.
+pub struct ScanTarget<'a> {
+    /// The folder.
+    pub folder: &'a FolderId,
+    /// Its replica directory.
+    pub store: &'a Store,
+    /// Its ignore rules.
+    pub ignore: &'a IgnoreRules,
+    /// This device (the author of every version a scan finds).
+    pub local: ShortId,
+    /// Unix seconds now (floor for new version counters).
+    pub now_secs: u64,
+}
+
+/// Why a scan failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScanError {
+    /// The journal could not be read.
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    /// The folder root is missing or unreadable.
+    #[error("{path}: {source}")]
+    Root {
+        /// The folder root.
+        path: String,
+        /// What happened.
+        source: std::io::Error,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Known {
+    record: FileRecord,
+    local: Option<LocalStat>,
+}
+
+struct Seen {
+    path: RelPath,
+    kind: FileKind,
+    local: LocalStat,
+}
+
+/// Scans the given scopes (each a path whose subtree is examined; empty = the whole folder).
+pub fn scan(
+    t: &ScanTarget<'_>,
+    journal: &Journal,
+    scopes: &[RelPath],
+) -> Result<ScanReport, ScanError> {
+    let mut known: HashMap<RelPath, Known> = HashMap::new();
+    let mut seen: Vec<Seen> = Vec::new();
+    let mut report = ScanReport::default();
+    let whole = scopes.is_empty();
+    if whole {
+        journal.for_each_record(t.folder, &mut |s| {
+            known.insert(
+                s.record.path.clone(),
+                Known {
+                    record: s.record,
+                    local: s.local,
+                },
+            );
+            ControlFlow::Continue(())
+        })?;
+        walk(t, None, &mut seen, &mut report).map_err(|source| ScanError::Root {
+            path: t.store.root().display().to_string(),
+            source,
+        })?;
+    } else {
+        let mut scopes: Vec<RelPath> = scopes.to_vec();
+        scopes.sort();
+        scopes.dedup();
+        // Drop scopes inside another scope.
+        let mut kept: Vec<RelPath> = Vec::new();
+        for s in scopes {
+            if !kept.iter().any(|k| s.is_within(k)) {
+                kept.push(s);
+            }
+        }
+        for scope in &kept {
+            if let Some(s) = journal.get(t.folder, scope)? {
+                known.insert(
+                    scope.clone(),
+                    Known {
+                        record: s.record,
+                        local: s.local,
+                    },
+                );
+            }
+            for s in journal.below(t.folder, scope)? {
+                known.insert(
+                    s.record.path.clone(),
+                    Known {
+                        record: s.record,
+                        local: s.local,
+                    },
+                );
+            }
+            if let Ok(Some(st)) = t.store.stat(scope) {
+                if let Some(kind) = st.kind {
+                    if t.ignore.is_ignored(scope, kind == FileKind::Dir) {
+                        continue;
+                    }
+                    report.entries += 1;
+                    seen.push(Seen {
+                        path: scope.clone(),
+                        kind,
+                        local: st.local,
+                    });
+                    if kind == FileKind::Dir {
+                        let _ = walk(t, Some(scope), &mut seen, &mut report);
+                    }
+                }
+            }
+        }
+    }
+    diff(t, known, seen, report)
+}
+
+fn walk(
+    t: &ScanTarget<'_>,
+    dir: Option<&RelPath>,
+    seen: &mut Vec<Seen>,
+    report: &mut ScanReport,
+) -> std::io::Result<()> {
+    let mut stack: Vec<Option<RelPath>> = vec![dir.cloned()];
+    while let Some(d) = stack.pop() {
+        let abs = match &d {
+            Some(p) => t.store.root().join(p.as_str()),
+            None => t.store.root().to_path_buf(),
+        };
+        let rd = match std::fs::read_dir(&abs) {
+            Ok(rd) => rd,
+            Err(e) if d.is_none() => return Err(e),
+            Err(e) => {
+                tracing::warn!(path = %abs.display(), error = %e, "cannot read directory; skipped");
+                continue;
+            }
+        };
+        for entry in rd.flatten() {
+            let name = entry.file_name();
+            let bytes = name.as_bytes();
+            if bytes.starts_with(INTERNAL_PREFIX.as_bytes()) {
+                continue;
+            }
+            let Ok(name) = std::str::from_utf8(bytes) else {
+                tracing::warn!(path = %entry.path().display(), "file name is not UTF-8; not replicated");
+                continue;
+            };
+            let rel = match &d {
+                Some(p) => p.join(name),
+                None => RelPath::new(name),
+            };
+            let rel = match rel {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(path = %entry.path().display(), error = %e, "not replicated");
+                    continue;
+                }
+            };
+            let st = match lstat(&entry.path()) {
+                Ok(st) => stat_of(&st),
+                Err(_) => continue,
+            };
+            let Some(kind) = st.kind else {
+                tracing::warn!(path = %entry.path().display(), "special file (fifo, socket or device); not replicated");
+                continue;
+            };
+            if t.ignore.is_ignored(&rel, kind == FileKind::Dir) {
+                continue;
+            }
+            report.entries += 1;
+            if kind == FileKind::Dir {
+                stack.push(Some(rel.clone()));
+            }
+            seen.push(Seen {
+                path: rel,
+                kind,
+                local: st.local,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn lstat(p: &Path) -> std::io::Result<libc::stat> {
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::lstat(c.as_ptr(), &mut st) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+/// A file whose content must be read.
+struct HashJob {
+    path: RelPath,
+    local: LocalStat,
+    prev: Option<Known>,
+}
+
+fn diff(
+    t: &ScanTarget<'_>,
+    mut known: HashMap<RelPath, Known>,
+    seen: Vec<Seen>,
+    mut report: ScanReport,
+) -> Result<ScanReport, ScanError> {
+    let ctx = Context {
+        local_device: t.local,
+        now_secs: t.now_secs,
+    };
+    let mut creates: Vec<Change> = Vec::new();
+    let mut jobs: Vec<HashJob> = Vec::new();
+    let mut new_files: Vec<(RelPath, LocalStat)> = Vec::new();
+    for s in seen {
+        let prev = known.remove(&s.path);
+        let live_prev = prev.as_ref().filter(|k| !k.record.deleted);
+        match s.kind {
+            FileKind::File => {
+                match live_prev {
+                    Some(k) if k.record.kind == FileKind::File => {
+                        let l = k.local.unwrap_or_default();
+                        if l.inode == s.local.inode
+                            && l.size == s.local.size
+                            && l.mtime_ns == s.local.mtime_ns
+                        {
+                            if k.record.mode != s.local.mode {
+                                let mut r = k.record.clone();
+                                r.mode = s.local.mode;
+                                creates.push(version(
+                                    &ctx,
+                                    prev.as_ref(),
+                                    r,
+                                    Op::Metadata,
+                                    s.local,
+                                    None,
+                                ));
+                            } else if l != s.local {
+                                report.restat.push((s.path.clone(), s.local));
+                            }
+                            continue;
+                        }
+                        if l.size == s.local.size
+                            && l.mtime_ns == s.local.mtime_ns
+                            && k.record.mode == s.local.mode
+                        {
+                            // Same content and times, new inode (e.g. restored by a copy): no version.
+                            report.restat.push((s.path.clone(), s.local));
+                            continue;
+                        }
+                        jobs.push(HashJob {
+                            path: s.path,
+                            local: s.local,
+                            prev,
+                        });
+                    }
+                    _ => new_files.push((s.path, s.local)),
+                }
+            }
+            FileKind::Dir => {
+                let changed = match live_prev {
+                    Some(k) if k.record.kind == FileKind::Dir => k.record.mode != s.local.mode,
+                    _ => true,
+                };
+                if changed {
+                    let op = if live_prev.is_some_and(|k| k.record.kind == FileKind::Dir) {
+                        Op::Metadata
+                    } else {
+                        Op::Create
+                    };
+                    let r = base_record(&s.path, FileKind::Dir, &s.local, &ctx);
+                    creates.push(version(&ctx, prev.as_ref(), r, op, s.local, None));
+                } else if live_prev.is_some_and(|k| k.local != Some(s.local)) {
+                    report.restat.push((s.path.clone(), s.local));
+                }
+            }
+            FileKind::Symlink => {
+                let target = match t.store.read_link(&s.path) {
+                    Ok(x) if !x.is_empty() && !x.contains('\0') => x,
+                    _ => {
+                        tracing::warn!(path = %s.path, "symlink target unreadable or not UTF-8; not replicated");
+                        continue;
+                    }
+                };
+                if let Some(k) = live_prev
+                    .filter(|k| k.record.kind == FileKind::Symlink && k.record.target == target)
+                {
+                    if k.local != Some(s.local) {
+                        report.restat.push((s.path.clone(), s.local));
+                    }
+                    continue;
+                }
+                let op = if live_prev.is_some() {
+                    Op::Modify
+                } else {
+                    Op::Create
+                };
+                let mut r = base_record(&s.path, FileKind::Symlink, &s.local, &ctx);
+                r.hash = Hash::of(target.as_bytes());
+                r.target = target;
+                r.mode = 0o777;
+                creates.push(version(&ctx, prev.as_ref(), r, op, s.local, None));
+            }
+        }
+    }
+    // Whatever the journal knows as live but the disk no longer has: deleted (or renamed).
+    let mut vanished: Vec<Known> = known.into_values().filter(|k| !k.record.deleted).collect();
+    // Rename detection: a new file with the (inode, size, mtime) of a vanished file.
+    let mut by_inode: HashMap<(u64, u64, i64), usize> = HashMap::new();
+    for (i, k) in vanished.iter().enumerate() {
+        if let (FileKind::File, Some(l)) = (k.record.kind, k.local) {
+            by_inode.insert((l.inode, l.size, l.mtime_ns), i);
+        }
+    }
+    for (path, local) in new_files {
+        if let Some(&i) = by_inode.get(&(local.inode, local.size, local.mtime_ns)) {
+            let old = &vanished[i].record;
+            let mut r = old.clone();
+            r.path = path.clone();
+            r.mode = local.mode;
+            let prev = None;
+            creates.push(version(
+                &ctx,
+                prev,
+                r,
+                Op::Rename,
+                local,
+                Some(format!("from {}", old.path)),
+            ));
+            continue;
+        }
+        jobs.push(HashJob {
+            path,
+            local,
+            prev: None,
+        });
+    }
+    // Hash what must be hashed, on every core.
+    let hashed = hash_all(t.store, jobs);
+    for (job, content) in hashed {
+        let Some(content) = content else { continue };
+        report.hashed_files += 1;
+        report.hashed_bytes += content.size;
+        let live_prev = job.prev.as_ref().filter(|k| !k.record.deleted);
+        if let Some(k) = live_prev {
+            if k.record.kind == FileKind::File
+                && k.record.hash == content.hash
+                && k.record.mode == job.local.mode
+                && k.record.mtime_ns == job.local.mtime_ns
+            {
+                report.restat.push((job.path.clone(), job.local));
+                continue;
+            }
+        }
+        let op = match live_prev {
+            Some(k) if k.record.kind == FileKind::File && k.record.hash == content.hash => {
+                Op::Metadata
+            }
+            Some(_) => Op::Modify,
+            None => Op::Create,
+        };
+        let mut r = base_record(&job.path, FileKind::File, &job.local, &ctx);
+        r.size = content.size;
+        r.hash = content.hash;
+        r.chunks = content.chunks;
+        let mut local = job.local;
+        local.size = content.size;
+        creates.push(version(&ctx, job.prev.as_ref(), r, op, local, None));
+    }
+    creates.sort_by_key(|c| {
+        (
+            c.record.kind != FileKind::Dir,
+            c.record.path.components().count(),
+            c.record.path.clone(),
+        )
+    });
+    vanished.sort_by_key(|k| {
+        std::cmp::Reverse((k.record.path.components().count(), k.record.path.clone()))
+    });
+    let mut deletes = Vec::with_capacity(vanished.len());
+    for k in vanished {
+        let mut r = k.record.clone();
+        r.deleted = true;
+        r.size = 0;
+        r.hash = Hash::ZERO;
+        r.chunks.clear();
+        r.target.clear();
+        let mut c = version(&ctx, Some(&k), r, Op::Delete, LocalStat::default(), None);
+        c.local = None;
+        deletes.push(c);
+    }
+    report.changes = creates;
+    report.changes.extend(deletes);
+    Ok(report)
+}
+
+fn base_record(path: &RelPath, kind: FileKind, local: &LocalStat, ctx: &Context) -> FileRecord {
+    FileRecord {
+        path: path.clone(),
+        kind,
+        deleted: false,
+        mode: local.mode,
+        mtime_ns: local.mtime_ns,
+        size: 0,
+        hash: Hash::ZERO,
+        chunks: Vec::new(),
+        target: String::new(),
+        version: Default::default(),
+        modified_by: ctx.local_device,
+        sequence: 0,
+    }
+}
+
+fn version(
+    ctx: &Context,
+    prev: Option<&Known>,
+    mut r: FileRecord,
+    op: Op,
+    local: LocalStat,
+    detail: Option<String>,
+) -> Change {
+    r.version = new_local_version(prev.map(|k| &k.record), ctx);
+    r.modified_by = ctx.local_device;
+    Change {
+        record: r,
+        op,
+        local: Some(local),
+        source: None,
+        detail,
+    }
+}
+
+fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<chunker::Content>)> {
+    if jobs.is_empty() {
+        return Vec::new();
+    }
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .min(jobs.len());
+    let jobs = std::sync::Mutex::new(jobs.into_iter().collect::<std::collections::VecDeque<_>>());
+    let results = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let job = match jobs.lock() {
+                    Ok(mut q) => q.pop_front(),
+                    Err(_) => None,
+                };
+                let Some(job) = job else { break };
+                let content = store
+                    .open_file(&job.path)
+                    .ok()
+                    .and_then(|f| chunker::chunk_reader(std::io::BufReader::with_capacity(1 << 20, f), job.local.size).ok());
+                if content.is_none() {
+                    tracing::debug!(path = %job.path, "vanished or unreadable while hashing; will be picked up by the next event");
+                }
+                if let Ok(mut r) = results.lock() {
+                    r.push((job, content));
+                }
+            });
+        }
+    });
+    let mut out = results.into_inner().unwrap_or_default();
+    out.sort_by(|a, b| a.0.path.cmp(&b.0.path));
+    out
+}

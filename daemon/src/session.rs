@@ -1,0 +1,1101 @@
+//! One peer session as a state machine: hello, incremental index exchange, acknowledgements,
+//! flow control, and whether a folder is in sync — in the style of `quinn-proto`.
+//!
+//! **Architecture invariant:** no IO, no clock, no randomness. The driver (the engine with a
+//! QUIC control stream, or the simulation in memory) feeds the session events — [`Session::start`],
+//! [`Session::handle`] for each control-stream message, [`Session::local_changed`] when the
+//! journal grew, [`Session::applied`] when received records are applied — and executes the
+//! [`Action`]s it returns, in order. Local records are read through [`IndexSource`].
+//!
+//! Protocol rules kept here:
+//! - both sides send `Hello` first; a different protocol version ends the session;
+//! - a folder is exchanged only if it is in our list (shared with this peer) and in theirs;
+//!   an index, ack or batch for any other folder ends the session (`NotShared`) and is never
+//!   delivered;
+//! - we resume sending from `your_sequence` when the peer names our current index epoch, else
+//!   from 0; when the peer's epoch is not the one we remember, its sequence restarts at 0;
+//! - a batch holds at most [`MAX_BATCH_RECORDS`] records and about [`MAX_BATCH_BYTES`] of
+//!   encoded records; at most [`MAX_IN_FLIGHT`] unacknowledged batches per folder;
+//! - one `Receive` per folder is outstanding at a time; further batches queue behind it;
+//! - progress (sequences applied, acknowledged, known) never moves backwards.
+
+use meshfs_protocol::{
+    DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder, IndexAck, IndexBatch, Message,
+    MAX_FRAME_LEN, PROTOCOL_VERSION,
+};
+use std::collections::{BTreeMap, VecDeque};
+
+/// Most records in one index batch.
+pub const MAX_BATCH_RECORDS: usize = 1000;
+/// Target upper bound of one batch's encoded records (well under [`MAX_FRAME_LEN`]).
+pub const MAX_BATCH_BYTES: usize = MAX_FRAME_LEN / 8;
+/// Most unacknowledged batches in flight per folder.
+pub const MAX_IN_FLIGHT: usize = 4;
+
+/// Where the driver reads local records for sending.
+pub trait IndexSource {
+    /// Local records of `folder` with sequence > `after`, ascending, at most `limit`,
+    /// EXCLUDING records whose source is `peer` (the peer already has them); returns
+    /// (records, scanned_up_to) where scanned_up_to is the highest sequence examined (≥ any
+    /// returned record's sequence; = max_sequence when exhausted).
+    fn records_since(
+        &mut self,
+        folder: &FolderId,
+        peer: &DeviceId,
+        after: u64,
+        limit: usize,
+    ) -> (Vec<FileRecord>, u64);
+    /// The highest local journal sequence of `folder`.
+    fn max_sequence(&mut self, folder: &FolderId) -> u64;
+}
+
+/// A folder shared with this peer, with the resume points stored in the journal.
+#[derive(Clone, Debug)]
+pub struct SessionFolder {
+    /// The folder.
+    pub folder: FolderId,
+    /// Our index epoch for this folder.
+    pub index_id: u64,
+    /// The peer's index epoch we remember (0: none).
+    pub their_index_id: u64,
+    /// Highest of their sequences applied here (in `their_index_id`).
+    pub their_sequence: u64,
+    /// Highest of our sequences the peer acknowledged.
+    pub our_acked: u64,
+}
+
+/// What the driver must do, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Send this message on the control stream.
+    Send(Message),
+    /// Reconcile and apply these records of the peer, in order; then call
+    /// [`Session::applied`]`(folder, up_to)`. If some record cannot be applied yet (content
+    /// unavailable), call `applied` with the sequence just below it: the peer gets a partial
+    /// acknowledgement, the Receive stays outstanding, and the driver retries the rest and
+    /// calls `applied` again up to `up_to`.
+    Receive {
+        /// The folder.
+        folder: FolderId,
+        /// The peer's records, in its sequence order.
+        records: Vec<FileRecord>,
+        /// The peer's sequence this batch brings us to.
+        up_to: u64,
+    },
+    /// Persist in the journal: their index epoch and the highest of their sequences applied here.
+    SaveTheirSequence {
+        /// The folder.
+        folder: FolderId,
+        /// Their index epoch.
+        index_id: u64,
+        /// Highest of their sequences applied here.
+        sequence: u64,
+    },
+    /// Persist: the peer acknowledged our records up to `sequence`.
+    SaveOurAcked {
+        /// The folder.
+        folder: FolderId,
+        /// Highest of our sequences acknowledged.
+        sequence: u64,
+    },
+    /// The session must end (protocol violation, version mismatch, unshared folder …): send
+    /// nothing more, close the connection with this reason.
+    Close {
+        /// For logs.
+        reason: String,
+    },
+}
+
+/// Sync progress of one folder with this peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FolderSyncStatus {
+    /// Our highest journal sequence (as last seen).
+    pub our_max: u64,
+    /// The peer processed ours up to this.
+    pub our_acked: u64,
+    /// The highest of their sequences we know of (hello and batches).
+    pub their_known_max: u64,
+    /// The highest of their sequences applied here.
+    pub their_applied: u64,
+    /// A Receive is outstanding (or batches are queued behind one).
+    pub receiving: bool,
+    /// established ∧ hello seen ∧ our_acked ≥ our_max ∧ their_applied ≥ their_known_max ∧ !receiving.
+    pub in_sync: bool,
+}
+
+/// One folder's exchange state.
+#[derive(Debug)]
+struct FolderState {
+    cfg: SessionFolder,
+    /// The peer's hello listed it too: records flow both ways.
+    shared: bool,
+    /// Our highest sequence, as last read from the source.
+    our_max: u64,
+    /// Our records up to here are sent (or skipped) in this session.
+    sent_up_to: u64,
+    /// `up_to` of each unacknowledged batch, oldest first.
+    in_flight: VecDeque<u64>,
+    /// The peer processed ours up to here.
+    our_acked: u64,
+    their_known_max: u64,
+    /// Highest of their sequences applied here.
+    their_applied: u64,
+    /// Highest `up_to` of their batches received in this session.
+    their_received: u64,
+    /// `up_to` of the outstanding Receive.
+    receiving: Option<u64>,
+    queued: VecDeque<IndexBatch>,
+}
+
+/// One peer session. See the module docs.
+pub struct Session {
+    local_name: String,
+    peer: DeviceId,
+    folders: BTreeMap<FolderId, FolderState>,
+    hello_sent: bool,
+    peer_name: Option<String>,
+    closed: bool,
+}
+
+impl Session {
+    /// A session with `peer` over the folders we share with it (resume points from the journal).
+    pub fn new(local_name: String, peer: DeviceId, folders: Vec<SessionFolder>) -> Session {
+        let folders = folders
+            .into_iter()
+            .map(|f| (f.folder.clone(), FolderState::new(f)))
+            .collect();
+        Session {
+            local_name,
+            peer,
+            folders,
+            hello_sent: false,
+            peer_name: None,
+            closed: false,
+        }
+    }
+
+    /// Opens the session: our Hello, listing our shared folders with resume points.
+    pub fn start(&mut self, src: &mut dyn IndexSource) -> Vec<Action> {
+        if self.closed || self.hello_sent {
+            return Vec::new();
+        }
+        self.hello_sent = true;
+        let folders = self
+            .folders
+            .values_mut()
+            .map(|f| {
+                f.our_max = f.our_max.max(src.max_sequence(&f.cfg.folder));
+                HelloFolder {
+                    folder: f.cfg.folder.clone(),
+                    index_id: f.cfg.index_id,
+                    your_index_id: f.cfg.their_index_id,
+                    your_sequence: f.their_applied,
+                    max_sequence: f.our_max,
+                }
+            })
+            .collect();
+        let mut out = vec![Action::Send(Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            device_name: self.local_name.clone(),
+            folders,
+        }))];
+        if self.peer_name.is_some() {
+            out.extend(self.pump_all(src));
+        }
+        out
+    }
+
+    /// A message from the peer's control stream.
+    pub fn handle(&mut self, msg: Message, src: &mut dyn IndexSource) -> Vec<Action> {
+        if self.closed {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        if !self.hello_sent {
+            out = self.start(src);
+        }
+        match msg {
+            Message::Hello(h) => out.extend(self.on_hello(h, src)),
+            Message::Index(batch) => out.extend(self.on_index(batch)),
+            Message::IndexAck(ack) => out.extend(self.on_ack(ack, src)),
+            Message::Error { code, message } => {
+                self.closed = true;
+                out.push(Action::Close {
+                    reason: format!("peer refused ({code:?}): {message}"),
+                });
+            }
+            Message::Request(_) | Message::Response(_) => out.extend(self.fail(
+                ErrorCode::BadFrame,
+                "chunk messages are not allowed on the control stream",
+            )),
+        }
+        out
+    }
+
+    /// New local journal entries exist in `folder`: sends them if established and within the
+    /// flow-control window.
+    pub fn local_changed(&mut self, folder: &FolderId, src: &mut dyn IndexSource) -> Vec<Action> {
+        if self.closed {
+            return Vec::new();
+        }
+        let established = self.is_established();
+        let peer = self.peer;
+        match self.folders.get_mut(folder) {
+            Some(f) if established && f.shared => f.pump(&peer, src),
+            Some(f) => {
+                f.our_max = f.our_max.max(src.max_sequence(folder));
+                Vec::new()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// The outstanding Receive of `folder` is applied up to `up_to` (all of the peer's records
+    /// with a sequence ≤ `up_to` are processed): acknowledges and persists that progress, then
+    /// delivers the next queued batch.
+    pub fn applied(&mut self, folder: &FolderId, up_to: u64) -> Vec<Action> {
+        if self.closed {
+            return Vec::new();
+        }
+        let Some(f) = self.folders.get_mut(folder) else {
+            return Vec::new();
+        };
+        let Some(outstanding) = f.receiving else {
+            return Vec::new();
+        };
+        let up_to = up_to.min(outstanding);
+        let mut out = f.progress(up_to);
+        if up_to == outstanding {
+            f.receiving = None;
+            out.extend(f.deliver());
+        }
+        out
+    }
+
+    /// Starts sharing a folder with this peer. Before the hello it simply joins the list;
+    /// afterwards the peer cannot learn of it within this session, so the session ends and the
+    /// driver reconnects with a new hello.
+    pub fn add_folder(&mut self, f: SessionFolder, src: &mut dyn IndexSource) -> Vec<Action> {
+        if self.closed || self.folders.contains_key(&f.folder) {
+            return Vec::new();
+        }
+        let id = f.folder.clone();
+        let mut state = FolderState::new(f);
+        state.our_max = src.max_sequence(&id);
+        self.folders.insert(id.clone(), state);
+        if self.hello_sent {
+            self.closed = true;
+            return vec![Action::Close {
+                reason: format!("folder {id} is now shared; reconnecting"),
+            }];
+        }
+        Vec::new()
+    }
+
+    /// Stops sharing a folder with this peer. Before the hello it leaves the list; afterwards
+    /// the session ends (the peer still believes it is shared) and the driver reconnects.
+    pub fn remove_folder(&mut self, folder: &FolderId) -> Vec<Action> {
+        if self.closed || self.folders.remove(folder).is_none() {
+            return Vec::new();
+        }
+        if self.hello_sent {
+            self.closed = true;
+            return vec![Action::Close {
+                reason: format!("folder {folder} is no longer shared; reconnecting"),
+            }];
+        }
+        Vec::new()
+    }
+
+    /// Both hellos exchanged and the session not ended.
+    pub fn is_established(&self) -> bool {
+        self.hello_sent && self.peer_name.is_some() && !self.closed
+    }
+
+    /// Whether the peer's hello listed `folder` as shared with us (and we share it too).
+    pub fn is_shared(&self, folder: &FolderId) -> bool {
+        self.folders.get(folder).is_some_and(|f| f.shared)
+    }
+
+    /// The peer's name for itself, once its hello arrived.
+    pub fn peer_name(&self) -> Option<&str> {
+        self.peer_name.as_deref()
+    }
+
+    /// The peer's device id.
+    pub fn peer(&self) -> &DeviceId {
+        &self.peer
+    }
+
+    /// Progress of `folder`, if it is one of ours.
+    pub fn folder_status(&self, folder: &FolderId) -> Option<FolderSyncStatus> {
+        let f = self.folders.get(folder)?;
+        let receiving = f.receiving.is_some() || !f.queued.is_empty();
+        Some(FolderSyncStatus {
+            our_max: f.our_max,
+            our_acked: f.our_acked,
+            their_known_max: f.their_known_max,
+            their_applied: f.their_applied,
+            receiving,
+            in_sync: self.is_established()
+                && f.shared
+                && f.our_acked >= f.our_max
+                && f.their_applied >= f.their_known_max
+                && !receiving,
+        })
+    }
+
+    fn on_hello(&mut self, h: Hello, src: &mut dyn IndexSource) -> Vec<Action> {
+        if self.peer_name.is_some() {
+            return self.fail(ErrorCode::BadFrame, "second hello");
+        }
+        if h.protocol_version != PROTOCOL_VERSION {
+            let msg = format!(
+                "protocol version {} is not supported (this device speaks {PROTOCOL_VERSION})",
+                h.protocol_version
+            );
+            return self.fail(ErrorCode::Version, &msg);
+        }
+        self.peer_name = Some(h.device_name);
+        let mut out = Vec::new();
+        for hf in h.folders {
+            let Some(f) = self.folders.get_mut(&hf.folder) else {
+                continue;
+            };
+            if f.shared {
+                continue;
+            }
+            f.shared = true;
+            if hf.index_id != f.cfg.their_index_id {
+                // Their journal was recreated (or never seen): their sequences restart.
+                f.cfg.their_index_id = hf.index_id;
+                f.their_applied = 0;
+                out.push(Action::SaveTheirSequence {
+                    folder: hf.folder.clone(),
+                    index_id: hf.index_id,
+                    sequence: 0,
+                });
+            }
+            f.their_known_max = f.their_known_max.max(hf.max_sequence);
+            // Resume where the peer says it is, if it speaks of our current epoch and is not
+            // ahead of us; otherwise send everything.
+            let resume = if hf.your_index_id == f.cfg.index_id && hf.your_sequence <= f.our_max {
+                hf.your_sequence
+            } else {
+                0
+            };
+            f.sent_up_to = resume;
+            f.our_acked = resume;
+        }
+        out.extend(self.pump_all(src));
+        out
+    }
+
+    fn on_index(&mut self, batch: IndexBatch) -> Vec<Action> {
+        if self.peer_name.is_none() {
+            return self.fail(ErrorCode::BadFrame, "index before hello");
+        }
+        let Some(f) = self.folders.get_mut(&batch.folder).filter(|f| f.shared) else {
+            let msg = format!("folder {} is not shared with this device", batch.folder);
+            return self.fail(ErrorCode::NotShared, &msg);
+        };
+        let ascending = batch
+            .records
+            .windows(2)
+            .all(|w| w[0].sequence < w[1].sequence);
+        let bounded = batch
+            .records
+            .last()
+            .is_none_or(|r| r.sequence <= batch.up_to);
+        let after = batch
+            .records
+            .first()
+            .is_none_or(|r| r.sequence > f.their_received);
+        if !ascending || !bounded || !after || batch.up_to < f.their_received {
+            let msg = format!(
+                "index batch of folder {} out of sequence order",
+                batch.folder
+            );
+            return self.fail(ErrorCode::BadFrame, &msg);
+        }
+        f.their_received = batch.up_to;
+        f.their_known_max = f.their_known_max.max(batch.up_to);
+        f.queued.push_back(batch);
+        if f.receiving.is_none() {
+            f.deliver()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn on_ack(&mut self, ack: IndexAck, src: &mut dyn IndexSource) -> Vec<Action> {
+        if self.peer_name.is_none() {
+            return self.fail(ErrorCode::BadFrame, "ack before hello");
+        }
+        let peer = self.peer;
+        let Some(f) = self.folders.get_mut(&ack.folder).filter(|f| f.shared) else {
+            let msg = format!("folder {} is not shared with this device", ack.folder);
+            return self.fail(ErrorCode::NotShared, &msg);
+        };
+        if ack.sequence > f.sent_up_to {
+            let msg = format!("ack of folder {} beyond what was sent", ack.folder);
+            return self.fail(ErrorCode::BadFrame, &msg);
+        }
+        while f.in_flight.front().is_some_and(|&u| u <= ack.sequence) {
+            f.in_flight.pop_front();
+        }
+        let mut out = Vec::new();
+        if ack.sequence > f.our_acked {
+            f.our_acked = ack.sequence;
+            out.push(Action::SaveOurAcked {
+                folder: ack.folder.clone(),
+                sequence: ack.sequence,
+            });
+        }
+        out.extend(f.pump(&peer, src));
+        out
+    }
+
+    fn pump_all(&mut self, src: &mut dyn IndexSource) -> Vec<Action> {
+        if !self.is_established() {
+            return Vec::new();
+        }
+        let peer = self.peer;
+        let mut out = Vec::new();
+        for f in self.folders.values_mut().filter(|f| f.shared) {
+            out.extend(f.pump(&peer, src));
+        }
+        out
+    }
+
+    fn fail(&mut self, code: ErrorCode, message: &str) -> Vec<Action> {
+        self.closed = true;
+        vec![
+            Action::Send(Message::Error {
+                code,
+                message: message.to_string(),
+            }),
+            Action::Close {
+                reason: message.to_string(),
+            },
+        ]
+    }
+}
+
+impl FolderState {
+    fn new(cfg: SessionFolder) -> FolderState {
+        FolderState {
+            our_acked: cfg.our_acked,
+            their_applied: cfg.their_sequence,
+            their_known_max: cfg.their_sequence,
+            their_received: 0,
+            cfg,
+            shared: false,
+            our_max: 0,
+            sent_up_to: 0,
+            in_flight: VecDeque::new(),
+            receiving: None,
+            queued: VecDeque::new(),
+        }
+    }
+
+    /// Sends batches while the window allows and records remain.
+    fn pump(&mut self, peer: &DeviceId, src: &mut dyn IndexSource) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.our_max = self.our_max.max(src.max_sequence(&self.cfg.folder));
+        while self.in_flight.len() < MAX_IN_FLIGHT && self.sent_up_to < self.our_max {
+            let (mut records, scanned) =
+                src.records_since(&self.cfg.folder, peer, self.sent_up_to, MAX_BATCH_RECORDS);
+            self.our_max = self.our_max.max(scanned);
+            let mut up_to = scanned;
+            let mut bytes = 0usize;
+            let mut keep = records.len();
+            for (i, r) in records.iter().enumerate() {
+                bytes += encoded_size_bound(r);
+                if bytes > MAX_BATCH_BYTES && i > 0 {
+                    keep = i;
+                    up_to = records[i - 1].sequence;
+                    break;
+                }
+            }
+            records.truncate(keep);
+            if let Some(last) = records.last() {
+                up_to = up_to.max(last.sequence);
+            }
+            if up_to <= self.sent_up_to {
+                // The source made no progress; wait for the next change.
+                break;
+            }
+            self.sent_up_to = up_to;
+            self.in_flight.push_back(up_to);
+            out.push(Action::Send(Message::Index(IndexBatch {
+                folder: self.cfg.folder.clone(),
+                records,
+                up_to,
+            })));
+        }
+        out
+    }
+
+    /// Hands the next queued batch to the driver; empty batches are acknowledged at once.
+    fn deliver(&mut self) -> Vec<Action> {
+        let mut out = Vec::new();
+        while self.receiving.is_none() {
+            let Some(batch) = self.queued.pop_front() else {
+                break;
+            };
+            if batch.records.is_empty() {
+                out.extend(self.progress(batch.up_to));
+            } else {
+                self.receiving = Some(batch.up_to);
+                out.push(Action::Receive {
+                    folder: batch.folder,
+                    records: batch.records,
+                    up_to: batch.up_to,
+                });
+            }
+        }
+        out
+    }
+
+    /// Their records up to `up_to` are applied: acknowledge and persist, never backwards.
+    fn progress(&mut self, up_to: u64) -> Vec<Action> {
+        if up_to <= self.their_applied {
+            return Vec::new();
+        }
+        self.their_applied = up_to;
+        vec![
+            Action::Send(Message::IndexAck(IndexAck {
+                folder: self.cfg.folder.clone(),
+                sequence: up_to,
+            })),
+            Action::SaveTheirSequence {
+                folder: self.cfg.folder.clone(),
+                index_id: self.cfg.their_index_id,
+                sequence: up_to,
+            },
+        ]
+    }
+}
+
+/// An upper bound of a record's postcard encoding, in bytes.
+fn encoded_size_bound(r: &FileRecord) -> usize {
+    64 + r.path.as_str().len()
+        + r.target.len()
+        + r.chunks.len() * 38
+        + r.version.entries().len() * 20
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, VersionVector};
+
+    /// An in-memory journal of one folder: records by sequence, each with its source device.
+    #[derive(Default)]
+    struct Journal {
+        records: Vec<(FileRecord, Option<DeviceId>)>,
+    }
+
+    impl Journal {
+        fn add(&mut self, path: &str, dev: u64) {
+            let seq = self.records.len() as u64 + 1;
+            self.records.push((record(path, dev, seq), None));
+        }
+    }
+
+    impl IndexSource for Journal {
+        fn records_since(
+            &mut self,
+            _f: &FolderId,
+            peer: &DeviceId,
+            after: u64,
+            limit: usize,
+        ) -> (Vec<FileRecord>, u64) {
+            let mut out = Vec::new();
+            let mut scanned = after;
+            for (r, source) in self.records.iter().filter(|(r, _)| r.sequence > after) {
+                if out.len() == limit {
+                    break;
+                }
+                scanned = r.sequence;
+                if source.as_ref() != Some(peer) {
+                    out.push(r.clone());
+                }
+            }
+            (out, scanned)
+        }
+        fn max_sequence(&mut self, _f: &FolderId) -> u64 {
+            self.records.len() as u64
+        }
+    }
+
+    fn record(path: &str, dev: u64, seq: u64) -> FileRecord {
+        FileRecord {
+            path: RelPath::new(path).unwrap(),
+            kind: FileKind::File,
+            deleted: false,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: 0,
+            hash: Hash::ZERO,
+            chunks: vec![],
+            target: String::new(),
+            version: VersionVector::new().incremented(ShortId(dev), 0),
+            modified_by: ShortId(dev),
+            sequence: seq,
+        }
+    }
+
+    fn fid(s: &str) -> FolderId {
+        FolderId::new(s).unwrap()
+    }
+
+    fn dev(n: u8) -> DeviceId {
+        DeviceId::from_bytes([n; 32])
+    }
+
+    fn folder(name: &str, index_id: u64) -> SessionFolder {
+        SessionFolder {
+            folder: fid(name),
+            index_id,
+            their_index_id: 0,
+            their_sequence: 0,
+            our_acked: 0,
+        }
+    }
+
+    /// One side: its session, its journal, what it persisted and received.
+    struct Side {
+        session: Session,
+        journal: Journal,
+        id: DeviceId,
+        received: Vec<FileRecord>,
+        saved_their: Vec<(u64, u64)>,
+        closed: Option<String>,
+        max_in_flight: usize,
+    }
+
+    impl Side {
+        fn new(me: u8, peer: u8, folders: Vec<SessionFolder>) -> Side {
+            Side {
+                session: Session::new(format!("dev{me}"), dev(peer), folders),
+                journal: Journal::default(),
+                id: dev(me),
+                received: vec![],
+                saved_their: vec![],
+                closed: None,
+                max_in_flight: 0,
+            }
+        }
+    }
+
+    /// Runs both sides back to back until nothing moves; messages are delivered FIFO.
+    /// Receives are applied immediately (records journaled with the peer as source).
+    fn run(
+        a: &mut Side,
+        b: &mut Side,
+        mut to_a: VecDeque<Message>,
+        mut to_b: VecDeque<Message>,
+        first: [Vec<Action>; 2],
+    ) {
+        let [fa, fb] = first;
+        let mut pending: VecDeque<(bool, Action)> = fa
+            .into_iter()
+            .map(|x| (true, x))
+            .chain(fb.into_iter().map(|x| (false, x)))
+            .collect();
+        for _ in 0..100_000 {
+            if let Some((is_a, action)) = pending.pop_front() {
+                let (me, to_peer) = if is_a {
+                    (&mut *a, &mut to_b)
+                } else {
+                    (&mut *b, &mut to_a)
+                };
+                match action {
+                    Action::Send(m) => {
+                        if me.closed.is_none() {
+                            to_peer.push_back(m)
+                        }
+                    }
+                    Action::Receive {
+                        folder,
+                        records,
+                        up_to,
+                    } => {
+                        let peer = *me.session.peer();
+                        for r in records {
+                            me.received.push(r.clone());
+                            let seq = me.journal.records.len() as u64 + 1;
+                            me.journal
+                                .records
+                                .push((FileRecord { sequence: seq, ..r }, Some(peer)));
+                        }
+                        let mut more = me.session.applied(&folder, up_to);
+                        // The journal grew: the driver tells every session, this one included.
+                        more.extend(me.session.local_changed(&folder, &mut me.journal));
+                        pending.extend(more.into_iter().map(|x| (is_a, x)));
+                    }
+                    Action::SaveTheirSequence {
+                        index_id, sequence, ..
+                    } => me.saved_their.push((index_id, sequence)),
+                    Action::SaveOurAcked { .. } => {}
+                    Action::Close { reason } => me.closed = Some(reason),
+                }
+                continue;
+            }
+            for s in [&mut *a, &mut *b] {
+                let now = s
+                    .session
+                    .folders
+                    .values()
+                    .map(|f| f.in_flight.len())
+                    .max()
+                    .unwrap_or(0);
+                s.max_in_flight = s.max_in_flight.max(now);
+            }
+            if let Some(m) = to_a.pop_front() {
+                if a.closed.is_none() {
+                    let acts = a.session.handle(m, &mut a.journal);
+                    pending.extend(acts.into_iter().map(|x| (true, x)));
+                }
+            } else if let Some(m) = to_b.pop_front() {
+                if b.closed.is_none() {
+                    let acts = b.session.handle(m, &mut b.journal);
+                    pending.extend(acts.into_iter().map(|x| (false, x)));
+                }
+            } else {
+                return;
+            }
+        }
+        panic!("sessions did not go quiet");
+    }
+
+    fn connect(a: &mut Side, b: &mut Side) {
+        let sa = a.session.start(&mut a.journal);
+        let sb = b.session.start(&mut b.journal);
+        run(a, b, VecDeque::new(), VecDeque::new(), [sa, sb]);
+    }
+
+    fn status(s: &Side, f: &str) -> FolderSyncStatus {
+        s.session.folder_status(&fid(f)).unwrap()
+    }
+
+    /// Reopens a side's session with the resume points it persisted.
+    fn reconnect(s: &mut Side, peer: u8, index_id: u64) {
+        let st = status(s, "f");
+        let their = s.saved_their.last().copied().unwrap_or((0, 0));
+        let f = SessionFolder {
+            folder: fid("f"),
+            index_id,
+            their_index_id: their.0,
+            their_sequence: their.1,
+            our_acked: st.our_acked,
+        };
+        s.session = Session::new(format!("dev{}", s.id.as_bytes()[0]), dev(peer), vec![f]);
+        s.received.clear();
+    }
+
+    #[test]
+    fn two_sessions_reach_in_sync_both_ways() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        for i in 0..2500 {
+            a.journal.add(&format!("a{i}"), 1);
+        }
+        for i in 0..30 {
+            b.journal.add(&format!("b{i}"), 2);
+        }
+        connect(&mut a, &mut b);
+        assert!(a.session.is_established() && b.session.is_established());
+        assert_eq!(b.received.len(), 2500);
+        assert_eq!(a.received.len(), 30);
+        assert!(status(&a, "f").in_sync, "{:?}", status(&a, "f"));
+        assert!(status(&b, "f").in_sync, "{:?}", status(&b, "f"));
+        // Live update after sync.
+        a.journal.add("late", 1);
+        let acts = a.session.local_changed(&fid("f"), &mut a.journal);
+        assert!(!status(&a, "f").in_sync);
+        run(
+            &mut a,
+            &mut b,
+            VecDeque::new(),
+            VecDeque::new(),
+            [acts, vec![]],
+        );
+        assert_eq!(b.received.last().unwrap().path.as_str(), "late");
+        assert!(status(&a, "f").in_sync && status(&b, "f").in_sync);
+    }
+
+    #[test]
+    fn records_received_from_the_peer_are_not_echoed_but_sequence_is_acked() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        a.journal.add("x", 1);
+        connect(&mut a, &mut b);
+        // b journaled x with a as the source: b's records since 0 for a are all filtered, yet
+        // a acknowledged b's sequence (an empty batch carried up_to).
+        assert!(a.received.is_empty());
+        assert_eq!(status(&b, "f").our_acked, 1);
+        assert!(status(&b, "f").in_sync);
+    }
+
+    #[test]
+    fn resume_after_reconnect_sends_only_what_changed() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        for i in 0..50 {
+            a.journal.add(&format!("a{i}"), 1);
+        }
+        connect(&mut a, &mut b);
+        a.journal.add("new", 1);
+        reconnect(&mut a, 2, 11);
+        reconnect(&mut b, 1, 22);
+        connect(&mut a, &mut b);
+        assert_eq!(
+            b.received
+                .iter()
+                .map(|r| r.path.as_str())
+                .collect::<Vec<_>>(),
+            vec!["new"]
+        );
+        assert!(status(&a, "f").in_sync && status(&b, "f").in_sync);
+    }
+
+    #[test]
+    fn reset_index_id_resends_everything() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        for i in 0..50 {
+            a.journal.add(&format!("a{i}"), 1);
+        }
+        connect(&mut a, &mut b);
+        // a's journal is recreated: new epoch, same content.
+        reconnect(&mut a, 2, 99);
+        reconnect(&mut b, 1, 22);
+        connect(&mut a, &mut b);
+        assert_eq!(b.received.len(), 50);
+        assert!(b.saved_their.contains(&(99, 0)), "{:?}", b.saved_their);
+        assert!(status(&a, "f").in_sync && status(&b, "f").in_sync);
+    }
+
+    #[test]
+    fn unshared_folder_in_a_batch_closes_without_receive() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        connect(&mut a, &mut b);
+        let batch = Message::Index(IndexBatch {
+            folder: fid("secret"),
+            records: vec![record("x", 2, 1)],
+            up_to: 1,
+        });
+        let acts = a.session.handle(batch, &mut a.journal);
+        assert!(acts.iter().all(|x| !matches!(x, Action::Receive { .. })));
+        assert!(
+            matches!(
+                &acts[..],
+                [
+                    Action::Send(Message::Error {
+                        code: ErrorCode::NotShared,
+                        ..
+                    }),
+                    Action::Close { .. }
+                ]
+            ),
+            "{acts:?}"
+        );
+        assert!(!a.session.is_established());
+        // A folder we share but the peer does not is not exchanged either.
+        let mut c = Side::new(3, 4, vec![folder("f", 1), folder("only-mine", 2)]);
+        let mut d = Side::new(4, 3, vec![folder("f", 3)]);
+        connect(&mut c, &mut d);
+        let ack = Message::IndexAck(IndexAck {
+            folder: fid("only-mine"),
+            sequence: 0,
+        });
+        let acts = c.session.handle(ack, &mut c.journal);
+        assert!(matches!(acts.last(), Some(Action::Close { .. })));
+    }
+
+    #[test]
+    fn version_mismatch_closes() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        a.session.start(&mut a.journal);
+        let hello = Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION + 1,
+            device_name: "x".into(),
+            folders: vec![],
+        });
+        let acts = a.session.handle(hello, &mut a.journal);
+        assert!(
+            matches!(
+                &acts[..],
+                [
+                    Action::Send(Message::Error {
+                        code: ErrorCode::Version,
+                        ..
+                    }),
+                    Action::Close { .. }
+                ]
+            ),
+            "{acts:?}"
+        );
+        assert!(a
+            .session
+            .handle(
+                Message::IndexAck(IndexAck {
+                    folder: fid("f"),
+                    sequence: 0
+                }),
+                &mut a.journal
+            )
+            .is_empty());
+    }
+
+    #[test]
+    fn flow_control_never_exceeds_four_outstanding_batches() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        for i in 0..10_500 {
+            a.journal.add(&format!("a{i}"), 1);
+        }
+        let sa = a.session.start(&mut a.journal);
+        let sb = b.session.start(&mut b.journal);
+        // Deliver hellos only; count the batches a sends without any ack.
+        let hello_b = sb
+            .into_iter()
+            .find_map(|x| {
+                if let Action::Send(m) = x {
+                    Some(m)
+                } else {
+                    None
+                }
+            })
+            .unwrap();
+        let acts = a.session.handle(hello_b, &mut a.journal);
+        let batches = acts
+            .iter()
+            .filter(|x| matches!(x, Action::Send(Message::Index(_))))
+            .count();
+        assert_eq!(batches, MAX_IN_FLIGHT);
+        // More local changes do not open the window.
+        a.journal.add("more", 1);
+        assert!(a
+            .session
+            .local_changed(&fid("f"), &mut a.journal)
+            .is_empty());
+        // A full exchange completes, never with more than four in flight.
+        let mut a2 = Side::new(1, 2, vec![folder("f", 11)]);
+        a2.journal = std::mem::take(&mut a.journal);
+        let mut b2 = Side::new(2, 1, vec![folder("f", 22)]);
+        let _ = sa;
+        connect(&mut a2, &mut b2);
+        assert_eq!(b2.received.len(), 10_501);
+        assert!(a2.max_in_flight <= MAX_IN_FLIGHT, "{}", a2.max_in_flight);
+        assert!(status(&a2, "f").in_sync);
+    }
+
+    #[test]
+    fn a_second_batch_waits_for_the_first_to_be_applied() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        a.session.start(&mut a.journal);
+        let hello = Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            device_name: "b".into(),
+            folders: vec![HelloFolder {
+                folder: fid("f"),
+                index_id: 5,
+                your_index_id: 0,
+                your_sequence: 0,
+                max_sequence: 4,
+            }],
+        });
+        a.session.handle(hello, &mut a.journal);
+        let b1 = Message::Index(IndexBatch {
+            folder: fid("f"),
+            records: vec![record("x", 2, 1)],
+            up_to: 2,
+        });
+        let b2 = Message::Index(IndexBatch {
+            folder: fid("f"),
+            records: vec![record("y", 2, 3)],
+            up_to: 4,
+        });
+        let r1 = a.session.handle(b1, &mut a.journal);
+        assert!(matches!(&r1[..], [Action::Receive { up_to: 2, .. }]));
+        assert!(a.session.handle(b2, &mut a.journal).is_empty());
+        assert!(!status(&a, "f").in_sync);
+        // Partial progress keeps the Receive outstanding.
+        let p = a.session.applied(&fid("f"), 1);
+        assert!(
+            matches!(
+                &p[..],
+                [
+                    Action::Send(Message::IndexAck(IndexAck { sequence: 1, .. })),
+                    Action::SaveTheirSequence { sequence: 1, .. }
+                ]
+            ),
+            "{p:?}"
+        );
+        assert!(status(&a, "f").receiving);
+        let next = a.session.applied(&fid("f"), 2);
+        assert!(
+            matches!(next.last(), Some(Action::Receive { up_to: 4, .. })),
+            "{next:?}"
+        );
+        a.session.applied(&fid("f"), 4);
+        let st = status(&a, "f");
+        assert_eq!(
+            (st.their_applied, st.their_known_max, st.receiving),
+            (4, 4, false)
+        );
+        assert!(st.in_sync);
+        // Progress never goes backwards; an out-of-order batch is a protocol violation.
+        let old = Message::Index(IndexBatch {
+            folder: fid("f"),
+            records: vec![record("z", 2, 3)],
+            up_to: 3,
+        });
+        assert!(matches!(
+            a.session.handle(old, &mut a.journal).last(),
+            Some(Action::Close { .. })
+        ));
+    }
+
+    #[test]
+    fn big_chunk_lists_split_batches_by_size() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        for i in 0..40 {
+            a.journal.add(&format!("big{i}"), 1);
+            let r = &mut a.journal.records.last_mut().unwrap().0;
+            r.chunks = vec![
+                meshfs_protocol::Chunk {
+                    len: 1,
+                    hash: Hash::ZERO
+                };
+                20_000
+            ];
+            r.size = 20_000;
+        }
+        let sa = a.session.start(&mut a.journal);
+        let sb = b.session.start(&mut b.journal);
+        let hello_b = sb
+            .into_iter()
+            .find_map(|x| {
+                if let Action::Send(m) = x {
+                    Some(m)
+                } else {
+                    None
+                }
+            })
+            .unwrap();
+        for act in a.session.handle(hello_b, &mut a.journal) {
+            if let Action::Send(m @ Message::Index(_)) = act {
+                let frame = meshfs_protocol::encode_frame(&m).unwrap();
+                assert!(frame.len() <= MAX_BATCH_BYTES + 1024, "{}", frame.len());
+            }
+        }
+        let _ = sa;
+    }
+}

@@ -1,0 +1,802 @@
+//! The replica store: the only code that writes into a replica directory.
+//!
+//! **Architecture invariant:** every user file always has either its old or its new content.
+//! A remote version is written to a temp file (`.meshfs-tmp-*`, in the target's directory),
+//! verified against its blake3, made durable, and only then renamed over the target, after
+//! checking that the target is still the version the journal expects to replace.
+//!
+//! **Architecture invariant:** incoming paths never escape the replica. Every path is a
+//! validated [`RelPath`] (no `..`, never `.meshfs*`), and parents are walked one component at
+//! a time with `openat(O_NOFOLLOW | O_DIRECTORY)`, so a symlink planted in a parent component
+//! is refused instead of followed.
+//!
+//! Durability is batched (DESIGN §6): [`Store::install`] makes a whole batch of temp files
+//! durable with one `syncfs`, renames them, then fsyncs each touched directory once.
+
+use crate::journal::LocalStat;
+use meshfs_protocol::{FileKind, Hash, RelPath, INTERNAL_PREFIX, MODE_SYNC_MASK};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// Name prefix of the store's temp files (inside [`INTERNAL_PREFIX`], so never replicated).
+pub const TEMP_PREFIX: &str = ".meshfs-tmp-";
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A parent component is a symlink or not a directory: the path would leave the replica.
+    #[error("{0}: a parent component is a symlink or not a directory; refusing to follow it")]
+    Escape(RelPath),
+    /// The target changed since the journal last saw it; the apply stopped.
+    #[error(
+        "{0}: changed on disk since it was last scanned; the change will be reconciled instead"
+    )]
+    Changed(RelPath),
+    /// The written content does not hash to what the record says.
+    #[error("{path}: content hashes to {got}, expected {want}")]
+    Verify {
+        /// Which file.
+        path: RelPath,
+        /// What was written.
+        got: Hash,
+        /// What the record promises.
+        want: Hash,
+    },
+    /// A directory to be removed still holds entries.
+    #[error("{0}: directory not empty")]
+    NotEmpty(RelPath),
+    /// An operating-system error.
+    #[error("{path}: {source}")]
+    Io {
+        /// Which path.
+        path: String,
+        /// What happened.
+        source: io::Error,
+    },
+}
+
+fn io_err(path: impl ToString, source: io::Error) -> StoreError {
+    StoreError::Io {
+        path: path.to_string(),
+        source,
+    }
+}
+
+/// What an apply expects to find at the target before replacing it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// Nothing is there.
+    Absent,
+    /// The file the journal knows (same inode, size and mtime).
+    Matches(LocalStat),
+    /// Don't check (used for conflict siblings whose name was checked by the reconciler).
+    Anything,
+}
+
+/// A file's metadata as the store sees it (never following a final symlink).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stat {
+    /// What it is, or `None` for special files (fifo, socket, device).
+    pub kind: Option<FileKind>,
+    /// Inode, size, times, permission bits.
+    pub local: LocalStat,
+}
+
+/// The store of one replica directory.
+#[derive(Debug)]
+pub struct Store {
+    root: PathBuf,
+    root_fd: OwnedFd,
+}
+
+/// A remote version being assembled in a temp file next to its target.
+#[derive(Debug)]
+pub struct TempFile {
+    /// The path it will be installed at.
+    pub target: RelPath,
+    name: CString,
+    file: Option<File>,
+}
+
+fn cstr(s: &str) -> Result<CString, StoreError> {
+    CString::new(s).map_err(|_| io_err(s, io::Error::from(io::ErrorKind::InvalidInput)))
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn open_at(dir: RawFd, name: &CStr, flags: libc::c_int, mode: libc::c_uint) -> io::Result<OwnedFd> {
+    let fd = cvt(unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_CLOEXEC, mode) })?;
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn fstatat(dir: RawFd, name: &CStr) -> io::Result<libc::stat> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    cvt(unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) })?;
+    Ok(st)
+}
+
+/// Converts a `stat` into the store's view.
+pub fn stat_of(st: &libc::stat) -> Stat {
+    let kind = match st.st_mode & libc::S_IFMT {
+        libc::S_IFREG => Some(FileKind::File),
+        libc::S_IFDIR => Some(FileKind::Dir),
+        libc::S_IFLNK => Some(FileKind::Symlink),
+        _ => None,
+    };
+    Stat {
+        kind,
+        local: LocalStat {
+            inode: st.st_ino,
+            size: st.st_size as u64,
+            mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
+            ctime_ns: st.st_ctime * 1_000_000_000 + st.st_ctime_nsec,
+            mode: st.st_mode & MODE_SYNC_MASK,
+        },
+    }
+}
+
+fn random_suffix() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+impl Store {
+    /// Opens the replica at `root` (created if missing).
+    pub fn open(root: &Path) -> Result<Store, StoreError> {
+        std::fs::create_dir_all(root).map_err(|e| io_err(root.display(), e))?;
+        let c = CString::new(root.as_os_str().as_encoded_bytes())
+            .map_err(|_| io_err(root.display(), io::Error::from(io::ErrorKind::InvalidInput)))?;
+        let fd = open_at(libc::AT_FDCWD, &c, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+            .map_err(|e| io_err(root.display(), e))?;
+        Ok(Store {
+            root: root.to_path_buf(),
+            root_fd: fd,
+        })
+    }
+
+    /// The replica directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Opens the directory `dir` (None: the root) without following symlinks, creating
+    /// missing components when `create` is set.
+    fn open_dir(&self, dir: Option<&RelPath>, create: bool) -> Result<OwnedFd, StoreError> {
+        let mut cur = open_at(
+            self.root_fd.as_raw_fd(),
+            c".",
+            libc::O_RDONLY | libc::O_DIRECTORY,
+            0,
+        )
+        .map_err(|e| io_err(self.root.display(), e))?;
+        let Some(dir) = dir else { return Ok(cur) };
+        for comp in dir.components() {
+            let c = cstr(comp)?;
+            let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+            let next = match open_at(cur.as_raw_fd(), &c, flags, 0) {
+                Ok(fd) => fd,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) && create => {
+                    match cvt(unsafe { libc::mkdirat(cur.as_raw_fd(), c.as_ptr(), 0o755) }) {
+                        Ok(_) => {}
+                        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                        Err(e) => return Err(io_err(dir, e)),
+                    }
+                    open_at(cur.as_raw_fd(), &c, flags, 0).map_err(|e| match e.raw_os_error() {
+                        Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Escape(dir.clone()),
+                        _ => io_err(dir, e),
+                    })?
+                }
+                Err(e) => {
+                    return Err(match e.raw_os_error() {
+                        Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Escape(dir.clone()),
+                        _ => io_err(dir, e),
+                    })
+                }
+            };
+            cur = next;
+        }
+        Ok(cur)
+    }
+
+    fn parent_and_name(
+        &self,
+        path: &RelPath,
+        create: bool,
+    ) -> Result<(OwnedFd, CString), StoreError> {
+        let fd = self.open_dir(path.parent().as_ref(), create)?;
+        Ok((fd, cstr(path.file_name())?))
+    }
+
+    /// What is at `path` now (`None` if nothing), without following a final symlink.
+    pub fn stat(&self, path: &RelPath) -> Result<Option<Stat>, StoreError> {
+        let (dir, name) = match self.parent_and_name(path, false) {
+            Ok(x) => x,
+            Err(StoreError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+                return Ok(None)
+            }
+            Err(StoreError::Escape(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match fstatat(dir.as_raw_fd(), &name) {
+            Ok(st) => Ok(Some(stat_of(&st))),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+            Err(e) => Err(io_err(path, e)),
+        }
+    }
+
+    /// Opens a regular file for reading (never through a symlink).
+    pub fn open_file(&self, path: &RelPath) -> Result<File, StoreError> {
+        let (dir, name) = self.parent_and_name(path, false)?;
+        let fd = open_at(dir.as_raw_fd(), &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
+            .map_err(|e| io_err(path, e))?;
+        Ok(File::from(fd))
+    }
+
+    /// Reads `len` bytes at `offset` of `path` and checks they hash to `hash`.
+    pub fn read_chunk(
+        &self,
+        path: &RelPath,
+        offset: u64,
+        len: u32,
+        hash: &Hash,
+    ) -> Result<Vec<u8>, StoreError> {
+        let f = self.open_file(path)?;
+        let mut buf = vec![0u8; len as usize];
+        f.read_exact_at(&mut buf, offset)
+            .map_err(|e| io_err(path, e))?;
+        let got = Hash::of(&buf);
+        if &got != hash {
+            return Err(StoreError::Verify {
+                path: path.clone(),
+                got,
+                want: *hash,
+            });
+        }
+        Ok(buf)
+    }
+
+    /// Reads a symlink's target.
+    pub fn read_link(&self, path: &RelPath) -> Result<String, StoreError> {
+        let (dir, name) = self.parent_and_name(path, false)?;
+        let mut buf = vec![0u8; 4096];
+        let n = unsafe {
+            libc::readlinkat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                buf.as_mut_ptr() as *mut libc::c_char,
+                buf.len(),
+            )
+        };
+        if n < 0 {
+            return Err(io_err(path, io::Error::last_os_error()));
+        }
+        buf.truncate(n as usize);
+        String::from_utf8(buf)
+            .map_err(|_| io_err(path, io::Error::from(io::ErrorKind::InvalidData)))
+    }
+
+    /// Starts a temp file for a new version of `target` (parents are created as needed).
+    pub fn create_temp(&self, target: &RelPath) -> Result<TempFile, StoreError> {
+        let (dir, _) = self.parent_and_name(target, true)?;
+        let name = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
+        let fd = open_at(
+            dir.as_raw_fd(),
+            &name,
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
+            0o600,
+        )
+        .map_err(|e| io_err(target, e))?;
+        Ok(TempFile {
+            target: target.clone(),
+            name,
+            file: Some(File::from(fd)),
+        })
+    }
+
+    /// Re-opens a temp file whose handle was closed (to bound open descriptors).
+    fn temp_handle(&self, t: &TempFile, write: bool) -> Result<File, StoreError> {
+        let (dir, _) = self.parent_and_name(&t.target, false)?;
+        let flags = if write {
+            libc::O_WRONLY
+        } else {
+            libc::O_RDONLY
+        };
+        let fd = open_at(dir.as_raw_fd(), &t.name, flags | libc::O_NOFOLLOW, 0)
+            .map_err(|e| io_err(&t.target, e))?;
+        Ok(File::from(fd))
+    }
+
+    /// Writes `data` at `offset` into the temp file.
+    pub fn write_temp(&self, t: &mut TempFile, offset: u64, data: &[u8]) -> Result<(), StoreError> {
+        if t.file.is_none() {
+            t.file = Some(self.temp_handle(t, true)?);
+        }
+        let Some(f) = t.file.as_ref() else {
+            unreachable!()
+        };
+        f.write_all_at(data, offset)
+            .map_err(|e| io_err(&t.target, e))
+    }
+
+    /// Closes the temp file's descriptor (it is re-opened on demand).
+    pub fn close_temp(&self, t: &mut TempFile) {
+        t.file = None;
+    }
+
+    /// Checks the temp file hashes to `hash` with `size` bytes, then sets its mode and mtime.
+    /// This is the "verify before rename" half of the store's paired assertion.
+    pub fn finish_temp(
+        &self,
+        t: &mut TempFile,
+        hash: &Hash,
+        size: u64,
+        mode: u32,
+        mtime_ns: i64,
+    ) -> Result<(), StoreError> {
+        t.file = None;
+        let f = self.temp_handle(t, false)?;
+        f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut off = 0u64;
+        while off < size {
+            let n = ((size - off) as usize).min(buf.len());
+            f.read_exact_at(&mut buf[..n], off)
+                .map_err(|e| io_err(&t.target, e))?;
+            hasher.update(&buf[..n]);
+            off += n as u64;
+        }
+        let got = Hash(*hasher.finalize().as_bytes());
+        if &got != hash {
+            return Err(StoreError::Verify {
+                path: t.target.clone(),
+                got,
+                want: *hash,
+            });
+        }
+        set_mode_fd(f.as_raw_fd(), mode).map_err(|e| io_err(&t.target, e))?;
+        set_mtime_fd(f.as_raw_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
+        Ok(())
+    }
+
+    /// Deletes a temp file that will not be installed.
+    pub fn discard_temp(&self, mut t: TempFile) {
+        t.file = None;
+        if let Ok((dir, _)) = self.parent_and_name(&t.target, false) {
+            unsafe { libc::unlinkat(dir.as_raw_fd(), t.name.as_ptr(), 0) };
+        }
+    }
+
+    /// Installs finished temp files: one `syncfs` makes them all durable, each target is
+    /// checked against its expectation and replaced by rename, then every touched directory is
+    /// fsynced once. Returns, per file, the installed file's stat or why it was not installed
+    /// (its temp file is removed).
+    pub fn install(&self, batch: Vec<(TempFile, Expect)>) -> Vec<Result<LocalStat, StoreError>> {
+        if batch.is_empty() {
+            return Vec::new();
+        }
+        // Step: durable. Few files: fsync each; many: one syncfs for the whole filesystem.
+        if batch.len() <= 4 {
+            for (t, _) in &batch {
+                if let Ok(f) = self.temp_handle(t, false) {
+                    let _ = f.sync_all();
+                }
+            }
+        } else {
+            unsafe { libc::syncfs(self.root_fd.as_raw_fd()) };
+        }
+        let mut dirs: HashMap<Option<RelPath>, OwnedFd> = HashMap::new();
+        let mut out = Vec::with_capacity(batch.len());
+        for (t, expect) in batch {
+            out.push(self.install_one(&mut dirs, t, expect));
+        }
+        for fd in dirs.values() {
+            unsafe { libc::fsync(fd.as_raw_fd()) };
+        }
+        out
+    }
+
+    fn install_one(
+        &self,
+        dirs: &mut HashMap<Option<RelPath>, OwnedFd>,
+        t: TempFile,
+        expect: Expect,
+    ) -> Result<LocalStat, StoreError> {
+        let parent = t.target.parent();
+        if !dirs.contains_key(&parent) {
+            let fd = self.open_dir(parent.as_ref(), false)?;
+            dirs.insert(parent.clone(), fd);
+        }
+        let Some(dir) = dirs.get(&parent) else {
+            unreachable!()
+        };
+        let name = cstr(t.target.file_name())?;
+        if let Err(e) = check_expect(dir.as_raw_fd(), &name, &t.target, expect) {
+            unsafe { libc::unlinkat(dir.as_raw_fd(), t.name.as_ptr(), 0) };
+            return Err(e);
+        }
+        let r = unsafe {
+            libc::renameat(
+                dir.as_raw_fd(),
+                t.name.as_ptr(),
+                dir.as_raw_fd(),
+                name.as_ptr(),
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            unsafe { libc::unlinkat(dir.as_raw_fd(), t.name.as_ptr(), 0) };
+            return Err(io_err(&t.target, e));
+        }
+        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(&t.target, e))?;
+        Ok(stat_of(&st).local)
+    }
+
+    /// Removes a file or symlink if it is still what the journal expects.
+    pub fn remove_file(&self, path: &RelPath, expect: Expect) -> Result<(), StoreError> {
+        let (dir, name) = match self.parent_and_name(path, false) {
+            Ok(x) => x,
+            Err(StoreError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+                return Ok(())
+            }
+            Err(e) => return Err(e),
+        };
+        check_expect(dir.as_raw_fd(), &name, path, expect)?;
+        match cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) }) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(io_err(path, e)),
+        }
+        unsafe { libc::fsync(dir.as_raw_fd()) };
+        Ok(())
+    }
+
+    /// Removes an empty directory (a directory with entries is left alone: `NotEmpty`).
+    pub fn remove_dir(&self, path: &RelPath) -> Result<(), StoreError> {
+        let (dir, name) = match self.parent_and_name(path, false) {
+            Ok(x) => x,
+            Err(StoreError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+                return Ok(())
+            }
+            Err(e) => return Err(e),
+        };
+        match cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) }) {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
+                Err(StoreError::NotEmpty(path.clone()))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
+                Err(StoreError::Changed(path.clone()))
+            }
+            Err(e) => Err(io_err(path, e)),
+        }
+    }
+
+    /// Creates a directory (and its parents) with `mode`; an existing directory gets `mode`.
+    pub fn make_dir(&self, path: &RelPath, mode: u32) -> Result<LocalStat, StoreError> {
+        let (dir, name) = self.parent_and_name(path, true)?;
+        match cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o700) }) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(io_err(path, e)),
+        }
+        let fd = open_at(
+            dir.as_raw_fd(),
+            &name,
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+            0,
+        )
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Changed(path.clone()),
+            _ => io_err(path, e),
+        })?;
+        set_mode_fd(fd.as_raw_fd(), mode).map_err(|e| io_err(path, e))?;
+        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(path, e))?;
+        Ok(stat_of(&st).local)
+    }
+
+    /// Creates or replaces a symlink atomically (temp link + rename), after checking `expect`.
+    pub fn make_symlink(
+        &self,
+        path: &RelPath,
+        target: &str,
+        mtime_ns: i64,
+        expect: Expect,
+    ) -> Result<LocalStat, StoreError> {
+        let (dir, name) = self.parent_and_name(path, true)?;
+        let tmp = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
+        let tgt = cstr(target)?;
+        cvt(unsafe { libc::symlinkat(tgt.as_ptr(), dir.as_raw_fd(), tmp.as_ptr()) })
+            .map_err(|e| io_err(path, e))?;
+        let times = mtime_spec(mtime_ns);
+        unsafe {
+            libc::utimensat(
+                dir.as_raw_fd(),
+                tmp.as_ptr(),
+                times.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if let Err(e) = check_expect(dir.as_raw_fd(), &name, path, expect) {
+            unsafe { libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0) };
+            return Err(e);
+        }
+        if let Err(e) = cvt(unsafe {
+            libc::renameat(
+                dir.as_raw_fd(),
+                tmp.as_ptr(),
+                dir.as_raw_fd(),
+                name.as_ptr(),
+            )
+        }) {
+            unsafe { libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0) };
+            return Err(io_err(path, e));
+        }
+        unsafe { libc::fsync(dir.as_raw_fd()) };
+        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(path, e))?;
+        Ok(stat_of(&st).local)
+    }
+
+    /// Sets mode (and, for files, mtime) of an existing file or directory in place, after
+    /// checking `expect`.
+    pub fn set_meta(
+        &self,
+        path: &RelPath,
+        mode: u32,
+        mtime_ns: Option<i64>,
+        expect: Expect,
+    ) -> Result<LocalStat, StoreError> {
+        let (dir, name) = self.parent_and_name(path, false)?;
+        check_expect(dir.as_raw_fd(), &name, path, expect)?;
+        let fd = open_at(dir.as_raw_fd(), &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
+            .map_err(|e| io_err(path, e))?;
+        set_mode_fd(fd.as_raw_fd(), mode).map_err(|e| io_err(path, e))?;
+        if let Some(m) = mtime_ns {
+            set_mtime_fd(fd.as_raw_fd(), m).map_err(|e| io_err(path, e))?;
+        }
+        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(path, e))?;
+        Ok(stat_of(&st).local)
+    }
+
+    /// Gives the current content of `from` a second name `to` (a hard link: instant, and the
+    /// content survives when `from` is replaced by rename). Used for conflict siblings of the
+    /// local version. Falls back to a copy where links are not possible.
+    pub fn preserve_as(
+        &self,
+        from: &RelPath,
+        to: &RelPath,
+        expect: Expect,
+    ) -> Result<LocalStat, StoreError> {
+        let (fdir, fname) = self.parent_and_name(from, false)?;
+        check_expect(fdir.as_raw_fd(), &fname, from, expect)?;
+        let (tdir, tname) = self.parent_and_name(to, true)?;
+        let r = unsafe {
+            libc::linkat(
+                fdir.as_raw_fd(),
+                fname.as_ptr(),
+                tdir.as_raw_fd(),
+                tname.as_ptr(),
+                0,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EEXIST) {
+                return Err(StoreError::Changed(to.clone()));
+            }
+            // Symlinks, cross-device or link-limit: copy through a temp file instead.
+            let st = self
+                .stat(from)?
+                .ok_or_else(|| StoreError::Changed(from.clone()))?;
+            if st.kind == Some(FileKind::Symlink) {
+                let target = self.read_link(from)?;
+                return self.make_symlink(to, &target, st.local.mtime_ns, Expect::Absent);
+            }
+            let mut t = self.create_temp(to)?;
+            let src = self.open_file(from)?;
+            let mut buf = vec![0u8; 1 << 20];
+            let mut off = 0u64;
+            loop {
+                let n = src.read_at(&mut buf, off).map_err(|e| io_err(from, e))?;
+                if n == 0 {
+                    break;
+                }
+                self.write_temp(&mut t, off, &buf[..n])?;
+                off += n as u64;
+            }
+            self.close_temp(&mut t);
+            let f = self.temp_handle(&t, false)?;
+            let _ = set_mode_fd(f.as_raw_fd(), st.local.mode);
+            let _ = set_mtime_fd(f.as_raw_fd(), st.local.mtime_ns);
+            drop(f);
+            return self
+                .install(vec![(t, Expect::Absent)])
+                .pop()
+                .unwrap_or_else(|| Err(StoreError::Changed(to.clone())));
+        }
+        unsafe { libc::fsync(tdir.as_raw_fd()) };
+        let st = fstatat(tdir.as_raw_fd(), &tname).map_err(|e| io_err(to, e))?;
+        Ok(stat_of(&st).local)
+    }
+
+    /// Removes leftover temp files below `dir` (relative to the root; `None` = everything).
+    /// Returns how many were removed. Run at start-up: a crash leaves only temp files behind.
+    pub fn remove_temps(&self) -> usize {
+        let mut removed = 0;
+        let mut stack = vec![self.root.clone()];
+        while let Some(d) = stack.pop() {
+            let Ok(rd) = std::fs::read_dir(&d) else {
+                continue;
+            };
+            for e in rd.flatten() {
+                let name = e.file_name();
+                let Ok(ft) = e.file_type() else { continue };
+                let n = name.to_string_lossy();
+                if n.starts_with(TEMP_PREFIX) {
+                    if std::fs::remove_file(e.path()).is_ok() {
+                        removed += 1;
+                    }
+                } else if ft.is_dir() && !n.starts_with(INTERNAL_PREFIX) {
+                    stack.push(e.path());
+                }
+            }
+        }
+        removed
+    }
+}
+
+trait SetLenChecked {
+    fn set_len_checked(&self, size: u64) -> io::Result<()>;
+}
+
+impl SetLenChecked for File {
+    /// The temp file must already have exactly `size` bytes (chunks cover the whole file).
+    fn set_len_checked(&self, size: u64) -> io::Result<()> {
+        let len = self.metadata()?.len();
+        if len != size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("temp file has {len} bytes, expected {size}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn check_expect(dir: RawFd, name: &CStr, path: &RelPath, expect: Expect) -> Result<(), StoreError> {
+    let now = match fstatat(dir, name) {
+        Ok(st) => Some(stat_of(&st).local),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
+        Err(e) => return Err(io_err(path, e)),
+    };
+    let ok = match (expect, now) {
+        (Expect::Anything, _) => true,
+        (Expect::Absent, None) => true,
+        (Expect::Absent, Some(_)) => false,
+        (Expect::Matches(_), None) => false,
+        (Expect::Matches(want), Some(have)) => {
+            want.inode == have.inode && want.size == have.size && want.mtime_ns == have.mtime_ns
+        }
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Changed(path.clone()))
+    }
+}
+
+fn set_mode_fd(fd: RawFd, mode: u32) -> io::Result<()> {
+    cvt(unsafe { libc::fchmod(fd, (mode & MODE_SYNC_MASK) as libc::mode_t) }).map(|_| ())
+}
+
+fn mtime_spec(mtime_ns: i64) -> [libc::timespec; 2] {
+    [
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        libc::timespec {
+            tv_sec: mtime_ns.div_euclid(1_000_000_000),
+            tv_nsec: mtime_ns.rem_euclid(1_000_000_000),
+        },
+    ]
+}
+
+fn set_mtime_fd(fd: RawFd, mtime_ns: i64) -> io::Result<()> {
+    let times = mtime_spec(mtime_ns);
+    cvt(unsafe { libc::futimens(fd, times.as_ptr()) }).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> RelPath {
+        RelPath::new(s).unwrap()
+    }
+
+    #[test]
+    fn install_replaces_only_what_it_expects() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let data = b"hello";
+        let mut t = store.create_temp(&p("a/b/f.txt")).unwrap();
+        store.write_temp(&mut t, 0, data).unwrap();
+        store
+            .finish_temp(&mut t, &Hash::of(data), 5, 0o640, 1_000_000_000)
+            .unwrap();
+        let st = store
+            .install(vec![(t, Expect::Absent)])
+            .pop()
+            .unwrap()
+            .unwrap();
+        assert_eq!(std::fs::read(dir.path().join("a/b/f.txt")).unwrap(), data);
+        assert_eq!(st.mode, 0o640);
+        assert_eq!(st.mtime_ns, 1_000_000_000);
+        // A second install expecting absence must not clobber the file.
+        let mut t = store.create_temp(&p("a/b/f.txt")).unwrap();
+        store.write_temp(&mut t, 0, b"other").unwrap();
+        store
+            .finish_temp(&mut t, &Hash::of(b"other"), 5, 0o644, 0)
+            .unwrap();
+        let r = store.install(vec![(t, Expect::Absent)]).pop().unwrap();
+        assert!(matches!(r, Err(StoreError::Changed(_))));
+        assert_eq!(std::fs::read(dir.path().join("a/b/f.txt")).unwrap(), data);
+        assert_eq!(
+            store.remove_temps(),
+            0,
+            "a refused install leaves no temp file"
+        );
+    }
+
+    #[test]
+    fn a_bad_hash_is_refused_before_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let mut t = store.create_temp(&p("f")).unwrap();
+        store.write_temp(&mut t, 0, b"evil").unwrap();
+        let r = store.finish_temp(&mut t, &Hash::of(b"good"), 4, 0o644, 0);
+        assert!(matches!(r, Err(StoreError::Verify { .. })));
+        store.discard_temp(t);
+        assert!(!dir.path().join("f").exists());
+        assert_eq!(store.remove_temps(), 0);
+    }
+
+    #[test]
+    fn symlinked_parents_are_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("link")).unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        assert!(matches!(
+            store.create_temp(&p("link/x")),
+            Err(StoreError::Escape(_))
+        ));
+        assert!(matches!(
+            store.make_dir(&p("link/d"), 0o755),
+            Err(StoreError::Escape(_))
+        ));
+        assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn leftover_temps_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let mut t = store.create_temp(&p("d/x")).unwrap();
+        store.write_temp(&mut t, 0, b"partial").unwrap();
+        drop(t);
+        assert_eq!(store.remove_temps(), 1);
+    }
+}

@@ -1,0 +1,761 @@
+//! The peer transport and device identity, exercised with real certificates and real QUIC
+//! connections on 127.0.0.1.
+
+use meshfs_daemon::identity::{device_id_of_cert, Identity, IdentityError};
+use meshfs_daemon::transport::{
+    accept, dial, endpoint, endpoint_with, link_stats, read_message, remote_device, write_message,
+    CongestionControl, TransportError, TrustStore, Tuning,
+};
+use meshfs_protocol::{
+    ChunkResponse, CodecError, DeviceId, Hash, Hello, IndexAck, Message, MAX_FRAME_LEN,
+    PROTOCOL_VERSION,
+};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+// ---------------------------------------------------------------------------------------
+// An allocator that remembers the largest allocation made on the current thread, so a test
+// can show that a frame header announcing a huge payload does not allocate it.
+
+struct LargestAllocation;
+
+thread_local! {
+    static LARGEST: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note_allocation(size: usize) {
+    let _ = LARGEST.try_with(|l| l.set(l.get().max(size)));
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator.
+unsafe impl GlobalAlloc for LargestAllocation {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note_allocation(layout.size());
+        System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note_allocation(layout.size());
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note_allocation(new_size);
+        System.realloc(ptr, layout, new_size)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: LargestAllocation = LargestAllocation;
+
+// ---------------------------------------------------------------------------------------
+
+/// One device: identity, trust store and endpoint on 127.0.0.1.
+struct Device {
+    identity: Identity,
+    trust: TrustStore,
+    endpoint: quinn::Endpoint,
+}
+
+impl Device {
+    fn new(name: &str) -> Device {
+        let identity = Identity::generate(name).unwrap();
+        let trust = TrustStore::default();
+        let endpoint = endpoint(&identity, localhost(), trust.clone()).unwrap();
+        Device {
+            identity,
+            trust,
+            endpoint,
+        }
+    }
+
+    fn with_tuning(name: &str, tuning: &Tuning) -> Device {
+        let identity = Identity::generate(name).unwrap();
+        let trust = TrustStore::default();
+        let endpoint = endpoint_with(&identity, localhost(), trust.clone(), tuning).unwrap();
+        Device {
+            identity,
+            trust,
+            endpoint,
+        }
+    }
+
+    fn id(&self) -> DeviceId {
+        self.identity.device_id
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.endpoint.local_addr().unwrap()
+    }
+
+    /// Runs an accept loop; every outcome of [`accept`] arrives on the returned channel.
+    fn serve(
+        &self,
+    ) -> mpsc::UnboundedReceiver<Result<(quinn::Connection, DeviceId), TransportError>> {
+        let endpoint = self.endpoint.clone();
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(incoming) = endpoint.accept().await {
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let _ = tx.send(accept(incoming).await);
+                });
+            }
+        });
+        rx
+    }
+}
+
+fn localhost() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+fn trust_each_other(a: &Device, b: &Device) {
+    a.trust.add(b.id());
+    b.trust.add(a.id());
+}
+
+fn hello(name: &str) -> Message {
+    Message::Hello(Hello {
+        protocol_version: PROTOCOL_VERSION,
+        device_name: name.into(),
+        folders: vec![],
+    })
+}
+
+/// The next accepted connection, failing the test on an accept error or a timeout.
+async fn next_connection(
+    rx: &mut mpsc::UnboundedReceiver<Result<(quinn::Connection, DeviceId), TransportError>>,
+) -> (quinn::Connection, DeviceId) {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("no connection accepted within 10 s")
+        .expect("accept loop ended")
+        .expect("accept failed")
+}
+
+/// Asserts the accept loop yields no connection for a while.
+async fn assert_no_connection(
+    rx: &mut mpsc::UnboundedReceiver<Result<(quinn::Connection, DeviceId), TransportError>>,
+) {
+    let deadline = tokio::time::sleep(Duration::from_millis(500));
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            _ = &mut deadline => return,
+            outcome = rx.recv() => match outcome {
+                Some(Ok((_, id))) => panic!("the listener accepted device {id}"),
+                Some(Err(_)) => continue,
+                None => return,
+            },
+        }
+    }
+}
+
+/// The dialer sends a message on a new bidirectional stream; the listener answers.
+async fn exchange(dialer: &quinn::Connection, listener: &quinn::Connection) {
+    let (mut send, mut recv) = dialer.open_bi().await.unwrap();
+    let sent = write_message(&mut send, &hello("dialer")).await.unwrap();
+    assert!(sent > 4);
+    send.finish().unwrap();
+
+    let (mut their_send, mut their_recv) = listener.accept_bi().await.unwrap();
+    assert_eq!(
+        read_message(&mut their_recv).await.unwrap(),
+        Some(hello("dialer"))
+    );
+    assert_eq!(
+        read_message(&mut their_recv).await.unwrap(),
+        None,
+        "clean end of stream"
+    );
+    write_message(&mut their_send, &hello("listener"))
+        .await
+        .unwrap();
+    their_send.finish().unwrap();
+
+    assert_eq!(
+        read_message(&mut recv).await.unwrap(),
+        Some(hello("listener"))
+    );
+    assert_eq!(read_message(&mut recv).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn trusted_devices_connect_both_ways_and_exchange_messages() {
+    let a = Device::new("a");
+    let b = Device::new("b");
+    trust_each_other(&a, &b);
+    let mut a_incoming = a.serve();
+    let mut b_incoming = b.serve();
+
+    let a_to_b = dial(&a.endpoint, b.addr(), b.id()).await.unwrap();
+    let (b_from_a, dialer) = next_connection(&mut b_incoming).await;
+    assert_eq!(dialer, a.id());
+    assert_eq!(remote_device(&a_to_b), Some(b.id()));
+    assert_eq!(remote_device(&b_from_a), Some(a.id()));
+    exchange(&a_to_b, &b_from_a).await;
+
+    let b_to_a = dial(&b.endpoint, a.addr(), a.id()).await.unwrap();
+    let (a_from_b, dialer) = next_connection(&mut a_incoming).await;
+    assert_eq!(dialer, b.id());
+    assert_eq!(remote_device(&b_to_a), Some(a.id()));
+    exchange(&b_to_a, &a_from_b).await;
+
+    let stats = link_stats(&a_to_b);
+    assert!(stats.bytes_sent > 0 && stats.bytes_received > 0);
+    assert!(stats.rtt < Duration::from_secs(1));
+}
+
+#[tokio::test]
+async fn an_unknown_device_is_refused_in_the_handshake_and_told_what_to_run() {
+    let server = Device::new("server");
+    let stranger = Device::new("stranger");
+    stranger.trust.add(server.id()); // the stranger knows the server, not the reverse
+    let mut incoming = server.serve();
+
+    let err = dial(&stranger.endpoint, server.addr(), server.id())
+        .await
+        .expect_err("an unknown device must not get a connection");
+    match &err {
+        TransportError::Refused {
+            addr,
+            our_id,
+            our_addr,
+        } => {
+            assert_eq!(*addr, server.addr());
+            assert_eq!(*our_id, stranger.id());
+            assert_eq!(*our_addr, stranger.addr());
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!(
+            "refused our certificate: on that device run `meshfs peer add {} --addr {}`",
+            stranger.id(),
+            stranger.addr()
+        )),
+        "{message}"
+    );
+
+    // The listener's side: the handshake failed naming the device; no connection came out.
+    match tokio::time::timeout(Duration::from_secs(5), incoming.recv()).await {
+        Ok(Some(Err(TransportError::UnknownDevice(id)))) => assert_eq!(id, stranger.id()),
+        other => panic!("expected UnknownDevice from accept, got {other:?}"),
+    }
+    assert_no_connection(&mut incoming).await;
+    let refused: Vec<DeviceId> = server
+        .trust
+        .refused()
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(refused, vec![stranger.id()]);
+
+    // Adding the device at runtime lets it in, and takes it off the refused list.
+    server.trust.add(stranger.id());
+    let conn = dial(&stranger.endpoint, server.addr(), server.id())
+        .await
+        .unwrap();
+    let (theirs, id) = next_connection(&mut incoming).await;
+    assert_eq!(id, stranger.id());
+    exchange(&conn, &theirs).await;
+    assert!(server.trust.refused().is_empty());
+
+    // Removing it refuses it again.
+    server.trust.remove(&stranger.id());
+    let err = dial(&stranger.endpoint, server.addr(), server.id())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TransportError::Refused { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_dialer_refuses_a_listener_that_is_not_the_expected_device() {
+    let server = Device::new("server");
+    let client = Device::new("client");
+    let impostor_of = Identity::generate("the device the client meant")
+        .unwrap()
+        .device_id;
+    trust_each_other(&server, &client);
+    let mut incoming = server.serve();
+
+    let err = dial(&client.endpoint, server.addr(), impostor_of)
+        .await
+        .unwrap_err();
+    match &err {
+        TransportError::WrongDevice {
+            addr,
+            expected,
+            presented,
+        } => {
+            assert_eq!(*addr, server.addr());
+            assert_eq!(*expected, impostor_of);
+            assert_eq!(*presented, server.id());
+        }
+        other => panic!("expected WrongDevice, got {other:?}"),
+    }
+    assert!(err.to_string().contains(&server.id().to_string()));
+    assert_no_connection(&mut incoming).await;
+
+    // The same endpoints connect when the client expects the right device.
+    dial(&client.endpoint, server.addr(), server.id())
+        .await
+        .unwrap();
+    next_connection(&mut incoming).await;
+}
+
+#[tokio::test]
+async fn a_frame_longer_than_the_limit_is_refused_before_its_body_is_allocated() {
+    let server = Device::new("server");
+    let client = Device::new("client");
+    trust_each_other(&server, &client);
+    let mut incoming = server.serve();
+    let conn = dial(&client.endpoint, server.addr(), server.id())
+        .await
+        .unwrap();
+    let (theirs, _) = next_connection(&mut incoming).await;
+
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    let announced = MAX_FRAME_LEN + 1;
+    send.write_all(&(announced as u32).to_be_bytes())
+        .await
+        .unwrap();
+    send.write_all(&[0xab; 1024]).await.unwrap();
+
+    let (_their_send, mut their_recv) = theirs.accept_bi().await.unwrap();
+    // This test runs on a current-thread runtime: every allocation while reading (quinn's
+    // included) is made on this thread.
+    LARGEST.with(|l| l.set(0));
+    let err = read_message(&mut their_recv).await.unwrap_err();
+    let largest = LARGEST.with(|l| l.get());
+    assert!(
+        matches!(err, TransportError::Frame(CodecError::TooLarge(n)) if n == announced),
+        "{err:?}"
+    );
+    assert!(
+        largest < MAX_FRAME_LEN,
+        "read_message allocated {largest} bytes"
+    );
+
+    // The sender learns that its stream was stopped.
+    let stopped = tokio::time::timeout(Duration::from_secs(5), send.stopped())
+        .await
+        .expect("stream not stopped");
+    assert!(stopped.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn a_malformed_frame_is_an_error_and_the_endpoint_keeps_serving_other_connections() {
+    let server = Device::new("server");
+    let rogue = Device::new("rogue");
+    let honest = Device::new("honest");
+    trust_each_other(&server, &rogue);
+    trust_each_other(&server, &honest);
+    let mut incoming = server.serve();
+
+    let conn = dial(&rogue.endpoint, server.addr(), server.id())
+        .await
+        .unwrap();
+    let (theirs, _) = next_connection(&mut incoming).await;
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    send.write_all(&5u32.to_be_bytes()).await.unwrap();
+    send.write_all(&[0xff; 5]).await.unwrap();
+    send.finish().unwrap();
+    let (_their_send, mut their_recv) = theirs.accept_bi().await.unwrap();
+    let err = read_message(&mut their_recv).await.unwrap_err();
+    assert!(
+        matches!(err, TransportError::Frame(CodecError::Malformed(_))),
+        "{err:?}"
+    );
+
+    // A stream that ends inside a frame is malformed too.
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    send.write_all(&100u32.to_be_bytes()).await.unwrap();
+    send.write_all(&[1, 2, 3]).await.unwrap();
+    send.finish().unwrap();
+    let (_their_send, mut their_recv) = theirs.accept_bi().await.unwrap();
+    let err = read_message(&mut their_recv).await.unwrap_err();
+    assert!(
+        matches!(err, TransportError::Frame(CodecError::Malformed(_))),
+        "{err:?}"
+    );
+
+    let good = dial(&honest.endpoint, server.addr(), server.id())
+        .await
+        .unwrap();
+    let (theirs, id) = next_connection(&mut incoming).await;
+    assert_eq!(id, honest.id());
+    exchange(&good, &theirs).await;
+}
+
+#[test]
+fn identity_save_then_load_round_trips_the_device_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("keys");
+    assert!(!Identity::exists(&home));
+    let identity = Identity::generate("laptop").unwrap();
+    identity.save(&home).unwrap();
+    assert!(Identity::exists(&home));
+
+    let loaded = Identity::load(&home).unwrap();
+    assert_eq!(loaded.device_id, identity.device_id);
+    assert_eq!(loaded.cert_der, identity.cert_der);
+    assert_eq!(loaded.key_der, identity.key_der);
+    assert_eq!(
+        device_id_of_cert(&loaded.cert_der).unwrap(),
+        identity.device_id
+    );
+    let shown = identity.device_id.to_string();
+    assert_eq!(shown.parse::<DeviceId>().unwrap(), identity.device_id);
+}
+
+#[test]
+fn identity_key_file_is_readable_only_by_its_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    Identity::generate("laptop")
+        .unwrap()
+        .save(dir.path())
+        .unwrap();
+    let mode = |f: &str| {
+        std::fs::metadata(dir.path().join(f))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    assert_eq!(mode("key.der"), 0o600);
+    assert_eq!(mode("cert.der"), 0o644);
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n != "key.der" && n != "cert.der")
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn identity_save_refuses_to_overwrite_an_existing_identity() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Identity::generate("first").unwrap();
+    first.save(dir.path()).unwrap();
+    let second = Identity::generate("second").unwrap();
+    let err = second.save(dir.path()).unwrap_err();
+    assert!(matches!(err, IdentityError::Exists(_)), "{err:?}");
+    assert!(err.to_string().contains("refusing to overwrite"), "{err}");
+    assert_eq!(
+        Identity::load(dir.path()).unwrap().device_id,
+        first.device_id
+    );
+
+    // A lone key (say, the certificate was deleted) is still refused, not replaced.
+    std::fs::remove_file(dir.path().join("cert.der")).unwrap();
+    assert!(Identity::exists(dir.path()));
+    assert!(matches!(
+        second.save(dir.path()),
+        Err(IdentityError::Exists(_))
+    ));
+    let err = Identity::load(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, IdentityError::Missing(ref p) if p.ends_with("cert.der")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn identity_load_names_a_damaged_file() {
+    let dir = tempfile::tempdir().unwrap();
+    Identity::generate("a").unwrap().save(dir.path()).unwrap();
+    let other = tempfile::tempdir().unwrap();
+    Identity::generate("b").unwrap().save(other.path()).unwrap();
+    std::fs::copy(other.path().join("key.der"), dir.path().join("key.der")).unwrap();
+    let err = Identity::load(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("key.der"), "{err}");
+
+    std::fs::write(dir.path().join("cert.der"), b"garbage").unwrap();
+    let err = Identity::load(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("cert.der"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Throughput: not a timed assertion, a measurement printed for choosing the tuning.
+
+const STREAMS: usize = 8;
+const FRAME_DATA: usize = 1 << 20;
+
+/// Sends `total` bytes as 1 MiB chunk responses over [`STREAMS`] streams of one connection;
+/// returns MB/s (10^6 bytes per second of payload) and the dialer's link stats.
+async fn measure(
+    tuning: &Tuning,
+    total: usize,
+    via_relay: Option<RelayLink>,
+) -> (f64, meshfs_daemon::transport::LinkStats) {
+    let server = Device::with_tuning("sink", tuning);
+    let client = Device::with_tuning("source", tuning);
+    trust_each_other(&server, &client);
+    let mut incoming = server.serve();
+    let target = match via_relay {
+        Some(link) => relay(server.addr(), link).await,
+        None => server.addr(),
+    };
+    let conn = dial(&client.endpoint, target, server.id()).await.unwrap();
+    let (theirs, _) = next_connection(&mut incoming).await;
+
+    // The sink reads every stream to its end and acknowledges the bytes it got.
+    tokio::spawn(async move {
+        while let Ok((mut send, mut recv)) = theirs.accept_bi().await {
+            tokio::spawn(async move {
+                let mut got = 0u64;
+                while let Some(msg) = read_message(&mut recv).await.unwrap() {
+                    if let Message::Response(ChunkResponse { data: Some(d), .. }) = msg {
+                        got += d.len() as u64;
+                    }
+                }
+                let ack = Message::IndexAck(IndexAck {
+                    folder: meshfs_protocol::FolderId::new("bench").unwrap(),
+                    sequence: got,
+                });
+                write_message(&mut send, &ack).await.unwrap();
+                send.finish().unwrap();
+            });
+        }
+    });
+
+    let per_stream = total / STREAMS;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..STREAMS {
+        let conn = conn.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut send, mut recv) = conn.open_bi().await.unwrap();
+            let chunk = Message::Response(ChunkResponse {
+                hash: Hash::ZERO,
+                data: Some(vec![0x5a; FRAME_DATA]),
+                compressed: false,
+            });
+            for _ in 0..per_stream / FRAME_DATA {
+                write_message(&mut send, &chunk).await.unwrap();
+            }
+            send.finish().unwrap();
+            match read_message(&mut recv).await.unwrap() {
+                Some(Message::IndexAck(ack)) => ack.sequence,
+                other => panic!("unexpected answer {other:?}"),
+            }
+        }));
+    }
+    let mut received = 0u64;
+    for t in tasks {
+        received += t.await.unwrap();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    assert_eq!(
+        received,
+        (per_stream / FRAME_DATA * FRAME_DATA * STREAMS) as u64
+    );
+    (received as f64 / secs / 1e6, link_stats(&conn))
+}
+
+/// Prints MB/s for the default tuning; `MESHFS_COMPARE_CONGESTION=1` adds the other
+/// controller, `MESHFS_THROUGHPUT_MIB` changes the amount (numbers mean something only in a
+/// release build: `cargo test --release -p meshfs-daemon --test transport throughput`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throughput_of_256_mib_over_several_streams_is_reported() {
+    let mib: usize = std::env::var("MESHFS_THROUGHPUT_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let mut controllers = vec![Tuning::default().congestion];
+    if std::env::var_os("MESHFS_COMPARE_CONGESTION").is_some() {
+        controllers = vec![CongestionControl::Bbr, CongestionControl::Cubic];
+    }
+    for congestion in controllers {
+        let tuning = Tuning {
+            congestion,
+            ..Tuning::default()
+        };
+        let (mb_s, stats) = measure(&tuning, mib << 20, None).await;
+        println!(
+            "loopback, {mib} MiB, {congestion:?}: {mb_s:.0} MB/s over {STREAMS} streams (UDP bytes sent / payload {:.3}, rtt {:?}, {} lost packets)",
+            stats.bytes_sent as f64 / (mib << 20) as f64,
+            stats.rtt,
+            stats.lost_packets
+        );
+    }
+}
+
+/// A bottleneck emulated by [`relay`]: one-way delay, rate, and a drop-tail queue.
+#[derive(Clone, Copy)]
+struct RelayLink {
+    one_way_delay: Duration,
+    bits_per_second: u64,
+    queue_bytes: usize,
+    /// Random (non-congestion) loss, in packets per million.
+    loss_per_million: u32,
+}
+
+/// Run with `cargo test --release -p meshfs-daemon --test transport -- --ignored --nocapture`:
+/// the same transfer through a userspace relay on 127.0.0.1 that adds 45 ms each way behind
+/// a rate-limited drop-tail queue (tc netem is not available everywhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a slow measurement, not a check"]
+async fn throughput_through_a_90_ms_relay_is_reported() {
+    let mbit: u64 = std::env::var("MESHFS_RELAY_MBIT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    let mib: usize = std::env::var("MESHFS_RELAY_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let link = RelayLink {
+        one_way_delay: Duration::from_millis(45),
+        bits_per_second: mbit * 1_000_000,
+        // One bandwidth-delay product of queue.
+        queue_bytes: (mbit * 1_000_000 / 8 * 90 / 1000) as usize,
+        loss_per_million: std::env::var("MESHFS_RELAY_LOSS_PPM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    };
+    for congestion in [CongestionControl::Cubic, CongestionControl::Bbr] {
+        let tuning = Tuning {
+            congestion,
+            ..Tuning::default()
+        };
+        let (mb_s, stats) = measure(&tuning, mib << 20, Some(link)).await;
+        println!(
+            "relay {mbit} Mbit/s x 90 ms, {} ppm random loss, {congestion:?}: {mb_s:.1} MB/s (UDP bytes sent / payload {:.2}, {} lost packets, {} congestion events, rtt {:?})",
+            link.loss_per_million,
+            stats.bytes_sent as f64 / (mib << 20) as f64,
+            stats.lost_packets,
+            stats.congestion_events,
+            stats.rtt
+        );
+    }
+}
+
+/// A UDP relay in front of `server`: returns the address to dial instead. Datagrams from the
+/// server go back to the last client address seen.
+async fn relay(server: SocketAddr, link: RelayLink) -> SocketAddr {
+    use std::collections::VecDeque;
+    use std::sync::{Arc, Mutex};
+
+    let raw = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None).unwrap();
+    let _ = raw.set_recv_buffer_size(16 << 20);
+    let _ = raw.set_send_buffer_size(16 << 20);
+    raw.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    raw.set_nonblocking(true).unwrap();
+    let socket = Arc::new(tokio::net::UdpSocket::from_std(raw.into()).unwrap());
+    let addr = socket.local_addr().unwrap();
+
+    /// One direction of the link: when its queue drains, and what is in flight.
+    #[derive(Default)]
+    struct Direction {
+        busy_until: Option<Instant>,
+        queue: VecDeque<(Instant, Vec<u8>)>,
+        queued_bytes: usize,
+    }
+    let directions = Arc::new(Mutex::new([Direction::default(), Direction::default()]));
+    let client: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    let notify = Arc::new(tokio::sync::Notify::new());
+
+    {
+        let (socket, directions, client, notify) = (
+            socket.clone(),
+            directions.clone(),
+            client.clone(),
+            notify.clone(),
+        );
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 65536];
+            let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+            loop {
+                let Ok((n, from)) = socket.recv_from(&mut buf).await else {
+                    return;
+                };
+                let now = Instant::now();
+                // xorshift64: a fixed, reproducible loss pattern.
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                if seed % 1_000_000 < u64::from(link.loss_per_million) {
+                    continue;
+                }
+                let dir = if from == server {
+                    1
+                } else {
+                    *client.lock().unwrap() = Some(from);
+                    0
+                };
+                let mut dirs = directions.lock().unwrap();
+                let d = &mut dirs[dir];
+                // Bytes still waiting to be serialized onto the link.
+                let backlog = d
+                    .busy_until
+                    .map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64())
+                    * link.bits_per_second as f64
+                    / 8.0;
+                if backlog as usize + n > link.queue_bytes {
+                    continue; // drop-tail
+                }
+                let start = d.busy_until.map_or(now, |t| t.max(now));
+                let done =
+                    start + Duration::from_secs_f64(n as f64 * 8.0 / link.bits_per_second as f64);
+                d.busy_until = Some(done);
+                d.queue
+                    .push_back((done + link.one_way_delay, buf[..n].to_vec()));
+                d.queued_bytes += n;
+                drop(dirs);
+                notify.notify_one();
+            }
+        });
+    }
+    tokio::spawn(async move {
+        loop {
+            let (due, next_at) = {
+                let mut dirs = directions.lock().unwrap();
+                let now = Instant::now();
+                let mut due = Vec::new();
+                let mut next_at: Option<Instant> = None;
+                for (i, d) in dirs.iter_mut().enumerate() {
+                    while d.queue.front().is_some_and(|(at, _)| *at <= now) {
+                        let (_, packet) = d.queue.pop_front().unwrap();
+                        d.queued_bytes -= packet.len();
+                        due.push((i, packet));
+                    }
+                    if let Some((at, _)) = d.queue.front() {
+                        next_at = Some(next_at.map_or(*at, |n| n.min(*at)));
+                    }
+                }
+                (due, next_at)
+            };
+            for (dir, packet) in due {
+                let to = if dir == 0 {
+                    Some(server)
+                } else {
+                    *client.lock().unwrap()
+                };
+                if let Some(to) = to {
+                    let _ = socket.send_to(&packet, to).await;
+                }
+            }
+            match next_at {
+                Some(at) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at.into()) => {}
+                        _ = notify.notified() => {}
+                    }
+                }
+                None => notify.notified().await,
+            }
+        }
+    });
+    addr
+}

@@ -1,0 +1,208 @@
+//! `meshfs journal`: the change history of a folder, read straight from the journal database
+//! (SQLite in WAL mode lets readers run beside the daemon), optionally followed live.
+
+use anyhow::{anyhow, bail};
+use meshfs_daemon::config::{Config, Home};
+use meshfs_daemon::journal::{HistoryEntry, HistoryQuery, Journal};
+use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
+use std::time::Duration;
+
+/// Arguments of `meshfs journal`.
+#[derive(clap::Args)]
+pub struct JournalArgs {
+    /// The folder id.
+    folder: String,
+    /// Only this path (and, for a directory, everything below it).
+    #[arg(long)]
+    path: Option<String>,
+    /// Only changes made by this device: a device id, its 7-character short id, a peer name, or "self".
+    #[arg(long)]
+    device: Option<String>,
+    /// Only entries after a sequence number (e.g. 1042), or since a time: RFC 3339 (2026-11-22T14:00:00Z) or an age (90s, 10m, 2h, 3d).
+    #[arg(long)]
+    since: Option<String>,
+    /// At most this many entries (the most recent, unless --since is given).
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Keep printing new entries as they are journaled.
+    #[arg(long)]
+    follow: bool,
+    /// One JSON object per entry.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_device(home: &Home, config: &Config, s: &str) -> anyhow::Result<ShortId> {
+    if s == "self" {
+        return Ok(
+            meshfs_daemon::identity::Identity::load(&home.identity_dir())?
+                .device_id
+                .short(),
+        );
+    }
+    if let Ok(id) = s.parse::<DeviceId>() {
+        return Ok(id.short());
+    }
+    for p in &config.peers {
+        if p.name == s {
+            return Ok(p
+                .id
+                .parse::<DeviceId>()
+                .map_err(|e| anyhow!("{e}"))?
+                .short());
+        }
+    }
+    let up = s.to_ascii_uppercase();
+    if up.len() == 7 {
+        let mut ids: Vec<DeviceId> = config.peer_ids();
+        if let Ok(me) = meshfs_daemon::identity::Identity::load(&home.identity_dir()) {
+            ids.push(me.device_id);
+        }
+        if let Some(id) = ids.into_iter().find(|i| i.short().display7() == up) {
+            return Ok(id.short());
+        }
+    }
+    bail!("--device {s:?} is not a device id, a short id or a peer name of this device")
+}
+
+fn parse_since(s: &str) -> anyhow::Result<(Option<u64>, Option<i64>)> {
+    if let Ok(seq) = s.parse::<u64>() {
+        return Ok((Some(seq), None));
+    }
+    let now = time::OffsetDateTime::now_utc().unix_timestamp_nanos() as i64;
+    let units = [("s", 1i64), ("m", 60), ("h", 3600), ("d", 86400)];
+    for (u, secs) in units {
+        if let Some(n) = s.strip_suffix(u).and_then(|n| n.parse::<i64>().ok()) {
+            return Ok((None, Some(now - n * secs * 1_000_000_000)));
+        }
+    }
+    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
+        .map_err(|_| anyhow!("--since {s:?}: use a sequence number, an RFC 3339 time (2026-11-22T14:00:00Z) or an age (90s, 10m, 2h, 3d)"))?;
+    Ok((None, Some(t.unix_timestamp_nanos() as i64)))
+}
+
+fn time_str(ns: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(ns as i128)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::macros::format_description!(
+                "[year]-[month]-[day] [hour]:[minute]:[second].[subsecond digits:3]"
+            ))
+            .ok()
+        })
+        .unwrap_or_else(|| ns.to_string())
+}
+
+fn to_json(folder: &FolderId, e: &HistoryEntry) -> serde_json::Value {
+    serde_json::json!({
+        "folder": folder.to_string(),
+        "sequence": e.sequence,
+        "time_ns": e.time_ns,
+        "time": time_str(e.time_ns),
+        "path": e.path.to_string(),
+        "op": e.op.as_str(),
+        "kind": e.kind.as_str(),
+        "deleted": e.deleted,
+        "modified_by": e.modified_by.display7(),
+        "source": e.source.map(|s| s.short().display7()),
+        "version": e.version.to_string(),
+        "hash": e.hash.to_string(),
+        "size": e.size,
+        "mode": format!("{:o}", e.mode),
+        "detail": e.detail,
+    })
+}
+
+fn print(folder: &FolderId, entries: &[HistoryEntry], json: bool) {
+    for e in entries {
+        if json {
+            println!("{}", to_json(folder, e));
+        } else {
+            let hash = if e.deleted || e.hash == meshfs_protocol::Hash::ZERO {
+                "-".to_string()
+            } else {
+                e.hash.short()
+            };
+            println!(
+                "{:>6}  {}  {}  {:<8} {:<40} {:>10}  {}  {}",
+                e.sequence,
+                time_str(e.time_ns),
+                e.modified_by.display7(),
+                e.op.as_str(),
+                e.path.to_string(),
+                e.size,
+                hash,
+                e.version
+            );
+        }
+    }
+}
+
+/// Runs `meshfs journal`.
+pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
+    let config = Config::load(home)?;
+    let folder = FolderId::new(&a.folder)?;
+    config
+        .folder(&a.folder)
+        .ok_or_else(|| anyhow!("no folder {:?} (see `meshfs folder list`)", a.folder))?;
+    let path = a
+        .path
+        .as_deref()
+        .map(|p| RelPath::normalized(p.trim_end_matches('/')))
+        .transpose()
+        .map_err(|e| anyhow!("--path: {e}"))?;
+    let device = a
+        .device
+        .as_deref()
+        .map(|d| parse_device(home, &config, d))
+        .transpose()?;
+    let (since_sequence, since_time_ns) = match a.since.as_deref() {
+        Some(s) => parse_since(s)?,
+        None => (None, None),
+    };
+    let journal = Journal::open(&home.journal_file())?;
+    let mut q = HistoryQuery {
+        path,
+        device,
+        since_time_ns,
+        since_sequence,
+        limit: a.limit,
+    };
+    if !a.json && !a.follow {
+        println!(
+            "{:>6}  {:<23}  {:<7}  {:<8} {:<40} {:>10}  {:<8}  version",
+            "seq", "time", "device", "op", "path", "size", "hash"
+        );
+    }
+    let first = journal.history(&folder, &q)?;
+    print(&folder, &first, a.json);
+    if !a.follow {
+        return Ok(0);
+    }
+    let mut last = first.last().map(|e| e.sequence).unwrap_or_else(|| {
+        journal
+            .history(
+                &folder,
+                &HistoryQuery {
+                    limit: Some(1),
+                    ..Default::default()
+                },
+            )
+            .ok()
+            .and_then(|h| h.last().map(|e| e.sequence))
+            .unwrap_or(0)
+    });
+    q.limit = Some(1000);
+    q.since_time_ns = None;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        q.since_sequence = Some(last);
+        let more = journal.history(&folder, &q)?;
+        if let Some(e) = more.last() {
+            last = e.sequence;
+        }
+        print(&folder, &more, a.json);
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    }
+}

@@ -1,0 +1,288 @@
+//! Test harness: real `meshfs` daemons (separate homes, 127.0.0.x addresses, real QUIC and
+//! SQLite), driven through the CLI exactly as a user or script would.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_meshfs")
+}
+
+/// A free UDP port on `ip`.
+fn free_port(ip: &str) -> u16 {
+    let s = std::net::UdpSocket::bind((ip, 0)).expect("bind");
+    s.local_addr().unwrap().port()
+}
+
+/// One device: a home, a replica directory, an address, maybe a running daemon.
+pub struct Device {
+    pub name: String,
+    pub home: PathBuf,
+    pub dir: PathBuf,
+    pub addr: String,
+    pub id: String,
+    child: Option<Child>,
+    _tmp: std::sync::Arc<tempfile::TempDir>,
+}
+
+pub fn meshfs(home: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .arg("--home")
+        .arg(home)
+        .args(args)
+        .output()
+        .expect("run meshfs")
+}
+
+pub fn ok(home: &Path, args: &[&str]) -> String {
+    let out = meshfs(home, args);
+    assert!(
+        out.status.success(),
+        "meshfs {:?} failed: {}{}",
+        args,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+impl Device {
+    /// A new device with folder `work` at `<tmp>/<name>/replica`.
+    pub fn new(tmp: &std::sync::Arc<tempfile::TempDir>, name: &str) -> Device {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let ip = format!("127.0.{}.{}", 1 + (std::process::id() % 200), 2 + (n % 250));
+        let port = free_port(&ip);
+        let base = tmp.path().join(name);
+        let home = base.join("home");
+        let dir = base.join("replica");
+        std::fs::create_dir_all(&dir).unwrap();
+        let addr = format!("{ip}:{port}");
+        let id = ok(&home, &["init", "--name", name, "--listen", &addr])
+            .trim()
+            .to_string();
+        ok(
+            &home,
+            &["folder", "add", dir.to_str().unwrap(), "--id", "work"],
+        );
+        Device {
+            name: name.into(),
+            home,
+            dir,
+            addr,
+            id,
+            child: None,
+            _tmp: tmp.clone(),
+        }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.join(rel)
+    }
+
+    pub fn start(&mut self) {
+        assert!(self.child.is_none());
+        let log = std::fs::File::create(self.home.join("daemon.log")).unwrap();
+        let child = Command::new(bin())
+            .arg("--home")
+            .arg(&self.home)
+            .arg("daemon")
+            .env(
+                "RUST_LOG",
+                std::env::var("MESHFS_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if meshfs(&self.home, &["status", "--json"]).status.success() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("daemon {} did not start:\n{}", self.name, self.log());
+    }
+
+    /// SIGTERM and wait.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGKILL.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.home.join("daemon.log")).unwrap_or_default()
+    }
+
+    pub fn status(&self) -> serde_json::Value {
+        serde_json::from_str(&ok(&self.home, &["status", "--json"])).unwrap()
+    }
+
+    /// Bytes sent + received over all connections so far.
+    pub fn wire_bytes(&self) -> u64 {
+        let s = self.status();
+        s["bytes_sent"].as_u64().unwrap() + s["bytes_received"].as_u64().unwrap()
+    }
+
+    pub fn journal(&self, args: &[&str]) -> Vec<serde_json::Value> {
+        let mut a = vec!["journal", "work", "--json"];
+        a.extend_from_slice(args);
+        ok(&self.home, &a)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Makes `a` and `b` peers sharing `work`, both dialing.
+pub fn pair(a: &Device, b: &Device) {
+    ok(
+        &a.home,
+        &[
+            "peer", "add", &b.id, "--addr", &b.addr, "--name", &b.name, "--share", "work",
+        ],
+    );
+    ok(
+        &b.home,
+        &[
+            "peer", "add", &a.id, "--addr", &a.addr, "--name", &a.name, "--share", "work",
+        ],
+    );
+}
+
+pub fn tmp() -> std::sync::Arc<tempfile::TempDir> {
+    std::sync::Arc::new(tempfile::tempdir().unwrap())
+}
+
+/// Waits until every device reports in sync (three times in a row) and their trees are equal.
+pub fn wait_synced(devs: &[&Device], secs: u64) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let all = devs.iter().all(|d| {
+            meshfs(&d.home, &["status", "--wait-synced", "--timeout", "0.5"])
+                .status
+                .success()
+        });
+        if all {
+            let first = tree(&devs[0].dir);
+            if devs.iter().all(|d| tree(&d.dir) == first) {
+                return;
+            }
+        }
+        if Instant::now() > deadline {
+            for d in devs {
+                eprintln!(
+                    "=== {} status\n{}\n=== tree {:#?}\n=== log tail\n{}",
+                    d.name,
+                    String::from_utf8_lossy(&meshfs(&d.home, &["status", "--json"]).stdout),
+                    tree(&d.dir).keys().take(30).collect::<Vec<_>>(),
+                    tail(&d.log(), 40)
+                );
+            }
+            panic!("devices did not converge within {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Kind, content hash (or link target) and permission bits of everything in a replica.
+pub fn tree(root: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().to_string_lossy().to_string();
+            if rel.starts_with(".meshfs") || e.file_name().to_string_lossy().starts_with(".meshfs")
+            {
+                continue;
+            }
+            let md = std::fs::symlink_metadata(&p).unwrap();
+            let mode = md.permissions().mode() & 0o7777;
+            let v = if md.file_type().is_symlink() {
+                format!("link {}", std::fs::read_link(&p).unwrap().display())
+            } else if md.is_dir() {
+                stack.push(p.clone());
+                format!("dir {mode:o}")
+            } else {
+                let data = std::fs::read(&p).unwrap_or_default();
+                format!(
+                    "file {mode:o} {} {}",
+                    data.len(),
+                    blake3::hash(&data).to_hex()
+                )
+            };
+            out.insert(rel, v);
+        }
+    }
+    out
+}
+
+pub fn write(p: &Path, data: &[u8]) {
+    if let Some(parent) = p.parent() {
+        std::fs::create_dir_all(parent).unwrap();
+    }
+    std::fs::write(p, data).unwrap();
+}
+
+pub fn inode(p: &Path) -> u64 {
+    std::fs::metadata(p).unwrap().ino()
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 32);
+    let mut ctr = 0u64;
+    while out.len() < len {
+        let mut h = blake3::Hasher::new();
+        h.update(&seed.to_le_bytes());
+        h.update(&ctr.to_le_bytes());
+        let mut r = h.finalize_xof();
+        let mut buf = [0u8; 65536];
+        r.fill(&mut buf);
+        out.extend_from_slice(&buf);
+        ctr += 1;
+    }
+    out.truncate(len);
+    out
+}

@@ -1,0 +1,256 @@
+//! Two and three real daemons keep a folder identical: every kind of change propagates,
+//! renames move no data, small edits to big files cost a chunk, unknown devices get nothing,
+//! and a receiver killed mid-transfer never exposes a partial file.
+
+mod common;
+use common::*;
+use std::os::unix::fs::PermissionsExt;
+
+#[test]
+fn every_kind_of_change_propagates_between_two_devices() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("notes/hello.txt"), b"hello");
+    write(&a.path("big.bin"), &noise(300_000, 1));
+    std::os::unix::fs::symlink("notes/hello.txt", a.path("link")).unwrap();
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 30);
+    assert_eq!(std::fs::read(b.path("notes/hello.txt")).unwrap(), b"hello");
+    assert_eq!(
+        std::fs::read_link(b.path("link")).unwrap().to_str(),
+        Some("notes/hello.txt")
+    );
+
+    // modify, append, truncate, chmod
+    write(&a.path("notes/hello.txt"), b"hello, world");
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(a.path("big.bin"))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"tail"))
+        .unwrap();
+    std::fs::write(a.path("trunc.txt"), b"0123456789").unwrap();
+    wait_synced(&[&a, &b], 30);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(a.path("trunc.txt"))
+        .unwrap()
+        .set_len(3)
+        .unwrap();
+    std::fs::set_permissions(
+        a.path("notes/hello.txt"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    wait_synced(&[&a, &b], 30);
+    assert_eq!(std::fs::read(b.path("trunc.txt")).unwrap(), b"012");
+    assert_eq!(
+        std::fs::metadata(b.path("notes/hello.txt"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+
+    // changes flow the other way too: mkdir, rename, delete, rmdir
+    std::fs::create_dir_all(b.path("empty/inner")).unwrap();
+    std::fs::rename(b.path("notes/hello.txt"), b.path("notes/renamed.txt")).unwrap();
+    std::fs::remove_file(b.path("trunc.txt")).unwrap();
+    wait_synced(&[&a, &b], 30);
+    assert!(a.path("empty/inner").is_dir());
+    assert!(!a.path("notes/hello.txt").exists());
+    assert_eq!(
+        std::fs::read(a.path("notes/renamed.txt")).unwrap(),
+        b"hello, world"
+    );
+    std::fs::remove_dir(a.path("empty/inner")).unwrap();
+    std::fs::remove_file(a.path("link")).unwrap();
+    wait_synced(&[&a, &b], 30);
+    assert!(!b.path("empty/inner").exists());
+    assert!(b.path("empty").is_dir());
+    assert!(std::fs::symlink_metadata(b.path("link")).is_err());
+}
+
+#[test]
+fn a_directory_of_1000_files_renamed_transfers_no_content() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    for i in 0..1000 {
+        write(
+            &a.path(&format!("src/d{}/f{i}.txt", i % 10)),
+            &noise(2048, i),
+        );
+    }
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 60);
+    let before = a.wire_bytes();
+    std::fs::rename(a.path("src"), a.path("moved")).unwrap();
+    wait_synced(&[&a, &b], 60);
+    assert!(!b.path("src").exists());
+    assert_eq!(tree(&b.dir).len(), 1011);
+    let moved = a.wire_bytes() - before;
+    // 2 MB of content; the rename must cost index metadata only.
+    assert!(
+        moved < 2_048_000 / 2,
+        "rename moved {moved} bytes on the wire"
+    );
+}
+
+#[test]
+fn renaming_a_100_mib_file_and_editing_4_kib_of_a_512_mib_file_cost_almost_nothing() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    let big = noise(512 << 20, 7);
+    write(&a.path("data/huge.bin"), &big);
+    write(&a.path("dir100/blob.bin"), &noise(100 << 20, 8));
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 240);
+
+    let before = a.wire_bytes();
+    std::fs::rename(a.path("dir100/blob.bin"), a.path("dir100/renamed.bin")).unwrap();
+    wait_synced(&[&a, &b], 120);
+    let cost = a.wire_bytes() - before;
+    assert!(
+        cost < (100 << 20) / 100,
+        "renaming 100 MiB cost {cost} bytes"
+    );
+
+    let before = a.wire_bytes();
+    std::fs::rename(a.path("dir100"), a.path("dir100-moved")).unwrap();
+    wait_synced(&[&a, &b], 120);
+    let cost = a.wire_bytes() - before;
+    assert!(
+        cost < (100 << 20) / 100,
+        "renaming a directory holding 100 MiB cost {cost} bytes"
+    );
+
+    let before = a.wire_bytes();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(a.path("data/huge.bin"))
+            .unwrap();
+        f.write_all_at(&noise(4096, 9), 256 << 20).unwrap();
+        f.sync_all().unwrap();
+    }
+    wait_synced(&[&a, &b], 120);
+    let cost = a.wire_bytes() - before;
+    assert!(cost < 1 << 20, "a 4 KiB edit of 512 MiB cost {cost} bytes");
+}
+
+#[test]
+fn a_chain_converges_through_the_middle_device() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    let mut c = Device::new(&t, "c");
+    pair(&a, &b);
+    pair(&b, &c);
+    write(&a.path("from-a.txt"), b"a");
+    write(&c.path("from-c.txt"), b"c");
+    a.start();
+    b.start();
+    c.start();
+    wait_synced(&[&a, &b, &c], 30);
+    assert_eq!(std::fs::read(c.path("from-a.txt")).unwrap(), b"a");
+    assert_eq!(std::fs::read(a.path("from-c.txt")).unwrap(), b"c");
+    std::fs::remove_file(c.path("from-a.txt")).unwrap();
+    write(&a.path("later/x"), b"x");
+    wait_synced(&[&a, &b, &c], 30);
+    assert!(!a.path("from-a.txt").exists());
+    assert_eq!(std::fs::read(c.path("later/x")).unwrap(), b"x");
+}
+
+#[test]
+fn an_unknown_device_is_refused_and_gets_no_data() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut stranger = Device::new(&t, "stranger");
+    write(&a.path("secret.txt"), b"for trusted peers only");
+    // The stranger knows a's id and address, but a does not list the stranger.
+    ok(
+        &stranger.home,
+        &["peer", "add", &a.id, "--addr", &a.addr, "--share", "work"],
+    );
+    a.start();
+    stranger.start();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let refused = a.status()["refused_devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r.as_str() == Some(stranger.id.as_str()));
+        if refused {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a never logged the refusal:\n{}",
+            a.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(!stranger.path("secret.txt").exists());
+    assert!(
+        a.log().contains(&stranger.id),
+        "the refusal names the device id"
+    );
+    assert_eq!(stranger.status()["peers"][0]["connected"], false);
+}
+
+#[test]
+fn a_receiver_killed_mid_transfer_never_shows_a_partial_file_and_completes_after_restart() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    let data = noise(300 << 20, 11);
+    write(&a.path("big.bin"), &data);
+    a.start();
+    b.start();
+    // Kill b once the transfer is under way (some bytes received, file not yet in place).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let got = b.status()["bytes_received"].as_u64().unwrap_or(0);
+        if got > 20 << 20 || b.path("big.bin").exists() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "transfer never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    b.kill();
+    if let Ok(partial) = std::fs::read(b.path("big.bin")) {
+        assert_eq!(
+            partial.len(),
+            data.len(),
+            "a partial file appeared under the real name"
+        );
+    }
+    b.start();
+    wait_synced(&[&a, &b], 120);
+    assert_eq!(
+        blake3::hash(&std::fs::read(b.path("big.bin")).unwrap()),
+        blake3::hash(&data)
+    );
+    let temps: Vec<_> = std::fs::read_dir(&b.dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".meshfs-tmp"))
+        .collect();
+    assert!(temps.is_empty(), "temp files left behind");
+}
