@@ -2,6 +2,7 @@
 //! running daemon over its control socket, reads the journal, and runs the daemon itself.
 //! See `docs/cli.md` for every command and `--json` field.
 
+mod demo;
 mod journal_cmd;
 
 use anyhow::{anyhow, bail, Context as _};
@@ -109,6 +110,12 @@ enum Command {
         /// JSON output.
         #[arg(long)]
         json: bool,
+    },
+    /// A self-contained tour: two devices on loopback in a temp dir, edits, a conflict, the journal.
+    Demo {
+        /// Keep the temporary directory afterwards.
+        #[arg(long)]
+        keep: bool,
     },
     /// Print shell completions.
     Completions {
@@ -484,6 +491,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             }
             Ok(0)
         }
+        Command::Demo { keep } => demo::run_demo(keep),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "meshfs", &mut std::io::stdout());
             Ok(0)

@@ -306,9 +306,9 @@ impl Engine {
             keep
         });
         for (id, addr) in wanted {
-            if !dialers.contains_key(&id) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = dialers.entry(id) {
                 let stop = Arc::new(Notify::new());
-                dialers.insert(id, (addr.clone(), stop.clone()));
+                slot.insert((addr.clone(), stop.clone()));
                 tokio::spawn(peers::dial_loop(self.clone(), id, addr, stop));
             }
         }

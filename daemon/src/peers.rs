@@ -525,6 +525,9 @@ async fn serve_request(
     Ok(())
 }
 
+/// One fetched chunk (or its absence), or why the request failed.
+type FetchItem = Result<(Hash, Option<Vec<u8>>), String>;
+
 /// zstd when it saves at least an eighth; raw otherwise.
 fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
     if d.len() >= 512 {
@@ -559,7 +562,7 @@ pub async fn fetch(
     if !cur.is_empty() {
         groups.push(cur);
     }
-    let (tx, mut rx) = mpsc::channel::<Result<(Hash, Option<Vec<u8>>), String>>(256);
+    let (tx, mut rx) = mpsc::channel::<FetchItem>(256);
     let sem = Arc::new(tokio::sync::Semaphore::new(REQUESTS_IN_FLIGHT));
     for g in groups {
         let conn = conn.clone();
@@ -591,7 +594,7 @@ async fn request_group(
     conn: &quinn::Connection,
     folder: FolderId,
     hashes: Vec<Hash>,
-    tx: &mpsc::Sender<Result<(Hash, Option<Vec<u8>>), String>>,
+    tx: &mpsc::Sender<FetchItem>,
 ) -> Result<(), String> {
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
     let n = hashes.len();
