@@ -54,29 +54,34 @@ fn a_run_replays_exactly_from_its_seed() {
     assert!(!a.trace.is_empty());
 }
 
-// Regressions: seeds that found bugs, named after the scenario.
+// Regressions: seeds that exposed bugs (with the seed numbering of the current workload
+// generator), named after the scenario. Each fails if its fix is reverted.
 
-/// Seed 2: a delete superseded one of two merged edits on one replica only; the bare merged
-/// vector then named two different states on two replicas, which never reconciled again.
-/// Fixed in `reconcile`: a resolution is a new version unless both states are identical.
+/// Resolving concurrent versions with a bare merged vector (no new version): a delete
+/// superseded one of two merged edits on one replica only, and the same vector came to
+/// name two different states on two replicas, which then never reconciled (first found
+/// on seed 2 of an earlier generator). Fixed in `reconcile`: a resolution is a new version
+/// unless both states are identical.
 #[test]
-fn seed_2_equal_vectors_never_name_two_states() {
-    must_pass(&SimConfig::new(2));
-}
-
-/// Seed 18: content of a record the sender had already superseded could be fetched from
-/// nobody; retrying it forever blocked the newer record queued behind it. The driver treats
-/// "the sender no longer has it" as superseded and moves on (the successor follows).
-#[test]
-fn seed_18_superseded_content_does_not_block_the_index() {
+fn seed_18_equal_vectors_never_name_two_states() {
     must_pass(&SimConfig::new(18));
 }
 
-/// Seed 1884: a crash before a conflict's sibling was written, with the winner's record
-/// (a metadata-only UpdateLocal) already matching the disk. Completing every matching
-/// pending step at start-up committed the merge without the sibling and lost the loser;
-/// only the longest matching prefix of a decision's steps may be completed.
+/// Content of a record that the sender had already superseded could be fetched from
+/// nobody; retrying it forever blocked the newer record queued behind it (livelock). The
+/// driver treats "the sender no longer has it" as superseded and moves on: the successor
+/// follows in the sender's index.
 #[test]
-fn seed_1884_crash_recovery_completes_only_a_prefix_of_a_decision() {
-    must_pass(&SimConfig::new(1884));
+fn seed_4_superseded_content_does_not_block_the_index() {
+    must_pass(&SimConfig::new(4));
+}
+
+/// A crash before a conflict's sibling was written, while the winner's record (an
+/// UpdateLocal that changes nothing on disk) already matched the files: completing every
+/// matching pending step at start-up committed the resolution without the sibling, and the
+/// losing version vanished everywhere. Only the longest matching prefix of a decision's
+/// steps may be completed.
+#[test]
+fn seed_12262_crash_recovery_completes_only_a_prefix_of_a_decision() {
+    must_pass(&SimConfig::new(12262));
 }
