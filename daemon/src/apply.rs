@@ -60,6 +60,10 @@ struct Transfer {
     temp: TempFile,
     /// Chunks still to fetch: (hash, length, offset in this file).
     missing: Vec<(Hash, u32, u64)>,
+    /// Journal changes of the same decision that may only be committed once this file is
+    /// installed (a local winner's merged vector must not exist without the remote loser's
+    /// sibling, or a crash in between would lose the loser everywhere).
+    then: Vec<Change>,
 }
 
 /// Starts a transfer: creates the temp file and copies in every chunk this device already has
@@ -109,6 +113,7 @@ fn prepare(
         remote,
         temp,
         missing,
+        then: Vec::new(),
     })
 }
 
@@ -120,6 +125,12 @@ fn expect_for(journal: &Journal, folder: &FolderId, path: &RelPath) -> Expect {
         },
         _ => Expect::Absent,
     }
+}
+
+/// The peer a stored version came from: only when its vector is exactly the one received.
+/// A resolution that changed the vector must be sent back to that peer too.
+fn source_for(record: &FileRecord, remote: &FileRecord, peer: DeviceId) -> Option<DeviceId> {
+    (record.version == remote.version).then_some(peer)
 }
 
 fn local_of(journal: &Journal, folder: &FolderId, path: &RelPath) -> Option<LocalStat> {
@@ -239,6 +250,7 @@ struct Meta {
     expect: Expect,
     detail: Option<String>,
     remote: FileRecord,
+    then: Vec<Change>,
 }
 
 /// What step 1 leaves to do.
@@ -289,6 +301,7 @@ fn decide_all(
         if let Some(d) = &conflict {
             tracing::info!(%folder, path = %remote.path, detail = %d, "conflict resolved");
         }
+        let mut preserve_remote_at: Option<usize> = None;
         for step in decision.steps {
             let change = match step {
                 Step::UpdateLocal { record } => {
@@ -367,6 +380,7 @@ fn decide_all(
                 Step::PreserveRemote { record } => {
                     let expect = expect_for(&journal, folder, &record.path);
                     let keep_open = transfers.len() < 64;
+                    preserve_remote_at = Some(transfers.len());
                     transfers.push(prepare(
                         &journal,
                         rt,
@@ -431,13 +445,14 @@ fn decide_all(
                                         .map(Some)
                                 } else {
                                     let keep_open = transfers.len() < 64;
+                                    let source = source_for(&record, &remote, peer);
                                     transfers.push(prepare(
                                         &journal,
                                         rt,
                                         folder,
                                         record,
                                         op,
-                                        Some(peer),
+                                        source,
                                         expect,
                                         conflict.clone(),
                                         remote.clone(),
@@ -448,12 +463,13 @@ fn decide_all(
                             }
                         }
                     };
+                    let source = source_for(&record, &remote, peer);
                     match result {
                         Ok(local) => Some(Change {
                             record,
                             op,
                             local,
-                            source: Some(peer),
+                            source,
                             detail: conflict.clone(),
                         }),
                         Err(StoreError::NotEmpty(p)) => {
@@ -462,7 +478,7 @@ fn decide_all(
                                 record,
                                 op,
                                 local: None,
-                                source: Some(peer),
+                                source,
                                 detail: Some(
                                     "directory kept on disk: untracked entries inside".into(),
                                 ),
@@ -478,7 +494,12 @@ fn decide_all(
                 }
             };
             if let Some(c) = change {
-                journal.commit(folder, vec![c]).map_err(|e| e.to_string())?;
+                match preserve_remote_at {
+                    Some(i) => transfers[i].then.push(c),
+                    None => {
+                        journal.commit(folder, vec![c]).map_err(|e| e.to_string())?;
+                    }
+                }
             }
         }
     }
@@ -531,6 +552,7 @@ async fn transfer(
             detail,
             remote,
             temp,
+            then,
             ..
         } = t;
         temps.push(Some(temp));
@@ -541,6 +563,7 @@ async fn transfer(
             expect,
             detail,
             remote,
+            then,
         });
     }
     if !missing.is_empty() {
@@ -559,19 +582,26 @@ async fn transfer(
             Ok(())
         };
         let fetched = crate::peers::fetch(conn, folder, wanted, &mut sink).await;
-        let failure = match fetched {
-            Ok(absent) if absent.is_empty() => None,
-            Ok(absent) => Some(format!(
-                "peer no longer has {} chunk(s); will retry when its index catches up",
-                absent.len()
-            )),
-            Err(e) => Some(e),
-        };
-        if let Some(e) = failure {
-            for t in temps.into_iter().flatten() {
-                rt.store.discard_temp(t);
+        match fetched {
+            Ok(absent) => {
+                // The peer no longer has these chunks: the version was superseded there, and its
+                // successor follows in the index. Skip the files that need them (retrying would
+                // livelock: the successor waits behind them in the same stream).
+                for h in absent {
+                    for (i, _) in missing.get(&h).map(|m| m.1.clone()).unwrap_or_default() {
+                        if let Some(t) = temps.get_mut(i).and_then(Option::take) {
+                            tracing::info!(%folder, path = %t.target, "version superseded on the peer before it was fetched; skipped");
+                            rt.store.discard_temp(t);
+                        }
+                    }
+                }
             }
-            return Err(e);
+            Err(e) => {
+                for t in temps.into_iter().flatten() {
+                    rt.store.discard_temp(t);
+                }
+                return Err(e);
+            }
         }
     }
     // Step 3: verify whole files.
@@ -627,7 +657,8 @@ fn install(
     journal
         .put_pending(folder, &pending)
         .map_err(|e| e.to_string())?;
-    // Re-read expectations now that the lock is held again: a scan may have run meanwhile.
+    // Re-read expectations now that the lock is held again: a scan may have run meanwhile. An
+    // expectation that moved is turned into one no file can meet, so that path is redone.
     let (meta, batch): (Vec<Meta>, Vec<(TempFile, Expect)>) = ready
         .into_iter()
         .map(|(t, temp)| {
@@ -649,13 +680,16 @@ fn install(
     let mut cleared = Vec::new();
     for (t, r) in meta.into_iter().zip(results) {
         match r {
-            Ok(local) => changes.push(Change {
-                record: t.record,
-                op: t.op,
-                local: Some(local),
-                source: t.source,
-                detail: t.detail,
-            }),
+            Ok(local) => {
+                changes.push(Change {
+                    record: t.record,
+                    op: t.op,
+                    local: Some(local),
+                    source: t.source,
+                    detail: t.detail,
+                });
+                changes.extend(t.then);
+            }
             Err(StoreError::Changed(_)) => {
                 cleared.push(t.record.path.clone());
                 redo.push(t.remote);

@@ -419,6 +419,7 @@ impl Engine {
                 .load(std::sync::atomic::Ordering::Relaxed);
             let mut peer_list = Vec::new();
             let mut folder_synced = capture_pending == 0;
+            let mut all_connected = true;
             for p in &config.peers {
                 if !p.folders.iter().any(|f| f == rt.id.as_str()) {
                     continue;
@@ -432,7 +433,10 @@ impl Engine {
                     .and_then(|x| x.sync.get(&(pid, rt.id.clone())).cloned());
                 let in_sync =
                     connected && s.as_ref().is_some_and(|s| s.in_sync && s.our_acked >= max);
-                folder_synced &= in_sync;
+                // DESIGN §1: in sync with every *connected* peer; a peer that is down does not
+                // hold the folder hostage (it shows as `connected: false`).
+                folder_synced &= in_sync || !connected;
+                all_connected &= connected;
                 peer_list.push(serde_json::json!({
                     "device_id": pid.to_string(),
                     "name": p.name,
@@ -464,6 +468,7 @@ impl Engine {
                 "capture_pending": capture_pending,
                 "conflicts": conflicts,
                 "in_sync": folder_synced,
+                "peers_connected": all_connected,
                 "peers": peer_list,
             }));
         }

@@ -1,0 +1,137 @@
+//! A trusted but hostile peer: crafted requests for a folder it does not share, an oversized
+//! frame and a path escaping the folder are refused and logged, it gets no data it may not
+//! see, and the daemon keeps serving an honest peer.
+
+mod common;
+use common::*;
+use meshfs_daemon::identity::Identity;
+use meshfs_daemon::transport::{self, TrustStore};
+use meshfs_protocol::*;
+use std::time::Duration;
+
+fn hello(folder: &str) -> Message {
+    Message::Hello(Hello {
+        protocol_version: PROTOCOL_VERSION,
+        device_name: "mallory".into(),
+        folders: vec![HelloFolder {
+            folder: FolderId::new(folder).unwrap(),
+            index_id: 7,
+            your_index_id: 0,
+            your_sequence: 0,
+            max_sequence: 0,
+        }],
+    })
+}
+
+#[test]
+fn a_hostile_peer_gets_nothing_unshared_and_cannot_disturb_others() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    let private_dir = t.path().join("a-private");
+    ok(
+        &a.home,
+        &[
+            "folder",
+            "add",
+            private_dir.to_str().unwrap(),
+            "--id",
+            "private",
+        ],
+    );
+    write(&private_dir.join("secret.txt"), b"top secret");
+    write(&a.path("public.txt"), b"public");
+    let mallory = Identity::generate("mallory").unwrap();
+    ok(
+        &a.home,
+        &[
+            "peer",
+            "add",
+            &mallory.device_id.to_string(),
+            "--share",
+            "work",
+        ],
+    );
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 30);
+
+    let a_id: DeviceId = a.id.parse().unwrap();
+    let a_addr: std::net::SocketAddr = a.addr.parse().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let ep = transport::endpoint(&mallory, "127.0.0.1:0".parse().unwrap(), TrustStore::new([a_id])).unwrap();
+        let conn = transport::dial(&ep, a_addr, a_id).await.expect("mallory is trusted for `work`");
+        let (mut ctl, _ctl_recv) = conn.open_bi().await.unwrap();
+        transport::write_message(&mut ctl, &hello("work")).await.unwrap();
+
+        // 1. A crafted request for a folder that is not shared with mallory.
+        let secret = Hash::of(b"top secret");
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        transport::write_message(&mut s, &Message::Request(ChunkRequest { folder: FolderId::new("private").unwrap(), hashes: vec![secret] })).await.unwrap();
+        let _ = s.finish();
+        match transport::read_message(&mut r).await {
+            Ok(Some(Message::Error { code, .. })) => assert_eq!(code, ErrorCode::NotShared),
+            other => panic!("expected NotShared, got {other:?}"),
+        }
+        // 2. The same chunk asked for through the shared folder: it is not there, so nothing.
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        transport::write_message(&mut s, &Message::Request(ChunkRequest { folder: FolderId::new("work").unwrap(), hashes: vec![secret, Hash::of(b"public")] })).await.unwrap();
+        let _ = s.finish();
+        let first = transport::read_message(&mut r).await.unwrap();
+        assert!(matches!(first, Some(Message::Response(ChunkResponse { data: None, .. }))), "{first:?}");
+        let second = transport::read_message(&mut r).await.unwrap();
+        assert!(matches!(second, Some(Message::Response(ChunkResponse { data: Some(ref d), .. })) if d == b"public"), "{second:?}");
+
+        // 3. A frame announcing more than the limit.
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&((MAX_FRAME_LEN as u32) + 1).to_be_bytes()).await.unwrap();
+        s.write_all(&[0u8; 64]).await.unwrap();
+        let _ = s.finish();
+        let got = tokio::time::timeout(Duration::from_secs(5), transport::read_message(&mut r)).await.expect("the daemon answers or closes the stream");
+        assert!(!matches!(got, Ok(Some(Message::Response(_)))), "an oversized frame got data: {got:?}");
+
+        // 4. An index record whose path climbs out of the folder ("../x"), patched into a valid frame.
+        let rec = FileRecord {
+            path: RelPath::new("QQ/escape.txt").unwrap(),
+            kind: FileKind::File,
+            deleted: false,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: 0,
+            hash: Hash::of(b""),
+            chunks: vec![],
+            target: String::new(),
+            version: VersionVector::from_pairs([(mallory.device_id.short(), 1)]),
+            modified_by: mallory.device_id.short(),
+            sequence: 1,
+        };
+        let mut frame = encode_frame(&Message::Index(IndexBatch { folder: FolderId::new("work").unwrap(), records: vec![rec], up_to: 1 })).unwrap();
+        let at = frame.windows(2).position(|w| w == b"QQ").unwrap();
+        frame[at] = b'.';
+        frame[at + 1] = b'.';
+        let _ = ctl.write_all(&frame).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    });
+    assert!(!t.path().join("a").join("escape.txt").exists());
+    assert!(!a.dir.parent().unwrap().join("escape.txt").exists());
+
+    // The daemon logged what it refused and still serves the honest peer.
+    let log = a.log();
+    assert!(
+        log.contains("unshared folder private") || log.contains("not shared"),
+        "refusal of the crafted request is logged"
+    );
+    assert!(
+        log.contains("exceeds") || log.contains("malformed") || log.contains("frame"),
+        "bad frames are logged:\n{log}"
+    );
+    write(&b.path("after-attack.txt"), b"still syncing");
+    wait_synced(&[&a, &b], 30);
+    assert_eq!(
+        std::fs::read(a.path("after-attack.txt")).unwrap(),
+        b"still syncing"
+    );
+    assert!(!b.path("secret.txt").exists());
+}
