@@ -43,8 +43,46 @@ pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Co
     let (min, avg, max) = (min as usize, avg as usize, max as usize);
     let mut whole = blake3::Hasher::new();
     let mut chunks = Vec::new();
-    // A window of at least two max-size chunks so every cut point search has its full range.
-    let mut buf = vec![0u8; (max * 4).max(4 << 20)];
+    // The window must exceed the largest chunk so every cut search sees its full range; a file
+    // that fits gets a window of its own size. The buffer is reused per thread: a scan of
+    // 100,000 small files must not allocate a large zeroed buffer for each of them.
+    let want = (max * 2).max(((size_hint as usize).saturating_add(1)).min(8 << 20));
+    let mut buf = WINDOW.with(|w| std::mem::take(&mut *w.borrow_mut()));
+    if buf.len() < want {
+        buf.resize(want, 0);
+    }
+    let result = fill_chunks(
+        &mut reader,
+        &mut buf[..want],
+        min,
+        avg,
+        max,
+        &mut whole,
+        &mut chunks,
+    );
+    WINDOW.with(|w| *w.borrow_mut() = buf);
+    let total = result?;
+    BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
+    Ok(Content {
+        hash: Hash(*whole.finalize().as_bytes()),
+        size: total,
+        chunks,
+    })
+}
+
+thread_local! {
+    static WINDOW: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn fill_chunks(
+    reader: &mut impl Read,
+    buf: &mut [u8],
+    min: usize,
+    avg: usize,
+    max: usize,
+    whole: &mut blake3::Hasher,
+    chunks: &mut Vec<Chunk>,
+) -> std::io::Result<u64> {
     let mut filled = 0usize;
     let mut eof = false;
     let mut total = 0u64;
@@ -81,12 +119,7 @@ pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Co
             break;
         }
     }
-    BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
-    Ok(Content {
-        hash: Hash(*whole.finalize().as_bytes()),
-        size: total,
-        chunks,
-    })
+    Ok(total)
 }
 
 /// Hashes and chunks an in-memory buffer.

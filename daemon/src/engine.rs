@@ -263,14 +263,16 @@ impl Engine {
             local: self.short,
             now_secs: now_secs(),
         };
+        let t0 = Instant::now();
         let report = {
             let j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
             scanner::scan(&target, &j, paths).map_err(|e| e.to_string())?
         };
+        let scanned = t0.elapsed();
         let n = report.changes.len();
         let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
-        for (path, local) in &report.restat {
-            j.set_local_stat(folder, path, *local)
+        if !report.restat.is_empty() {
+            j.set_local_stats(folder, &report.restat)
                 .map_err(|e| e.to_string())?;
         }
         let mut changes = report.changes;
@@ -280,6 +282,10 @@ impl Engine {
             changes = rest;
         }
         drop(j);
+        if report.entries > 10_000 {
+            tracing::info!(%folder, entries = report.entries, hashed_files = report.hashed_files, hashed_bytes = report.hashed_bytes,
+                scan_ms = scanned.as_millis() as u64, journal_ms = (t0.elapsed() - scanned).as_millis() as u64, "scan finished");
+        }
         if n > 0 {
             self.changes_notify(folder);
         }

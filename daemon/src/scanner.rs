@@ -488,7 +488,7 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<chunker::
                 let content = store
                     .open_file(&job.path)
                     .ok()
-                    .and_then(|f| chunker::chunk_reader(std::io::BufReader::with_capacity(1 << 20, f), job.local.size).ok());
+                    .and_then(|f| chunker::chunk_reader(f, job.local.size).ok());
                 if content.is_none() {
                     tracing::debug!(path = %job.path, "vanished or unreadable while hashing; will be picked up by the next event");
                 }

@@ -1,0 +1,98 @@
+//! The scanner on real directories and a real journal: an unchanged tree reads no file
+//! contents (the scanner's own byte counter says so), and changes are found exactly once.
+
+use meshfs_daemon::ignore::IgnoreRules;
+use meshfs_daemon::journal::Journal;
+use meshfs_daemon::scanner::{scan, ScanTarget};
+use meshfs_daemon::store::Store;
+use meshfs_protocol::{FolderId, ShortId};
+
+fn commit_all(j: &mut Journal, f: &FolderId, t: &ScanTarget<'_>) -> (usize, u64) {
+    let r = scan(t, j, &[]).unwrap();
+    let n = r.changes.len();
+    j.commit(f, r.changes).unwrap();
+    j.set_local_stats(f, &r.restat).unwrap();
+    (n, r.hashed_bytes)
+}
+
+#[test]
+fn an_unchanged_tree_is_scanned_without_reading_any_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    for i in 0..500 {
+        let d = root.join(format!("d{}", i % 20));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join(format!("f{i}")), vec![i as u8; 3000]).unwrap();
+    }
+    let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let folder = FolderId::new("f").unwrap();
+    let store = Store::open(&root).unwrap();
+    let ignore = IgnoreRules::none();
+    let t = ScanTarget {
+        folder: &folder,
+        store: &store,
+        ignore: &ignore,
+        local: ShortId(1),
+        now_secs: 0,
+    };
+
+    let (n, bytes) = commit_all(&mut j, &folder, &t);
+    assert_eq!(n, 520, "500 files and 20 directories");
+    assert_eq!(bytes, 500 * 3000);
+
+    let (n, bytes) = commit_all(&mut j, &folder, &t);
+    assert_eq!(
+        (n, bytes),
+        (0, 0),
+        "an unchanged tree: no versions, no bytes read"
+    );
+
+    // One modified file: exactly that file is read.
+    std::fs::write(root.join("d3/f3"), b"changed").unwrap();
+    std::fs::remove_file(root.join("d4/f4")).unwrap();
+    let r = scan(&t, &j, &[]).unwrap();
+    assert_eq!(r.hashed_bytes, 7);
+    let mut ops: Vec<_> = r
+        .changes
+        .iter()
+        .map(|c| (c.op.as_str(), c.record.path.to_string()))
+        .collect();
+    ops.sort();
+    assert_eq!(
+        ops,
+        vec![
+            ("delete", "d4/f4".to_string()),
+            ("modify", "d3/f3".to_string())
+        ]
+    );
+}
+
+#[test]
+fn special_files_and_internal_names_are_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    std::fs::create_dir_all(root.join(".meshfs")).unwrap();
+    std::fs::write(root.join(".meshfs/state"), b"x").unwrap();
+    std::fs::write(root.join(".meshfs-tmp-123"), b"partial").unwrap();
+    std::fs::write(root.join("real"), b"r").unwrap();
+    let fifo = std::ffi::CString::new(root.join("pipe").to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+    let j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let folder = FolderId::new("f").unwrap();
+    let store = Store::open(&root).unwrap();
+    let ignore = IgnoreRules::none();
+    let t = ScanTarget {
+        folder: &folder,
+        store: &store,
+        ignore: &ignore,
+        local: ShortId(1),
+        now_secs: 0,
+    };
+    let r = scan(&t, &j, &[]).unwrap();
+    let paths: Vec<_> = r
+        .changes
+        .iter()
+        .map(|c| c.record.path.to_string())
+        .collect();
+    assert_eq!(paths, vec!["real"]);
+}
