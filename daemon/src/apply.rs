@@ -530,6 +530,8 @@ async fn transfer(
     if work.is_empty() {
         return Ok(redo);
     }
+    let started = std::time::Instant::now();
+    let files = work.len();
     let mut missing: HashMap<Hash, (u32, Vec<(usize, u64)>)> = HashMap::new();
     let mut temps: Vec<Option<TempFile>> = Vec::with_capacity(work.len());
     let mut work: Vec<Transfer> = work;
@@ -604,6 +606,7 @@ async fn transfer(
             }
         }
     }
+    let fetched_at = started.elapsed();
     // Step 3: verify whole files.
     let mut ready: Vec<(Meta, TempFile)> = Vec::new();
     for (t, temp) in metas.into_iter().zip(temps) {
@@ -622,6 +625,7 @@ async fn transfer(
             }
         }
     }
+    let verified_at = started.elapsed();
     // Steps 4–6 under the folder lock.
     let engine2 = engine.clone();
     let rt2 = rt.clone();
@@ -637,6 +641,11 @@ async fn transfer(
             changed.iter().map(|r| r.path.clone()).collect(),
         )
         .await?;
+    }
+    if files >= 100 {
+        tracing::info!(%folder, files, fetch_ms = fetched_at.as_millis() as u64,
+            verify_ms = (verified_at - fetched_at).as_millis() as u64,
+            install_ms = (started.elapsed() - verified_at).as_millis() as u64, "batch applied");
     }
     changed.extend(redo);
     Ok(changed)

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Notify};
 
 /// Most hashes in one chunk request.
-const REQUEST_HASHES: usize = 256;
+const REQUEST_HASHES: usize = 64;
 /// Most bytes asked for in one chunk request.
 const REQUEST_BYTES: u64 = 4 << 20;
 /// Chunk requests in flight per fetch.
