@@ -10,7 +10,7 @@
 
 use crate::chunker;
 use crate::ignore::IgnoreRules;
-use crate::journal::{Change, Journal, JournalError, LocalStat, Op};
+use crate::journal::{Change, Journal, JournalError, LocalStat, Op, RecordSummary};
 use crate::reconcile::{new_local_version, Context};
 use crate::store::{stat_of, Store};
 use meshfs_protocol::{FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, INTERNAL_PREFIX};
@@ -65,10 +65,52 @@ pub enum ScanError {
     },
 }
 
+/// What the journal knows of a path: the summary always, the full record when it was loaded
+/// anyway (targeted scans); otherwise it is fetched only for paths that changed.
 #[derive(Clone, Debug)]
 struct Known {
-    record: FileRecord,
-    local: Option<LocalStat>,
+    s: RecordSummary,
+    full: Option<FileRecord>,
+}
+
+impl Known {
+    fn from_stored(st: crate::journal::StoredRecord) -> Known {
+        let r = &st.record;
+        Known {
+            s: RecordSummary {
+                path: r.path.clone(),
+                kind: r.kind,
+                deleted: r.deleted,
+                mode: r.mode,
+                mtime_ns: r.mtime_ns,
+                hash: r.hash,
+                local: st.local,
+            },
+            full: Some(st.record),
+        }
+    }
+}
+
+/// Fetches full records from the journal on demand.
+struct Lookup<'a> {
+    journal: &'a Journal,
+    folder: &'a FolderId,
+}
+
+impl Lookup<'_> {
+    fn full(&self, k: &Known) -> Option<FileRecord> {
+        k.full.clone().or_else(|| {
+            self.journal
+                .get(self.folder, &k.s.path)
+                .ok()
+                .flatten()
+                .map(|s| s.record)
+        })
+    }
+
+    fn full_of(&self, k: Option<&Known>) -> Option<FileRecord> {
+        k.and_then(|k| self.full(k))
+    }
 }
 
 struct Seen {
@@ -88,14 +130,8 @@ pub fn scan(
     let mut report = ScanReport::default();
     let whole = scopes.is_empty();
     if whole {
-        journal.for_each_record(t.folder, &mut |s| {
-            known.insert(
-                s.record.path.clone(),
-                Known {
-                    record: s.record,
-                    local: s.local,
-                },
-            );
+        journal.for_each_summary(t.folder, &mut |s| {
+            known.insert(s.path.clone(), Known { s, full: None });
             ControlFlow::Continue(())
         })?;
         walk(t, None, &mut seen, &mut report).map_err(|source| ScanError::Root {
@@ -115,22 +151,10 @@ pub fn scan(
         }
         for scope in &kept {
             if let Some(s) = journal.get(t.folder, scope)? {
-                known.insert(
-                    scope.clone(),
-                    Known {
-                        record: s.record,
-                        local: s.local,
-                    },
-                );
+                known.insert(scope.clone(), Known::from_stored(s));
             }
             for s in journal.below(t.folder, scope)? {
-                known.insert(
-                    s.record.path.clone(),
-                    Known {
-                        record: s.record,
-                        local: s.local,
-                    },
-                );
+                known.insert(s.record.path.clone(), Known::from_stored(s));
             }
             if let Ok(Some(st)) = t.store.stat(scope) {
                 if let Some(kind) = st.kind {
@@ -150,7 +174,11 @@ pub fn scan(
             }
         }
     }
-    diff(t, known, seen, report)
+    let lk = Lookup {
+        journal,
+        folder: t.folder,
+    };
+    diff(t, &lk, known, seen, report)
 }
 
 fn walk(
@@ -238,6 +266,7 @@ struct HashJob {
 
 fn diff(
     t: &ScanTarget<'_>,
+    lk: &Lookup<'_>,
     mut known: HashMap<RelPath, Known>,
     seen: Vec<Seen>,
     mut report: ScanReport,
@@ -251,22 +280,22 @@ fn diff(
     let mut new_files: Vec<(RelPath, LocalStat)> = Vec::new();
     for s in seen {
         let prev = known.remove(&s.path);
-        let live_prev = prev.as_ref().filter(|k| !k.record.deleted);
+        let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
         match s.kind {
             FileKind::File => {
                 match live_prev {
-                    Some(k) if k.record.kind == FileKind::File => {
-                        let l = k.local.unwrap_or_default();
+                    Some(k) if k.s.kind == FileKind::File => {
+                        let l = k.s.local.unwrap_or_default();
                         if l.inode == s.local.inode
                             && l.size == s.local.size
                             && l.mtime_ns == s.local.mtime_ns
                         {
-                            if k.record.mode != s.local.mode {
-                                let mut r = k.record.clone();
+                            if k.s.mode != s.local.mode {
+                                let Some(mut r) = lk.full(k) else { continue };
                                 r.mode = s.local.mode;
                                 creates.push(version(
                                     &ctx,
-                                    prev.as_ref(),
+                                    lk.full_of(prev.as_ref()).as_ref(),
                                     r,
                                     Op::Metadata,
                                     s.local,
@@ -279,7 +308,7 @@ fn diff(
                         }
                         if l.size == s.local.size
                             && l.mtime_ns == s.local.mtime_ns
-                            && k.record.mode == s.local.mode
+                            && k.s.mode == s.local.mode
                         {
                             // Same content and times, new inode (e.g. restored by a copy): no version.
                             report.restat.push((s.path.clone(), s.local));
@@ -296,18 +325,25 @@ fn diff(
             }
             FileKind::Dir => {
                 let changed = match live_prev {
-                    Some(k) if k.record.kind == FileKind::Dir => k.record.mode != s.local.mode,
+                    Some(k) if k.s.kind == FileKind::Dir => k.s.mode != s.local.mode,
                     _ => true,
                 };
                 if changed {
-                    let op = if live_prev.is_some_and(|k| k.record.kind == FileKind::Dir) {
+                    let op = if live_prev.is_some_and(|k| k.s.kind == FileKind::Dir) {
                         Op::Metadata
                     } else {
                         Op::Create
                     };
                     let r = base_record(&s.path, FileKind::Dir, &s.local, &ctx);
-                    creates.push(version(&ctx, prev.as_ref(), r, op, s.local, None));
-                } else if live_prev.is_some_and(|k| k.local != Some(s.local)) {
+                    creates.push(version(
+                        &ctx,
+                        lk.full_of(prev.as_ref()).as_ref(),
+                        r,
+                        op,
+                        s.local,
+                        None,
+                    ));
+                } else if live_prev.is_some_and(|k| k.s.local != Some(s.local)) {
                     report.restat.push((s.path.clone(), s.local));
                 }
             }
@@ -319,10 +355,10 @@ fn diff(
                         continue;
                     }
                 };
-                if let Some(k) = live_prev
-                    .filter(|k| k.record.kind == FileKind::Symlink && k.record.target == target)
-                {
-                    if k.local != Some(s.local) {
+                if let Some(k) = live_prev.filter(|k| {
+                    k.s.kind == FileKind::Symlink && k.s.hash == Hash::of(target.as_bytes())
+                }) {
+                    if k.s.local != Some(s.local) {
                         report.restat.push((s.path.clone(), s.local));
                     }
                     continue;
@@ -336,29 +372,37 @@ fn diff(
                 r.hash = Hash::of(target.as_bytes());
                 r.target = target;
                 r.mode = 0o777;
-                creates.push(version(&ctx, prev.as_ref(), r, op, s.local, None));
+                creates.push(version(
+                    &ctx,
+                    lk.full_of(prev.as_ref()).as_ref(),
+                    r,
+                    op,
+                    s.local,
+                    None,
+                ));
             }
         }
     }
     // Whatever the journal knows as live but the disk no longer has: deleted (or renamed).
-    let mut vanished: Vec<Known> = known.into_values().filter(|k| !k.record.deleted).collect();
+    let mut vanished: Vec<Known> = known.into_values().filter(|k| !k.s.deleted).collect();
     // Rename detection: a new file with the (inode, size, mtime) of a vanished file.
     let mut by_inode: HashMap<(u64, u64, i64), usize> = HashMap::new();
     for (i, k) in vanished.iter().enumerate() {
-        if let (FileKind::File, Some(l)) = (k.record.kind, k.local) {
+        if let (FileKind::File, Some(l)) = (k.s.kind, k.s.local) {
             by_inode.insert((l.inode, l.size, l.mtime_ns), i);
         }
     }
     for (path, local) in new_files {
-        if let Some(&i) = by_inode.get(&(local.inode, local.size, local.mtime_ns)) {
-            let old = &vanished[i].record;
+        let renamed_from = by_inode
+            .get(&(local.inode, local.size, local.mtime_ns))
+            .and_then(|&i| lk.full(&vanished[i]));
+        if let Some(old) = renamed_from {
             let mut r = old.clone();
             r.path = path.clone();
             r.mode = local.mode;
-            let prev = None;
             creates.push(version(
                 &ctx,
-                prev,
+                None,
                 r,
                 Op::Rename,
                 local,
@@ -378,21 +422,19 @@ fn diff(
         let Some(content) = content else { continue };
         report.hashed_files += 1;
         report.hashed_bytes += content.size;
-        let live_prev = job.prev.as_ref().filter(|k| !k.record.deleted);
+        let live_prev = job.prev.as_ref().filter(|k| !k.s.deleted);
         if let Some(k) = live_prev {
-            if k.record.kind == FileKind::File
-                && k.record.hash == content.hash
-                && k.record.mode == job.local.mode
-                && k.record.mtime_ns == job.local.mtime_ns
+            if k.s.kind == FileKind::File
+                && k.s.hash == content.hash
+                && k.s.mode == job.local.mode
+                && k.s.mtime_ns == job.local.mtime_ns
             {
                 report.restat.push((job.path.clone(), job.local));
                 continue;
             }
         }
         let op = match live_prev {
-            Some(k) if k.record.kind == FileKind::File && k.record.hash == content.hash => {
-                Op::Metadata
-            }
+            Some(k) if k.s.kind == FileKind::File && k.s.hash == content.hash => Op::Metadata,
             Some(_) => Op::Modify,
             None => Op::Create,
         };
@@ -402,7 +444,14 @@ fn diff(
         r.chunks = content.chunks;
         let mut local = job.local;
         local.size = content.size;
-        creates.push(version(&ctx, job.prev.as_ref(), r, op, local, None));
+        creates.push(version(
+            &ctx,
+            lk.full_of(job.prev.as_ref()).as_ref(),
+            r,
+            op,
+            local,
+            None,
+        ));
     }
     creates.sort_by_key(|c| {
         (
@@ -411,18 +460,17 @@ fn diff(
             c.record.path.clone(),
         )
     });
-    vanished.sort_by_key(|k| {
-        std::cmp::Reverse((k.record.path.components().count(), k.record.path.clone()))
-    });
+    vanished.sort_by_key(|k| std::cmp::Reverse((k.s.path.components().count(), k.s.path.clone())));
     let mut deletes = Vec::with_capacity(vanished.len());
     for k in vanished {
-        let mut r = k.record.clone();
+        let Some(full) = lk.full(&k) else { continue };
+        let mut r = full.clone();
         r.deleted = true;
         r.size = 0;
         r.hash = Hash::ZERO;
         r.chunks.clear();
         r.target.clear();
-        let mut c = version(&ctx, Some(&k), r, Op::Delete, LocalStat::default(), None);
+        let mut c = version(&ctx, Some(&full), r, Op::Delete, LocalStat::default(), None);
         c.local = None;
         deletes.push(c);
     }
@@ -450,13 +498,13 @@ fn base_record(path: &RelPath, kind: FileKind, local: &LocalStat, ctx: &Context)
 
 fn version(
     ctx: &Context,
-    prev: Option<&Known>,
+    prev: Option<&FileRecord>,
     mut r: FileRecord,
     op: Op,
     local: LocalStat,
     detail: Option<String>,
 ) -> Change {
-    r.version = new_local_version(prev.map(|k| &k.record), ctx);
+    r.version = new_local_version(prev, ctx);
     r.modified_by = ctx.local_device;
     Change {
         record: r,

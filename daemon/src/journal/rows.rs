@@ -258,3 +258,43 @@ pub(super) fn folder_id(raw: &str) -> Result<FolderId> {
 pub(super) fn path_of(folder: &FolderId, raw: &str) -> Result<RelPath> {
     rel_path(folder, raw)
 }
+
+/// The columns [`summary`] reads, in its order.
+pub(super) const SUMMARY_COLUMNS: &str = "path, kind, deleted, mode, mtime_ns, hash, \
+     local_inode, local_size, local_mtime_ns, local_ctime_ns, local_mode";
+
+/// Decodes a row selected with [`SUMMARY_COLUMNS`].
+pub(super) fn summary(folder: &FolderId, row: &Row<'_>) -> Result<super::RecordSummary> {
+    let raw_path = row
+        .get_ref(0)?
+        .as_str()
+        .map_err(|e| JournalError::Corrupt {
+            what: format!("folder {folder}: a record's path is not text: {e}"),
+        })?;
+    let at = At {
+        folder,
+        path: raw_path,
+    };
+    let local = match at.opt_int(row, 6, "local inode")? {
+        None => None,
+        Some(inode) => Some(LocalStat {
+            inode: to_u64(inode),
+            size: to_u64(at.int(row, 7, "local size")?),
+            mtime_ns: at.int(row, 8, "local mtime")?,
+            ctime_ns: at.int(row, 9, "local ctime")?,
+            mode: {
+                let m = at.int(row, 10, "local mode")?;
+                u32::try_from(m).map_err(|_| at.corrupt(format!("local mode {m} is not a u32")))?
+            },
+        }),
+    };
+    Ok(super::RecordSummary {
+        path: rel_path(folder, raw_path)?,
+        kind: at.kind(row, 1)?,
+        deleted: at.flag(row, 2, "deleted")?,
+        mode: at.mode(row, 3)?,
+        mtime_ns: at.int(row, 4, "mtime")?,
+        hash: at.hash(row, 5)?,
+        local,
+    })
+}
