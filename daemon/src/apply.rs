@@ -24,6 +24,10 @@ use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Temp files kept open while a batch is assembled (beyond this they are closed and re-opened
+/// on demand): a batch holds at most 1,000 records, well inside the 20,000-descriptor limit.
+const MAX_OPEN_TEMPS: usize = 1024;
+
 /// How often a record whose target keeps changing under us is decided again.
 const MAX_ROUNDS: usize = 3;
 
@@ -379,7 +383,7 @@ fn decide_all(
                 }
                 Step::PreserveRemote { record } => {
                     let expect = expect_for(&journal, folder, &record.path);
-                    let keep_open = transfers.len() < 64;
+                    let keep_open = transfers.len() < MAX_OPEN_TEMPS;
                     preserve_remote_at = Some(transfers.len());
                     transfers.push(prepare(
                         &journal,
@@ -444,7 +448,7 @@ fn decide_all(
                                         )
                                         .map(Some)
                                 } else {
-                                    let keep_open = transfers.len() < 64;
+                                    let keep_open = transfers.len() < MAX_OPEN_TEMPS;
                                     let source = source_for(&record, &remote, peer);
                                     transfers.push(prepare(
                                         &journal,

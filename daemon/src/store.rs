@@ -292,7 +292,7 @@ impl Store {
         let fd = open_at(
             dir.as_raw_fd(),
             &name,
-            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
             0o600,
         )
         .map_err(|e| io_err(target, e))?;
@@ -343,8 +343,11 @@ impl Store {
         mode: u32,
         mtime_ns: i64,
     ) -> Result<(), StoreError> {
-        t.file = None;
-        let f = self.temp_handle(t, false)?;
+        // Verify through the handle still open from writing (read-write), or re-open it.
+        let f = match t.file.take() {
+            Some(f) => f,
+            None => self.temp_handle(t, false)?,
+        };
         f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
         let mut hasher = blake3::Hasher::new();
         let mut buf = vec![0u8; 1 << 20];
