@@ -136,6 +136,22 @@ fn rel_path(folder: &FolderId, raw: &str) -> Result<RelPath> {
     })
 }
 
+/// The five local-stat columns starting at `first` (inode, size, mtime, ctime, mode); a NULL
+/// inode means no local file is known.
+fn local_stat(at: &At<'_>, row: &Row<'_>, first: usize) -> Result<Option<LocalStat>> {
+    let Some(inode) = at.opt_int(row, first, "local inode")? else {
+        return Ok(None);
+    };
+    let m = at.int(row, first + 4, "local mode")?;
+    Ok(Some(LocalStat {
+        inode: to_u64(inode),
+        size: to_u64(at.int(row, first + 1, "local size")?),
+        mtime_ns: at.int(row, first + 2, "local mtime")?,
+        ctime_ns: at.int(row, first + 3, "local ctime")?,
+        mode: u32::try_from(m).map_err(|_| at.corrupt(format!("local mode {m} is not a u32")))?,
+    }))
+}
+
 /// Decodes a row selected with [`RECORD_COLUMNS`], and checks the record's invariants.
 pub(super) fn stored_record(folder: &FolderId, row: &Row<'_>) -> Result<StoredRecord> {
     let raw_path = row
@@ -149,19 +165,7 @@ pub(super) fn stored_record(folder: &FolderId, row: &Row<'_>) -> Result<StoredRe
         path: raw_path,
     };
     let path = rel_path(folder, raw_path)?;
-    let local = match at.opt_int(row, 12, "local inode")? {
-        None => None,
-        Some(inode) => Some(LocalStat {
-            inode: to_u64(inode),
-            size: to_u64(at.int(row, 13, "local size")?),
-            mtime_ns: at.int(row, 14, "local mtime")?,
-            ctime_ns: at.int(row, 15, "local ctime")?,
-            mode: {
-                let m = at.int(row, 16, "local mode")?;
-                u32::try_from(m).map_err(|_| at.corrupt(format!("local mode {m} is not a u32")))?
-            },
-        }),
-    };
+    let local = local_stat(&at, row, 12)?;
     let record = FileRecord {
         kind: at.kind(row, 1)?,
         deleted: at.flag(row, 2, "deleted")?,
@@ -275,19 +279,7 @@ pub(super) fn summary(folder: &FolderId, row: &Row<'_>) -> Result<super::RecordS
         folder,
         path: raw_path,
     };
-    let local = match at.opt_int(row, 6, "local inode")? {
-        None => None,
-        Some(inode) => Some(LocalStat {
-            inode: to_u64(inode),
-            size: to_u64(at.int(row, 7, "local size")?),
-            mtime_ns: at.int(row, 8, "local mtime")?,
-            ctime_ns: at.int(row, 9, "local ctime")?,
-            mode: {
-                let m = at.int(row, 10, "local mode")?;
-                u32::try_from(m).map_err(|_| at.corrupt(format!("local mode {m} is not a u32")))?
-            },
-        }),
-    };
+    let local = local_stat(&at, row, 6)?;
     Ok(super::RecordSummary {
         path: rel_path(folder, raw_path)?,
         kind: at.kind(row, 1)?,
