@@ -411,6 +411,11 @@ fn decide_all(
                     };
                     let expect = expect_for(&journal, folder, &record.path);
                     let live_prev = prev.as_ref().filter(|p| !p.record.deleted);
+                    if rt.writers.has_writer(&record.path) {
+                        // Open for writing through the mount: wait for the release, then decide again.
+                        redo.push(remote.clone());
+                        continue;
+                    }
                     let result: Result<Option<LocalStat>, StoreError> = if record.deleted {
                         match live_prev.map(|p| p.record.kind) {
                             Some(FileKind::Dir) => rt.store.remove_dir(&record.path).map(|_| None),
@@ -498,6 +503,7 @@ fn decide_all(
                 }
             };
             if let Some(c) = change {
+                rt.invalidator.invalidate(&c.record.path);
                 match preserve_remote_at {
                     Some(i) => transfers[i].then.push(c),
                     None => {
@@ -676,7 +682,9 @@ fn install(
         .into_iter()
         .map(|(t, temp)| {
             let now = expect_for(&journal, folder, &t.record.path);
-            let e = if now == t.expect {
+            // A file open for writing through the mount is never replaced under its writer:
+            // the remote version waits (it is decided again after the writer's release).
+            let e = if now == t.expect && !rt.writers.has_writer(&t.record.path) {
                 t.expect
             } else {
                 Expect::Matches(LocalStat {
@@ -694,6 +702,7 @@ fn install(
     for (t, r) in meta.into_iter().zip(results) {
         match r {
             Ok(local) => {
+                rt.invalidator.invalidate(&t.record.path);
                 changes.push(Change {
                     record: t.record,
                     op: t.op,

@@ -38,6 +38,10 @@ pub struct FolderRt {
     pub capture: mpsc::UnboundedSender<CaptureMsg>,
     /// Paths waiting in the capture loop.
     pub capture_pending: std::sync::atomic::AtomicUsize,
+    /// Which paths are open for writing through a mount (never replaced under their writer).
+    pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
+    /// Invalidates a mount's kernel caches after the engine changed a path.
+    pub invalidator: Arc<dyn meshfs_fuse::Invalidator>,
     watcher: Mutex<Option<notify::RecommendedWatcher>>,
 }
 
@@ -188,6 +192,9 @@ impl Engine {
             op_lock: Mutex::new(()),
             capture: tx.clone(),
             capture_pending: Default::default(),
+            // Until the FUSE layer mounts the folder, nothing is open through a mount.
+            writers: Arc::new(meshfs_fuse::NoMount),
+            invalidator: Arc::new(meshfs_fuse::NoMount),
             watcher: Mutex::new(None),
         });
         {
