@@ -50,6 +50,8 @@ def parse_args(argv):
     ap.add_argument("--timeout", type=float, default=None,
                     help="per-step timeout in seconds (default 600, --quick: 180)")
     ap.add_argument("--latency-samples", type=int, default=None, help="default 20 (--quick: 5)")
+    ap.add_argument("--seed-timeout", type=float, default=300.0,
+                    help="timeout of the (untimed) seed sync of the no-change scenario (300 s)")
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--keep-replicas", action="store_true")
     ap.add_argument("--cooldown", type=float, default=60.0,
@@ -177,6 +179,7 @@ def main(argv=None):
     ctx.latency_timeout = 60
     ctx.latency_gap_s = 0.5
     ctx.quiet_s = 1.0 if a.quick else 2.0
+    ctx.seed_timeout = a.seed_timeout
     ctx.drop_caches = not a.no_drop_caches
     ctx.cooldown = a.cooldown
     ctx.work = Path(a.work)
