@@ -183,9 +183,9 @@ struct HostStats {
     tx_pkts: AtomicU64, // packets written into this host's TUN (received by the host)
     tx_bytes: AtomicU64,
     write_errs: AtomicU64,
-    max_queue_us: AtomicU64,    // longest egress queueing delay since the last dump
-    max_late_us: AtomicU64,     // worst lateness of a delivery since the last dump
-    late_over_1ms: AtomicU64,   // deliveries more than 1 ms late
+    max_queue_us: AtomicU64, // longest egress queueing delay since the last dump
+    max_late_us: AtomicU64,  // worst lateness of a delivery since the last dump
+    late_over_1ms: AtomicU64, // deliveries more than 1 ms late
 }
 
 fn fetch_max(a: &AtomicU64, v: u64) {
@@ -236,6 +236,14 @@ fn classify(buf: &[u8], offload: bool) -> Option<([u8; 4], u64, bool)> {
     Some((dst, n + (segs.saturating_sub(1)) * hl, true))
 }
 
+/// The one-way shape of every link: delay, rate and the queue in front of the rate.
+#[derive(Clone, Copy)]
+struct Shape {
+    delay: Duration,
+    rate_bps: f64,
+    queue_bytes: u64,
+}
+
 fn reader(
     src: usize,
     fd: RawFd,
@@ -243,10 +251,13 @@ fn reader(
     routes: Arc<HashMap<[u8; 4], usize>>,
     links: Vec<Option<mpsc::Sender<Pkt>>>,
     stats: Arc<Vec<HostStats>>,
-    delay: Duration,
-    rate_bps: f64,
-    queue_bytes: u64,
+    shape: Shape,
 ) {
+    let Shape {
+        delay,
+        rate_bps,
+        queue_bytes,
+    } = shape;
     let st = &stats[src];
     let ns_per_byte = if rate_bps > 0.0 { 8e9 / rate_bps } else { 0.0 };
     let max_backlog = Duration::from_nanos((queue_bytes as f64 * ns_per_byte) as u64);
@@ -269,7 +280,10 @@ fn reader(
             continue;
         };
         st.rx_pkts.fetch_add(1, Relaxed);
-        st.rx_bytes.fetch_add((n as u64).saturating_sub(if offload { VNET_HDR_LEN as u64 } else { 0 }), Relaxed);
+        st.rx_bytes.fetch_add(
+            (n as u64).saturating_sub(if offload { VNET_HDR_LEN as u64 } else { 0 }),
+            Relaxed,
+        );
         if gso {
             st.rx_gso_pkts.fetch_add(1, Relaxed);
         }
@@ -293,7 +307,10 @@ fn reader(
             depart = link_free;
         }
         st.wire_bytes.fetch_add(wire, Relaxed);
-        let pkt = Pkt { due: depart + delay, data: data.to_vec() };
+        let pkt = Pkt {
+            due: depart + delay,
+            data: data.to_vec(),
+        };
         if links[dst].as_ref().unwrap().send(pkt).is_err() {
             return;
         }
@@ -337,7 +354,8 @@ fn writer(dst: usize, fd: RawFd, rx: mpsc::Receiver<Pkt>, stats: Arc<Vec<HostSta
             if late > Duration::from_millis(1) {
                 st.late_over_1ms.fetch_add(1, Relaxed);
             }
-            let r = unsafe { libc::write(fd, p.data.as_ptr() as *const libc::c_void, p.data.len()) };
+            let r =
+                unsafe { libc::write(fd, p.data.as_ptr() as *const libc::c_void, p.data.len()) };
             if r < 0 {
                 st.write_errs.fetch_add(1, Relaxed);
             } else {
@@ -410,7 +428,11 @@ fn main() {
     let mut fds = vec![];
     let mut uso_all = true;
     for (ns, _) in &args.hosts {
-        let path = if ns.contains('/') { ns.clone() } else { format!("/var/run/netns/{ns}") };
+        let path = if ns.contains('/') {
+            ns.clone()
+        } else {
+            format!("/var/run/netns/{ns}")
+        };
         let r = setns_path(&path).and_then(|_| open_tun(&args.ifname, args.offload));
         match r {
             Ok((fd, uso)) => {
@@ -429,8 +451,13 @@ fn main() {
     }
     let n = args.hosts.len();
     let names: Vec<String> = args.hosts.iter().map(|h| h.0.clone()).collect();
-    let routes: Arc<HashMap<[u8; 4], usize>> =
-        Arc::new(args.hosts.iter().enumerate().map(|(i, h)| (h.1, i)).collect());
+    let routes: Arc<HashMap<[u8; 4], usize>> = Arc::new(
+        args.hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (h.1, i))
+            .collect(),
+    );
     let stats: Arc<Vec<HostStats>> = Arc::new((0..n).map(|_| HostStats::default()).collect());
 
     unsafe {
@@ -440,13 +467,13 @@ fn main() {
     let mut handles = vec![];
     // senders[src][dst]
     let mut senders: Vec<Vec<Option<mpsc::Sender<Pkt>>>> = (0..n).map(|_| vec![None; n]).collect();
-    for src in 0..n {
-        for dst in 0..n {
+    for (src, row) in senders.iter_mut().enumerate() {
+        for (dst, slot) in row.iter_mut().enumerate() {
             if src == dst {
                 continue;
             }
             let (tx, rx) = mpsc::channel::<Pkt>();
-            senders[src][dst] = Some(tx);
+            *slot = Some(tx);
             let fd = fds[dst].as_raw_fd();
             let st = stats.clone();
             handles.push(
@@ -460,11 +487,16 @@ fn main() {
     for (src, links) in senders.into_iter().enumerate() {
         let fd = fds[src].as_raw_fd();
         let (routes, st) = (routes.clone(), stats.clone());
-        let (delay, rate, q, off) = (args.delay, args.rate_bps, args.queue_bytes, args.offload);
+        let shape = Shape {
+            delay: args.delay,
+            rate_bps: args.rate_bps,
+            queue_bytes: args.queue_bytes,
+        };
+        let off = args.offload;
         handles.push(
             std::thread::Builder::new()
                 .name(format!("r{src}"))
-                .spawn(move || reader(src, fd, off, routes, links, st, delay, rate, q))
+                .spawn(move || reader(src, fd, off, routes, links, st, shape))
                 .unwrap(),
         );
     }
