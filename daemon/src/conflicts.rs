@@ -5,7 +5,6 @@
 
 use crate::journal::{HistoryQuery, Journal, Op};
 use meshfs_protocol::{FolderId, RelPath};
-use std::ops::ControlFlow;
 
 /// The marker in a conflict sibling's name.
 pub const MARKER: &str = ".sync-conflict-";
@@ -55,15 +54,14 @@ pub fn parse_name(name: &str) -> Option<(String, String, String)> {
 
 /// Every live conflict sibling in `folder`.
 pub fn list(journal: &Journal, folder: &FolderId) -> Vec<ConflictFile> {
-    let mut found = Vec::new();
-    let _ = journal.for_each_record(folder, &mut |s| {
-        if !s.record.deleted && s.record.path.file_name().contains(MARKER) {
-            found.push(s.record);
-        }
-        ControlFlow::Continue(())
-    });
-    found
+    let found = journal
+        .live_containing(folder, MARKER)
+        .unwrap_or_default()
         .into_iter()
+        .map(|s| s.record)
+        // The marker may sit in a directory's name: only the file name counts.
+        .filter(|r| is_conflict(&r.path));
+    found
         .filter_map(|r| {
             let (orig_name, time, dev) = parse_name(r.path.file_name())?;
             let original = r.path.with_file_name(&orig_name).ok()?;
@@ -101,6 +99,17 @@ pub fn list(journal: &Journal, folder: &FolderId) -> Vec<ConflictFile> {
             })
         })
         .collect()
+}
+
+/// How many conflict siblings exist in `folder`: cheap enough for every `status` call (SQLite
+/// filters the paths; only matching records are decoded).
+pub fn count(journal: &Journal, folder: &FolderId) -> usize {
+    journal
+        .live_containing(folder, MARKER)
+        .unwrap_or_default()
+        .iter()
+        .filter(|s| is_conflict(&s.record.path))
+        .count()
 }
 
 /// Whether a path is a conflict sibling.
