@@ -17,10 +17,11 @@
 //! rescanned (its local edit becomes a version) and the remote record decided again.
 
 use crate::engine::{Engine, FolderRt};
-use crate::journal::{Change, Journal, LocalStat, Op};
+use crate::journal::{Change, Journal, LocalStat, Op, StoredRecord};
 use crate::reconcile::{self, Context, Outcome, ReplicaView, Step};
-use crate::store::{Expect, StoreError, TempFile};
+use crate::store::{DirCache, Expect, StoreError, TempFile};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -31,15 +32,47 @@ const MAX_OPEN_TEMPS: usize = 1024;
 /// How often a record whose target keeps changing under us is decided again.
 const MAX_ROUNDS: usize = 3;
 
+/// The journal records read while deciding one batch, so that the parent directory shared by a
+/// thousand records is read once, not a thousand times. Lives only inside [`decide_all`] (which
+/// holds the journal), and forgets a path whenever a change to it is committed.
+#[derive(Default)]
+struct Memo(RefCell<HashMap<RelPath, Option<StoredRecord>>>);
+
+impl Memo {
+    fn get(
+        &self,
+        journal: &Journal,
+        folder: &FolderId,
+        path: &RelPath,
+    ) -> Result<Option<StoredRecord>, String> {
+        if let Some(v) = self.0.borrow().get(path) {
+            return Ok(v.clone());
+        }
+        let v = journal.get(folder, path).map_err(|e| e.to_string())?;
+        self.0.borrow_mut().insert(path.clone(), v.clone());
+        Ok(v)
+    }
+
+    fn forget(&self, path: &RelPath) {
+        self.0.borrow_mut().remove(path);
+    }
+
+    /// What apply expects to find on disk at `path` (see [`expect_for`]).
+    fn expect(&self, journal: &Journal, folder: &FolderId, path: &RelPath) -> Expect {
+        expect_of(self.get(journal, folder, path).ok().flatten())
+    }
+}
+
 struct View<'a> {
     journal: &'a Journal,
     folder: &'a FolderId,
+    memo: &'a Memo,
 }
 
 impl ReplicaView for View<'_> {
     fn get(&self, path: &RelPath) -> Option<FileRecord> {
-        self.journal
-            .get(self.folder, path)
+        self.memo
+            .get(self.journal, self.folder, path)
             .ok()
             .flatten()
             .map(|s| s.record)
@@ -86,10 +119,11 @@ fn prepare(
     detail: Option<String>,
     remote: FileRecord,
     keep_open: bool,
+    dirs: &mut DirCache,
 ) -> Result<Transfer, String> {
     let mut temp = rt
         .store
-        .create_temp(&record.path)
+        .create_temp_in(dirs, &record.path)
         .map_err(|e| e.to_string())?;
     let mut missing = Vec::new();
     for (off, c) in record.chunk_offsets() {
@@ -122,7 +156,11 @@ fn prepare(
 }
 
 fn expect_for(journal: &Journal, folder: &FolderId, path: &RelPath) -> Expect {
-    match journal.get(folder, path).ok().flatten() {
+    expect_of(journal.get(folder, path).ok().flatten())
+}
+
+fn expect_of(stored: Option<StoredRecord>) -> Expect {
+    match stored {
         Some(s) if !s.record.deleted => match s.local {
             Some(l) => Expect::Matches(l),
             None => Expect::Anything,
@@ -137,14 +175,6 @@ fn source_for(record: &FileRecord, remote: &FileRecord, peer: DeviceId) -> Optio
     (record.version == remote.version).then_some(peer)
 }
 
-fn local_of(journal: &Journal, folder: &FolderId, path: &RelPath) -> Option<LocalStat> {
-    journal
-        .get(folder, path)
-        .ok()
-        .flatten()
-        .and_then(|s| s.local)
-}
-
 fn op_for(prev: Option<&FileRecord>, new: &FileRecord) -> Op {
     match prev {
         _ if new.deleted => Op::Delete,
@@ -153,6 +183,12 @@ fn op_for(prev: Option<&FileRecord>, new: &FileRecord) -> Op {
         Some(p) if p.same_content(new) => Op::Metadata,
         Some(_) => Op::Modify,
     }
+}
+
+/// Whether `record` is one chunk whose hash is the file's: its only chunk was verified when it
+/// was written (fetched or copied), so the whole file needs no second pass.
+fn one_piece(record: &FileRecord) -> bool {
+    matches!(record.chunks.as_slice(), [c] if c.hash == record.hash && u64::from(c.len) == record.size)
 }
 
 /// Reconciles and applies `records` received from `peer`.
@@ -263,6 +299,8 @@ struct Decided {
     transfers: Vec<Transfer>,
     /// Remote records whose local target changed under us: rescan, then decide again.
     redo: Vec<FileRecord>,
+    /// The directories the temp files were created in, reused to install them.
+    dirs: DirCache,
 }
 
 /// Step 1: decide each record and do what needs no content transfer.
@@ -281,15 +319,15 @@ fn decide_all(
     };
     let mut transfers = Vec::new();
     let mut redo = Vec::new();
+    let mut dirs = DirCache::default();
+    let memo = Memo::default();
     for remote in records {
-        let local_before = journal
-            .get(folder, &remote.path)
-            .map_err(|e| e.to_string())?
-            .map(|s| s.record);
+        let local_before = memo.get(&journal, folder, &remote.path)?.map(|s| s.record);
         let decision = reconcile::decide(
             &View {
                 journal: &journal,
                 folder,
+                memo: &memo,
             },
             &ctx,
             &remote,
@@ -309,9 +347,7 @@ fn decide_all(
         for step in decision.steps {
             let change = match step {
                 Step::UpdateLocal { record } => {
-                    let prev = journal
-                        .get(folder, &record.path)
-                        .map_err(|e| e.to_string())?;
+                    let prev = memo.get(&journal, folder, &record.path)?;
                     let mut local = prev.as_ref().and_then(|p| p.local);
                     if let (Some(p), false) = (&prev, record.deleted) {
                         let disk_differs = p.record.mode != record.mode
@@ -323,7 +359,7 @@ fn decide_all(
                                 &record.path,
                                 record.mode,
                                 mtime,
-                                expect_for(&journal, folder, &record.path),
+                                memo.expect(&journal, folder, &record.path),
                             ) {
                                 Ok(l) => local = Some(l),
                                 Err(e) => {
@@ -359,7 +395,7 @@ fn decide_all(
                     })
                 }
                 Step::PreserveLocal { from, record } => {
-                    let expect = match local_of(&journal, folder, &from) {
+                    let expect = match memo.get(&journal, folder, &from)?.and_then(|s| s.local) {
                         Some(l) => Expect::Matches(l),
                         None => Expect::Anything,
                     };
@@ -382,7 +418,7 @@ fn decide_all(
                     }
                 }
                 Step::PreserveRemote { record } => {
-                    let expect = expect_for(&journal, folder, &record.path);
+                    let expect = memo.expect(&journal, folder, &record.path);
                     let keep_open = transfers.len() < MAX_OPEN_TEMPS;
                     preserve_remote_at = Some(transfers.len());
                     transfers.push(prepare(
@@ -396,20 +432,19 @@ fn decide_all(
                         conflict.clone(),
                         remote.clone(),
                         keep_open,
+                        &mut dirs,
                     )?);
                     None
                 }
                 Step::ApplyRemote { record } => {
-                    let prev = journal
-                        .get(folder, &record.path)
-                        .map_err(|e| e.to_string())?;
+                    let prev = memo.get(&journal, folder, &record.path)?;
                     let prev_rec = prev.as_ref().map(|p| &p.record);
                     let op = if conflict.is_some() {
                         Op::Conflict
                     } else {
                         op_for(prev_rec, &record)
                     };
-                    let expect = expect_for(&journal, folder, &record.path);
+                    let expect = memo.expect(&journal, folder, &record.path);
                     let live_prev = prev.as_ref().filter(|p| !p.record.deleted);
                     if rt.writers.has_writer(&record.path) {
                         // Open for writing through the mount: wait for the release, then decide again.
@@ -466,6 +501,7 @@ fn decide_all(
                                         conflict.clone(),
                                         remote.clone(),
                                         keep_open,
+                                        &mut dirs,
                                     )?);
                                     continue;
                                 }
@@ -473,6 +509,11 @@ fn decide_all(
                         }
                     };
                     let source = source_for(&record, &remote, peer);
+                    if let Ok(local) = &result {
+                        if record.kind != FileKind::Dir {
+                            rt.echoes.expect(record.path.clone(), *local);
+                        }
+                    }
                     match result {
                         Ok(local) => Some(Change {
                             record,
@@ -507,13 +548,18 @@ fn decide_all(
                 match preserve_remote_at {
                     Some(i) => transfers[i].then.push(c),
                     None => {
+                        memo.forget(&c.record.path);
                         journal.commit(folder, vec![c]).map_err(|e| e.to_string())?;
                     }
                 }
             }
         }
     }
-    Ok(Decided { transfers, redo })
+    Ok(Decided {
+        transfers,
+        redo,
+        dirs,
+    })
 }
 
 /// Steps 2–6 for the transfers; returns the remote records to decide again.
@@ -527,6 +573,7 @@ async fn transfer(
     let Decided {
         transfers: work,
         redo,
+        mut dirs,
     } = decided;
     if !redo.is_empty() {
         rescan(
@@ -627,6 +674,7 @@ async fn transfer(
             t.record.size,
             t.record.mode,
             t.record.mtime_ns,
+            one_piece(&t.record),
         ) {
             Ok(()) => ready.push((t, temp)),
             Err(e) => {
@@ -640,9 +688,10 @@ async fn transfer(
     let engine2 = engine.clone();
     let rt2 = rt.clone();
     let folder2 = folder.clone();
-    let mut changed = tokio::task::spawn_blocking(move || install(&engine2, &rt2, &folder2, ready))
-        .await
-        .map_err(|e| e.to_string())??;
+    let mut changed =
+        tokio::task::spawn_blocking(move || install(&engine2, &rt2, &folder2, &mut dirs, ready))
+            .await
+            .map_err(|e| e.to_string())??;
     if !changed.is_empty() {
         rescan(
             engine,
@@ -665,6 +714,7 @@ fn install(
     engine: &Engine,
     rt: &FolderRt,
     folder: &FolderId,
+    dirs: &mut DirCache,
     ready: Vec<(Meta, TempFile)>,
 ) -> Result<Vec<FileRecord>, String> {
     let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;
@@ -695,7 +745,7 @@ fn install(
             (t, (temp, e))
         })
         .unzip();
-    let results = rt.store.install(batch);
+    let results = rt.store.install_in(dirs, batch);
     let mut changes = Vec::new();
     let mut redo = Vec::new();
     let mut cleared = Vec::new();
@@ -703,6 +753,7 @@ fn install(
         match r {
             Ok(local) => {
                 rt.invalidator.invalidate(&t.record.path);
+                rt.echoes.expect(t.record.path.clone(), Some(local));
                 changes.push(Change {
                     record: t.record,
                     op: t.op,

@@ -9,7 +9,9 @@
 //!
 //! The FUSE layer (meshfs-fuse) plugs in here: its change events enter the same channel.
 
-use meshfs_protocol::{RelPath, INTERNAL_PREFIX};
+use crate::journal::LocalStat;
+use crate::store::Stat;
+use meshfs_protocol::{FileKind, RelPath, INTERNAL_PREFIX};
 use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind};
 use notify::{RecommendedWatcher, RecursiveMode, Watcher};
 use std::collections::HashMap;
@@ -169,5 +171,95 @@ mod tests {
         let (_, ready, _) = c.take_ready(t0 + Duration::from_millis(17), q, oq);
         assert_eq!(ready, vec![f]);
         assert!(c.is_empty());
+    }
+}
+
+/// How long an expected echo is kept when no event comes for it (a watcher that lost events,
+/// a path changed twice before the event arrived).
+const ECHO_TTL: Duration = Duration::from_secs(30);
+
+/// What the engine itself just did to paths (an apply installing or removing a file), so that
+/// the watcher's event for it is recognised and dropped instead of rescanned: an initial sync
+/// of 10,000 files would otherwise rescan each of them once more.
+///
+/// An event is an echo only if the path's stat *now* is exactly what the apply left (inode,
+/// size, mtime, ctime, mode), the same comparison the scanner makes; a local edit that came
+/// after the apply changes that stat and is scanned as usual.
+#[derive(Debug, Default)]
+pub struct Echoes {
+    map: std::sync::Mutex<HashMap<RelPath, (Option<LocalStat>, Instant)>>,
+}
+
+impl Echoes {
+    /// The engine left `path` as `local` (`None`: removed it).
+    pub fn expect(&self, path: RelPath, local: Option<LocalStat>) {
+        let Ok(mut m) = self.map.lock() else { return };
+        let now = Instant::now();
+        if m.len() >= 4096 {
+            m.retain(|_, (_, at)| now.duration_since(*at) < ECHO_TTL);
+        }
+        m.insert(path, (local, now));
+    }
+
+    /// Whether an event at `path` is the echo of the engine's own change, given what is on disk
+    /// now (`stat` is only called when an echo is expected there). Consumes the expectation.
+    pub fn is_echo(&self, path: &RelPath, stat: impl FnOnce() -> Option<Stat>) -> bool {
+        let expected = match self.map.lock() {
+            Ok(mut m) => m.remove(path),
+            Err(_) => None,
+        };
+        let Some((expected, at)) = expected else {
+            return false;
+        };
+        if at.elapsed() >= ECHO_TTL {
+            return false;
+        }
+        match (expected, stat()) {
+            (None, None) => true,
+            (Some(want), Some(now)) => {
+                matches!(now.kind, Some(FileKind::File) | Some(FileKind::Symlink))
+                    && now.local == want
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod echo_tests {
+    use super::*;
+
+    fn stat(inode: u64, size: u64) -> Stat {
+        Stat {
+            kind: Some(FileKind::File),
+            local: LocalStat {
+                inode,
+                size,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn only_an_unchanged_stat_is_an_echo_and_only_once() {
+        let e = Echoes::default();
+        let p = RelPath::new("d/f").unwrap();
+        e.expect(p.clone(), Some(stat(7, 10).local));
+        assert!(e.is_echo(&p, || Some(stat(7, 10))));
+        // Consumed: a second event is a real change.
+        assert!(!e.is_echo(&p, || Some(stat(7, 10))));
+        e.expect(p.clone(), Some(stat(7, 10).local));
+        assert!(
+            !e.is_echo(&p, || Some(stat(7, 11))),
+            "written after the apply"
+        );
+        e.expect(p.clone(), None);
+        assert!(e.is_echo(&p, || None));
+        e.expect(p.clone(), None);
+        assert!(
+            !e.is_echo(&p, || Some(stat(8, 1))),
+            "re-created after the removal"
+        );
+        assert!(!e.is_echo(&RelPath::new("other").unwrap(), || None));
     }
 }

@@ -42,6 +42,8 @@ pub struct FolderRt {
     pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
     /// Invalidates a mount's kernel caches after the engine changed a path.
     pub invalidator: Arc<dyn meshfs_fuse::Invalidator>,
+    /// What apply just did to paths, so the watcher's events for it are not rescanned.
+    pub echoes: crate::capture::Echoes,
     watcher: Mutex<Option<notify::RecommendedWatcher>>,
 }
 
@@ -195,6 +197,7 @@ impl Engine {
             // Until the FUSE layer mounts the folder, nothing is open through a mount.
             writers: Arc::new(meshfs_fuse::NoMount),
             invalidator: Arc::new(meshfs_fuse::NoMount),
+            echoes: Default::default(),
             watcher: Mutex::new(None),
         });
         {
@@ -473,7 +476,7 @@ impl Engine {
                 .journal
                 .lock()
                 .ok()
-                .map(|j| crate::conflicts::list(&j, &rt.id).len())
+                .map(|j| crate::conflicts::count(&j, &rt.id))
                 .unwrap_or(0);
             folders_json.push(serde_json::json!({
                 "id": rt.id.to_string(),
@@ -606,7 +609,14 @@ async fn capture_loop(
             _ = sleep => {
                 let (rescan, paths, n) = c.take_ready(Instant::now(), quiet, open_quiet);
                 next = n;
-                let scopes = if rescan { Vec::new() } else { paths };
+                let scopes = if rescan {
+                    Vec::new()
+                } else {
+                    paths
+                        .into_iter()
+                        .filter(|p| !rt.echoes.is_echo(p, || rt.store.stat(p).ok().flatten()))
+                        .collect()
+                };
                 if rescan || !scopes.is_empty() {
                     if let Err(e) = engine.scan_paths(&rt.id, scopes).await {
                         tracing::warn!(folder = %rt.id, error = %e, "scan failed");

@@ -94,6 +94,14 @@ pub struct Store {
     root_fd: OwnedFd,
 }
 
+/// Directories opened during one batch of work (an apply), by path (`None`: the root), so
+/// that each is walked to once rather than once per file. Only for a short-lived batch: a
+/// cached descriptor keeps pointing at the directory it opened even if that is later moved.
+#[derive(Default)]
+pub struct DirCache {
+    dirs: HashMap<Option<RelPath>, OwnedFd>,
+}
+
 /// A remote version being assembled in a temp file next to its target.
 #[derive(Debug)]
 pub struct TempFile {
@@ -285,12 +293,62 @@ impl Store {
             .map_err(|_| io_err(path, io::Error::from(io::ErrorKind::InvalidData)))
     }
 
+    /// Opens directory `dir` through `cache`: each directory is walked to (without following
+    /// symlinks) once per cache, from its nearest cached ancestor.
+    fn dir_in(
+        &self,
+        cache: &mut DirCache,
+        dir: Option<&RelPath>,
+        create: bool,
+    ) -> Result<RawFd, StoreError> {
+        let key = dir.cloned();
+        if let Some(fd) = cache.dirs.get(&key) {
+            return Ok(fd.as_raw_fd());
+        }
+        let fd = match dir {
+            None => self.open_dir(None, false)?,
+            Some(d) => {
+                let parent = self.dir_in(cache, d.parent().as_ref(), create)?;
+                let c = cstr(d.file_name())?;
+                let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
+                let escape = |e: io::Error| match e.raw_os_error() {
+                    Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Escape(d.clone()),
+                    _ => io_err(d, e),
+                };
+                match open_at(parent, &c, flags, 0) {
+                    Ok(fd) => fd,
+                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) && create => {
+                        match cvt(unsafe { libc::mkdirat(parent, c.as_ptr(), 0o755) }) {
+                            Ok(_) => {}
+                            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                            Err(e) => return Err(io_err(d, e)),
+                        }
+                        open_at(parent, &c, flags, 0).map_err(escape)?
+                    }
+                    Err(e) => return Err(escape(e)),
+                }
+            }
+        };
+        let raw = fd.as_raw_fd();
+        cache.dirs.insert(key, fd);
+        Ok(raw)
+    }
+
     /// Starts a temp file for a new version of `target` (parents are created as needed).
     pub fn create_temp(&self, target: &RelPath) -> Result<TempFile, StoreError> {
-        let (dir, _) = self.parent_and_name(target, true)?;
+        self.create_temp_in(&mut DirCache::default(), target)
+    }
+
+    /// [`Store::create_temp`] walking to the parent through `cache`.
+    pub fn create_temp_in(
+        &self,
+        cache: &mut DirCache,
+        target: &RelPath,
+    ) -> Result<TempFile, StoreError> {
+        let dir = self.dir_in(cache, target.parent().as_ref(), true)?;
         let name = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
         let fd = open_at(
-            dir.as_raw_fd(),
+            dir,
             &name,
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
             0o600,
@@ -335,6 +393,10 @@ impl Store {
 
     /// Checks the temp file hashes to `hash` with `size` bytes, then sets its mode and mtime.
     /// This is the "verify before rename" half of the store's paired assertion.
+    ///
+    /// `written_verified`: the file was written as one piece whose bytes were already checked
+    /// against `hash` (a one-chunk file: its chunk hash is its file hash), so only its length
+    /// is checked; reading it back would hash the same bytes twice.
     pub fn finish_temp(
         &self,
         t: &mut TempFile,
@@ -342,6 +404,7 @@ impl Store {
         size: u64,
         mode: u32,
         mtime_ns: i64,
+        written_verified: bool,
     ) -> Result<(), StoreError> {
         // Verify through the handle still open from writing (read-write), or re-open it.
         let f = match t.file.take() {
@@ -349,23 +412,25 @@ impl Store {
             None => self.temp_handle(t, false)?,
         };
         f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
-        let mut hasher = blake3::Hasher::new();
-        let mut buf = vec![0u8; 1 << 20];
-        let mut off = 0u64;
-        while off < size {
-            let n = ((size - off) as usize).min(buf.len());
-            f.read_exact_at(&mut buf[..n], off)
-                .map_err(|e| io_err(&t.target, e))?;
-            hasher.update(&buf[..n]);
-            off += n as u64;
-        }
-        let got = Hash(*hasher.finalize().as_bytes());
-        if &got != hash {
-            return Err(StoreError::Verify {
-                path: t.target.clone(),
-                got,
-                want: *hash,
-            });
+        if !written_verified {
+            let mut hasher = blake3::Hasher::new();
+            let mut buf = vec![0u8; (size as usize).clamp(1, 1 << 20)];
+            let mut off = 0u64;
+            while off < size {
+                let n = ((size - off) as usize).min(buf.len());
+                f.read_exact_at(&mut buf[..n], off)
+                    .map_err(|e| io_err(&t.target, e))?;
+                hasher.update(&buf[..n]);
+                off += n as u64;
+            }
+            let got = Hash(*hasher.finalize().as_bytes());
+            if &got != hash {
+                return Err(StoreError::Verify {
+                    path: t.target.clone(),
+                    got,
+                    want: *hash,
+                });
+            }
         }
         set_mode_fd(f.as_raw_fd(), mode).map_err(|e| io_err(&t.target, e))?;
         set_mtime_fd(f.as_raw_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
@@ -385,6 +450,15 @@ impl Store {
     /// fsynced once. Returns, per file, the installed file's stat or why it was not installed
     /// (its temp file is removed).
     pub fn install(&self, batch: Vec<(TempFile, Expect)>) -> Vec<Result<LocalStat, StoreError>> {
+        self.install_in(&mut DirCache::default(), batch)
+    }
+
+    /// [`Store::install`] walking to parents through `cache`.
+    pub fn install_in(
+        &self,
+        cache: &mut DirCache,
+        batch: Vec<(TempFile, Expect)>,
+    ) -> Vec<Result<LocalStat, StoreError>> {
         if batch.is_empty() {
             return Vec::new();
         }
@@ -398,50 +472,42 @@ impl Store {
         } else {
             unsafe { libc::syncfs(self.root_fd.as_raw_fd()) };
         }
-        let mut dirs: HashMap<Option<RelPath>, OwnedFd> = HashMap::new();
+        let mut touched: Vec<RawFd> = Vec::new();
         let mut out = Vec::with_capacity(batch.len());
         for (t, expect) in batch {
-            out.push(self.install_one(&mut dirs, t, expect));
+            out.push(self.install_one(cache, &mut touched, t, expect));
         }
-        for fd in dirs.values() {
-            unsafe { libc::fsync(fd.as_raw_fd()) };
+        touched.sort_unstable();
+        touched.dedup();
+        for fd in touched {
+            unsafe { libc::fsync(fd) };
         }
         out
     }
 
     fn install_one(
         &self,
-        dirs: &mut HashMap<Option<RelPath>, OwnedFd>,
+        cache: &mut DirCache,
+        touched: &mut Vec<RawFd>,
         t: TempFile,
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
-        let parent = t.target.parent();
-        if !dirs.contains_key(&parent) {
-            let fd = self.open_dir(parent.as_ref(), false)?;
-            dirs.insert(parent.clone(), fd);
-        }
-        let Some(dir) = dirs.get(&parent) else {
-            unreachable!()
-        };
+        let dir = self.dir_in(cache, t.target.parent().as_ref(), false)?;
         let name = cstr(t.target.file_name())?;
-        if let Err(e) = check_expect(dir.as_raw_fd(), &name, &t.target, expect) {
-            unsafe { libc::unlinkat(dir.as_raw_fd(), t.name.as_ptr(), 0) };
+        if let Err(e) = check_expect(dir, &name, &t.target, expect) {
+            unsafe { libc::unlinkat(dir, t.name.as_ptr(), 0) };
             return Err(e);
         }
-        let r = unsafe {
-            libc::renameat(
-                dir.as_raw_fd(),
-                t.name.as_ptr(),
-                dir.as_raw_fd(),
-                name.as_ptr(),
-            )
-        };
+        let r = unsafe { libc::renameat(dir, t.name.as_ptr(), dir, name.as_ptr()) };
         if r < 0 {
             let e = io::Error::last_os_error();
-            unsafe { libc::unlinkat(dir.as_raw_fd(), t.name.as_ptr(), 0) };
+            unsafe { libc::unlinkat(dir, t.name.as_ptr(), 0) };
             return Err(io_err(&t.target, e));
         }
-        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(&t.target, e))?;
+        if touched.last() != Some(&dir) {
+            touched.push(dir);
+        }
+        let st = fstatat(dir, &name).map_err(|e| io_err(&t.target, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -737,7 +803,7 @@ mod tests {
         let mut t = store.create_temp(&p("a/b/f.txt")).unwrap();
         store.write_temp(&mut t, 0, data).unwrap();
         store
-            .finish_temp(&mut t, &Hash::of(data), 5, 0o640, 1_000_000_000)
+            .finish_temp(&mut t, &Hash::of(data), 5, 0o640, 1_000_000_000, false)
             .unwrap();
         let st = store
             .install(vec![(t, Expect::Absent)])
@@ -751,7 +817,7 @@ mod tests {
         let mut t = store.create_temp(&p("a/b/f.txt")).unwrap();
         store.write_temp(&mut t, 0, b"other").unwrap();
         store
-            .finish_temp(&mut t, &Hash::of(b"other"), 5, 0o644, 0)
+            .finish_temp(&mut t, &Hash::of(b"other"), 5, 0o644, 0, false)
             .unwrap();
         let r = store.install(vec![(t, Expect::Absent)]).pop().unwrap();
         assert!(matches!(r, Err(StoreError::Changed(_))));
@@ -769,7 +835,7 @@ mod tests {
         let store = Store::open(dir.path()).unwrap();
         let mut t = store.create_temp(&p("f")).unwrap();
         store.write_temp(&mut t, 0, b"evil").unwrap();
-        let r = store.finish_temp(&mut t, &Hash::of(b"good"), 4, 0o644, 0);
+        let r = store.finish_temp(&mut t, &Hash::of(b"good"), 4, 0o644, 0, false);
         assert!(matches!(r, Err(StoreError::Verify { .. })));
         store.discard_temp(t);
         assert!(!dir.path().join("f").exists());
