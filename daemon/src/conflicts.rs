@@ -7,7 +7,7 @@ use crate::journal::{HistoryQuery, Journal, Op};
 use meshfs_protocol::{FolderId, RelPath};
 
 /// The marker in a conflict sibling's name.
-pub const MARKER: &str = ".sync-conflict-";
+pub const MARKER: &str = crate::journal::CONFLICT_MARKER;
 
 /// One existing conflict sibling.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -55,7 +55,7 @@ pub fn parse_name(name: &str) -> Option<(String, String, String)> {
 /// Every live conflict sibling in `folder`.
 pub fn list(journal: &Journal, folder: &FolderId) -> Vec<ConflictFile> {
     let found = journal
-        .live_containing(folder, MARKER)
+        .conflict_records(folder)
         .unwrap_or_default()
         .into_iter()
         .map(|s| s.record)
@@ -105,7 +105,7 @@ pub fn list(journal: &Journal, folder: &FolderId) -> Vec<ConflictFile> {
 /// filters the paths; only matching records are decoded).
 pub fn count(journal: &Journal, folder: &FolderId) -> usize {
     journal
-        .live_containing(folder, MARKER)
+        .conflict_records(folder)
         .unwrap_or_default()
         .iter()
         .filter(|s| is_conflict(&s.record.path))

@@ -364,6 +364,10 @@ pub struct FolderCounts {
     pub tombstones: u64,
 }
 
+/// What marks a conflict sibling's name (`name.sync-conflict-DATE-TIME-ID.ext`); the journal
+/// indexes the records whose path holds it.
+pub const CONFLICT_MARKER: &str = ".sync-conflict-";
+
 /// The journal database. `Send`; the engine shares it behind a mutex.
 pub struct Journal {
     conn: Connection,
@@ -712,18 +716,21 @@ impl Journal {
         })
     }
 
-    /// Live (not deleted) records whose path contains `needle`, ordered by path. The filter
-    /// runs inside SQLite, so records that do not match are never decoded.
-    pub fn live_containing(&self, folder: &FolderId, needle: &str) -> Result<Vec<StoredRecord>> {
+    /// Live records whose path contains [`CONFLICT_MARKER`] (conflict siblings, and entries
+    /// below a directory whose name holds it), ordered by path. Served by a partial index of
+    /// exactly these records, so the cost does not grow with the folder.
+    pub fn conflict_records(&self, folder: &FolderId) -> Result<Vec<StoredRecord>> {
         self.read(|c| {
             let Some(key) = self.key(c, folder)? else {
                 return Ok(Vec::new());
             };
+            // The literal must match the partial index (schema migration 2) for SQLite to use it.
             let mut st = c.prepare_cached(&format!(
-                "SELECT {RECORD_COLUMNS} FROM records \
-                 WHERE folder = ?1 AND deleted = 0 AND instr(path, ?2) > 0 ORDER BY path"
+                "SELECT {RECORD_COLUMNS} FROM records INDEXED BY records_conflicts \
+                 WHERE folder = ?1 AND deleted = 0 AND instr(path, '.sync-conflict-') > 0 \
+                 ORDER BY path"
             ))?;
-            let mut rows = st.query(params![key, needle])?;
+            let mut rows = st.query(params![key])?;
             let mut out = Vec::new();
             while let Some(r) = rows.next()? {
                 out.push(rows::stored_record(folder, r)?);

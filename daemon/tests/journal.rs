@@ -1508,3 +1508,39 @@ fn commit_of_100000_one_chunk_records_is_fast() {
         }
     }
 }
+
+#[test]
+fn conflict_records_lists_live_siblings_only() {
+    let tmp = TempDir::new().unwrap();
+    let (mut j, _) = open(&tmp);
+    let f = folder();
+    let sibling = file(
+        "a.sync-conflict-20261122-141503-ABCDEF1.txt",
+        b"old",
+        vv(&[(1, 1)]),
+    );
+    let gone = file(
+        "b.sync-conflict-20261122-141503-ABCDEF1",
+        b"x",
+        vv(&[(1, 1)]),
+    );
+    j.commit(
+        &f,
+        vec![
+            change(file("a.txt", b"new", vv(&[(2, 1)])), Op::Create),
+            change(sibling.clone(), Op::Conflict),
+            change(gone.clone(), Op::Conflict),
+        ],
+    )
+    .unwrap();
+    j.commit(&f, vec![change(tombstone(&gone, 1), Op::Delete)])
+        .unwrap();
+    let found: Vec<String> = j
+        .conflict_records(&f)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.record.path.to_string())
+        .collect();
+    assert_eq!(found, vec![sibling.path.to_string()]);
+    assert!(j.conflict_records(&other_folder()).unwrap().is_empty());
+}

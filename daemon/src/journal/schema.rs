@@ -111,6 +111,13 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (folder, path)
     ) STRICT;
     "#,
+    // 2: the live conflict siblings, for `status` (polled every 25 ms by `--wait-synced`):
+    // a partial index holds only them, so counting them does not read the whole folder.
+    // The expression must stay identical to `Journal::conflict_records`' WHERE clause.
+    r#"
+    CREATE INDEX records_conflicts ON records (folder, path)
+        WHERE deleted = 0 AND instr(path, '.sync-conflict-') > 0;
+    "#,
 ];
 
 /// The schema version this build writes and understands.
