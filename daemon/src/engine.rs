@@ -612,9 +612,12 @@ async fn capture_loop(
                 let scopes = if rescan {
                     Vec::new()
                 } else {
+                    let mut dirs = crate::store::DirCache::default();
                     paths
                         .into_iter()
-                        .filter(|p| !rt.echoes.is_echo(p, || rt.store.stat(p).ok().flatten()))
+                        .filter(|p| {
+                            !rt.echoes.is_echo(p, || rt.store.stat_in(&mut dirs, p).ok().flatten())
+                        })
                         .collect()
                 };
                 if rescan || !scopes.is_empty() {

@@ -11,6 +11,7 @@
 use crate::engine::Engine;
 use crate::journal::Journal;
 use crate::session::{Action, FolderSyncStatus, IndexSource, Session, SessionFolder};
+use crate::store::DirCache;
 use crate::transport::{self, LinkStats};
 use meshfs_protocol::{
     ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hash, Message,
@@ -451,7 +452,7 @@ fn publish_status(engine: &Engine, peer: DeviceId, session: &Session) {
 /// Answers one chunk request stream, checking on every request that the folder is shared with
 /// the requester.
 async fn serve_request(
-    engine: &Engine,
+    engine: &Arc<Engine>,
     peer: DeviceId,
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
@@ -491,36 +492,51 @@ async fn serve_request(
     let Some(rt) = engine.folder(&req.folder) else {
         return Err(format!("folder {} not running", req.folder));
     };
-    for hash in req.hashes {
-        let data = {
-            let locs = engine
-                .journal
+    // Reading is blocking work (journal, files, zstd): a blocking thread reads the chunks in
+    // order and hands each response to this task, at most a few ahead of the stream.
+    let (tx, mut rx) = mpsc::channel::<ChunkResponse>(4);
+    let engine_folder = req.folder.clone();
+    let engine2 = engine.clone();
+    let reader = tokio::task::spawn_blocking(move || {
+        let journal = &engine2.journal;
+        let mut dirs = DirCache::default();
+        for hash in req.hashes {
+            let locs = journal
                 .lock()
                 .ok()
-                .and_then(|j| j.find_chunk(&req.folder, &hash).ok())
+                .and_then(|j| j.find_chunk(&engine_folder, &hash).ok())
                 .unwrap_or_default();
-            locs.into_iter()
-                .find_map(|l| rt.store.read_chunk(&l.path, l.offset, l.len, &hash).ok())
-        };
-        let resp = match data {
-            Some(d) => {
-                let (data, compressed) = compress(d);
-                ChunkResponse {
-                    hash,
-                    data: Some(data),
-                    compressed,
+            let data = locs.into_iter().find_map(|l| {
+                rt.store
+                    .read_chunk_in(&mut dirs, &l.path, l.offset, l.len, &hash)
+                    .ok()
+            });
+            let resp = match data {
+                Some(d) => {
+                    let (data, compressed) = compress(d);
+                    ChunkResponse {
+                        hash,
+                        data: Some(data),
+                        compressed,
+                    }
                 }
+                None => ChunkResponse {
+                    hash,
+                    data: None,
+                    compressed: false,
+                },
+            };
+            if tx.blocking_send(resp).is_err() {
+                return;
             }
-            None => ChunkResponse {
-                hash,
-                data: None,
-                compressed: false,
-            },
-        };
+        }
+    });
+    while let Some(resp) = rx.recv().await {
         transport::write_message(&mut send, &Message::Response(resp))
             .await
             .map_err(|e| e.to_string())?;
     }
+    reader.await.map_err(|e| e.to_string())?;
     let _ = send.finish();
     Ok(())
 }
@@ -530,8 +546,15 @@ type FetchItem = Result<(Hash, Option<Vec<u8>>), String>;
 
 /// zstd when it saves at least an eighth; raw otherwise.
 fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
+    thread_local! {
+        // A compression context per thread: creating one per chunk cost more than
+        // compressing a 4 KiB chunk.
+        static ZSTD: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
+            std::cell::RefCell::new(zstd::bulk::Compressor::new(1).ok());
+    }
     if d.len() >= 512 {
-        if let Ok(c) = zstd::bulk::compress(&d, 1) {
+        let c = ZSTD.with(|z| z.borrow_mut().as_mut().map(|z| z.compress(&d)));
+        if let Some(Ok(c)) = c {
             if c.len() < d.len() - d.len() / 8 {
                 return (c, true);
             }

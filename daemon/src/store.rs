@@ -242,6 +242,27 @@ impl Store {
         }
     }
 
+    /// [`Store::stat`] walking to the parent through `cache`.
+    pub fn stat_in(
+        &self,
+        cache: &mut DirCache,
+        path: &RelPath,
+    ) -> Result<Option<Stat>, StoreError> {
+        let dir = match self.dir_in(cache, path.parent().as_ref(), false) {
+            Ok(fd) => fd,
+            Err(StoreError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+                return Ok(None)
+            }
+            Err(StoreError::Escape(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match fstatat(dir, &cstr(path.file_name())?) {
+            Ok(st) => Ok(Some(stat_of(&st))),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+            Err(e) => Err(io_err(path, e)),
+        }
+    }
+
     /// Opens a regular file for reading (never through a symlink).
     pub fn open_file(&self, path: &RelPath) -> Result<File, StoreError> {
         let (dir, name) = self.parent_and_name(path, false)?;
@@ -258,7 +279,24 @@ impl Store {
         len: u32,
         hash: &Hash,
     ) -> Result<Vec<u8>, StoreError> {
-        let f = self.open_file(path)?;
+        self.read_chunk_in(&mut DirCache::default(), path, offset, len, hash)
+    }
+
+    /// [`Store::read_chunk`] walking to the file's directory through `cache`.
+    pub fn read_chunk_in(
+        &self,
+        cache: &mut DirCache,
+        path: &RelPath,
+        offset: u64,
+        len: u32,
+        hash: &Hash,
+    ) -> Result<Vec<u8>, StoreError> {
+        let dir = self.dir_in(cache, path.parent().as_ref(), false)?;
+        let name = cstr(path.file_name())?;
+        let f = File::from(
+            open_at(dir, &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
+                .map_err(|e| io_err(path, e))?,
+        );
         let mut buf = vec![0u8; len as usize];
         f.read_exact_at(&mut buf, offset)
             .map_err(|e| io_err(path, e))?;
