@@ -263,6 +263,19 @@ impl Store {
         }
     }
 
+    /// [`Store::open_file`] walking to the parent through `cache`.
+    pub fn open_file_in(&self, cache: &mut DirCache, path: &RelPath) -> Result<File, StoreError> {
+        let dir = self.dir_in(cache, path.parent().as_ref(), false)?;
+        let fd = open_at(
+            dir,
+            &cstr(path.file_name())?,
+            libc::O_RDONLY | libc::O_NOFOLLOW,
+            0,
+        )
+        .map_err(|e| io_err(path, e))?;
+        Ok(File::from(fd))
+    }
+
     /// Opens a regular file for reading (never through a symlink).
     pub fn open_file(&self, path: &RelPath) -> Result<File, StoreError> {
         let (dir, name) = self.parent_and_name(path, false)?;
