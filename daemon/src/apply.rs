@@ -53,8 +53,16 @@ impl Memo {
         Ok(v)
     }
 
-    fn forget(&self, path: &RelPath) {
-        self.0.borrow_mut().remove(path);
+    /// `change` is decided and done on disk but not committed yet: later reads see it.
+    fn put(&self, change: &Change) {
+        self.0.borrow_mut().insert(
+            change.record.path.clone(),
+            Some(StoredRecord {
+                record: change.record.clone(),
+                local: change.local,
+                source: change.source,
+            }),
+        );
     }
 
     /// What apply expects to find on disk at `path` (see [`expect_for`]).
@@ -321,15 +329,72 @@ fn decide_all(
     let mut redo = Vec::new();
     let mut dirs = DirCache::default();
     let memo = Memo::default();
+    // Changes done on disk, committed together: one transaction per thousand records rather
+    // than one per record (two devices starting from the same tree exchange every record and
+    // each becomes a metadata-only change). Always committed, even when deciding fails.
+    let mut done: Vec<Change> = Vec::new();
+    let result = decide_each(
+        &mut journal,
+        rt,
+        folder,
+        peer,
+        &ctx,
+        records,
+        &memo,
+        &mut dirs,
+        &mut done,
+        &mut transfers,
+        &mut redo,
+    );
+    let flushed = match done.is_empty() {
+        true => Ok(()),
+        false => journal
+            .commit(folder, done)
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+    };
+    result?;
+    flushed?;
+    Ok(Decided {
+        transfers,
+        redo,
+        dirs,
+    })
+}
+
+/// The loop of [`decide_all`]: decides and does each record, leaving the changes to commit in
+/// `done` (committing them whenever a later decision must read them from SQLite).
+#[allow(clippy::too_many_arguments)]
+fn decide_each(
+    journal: &mut Journal,
+    rt: &FolderRt,
+    folder: &FolderId,
+    peer: DeviceId,
+    ctx: &Context,
+    records: Vec<FileRecord>,
+    memo: &Memo,
+    dirs: &mut DirCache,
+    done: &mut Vec<Change>,
+    transfers: &mut Vec<Transfer>,
+    redo: &mut Vec<FileRecord>,
+) -> Result<(), String> {
     for remote in records {
-        let local_before = memo.get(&journal, folder, &remote.path)?.map(|s| s.record);
+        // Tombstones come after every live record (children first) and ask SQLite whether
+        // live entries remain below them: commit what this batch did so far first.
+        if (remote.deleted || done.len() >= 1000) && !done.is_empty() {
+            journal
+                .commit(folder, std::mem::take(done))
+                .map_err(|e| e.to_string())?;
+        }
+        let journal: &Journal = journal;
+        let local_before = memo.get(journal, folder, &remote.path)?.map(|s| s.record);
         let decision = reconcile::decide(
             &View {
-                journal: &journal,
+                journal,
                 folder,
-                memo: &memo,
+                memo,
             },
-            &ctx,
+            ctx,
             &remote,
         );
         let conflict = match decision.outcome {
@@ -347,7 +412,7 @@ fn decide_all(
         for step in decision.steps {
             let change = match step {
                 Step::UpdateLocal { record } => {
-                    let prev = memo.get(&journal, folder, &record.path)?;
+                    let prev = memo.get(journal, folder, &record.path)?;
                     let mut local = prev.as_ref().and_then(|p| p.local);
                     if let (Some(p), false) = (&prev, record.deleted) {
                         let disk_differs = p.record.mode != record.mode
@@ -359,7 +424,7 @@ fn decide_all(
                                 &record.path,
                                 record.mode,
                                 mtime,
-                                memo.expect(&journal, folder, &record.path),
+                                memo.expect(journal, folder, &record.path),
                             ) {
                                 Ok(l) => local = Some(l),
                                 Err(e) => {
@@ -395,7 +460,7 @@ fn decide_all(
                     })
                 }
                 Step::PreserveLocal { from, record } => {
-                    let expect = match memo.get(&journal, folder, &from)?.and_then(|s| s.local) {
+                    let expect = match memo.get(journal, folder, &from)?.and_then(|s| s.local) {
                         Some(l) => Expect::Matches(l),
                         None => Expect::Anything,
                     };
@@ -418,11 +483,11 @@ fn decide_all(
                     }
                 }
                 Step::PreserveRemote { record } => {
-                    let expect = memo.expect(&journal, folder, &record.path);
+                    let expect = memo.expect(journal, folder, &record.path);
                     let keep_open = transfers.len() < MAX_OPEN_TEMPS;
                     preserve_remote_at = Some(transfers.len());
                     transfers.push(prepare(
-                        &journal,
+                        journal,
                         rt,
                         folder,
                         record,
@@ -432,19 +497,19 @@ fn decide_all(
                         conflict.clone(),
                         remote.clone(),
                         keep_open,
-                        &mut dirs,
+                        dirs,
                     )?);
                     None
                 }
                 Step::ApplyRemote { record } => {
-                    let prev = memo.get(&journal, folder, &record.path)?;
+                    let prev = memo.get(journal, folder, &record.path)?;
                     let prev_rec = prev.as_ref().map(|p| &p.record);
                     let op = if conflict.is_some() {
                         Op::Conflict
                     } else {
                         op_for(prev_rec, &record)
                     };
-                    let expect = memo.expect(&journal, folder, &record.path);
+                    let expect = memo.expect(journal, folder, &record.path);
                     let live_prev = prev.as_ref().filter(|p| !p.record.deleted);
                     if rt.writers.has_writer(&record.path) {
                         // Open for writing through the mount: wait for the release, then decide again.
@@ -491,7 +556,7 @@ fn decide_all(
                                     let keep_open = transfers.len() < MAX_OPEN_TEMPS;
                                     let source = source_for(&record, &remote, peer);
                                     transfers.push(prepare(
-                                        &journal,
+                                        journal,
                                         rt,
                                         folder,
                                         record,
@@ -501,7 +566,7 @@ fn decide_all(
                                         conflict.clone(),
                                         remote.clone(),
                                         keep_open,
-                                        &mut dirs,
+                                        dirs,
                                     )?);
                                     continue;
                                 }
@@ -548,18 +613,14 @@ fn decide_all(
                 match preserve_remote_at {
                     Some(i) => transfers[i].then.push(c),
                     None => {
-                        memo.forget(&c.record.path);
-                        journal.commit(folder, vec![c]).map_err(|e| e.to_string())?;
+                        memo.put(&c);
+                        done.push(c);
                     }
                 }
             }
         }
     }
-    Ok(Decided {
-        transfers,
-        redo,
-        dirs,
-    })
+    Ok(())
 }
 
 /// Steps 2–6 for the transfers; returns the remote records to decide again.
