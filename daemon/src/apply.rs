@@ -346,12 +346,13 @@ fn decide_all(
         &mut transfers,
         &mut redo,
     );
-    let flushed = match done.is_empty() {
-        true => Ok(()),
-        false => journal
+    let flushed = if done.is_empty() {
+        Ok(())
+    } else {
+        journal
             .commit(folder, done)
             .map(|_| ())
-            .map_err(|e| e.to_string()),
+            .map_err(|e| e.to_string())
     };
     result?;
     flushed?;

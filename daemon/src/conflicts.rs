@@ -4,7 +4,7 @@
 //! `.sync-conflict-YYYYMMDD-HHMMSS-SHORTID`; deleting it is an ordinary change that propagates.
 
 use crate::journal::{HistoryQuery, Journal, Op};
-use meshfs_protocol::{FolderId, RelPath};
+use meshfs_protocol::{FileRecord, FolderId, RelPath};
 
 /// The marker in a conflict sibling's name.
 pub const MARKER: &str = crate::journal::CONFLICT_MARKER;
@@ -52,16 +52,20 @@ pub fn parse_name(name: &str) -> Option<(String, String, String)> {
     ))
 }
 
-/// Every live conflict sibling in `folder`.
-pub fn list(journal: &Journal, folder: &FolderId) -> Vec<ConflictFile> {
-    let found = journal
+/// The records of live conflict siblings (SQLite filters the paths through a partial index;
+/// the marker may also sit in a directory's name, and only the file name counts).
+fn siblings(journal: &Journal, folder: &FolderId) -> impl Iterator<Item = FileRecord> {
+    journal
         .conflict_records(folder)
         .unwrap_or_default()
         .into_iter()
         .map(|s| s.record)
-        // The marker may sit in a directory's name: only the file name counts.
-        .filter(|r| is_conflict(&r.path));
-    found
+        .filter(|r| is_conflict(&r.path))
+}
+
+/// Every live conflict sibling in `folder`.
+pub fn list(journal: &Journal, folder: &FolderId) -> Vec<ConflictFile> {
+    siblings(journal, folder)
         .filter_map(|r| {
             let (orig_name, time, dev) = parse_name(r.path.file_name())?;
             let original = r.path.with_file_name(&orig_name).ok()?;
@@ -101,15 +105,9 @@ pub fn list(journal: &Journal, folder: &FolderId) -> Vec<ConflictFile> {
         .collect()
 }
 
-/// How many conflict siblings exist in `folder`: cheap enough for every `status` call (SQLite
-/// filters the paths; only matching records are decoded).
+/// How many conflict siblings exist in `folder`: cheap enough for every `status` call.
 pub fn count(journal: &Journal, folder: &FolderId) -> usize {
-    journal
-        .conflict_records(folder)
-        .unwrap_or_default()
-        .iter()
-        .filter(|s| is_conflict(&s.record.path))
-        .count()
+    siblings(journal, folder).count()
 }
 
 /// Whether a path is a conflict sibling.

@@ -180,40 +180,14 @@ impl Store {
     /// Opens the directory `dir` (None: the root) without following symlinks, creating
     /// missing components when `create` is set.
     fn open_dir(&self, dir: Option<&RelPath>, create: bool) -> Result<OwnedFd, StoreError> {
-        let mut cur = open_at(
-            self.root_fd.as_raw_fd(),
-            c".",
-            libc::O_RDONLY | libc::O_DIRECTORY,
-            0,
-        )
-        .map_err(|e| io_err(self.root.display(), e))?;
-        let Some(dir) = dir else { return Ok(cur) };
-        for comp in dir.components() {
-            let c = cstr(comp)?;
-            let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
-            let next = match open_at(cur.as_raw_fd(), &c, flags, 0) {
-                Ok(fd) => fd,
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) && create => {
-                    match cvt(unsafe { libc::mkdirat(cur.as_raw_fd(), c.as_ptr(), 0o755) }) {
-                        Ok(_) => {}
-                        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-                        Err(e) => return Err(io_err(dir, e)),
-                    }
-                    open_at(cur.as_raw_fd(), &c, flags, 0).map_err(|e| match e.raw_os_error() {
-                        Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Escape(dir.clone()),
-                        _ => io_err(dir, e),
-                    })?
-                }
-                Err(e) => {
-                    return Err(match e.raw_os_error() {
-                        Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Escape(dir.clone()),
-                        _ => io_err(dir, e),
-                    })
-                }
-            };
-            cur = next;
-        }
-        Ok(cur)
+        let mut cache = DirCache::default();
+        self.dir_in(&mut cache, dir, create)?;
+        cache.dirs.remove(&dir.cloned()).ok_or_else(|| {
+            io_err(
+                self.root.display(),
+                io::Error::from(io::ErrorKind::NotFound),
+            )
+        })
     }
 
     fn parent_and_name(
@@ -227,19 +201,7 @@ impl Store {
 
     /// What is at `path` now (`None` if nothing), without following a final symlink.
     pub fn stat(&self, path: &RelPath) -> Result<Option<Stat>, StoreError> {
-        let (dir, name) = match self.parent_and_name(path, false) {
-            Ok(x) => x,
-            Err(StoreError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
-                return Ok(None)
-            }
-            Err(StoreError::Escape(_)) => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        match fstatat(dir.as_raw_fd(), &name) {
-            Ok(st) => Ok(Some(stat_of(&st))),
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
-            Err(e) => Err(io_err(path, e)),
-        }
+        self.stat_in(&mut DirCache::default(), path)
     }
 
     /// [`Store::stat`] walking to the parent through `cache`.
@@ -278,10 +240,7 @@ impl Store {
 
     /// Opens a regular file for reading (never through a symlink).
     pub fn open_file(&self, path: &RelPath) -> Result<File, StoreError> {
-        let (dir, name) = self.parent_and_name(path, false)?;
-        let fd = open_at(dir.as_raw_fd(), &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
-            .map_err(|e| io_err(path, e))?;
-        Ok(File::from(fd))
+        self.open_file_in(&mut DirCache::default(), path)
     }
 
     /// Reads `len` bytes at `offset` of `path` and checks they hash to `hash`.
@@ -304,12 +263,7 @@ impl Store {
         len: u32,
         hash: &Hash,
     ) -> Result<Vec<u8>, StoreError> {
-        let dir = self.dir_in(cache, path.parent().as_ref(), false)?;
-        let name = cstr(path.file_name())?;
-        let f = File::from(
-            open_at(dir, &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
-                .map_err(|e| io_err(path, e))?,
-        );
+        let f = self.open_file_in(cache, path)?;
         let mut buf = vec![0u8; len as usize];
         f.read_exact_at(&mut buf, offset)
             .map_err(|e| io_err(path, e))?;
@@ -357,7 +311,13 @@ impl Store {
             return Ok(fd.as_raw_fd());
         }
         let fd = match dir {
-            None => self.open_dir(None, false)?,
+            None => open_at(
+                self.root_fd.as_raw_fd(),
+                c".",
+                libc::O_RDONLY | libc::O_DIRECTORY,
+                0,
+            )
+            .map_err(|e| io_err(self.root.display(), e))?,
             Some(d) => {
                 let parent = self.dir_in(cache, d.parent().as_ref(), create)?;
                 let c = cstr(d.file_name())?;

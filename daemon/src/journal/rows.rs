@@ -152,14 +152,16 @@ fn local_stat(at: &At<'_>, row: &Row<'_>, first: usize) -> Result<Option<LocalSt
     }))
 }
 
+/// The path in column 0 of a records row, as stored.
+fn path_text<'r>(folder: &FolderId, row: &'r Row<'_>) -> Result<&'r str> {
+    row.get_ref(0)?.as_str().map_err(|e| JournalError::Corrupt {
+        what: format!("folder {folder}: a record's path is not text: {e}"),
+    })
+}
+
 /// Decodes a row selected with [`RECORD_COLUMNS`], and checks the record's invariants.
 pub(super) fn stored_record(folder: &FolderId, row: &Row<'_>) -> Result<StoredRecord> {
-    let raw_path = row
-        .get_ref(0)?
-        .as_str()
-        .map_err(|e| JournalError::Corrupt {
-            what: format!("folder {folder}: a record's path is not text: {e}"),
-        })?;
+    let raw_path = path_text(folder, row)?;
     let at = At {
         folder,
         path: raw_path,
@@ -269,12 +271,7 @@ pub(super) const SUMMARY_COLUMNS: &str = "path, kind, deleted, mode, mtime_ns, h
 
 /// Decodes a row selected with [`SUMMARY_COLUMNS`].
 pub(super) fn summary(folder: &FolderId, row: &Row<'_>) -> Result<super::RecordSummary> {
-    let raw_path = row
-        .get_ref(0)?
-        .as_str()
-        .map_err(|e| JournalError::Corrupt {
-            what: format!("folder {folder}: a record's path is not text: {e}"),
-        })?;
+    let raw_path = path_text(folder, row)?;
     let at = At {
         folder,
         path: raw_path,
