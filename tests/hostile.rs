@@ -107,7 +107,7 @@ fn a_hostile_peer_gets_nothing_unshared_and_cannot_disturb_others() {
             modified_by: mallory.device_id.short(),
             sequence: 1,
         };
-        let mut frame = encode_frame(&Message::Index(IndexBatch { folder: FolderId::new("work").unwrap(), records: vec![rec], up_to: 1 })).unwrap();
+        let mut frame = encode_frame(&Message::Index(IndexBatch { folder: FolderId::new("work").unwrap(), records: vec![rec], up_to: 1, inline: Vec::new() })).unwrap();
         let at = frame.windows(2).position(|w| w == b"QQ").unwrap();
         frame[at] = b'.';
         frame[at + 1] = b'.';

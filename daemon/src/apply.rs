@@ -20,7 +20,7 @@ use crate::engine::{Engine, FolderRt};
 use crate::journal::{Change, Journal, LocalStat, Op, StoredRecord};
 use crate::reconcile::{self, Context, Outcome, ReplicaView, Step};
 use crate::store::{DirCache, Expect, StoreError, TempFile};
-use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath};
+use meshfs_protocol::{ChunkResponse, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -195,7 +195,7 @@ fn op_for(prev: Option<&FileRecord>, new: &FileRecord) -> Op {
 
 /// Whether `record` is one chunk whose hash is the file's: its only chunk was verified when it
 /// was written (fetched or copied), so the whole file needs no second pass.
-fn one_piece(record: &FileRecord) -> bool {
+pub(crate) fn one_piece(record: &FileRecord) -> bool {
     matches!(record.chunks.as_slice(), [c] if c.hash == record.hash && u64::from(c.len) == record.size)
 }
 
@@ -206,6 +206,7 @@ pub async fn receive(
     peer: DeviceId,
     conn: &quinn::Connection,
     records: Vec<FileRecord>,
+    mut inline: HashMap<Hash, ChunkResponse>,
 ) -> Result<(), String> {
     let rt = engine
         .folder(folder)
@@ -223,7 +224,7 @@ pub async fn receive(
                 .await
                 .map_err(|e| e.to_string())??
         };
-        todo = transfer(engine, &rt, folder, conn, decided).await?;
+        todo = transfer(engine, &rt, folder, conn, decided, &mut inline).await?;
     }
     if !todo.is_empty() {
         tracing::warn!(%folder, n = todo.len(), "paths kept changing during apply; they will be retried");
@@ -631,6 +632,7 @@ async fn transfer(
     folder: &FolderId,
     conn: &quinn::Connection,
     decided: Decided,
+    inline: &mut HashMap<Hash, ChunkResponse>,
 ) -> Result<Vec<FileRecord>, String> {
     let Decided {
         transfers: work,
@@ -688,7 +690,6 @@ async fn transfer(
         });
     }
     if !missing.is_empty() {
-        let wanted: Vec<(Hash, u32)> = missing.iter().map(|(h, (len, _))| (*h, *len)).collect();
         let store = &rt.store;
         let mut sink = |hash: Hash, data: Vec<u8>| -> Result<(), String> {
             if let Some((_, places)) = missing.get(&hash) {
@@ -702,7 +703,23 @@ async fn transfer(
             }
             Ok(())
         };
-        let fetched = crate::peers::fetch(conn, folder, wanted, &mut sink).await;
+        // Chunks the peer attached to the index need no request; a bad one is asked for.
+        let mut wanted: Vec<(Hash, u32)> = Vec::new();
+        for (h, (len, _)) in &missing {
+            let attached = inline.remove(h).and_then(|c| {
+                let data = c.data?;
+                crate::peers::open_chunk(h, data, c.compressed).ok()
+            });
+            match attached {
+                Some(data) if data.len() == *len as usize => sink(*h, data)?,
+                _ => wanted.push((*h, *len)),
+            }
+        }
+        let fetched = if wanted.is_empty() {
+            Ok(Vec::new())
+        } else {
+            crate::peers::fetch(conn, folder, wanted, &mut sink).await
+        };
         match fetched {
             Ok(absent) => {
                 // The peer no longer has these chunks: the version was superseded there, and its

@@ -66,6 +66,7 @@ use rows::{encode, to_i64, to_u64, HISTORY_COLUMNS, RECORD_COLUMNS};
 use rusqlite::ffi::ErrorCode;
 use rusqlite::types::Value;
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension, TransactionBehavior};
+use std::collections::HashSet;
 use std::fmt;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -1065,6 +1066,28 @@ impl Journal {
             }
             if !oldest_first {
                 out.reverse();
+            }
+            Ok(out)
+        })
+    }
+
+    /// The sequences among `sequences` whose history entry is a rename (the content is
+    /// already known under another path). Pruned history counts as not a rename.
+    pub fn renames_among(&self, folder: &FolderId, sequences: &[u64]) -> Result<HashSet<u64>> {
+        self.read(|c| {
+            let mut out = HashSet::new();
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(out);
+            };
+            let mut st =
+                c.prepare_cached("SELECT op FROM history WHERE folder = ?1 AND sequence = ?2")?;
+            for &seq in sequences {
+                let op: Option<String> = st
+                    .query_row(params![key, to_i64(seq)], |r| r.get(0))
+                    .optional()?;
+                if op.as_deref() == Some(Op::Rename.as_str()) {
+                    out.insert(seq);
+                }
             }
             Ok(out)
         })

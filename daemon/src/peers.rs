@@ -14,9 +14,10 @@ use crate::session::{Action, FolderSyncStatus, IndexSource, Session, SessionFold
 use crate::store::DirCache;
 use crate::transport::{self, LinkStats};
 use meshfs_protocol::{
-    ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hash, Message,
+    ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileKind, FileRecord, FolderId, Hash,
+    IndexBatch, Message,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +29,15 @@ const REQUEST_HASHES: usize = 64;
 const REQUEST_BYTES: u64 = 4 << 20;
 /// Chunk requests in flight per fetch.
 const REQUESTS_IN_FLIGHT: usize = 24;
+
+/// Largest file whose content rides inside the index batch that announces it.
+pub const INLINE_FILE_BYTES: u64 = 64 << 10;
+/// Most inline bytes (as sent, after compression) in one index batch: with the records'
+/// 2 MiB this stays well under the frame limit.
+pub const INLINE_BATCH_BYTES: usize = 8 << 20;
+/// Received batches whose inline chunks are kept until their Receive starts, per folder; a
+/// peer sending more than its window allows only loses those hints.
+const INLINE_KEPT: usize = 2 * crate::session::MAX_IN_FLIGHT;
 
 /// A live connection to a peer.
 #[derive(Clone)]
@@ -294,7 +304,7 @@ async fn drive_session(
     link: &PeerLink,
 ) -> Result<(), String> {
     let conn = &link.conn;
-    let (mut send, recv) = if link.dialer == engine.device {
+    let (send, recv) = if link.dialer == engine.device {
         conn.open_bi().await.map_err(|e| e.to_string())?
     } else {
         conn.accept_bi().await.map_err(|e| e.to_string())?
@@ -324,6 +334,9 @@ async fn drive_session(
             }
         });
     }
+    // Control stream writer: messages leave in order; an index batch first gets its small new
+    // files' content attached, read on a blocking thread so this loop goes on meanwhile.
+    let (out, writer) = control_writer(engine.clone(), send, tx.clone());
     // Request streams from the peer.
     {
         let engine = engine.clone();
@@ -346,25 +359,33 @@ async fn drive_session(
         session.start(&mut JournalSource { journal: &mut j })
     };
     let mut pending = first;
+    // Inline chunks of received batches, per folder, until their Receive starts.
+    let mut inline_kept: HashMap<FolderId, VecDeque<(u64, Vec<ChunkResponse>)>> = HashMap::new();
     loop {
         for action in std::mem::take(&mut pending) {
             match action {
                 Action::Send(m) => {
-                    transport::write_message(&mut send, &m)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let after = match &m {
+                        Message::Index(b) => session.inline_after(&b.folder),
+                        _ => u64::MAX,
+                    };
+                    out.send((m, after))
+                        .map_err(|_| "control stream writer stopped".to_string())?;
                 }
                 Action::Receive {
                     folder,
                     records,
                     up_to,
                 } => {
+                    let inline = take_inline(&mut inline_kept, &folder, up_to);
                     let engine = engine.clone();
                     let tx = tx.clone();
                     let conn = conn.clone();
                     tokio::spawn(async move {
-                        let ev = match crate::apply::receive(&engine, &folder, peer, &conn, records)
-                            .await
+                        let ev = match crate::apply::receive(
+                            &engine, &folder, peer, &conn, records, inline,
+                        )
+                        .await
                         {
                             Ok(()) => LinkEvent::Applied(folder, up_to),
                             Err(e) => LinkEvent::ApplyFailed(folder, e),
@@ -400,9 +421,19 @@ async fn drive_session(
                 let mut j = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
                 let mut src = JournalSource { journal: &mut j };
                 pending = match ev {
-                    LinkEvent::Message(m) => {
-                        if let Message::Error { code, message } = &m {
-                            tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
+                    LinkEvent::Message(mut m) => {
+                        match &mut m {
+                            Message::Error { code, message } => {
+                                tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
+                            }
+                            Message::Index(b) if !b.inline.is_empty() => {
+                                let kept = inline_kept.entry(b.folder.clone()).or_default();
+                                if kept.len() >= INLINE_KEPT {
+                                    kept.pop_front();
+                                }
+                                kept.push_back((b.up_to, std::mem::take(&mut b.inline)));
+                            }
+                            _ => {}
                         }
                         session.handle(m, &mut src)
                     }
@@ -430,11 +461,126 @@ async fn drive_session(
                 }
             }
             _ = engine.shutdown.notified() => {
-                let _ = transport::write_message(&mut send, &Message::Error { code: ErrorCode::Shutdown, message: "daemon stopping".into() }).await;
+                let bye = Message::Error { code: ErrorCode::Shutdown, message: "daemon stopping".into() };
+                let _ = out.send((bye, u64::MAX));
+                drop(out);
+                let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
                 return Err("shutdown".into());
             }
         }
     }
+}
+
+/// Messages for the control stream, each with the sequence above which its records may carry
+/// inline content ([`Session::inline_after`]).
+type Outgoing = mpsc::UnboundedSender<(Message, u64)>;
+
+/// Starts the task that owns the control stream's send side (see `drive_session`). A write
+/// error ends the session through `events`.
+fn control_writer(
+    engine: Arc<Engine>,
+    mut send: quinn::SendStream,
+    events: mpsc::UnboundedSender<LinkEvent>,
+) -> (Outgoing, tokio::task::JoinHandle<()>) {
+    let (out, mut queue) = mpsc::unbounded_channel::<(Message, u64)>();
+    let task = tokio::spawn(async move {
+        while let Some((mut msg, after)) = queue.recv().await {
+            if let Message::Index(batch) = msg {
+                let engine = engine.clone();
+                let attached = tokio::task::spawn_blocking(move || {
+                    let mut batch = batch;
+                    attach_inline(&engine, &mut batch, after);
+                    batch
+                })
+                .await;
+                msg = match attached {
+                    Ok(b) => Message::Index(b),
+                    Err(e) => {
+                        let _ = events.send(LinkEvent::Closed(e.to_string()));
+                        return;
+                    }
+                };
+            }
+            if let Err(e) = transport::write_message(&mut send, &msg).await {
+                let _ = events.send(LinkEvent::Closed(e.to_string()));
+                return;
+            }
+        }
+    });
+    (out, task)
+}
+
+/// Attaches to `batch` the content of its small files journaled after sequence `after`: files
+/// of one chunk whose hash is the file's, up to [`INLINE_FILE_BYTES`] each and
+/// [`INLINE_BATCH_BYTES`] in all, compressed as in responses, unless journaled as a rename.
+/// Read as of now: a file changed since it was journaled fails its hash and is left out (the
+/// receiver asks, as for any chunk).
+fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
+    let Some(rt) = engine.folder(&batch.folder) else {
+        return;
+    };
+    let small = |r: &&FileRecord| {
+        r.sequence > after
+            && !r.deleted
+            && r.kind == FileKind::File
+            && r.size <= INLINE_FILE_BYTES
+            && crate::apply::one_piece(r)
+    };
+    let candidates: Vec<u64> = batch
+        .records
+        .iter()
+        .filter(small)
+        .map(|r| r.sequence)
+        .collect();
+    if candidates.is_empty() {
+        return;
+    }
+    // A renamed file's content is on the peer already (under the old name).
+    let renames = match engine.journal.lock() {
+        Ok(j) => j
+            .renames_among(&batch.folder, &candidates)
+            .unwrap_or_default(),
+        Err(_) => return,
+    };
+    let mut dirs = DirCache::default();
+    let mut seen = HashSet::new();
+    let mut bytes = 0usize;
+    for r in batch.records.iter().filter(small) {
+        if renames.contains(&r.sequence) || !seen.insert(r.hash) {
+            continue;
+        }
+        let Ok(d) = rt
+            .store
+            .read_chunk_in(&mut dirs, &r.path, 0, r.size as u32, &r.hash)
+        else {
+            continue;
+        };
+        let (data, compressed) = compress(d);
+        bytes += data.len();
+        if bytes > INLINE_BATCH_BYTES {
+            break;
+        }
+        batch.inline.push(ChunkResponse {
+            hash: r.hash,
+            data: Some(data),
+            compressed,
+        });
+    }
+}
+
+/// The inline chunks kept for `folder`'s batches up to `up_to`, by hash.
+fn take_inline(
+    kept: &mut HashMap<FolderId, VecDeque<(u64, Vec<ChunkResponse>)>>,
+    folder: &FolderId,
+    up_to: u64,
+) -> HashMap<Hash, ChunkResponse> {
+    let mut out = HashMap::new();
+    if let Some(q) = kept.get_mut(folder) {
+        while let Some((_, chunks)) = q.pop_front_if(|(u, _)| *u <= up_to) {
+            out.extend(chunks.into_iter().map(|c| (c.hash, c)));
+        }
+    }
+    out
 }
 
 fn publish_status(engine: &Engine, peer: DeviceId, session: &Session) {
@@ -563,6 +709,21 @@ fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
     (d, false)
 }
 
+/// A chunk as it came from a peer (`compressed`: a zstd frame), decompressed and verified
+/// against `hash`.
+pub(crate) fn open_chunk(hash: &Hash, data: Vec<u8>, compressed: bool) -> Result<Vec<u8>, String> {
+    let data = if compressed {
+        zstd::bulk::decompress(&data, meshfs_protocol::MAX_CHUNK_LEN as usize)
+            .map_err(|e| format!("bad zstd chunk: {e}"))?
+    } else {
+        data
+    };
+    if &Hash::of(&data) != hash {
+        return Err(format!("chunk {} failed verification", hash.short()));
+    }
+    Ok(data)
+}
+
 /// Fetches chunks of `folder` from `conn`, many requests in flight; calls `sink` with each
 /// verified chunk. Returns the hashes the peer did not have.
 pub async fn fetch(
@@ -646,17 +807,9 @@ async fn request_group(
             return Err("chunk responses out of order".into());
         }
         let data = match resp.data {
-            Some(d) if resp.compressed => Some(
-                zstd::bulk::decompress(&d, meshfs_protocol::MAX_FRAME_LEN)
-                    .map_err(|e| format!("bad zstd chunk: {e}"))?,
-            ),
-            other => other,
+            Some(d) => Some(open_chunk(&resp.hash, d, resp.compressed)?),
+            None => None,
         };
-        if let Some(d) = &data {
-            if Hash::of(d) != resp.hash {
-                return Err(format!("chunk {} failed verification", resp.hash.short()));
-            }
-        }
         if tx.send(Ok((resp.hash, data))).await.is_err() {
             return Ok(());
         }

@@ -145,6 +145,8 @@ struct FolderState {
     /// `up_to` of the outstanding Receive.
     receiving: Option<u64>,
     queued: VecDeque<IndexBatch>,
+    /// Our records with a sequence above this are new to the peer (see [`Session::inline_after`]).
+    inline_after: u64,
 }
 
 /// One peer session. See the module docs.
@@ -327,6 +329,17 @@ impl Session {
         &self.peer
     }
 
+    /// Our records of `folder` with a sequence above this are new to the peer, so the driver
+    /// may attach small files' content to the batches that carry them: the peer's journal was
+    /// empty at hello, or the peer had seen our index before (everything after its resume
+    /// point is news), or the record was journaled after hello. `u64::MAX` before hello.
+    pub fn inline_after(&self, folder: &FolderId) -> u64 {
+        self.folders
+            .get(folder)
+            .filter(|f| f.shared)
+            .map_or(u64::MAX, |f| f.inline_after)
+    }
+
     /// Progress of `folder`, if it is one of ours.
     pub fn folder_status(&self, folder: &FolderId) -> Option<FolderSyncStatus> {
         let f = self.folders.get(folder)?;
@@ -386,6 +399,15 @@ impl Session {
             };
             f.sent_up_to = resume;
             f.our_acked = resume;
+            // Content worth attaching to the index: everything when the peer's journal is empty
+            // or it has seen our index before (what follows is new to it); after a fresh start
+            // against a non-empty peer (which may hold the same files), only what is journaled
+            // from now on.
+            f.inline_after = if hf.max_sequence == 0 || resume > 0 {
+                0
+            } else {
+                f.our_max
+            };
         }
         out.extend(self.pump_all(src));
         out
@@ -496,6 +518,7 @@ impl FolderState {
             in_flight: VecDeque::new(),
             receiving: None,
             queued: VecDeque::new(),
+            inline_after: u64::MAX,
         }
     }
 
@@ -532,6 +555,7 @@ impl FolderState {
                 folder: self.cfg.folder.clone(),
                 records,
                 up_to,
+                inline: Vec::new(),
             })));
         }
         out
@@ -863,6 +887,36 @@ mod tests {
     }
 
     #[test]
+    fn inline_content_only_where_the_peer_cannot_have_it() {
+        // An empty peer: everything of ours is news to it.
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        assert_eq!(a.session.inline_after(&fid("f")), u64::MAX, "before hello");
+        for i in 0..5 {
+            a.journal.add(&format!("a{i}"), 1);
+        }
+        connect(&mut a, &mut b);
+        assert_eq!(a.session.inline_after(&fid("f")), 0);
+        // Two devices that each scanned a tree of their own: what is journaled at hello may
+        // already be on the peer; only later changes are attached.
+        let mut c = Side::new(3, 4, vec![folder("f", 33)]);
+        let mut d = Side::new(4, 3, vec![folder("f", 44)]);
+        for i in 0..5 {
+            c.journal.add(&format!("x{i}"), 3);
+            d.journal.add(&format!("x{i}"), 4);
+        }
+        connect(&mut c, &mut d);
+        assert_eq!(c.session.inline_after(&fid("f")), 5);
+        // Once the peer has seen our index, a reconnect resumes and all that follows is new.
+        c.journal.add("later", 3);
+        reconnect(&mut c, 4, 33);
+        reconnect(&mut d, 3, 44);
+        connect(&mut c, &mut d);
+        assert_eq!(c.session.inline_after(&fid("f")), 0);
+        assert_eq!(d.received.len(), 1);
+    }
+
+    #[test]
     fn reset_index_id_resends_everything() {
         let mut a = Side::new(1, 2, vec![folder("f", 11)]);
         let mut b = Side::new(2, 1, vec![folder("f", 22)]);
@@ -888,6 +942,7 @@ mod tests {
             folder: fid("secret"),
             records: vec![record("x", 2, 1)],
             up_to: 1,
+            inline: Vec::new(),
         });
         let acts = a.session.handle(batch, &mut a.journal);
         assert!(acts.iter().all(|x| !matches!(x, Action::Receive { .. })));
@@ -1015,11 +1070,13 @@ mod tests {
             folder: fid("f"),
             records: vec![record("x", 2, 1)],
             up_to: 2,
+            inline: Vec::new(),
         });
         let b2 = Message::Index(IndexBatch {
             folder: fid("f"),
             records: vec![record("y", 2, 3)],
             up_to: 4,
+            inline: Vec::new(),
         });
         let r1 = a.session.handle(b1, &mut a.journal);
         assert!(matches!(&r1[..], [Action::Receive { up_to: 2, .. }]));
@@ -1055,6 +1112,7 @@ mod tests {
             folder: fid("f"),
             records: vec![record("z", 2, 3)],
             up_to: 3,
+            inline: Vec::new(),
         });
         assert!(matches!(
             a.session.handle(old, &mut a.journal).last(),

@@ -214,13 +214,31 @@ mod tests {
             (
                 folder.clone(),
                 prop::collection::vec(record(), 0..5),
-                any::<u64>()
+                any::<u64>(),
+                prop::collection::vec(
+                    (
+                        hash(),
+                        prop::option::of(prop::collection::vec(any::<u8>(), 0..300)),
+                        any::<bool>()
+                    ),
+                    0..3
+                )
             )
-                .prop_map(|(folder, records, up_to)| Message::Index(IndexBatch {
-                    folder,
-                    records,
-                    up_to
-                })),
+                .prop_map(|(folder, records, up_to, inline)| Message::Index(
+                    IndexBatch {
+                        folder,
+                        records,
+                        up_to,
+                        inline: inline
+                            .into_iter()
+                            .map(|(hash, data, compressed)| ChunkResponse {
+                                hash,
+                                data,
+                                compressed
+                            })
+                            .collect(),
+                    }
+                )),
             (folder.clone(), any::<u64>())
                 .prop_map(|(folder, sequence)| Message::IndexAck(IndexAck { folder, sequence })),
             (folder, prop::collection::vec(hash(), 0..10))
@@ -311,6 +329,7 @@ mod tests {
                 sequence: 1,
             }],
             up_to: 1,
+            inline: Vec::new(),
         });
         let mut frame = encode_frame(&good).unwrap();
         let pos = frame.windows(2).position(|w| w == b"aa").unwrap();
@@ -344,6 +363,7 @@ mod tests {
                 sequence: 1,
             }],
             up_to: 1,
+            inline: Vec::new(),
         });
         let frame = encode_frame(&msg).unwrap();
         assert!(matches!(

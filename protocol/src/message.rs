@@ -10,7 +10,7 @@ use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// A frame's payload.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +71,10 @@ pub struct IndexBatch {
     /// The sender's sequence this batch brings the receiver up to (≥ every record's sequence;
     /// records the receiver already has are skipped, so this may be larger).
     pub up_to: u64,
+    /// Chunks the sender attaches so the receiver need not request them: the only chunk of
+    /// small files among `records`. Unverified hints: the receiver checks each against its
+    /// hash before use and requests anything missing or wrong as usual.
+    pub inline: Vec<ChunkResponse>,
 }
 
 /// Acknowledges a peer's index up to a sequence.
