@@ -75,6 +75,37 @@ fn every_kind_of_change_propagates_between_two_devices() {
 }
 
 #[test]
+fn new_small_files_travel_once_and_identical_trees_exchange_no_content() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    // Both devices start with the same 500 small files (1 MB): reconciling them costs
+    // records, never content, in either direction.
+    for i in 0..500 {
+        let data = noise(2048, i);
+        write(&a.path(&format!("same/d{}/f{i}", i % 5)), &data);
+        write(&b.path(&format!("same/d{}/f{i}", i % 5)), &data);
+    }
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 60);
+    let seeded = a.wire_bytes();
+    assert!(seeded < 1_024_000, "identical trees moved {seeded} bytes");
+    // 500 new small files on A reach B with the index; the content crosses once.
+    for i in 0..500 {
+        write(&a.path(&format!("new/f{i}")), &noise(2048, 1000 + i));
+    }
+    wait_synced(&[&a, &b], 60);
+    assert_eq!(tree(&b.dir), tree(&a.dir));
+    let moved = a.wire_bytes() - seeded;
+    assert!(
+        (1_024_000..1_024_000 * 3 / 2).contains(&moved),
+        "1 MB of new files moved {moved} bytes"
+    );
+}
+
+#[test]
 fn a_directory_of_1000_files_renamed_transfers_no_content() {
     let t = tmp();
     let mut a = Device::new(&t, "a");

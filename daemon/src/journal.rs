@@ -66,7 +66,7 @@ use rows::{encode, to_i64, to_u64, HISTORY_COLUMNS, RECORD_COLUMNS};
 use rusqlite::ffi::ErrorCode;
 use rusqlite::types::Value;
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension, TransactionBehavior};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -1071,11 +1071,11 @@ impl Journal {
         })
     }
 
-    /// The sequences among `sequences` whose history entry is a rename (the content is
-    /// already known under another path). Pruned history counts as not a rename.
-    pub fn renames_among(&self, folder: &FolderId, sequences: &[u64]) -> Result<HashSet<u64>> {
+    /// The history operation of each of `sequences` that still has a history entry (pruned
+    /// ones are absent).
+    pub fn ops_of(&self, folder: &FolderId, sequences: &[u64]) -> Result<HashMap<u64, Op>> {
         self.read(|c| {
-            let mut out = HashSet::new();
+            let mut out = HashMap::new();
             let Some(key) = self.key(c, folder)? else {
                 return Ok(out);
             };
@@ -1085,8 +1085,8 @@ impl Journal {
                 let op: Option<String> = st
                     .query_row(params![key, to_i64(seq)], |r| r.get(0))
                     .optional()?;
-                if op.as_deref() == Some(Op::Rename.as_str()) {
-                    out.insert(seq);
+                if let Some(op) = op.as_deref().and_then(Op::parse) {
+                    out.insert(seq, op);
                 }
             }
             Ok(out)

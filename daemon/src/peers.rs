@@ -9,7 +9,7 @@
 //! module only moves its messages and runs the applies it asks for.
 
 use crate::engine::Engine;
-use crate::journal::Journal;
+use crate::journal::{Journal, Op};
 use crate::session::{Action, FolderSyncStatus, IndexSource, Session, SessionFolder};
 use crate::store::DirCache;
 use crate::transport::{self, LinkStats};
@@ -512,7 +512,8 @@ fn control_writer(
 
 /// Attaches to `batch` the content of its small files journaled after sequence `after`: files
 /// of one chunk whose hash is the file's, up to [`INLINE_FILE_BYTES`] each and
-/// [`INLINE_BATCH_BYTES`] in all, compressed as in responses, unless journaled as a rename.
+/// [`INLINE_BATCH_BYTES`] in all, compressed as in responses, if journaled as a creation or a
+/// modification.
 /// Read as of now: a file changed since it was journaled fails its hash and is left out (the
 /// receiver asks, as for any chunk).
 fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
@@ -535,18 +536,22 @@ fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
     if candidates.is_empty() {
         return;
     }
-    // A renamed file's content is on the peer already (under the old name).
-    let renames = match engine.journal.lock() {
-        Ok(j) => j
-            .renames_among(&batch.folder, &candidates)
-            .unwrap_or_default(),
+    // Only content that is new at its path: a rename's content is on the peer under the old
+    // name, a metadata change or a resolution (e.g. two devices that scanned the same tree
+    // merging their versions) keeps content the peer sent or has. No history left (pruned):
+    // an old file, attached like a creation.
+    let ops = match engine.journal.lock() {
+        Ok(j) => j.ops_of(&batch.folder, &candidates).unwrap_or_default(),
         Err(_) => return,
     };
     let mut dirs = DirCache::default();
     let mut seen = HashSet::new();
     let mut bytes = 0usize;
     for r in batch.records.iter().filter(small) {
-        if renames.contains(&r.sequence) || !seen.insert(r.hash) {
+        let fresh = ops
+            .get(&r.sequence)
+            .is_none_or(|op| matches!(op, Op::Create | Op::Modify));
+        if !fresh || !seen.insert(r.hash) {
             continue;
         }
         let Ok(d) = rt
@@ -690,7 +695,13 @@ async fn serve_request(
 /// One fetched chunk (or its absence), or why the request failed.
 type FetchItem = Result<(Hash, Option<Vec<u8>>), String>;
 
-/// zstd when it saves at least an eighth; raw otherwise.
+/// Bytes of a large chunk compressed first to see whether the whole is worth it.
+const COMPRESS_SAMPLE: usize = 16 << 10;
+
+/// zstd when it saves at least an eighth; raw otherwise. A chunk over four samples is first
+/// judged by its first [`COMPRESS_SAMPLE`] bytes: large chunks are mostly media, archives or
+/// other compressed content, and compressing a whole incompressible chunk only to send it raw
+/// cost the sender about as much CPU as reading and hashing it.
 fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
     thread_local! {
         // A compression context per thread: creating one per chunk cost more than
@@ -698,15 +709,26 @@ fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
         static ZSTD: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
             std::cell::RefCell::new(zstd::bulk::Compressor::new(1).ok());
     }
-    if d.len() >= 512 {
-        let c = ZSTD.with(|z| z.borrow_mut().as_mut().map(|z| z.compress(&d)));
-        if let Some(Ok(c)) = c {
-            if c.len() < d.len() - d.len() / 8 {
-                return (c, true);
+    let saves = |raw: usize, packed: usize| packed < raw - raw / 8;
+    if d.len() < 512 {
+        return (d, false);
+    }
+    ZSTD.with(|z| {
+        let mut z = z.borrow_mut();
+        let Some(z) = z.as_mut() else {
+            return (d, false);
+        };
+        if d.len() > 4 * COMPRESS_SAMPLE {
+            match z.compress(&d[..COMPRESS_SAMPLE]) {
+                Ok(c) if saves(COMPRESS_SAMPLE, c.len()) => {}
+                _ => return (d, false),
             }
         }
-    }
-    (d, false)
+        match z.compress(&d) {
+            Ok(c) if saves(d.len(), c.len()) => (c, true),
+            _ => (d, false),
+        }
+    })
 }
 
 /// A chunk as it came from a peer (`compressed`: a zstd frame), decompressed and verified
@@ -815,4 +837,56 @@ async fn request_group(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noise(n: usize) -> Vec<u8> {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn compression_is_used_only_where_it_pays_and_round_trips() {
+        let text: Vec<u8> = b"meshfs keeps a folder identical on every device. "
+            .iter()
+            .copied()
+            .cycle()
+            .take(1 << 20)
+            .collect();
+        for (data, want_packed) in [
+            (text.clone(), true),
+            (text[..4096].to_vec(), true),
+            (noise(1 << 20), false),
+            (noise(4096), false),
+            (b"tiny".to_vec(), false),
+        ] {
+            let hash = Hash::of(&data);
+            let (sent, packed) = compress(data.clone());
+            assert_eq!(packed, want_packed, "{} bytes", data.len());
+            assert_eq!(open_chunk(&hash, sent, packed).unwrap(), data);
+        }
+        // A large chunk judged by its first bytes: incompressible head, text after it.
+        let mut mixed = noise(COMPRESS_SAMPLE);
+        mixed.extend_from_slice(&text);
+        assert!(!compress(mixed).1);
+    }
+
+    #[test]
+    fn an_attached_chunk_that_does_not_match_its_hash_is_refused() {
+        let data = b"the real content".to_vec();
+        let hash = Hash::of(&data);
+        assert!(open_chunk(&hash, b"something else".to_vec(), false).is_err());
+        assert!(open_chunk(&hash, b"not zstd".to_vec(), true).is_err());
+        assert_eq!(open_chunk(&hash, data.clone(), false).unwrap(), data);
+    }
 }
