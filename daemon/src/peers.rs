@@ -17,7 +17,7 @@ use meshfs_protocol::{
     ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileKind, FileRecord, FolderId, Hash,
     IndexBatch, Message,
 };
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,9 +35,6 @@ pub const INLINE_FILE_BYTES: u64 = 64 << 10;
 /// Most inline bytes (as sent, after compression) in one index batch: with the records'
 /// 2 MiB this stays well under the frame limit.
 pub const INLINE_BATCH_BYTES: usize = 8 << 20;
-/// Received batches whose inline chunks are kept until their Receive starts, per folder; a
-/// peer sending more than its window allows only loses those hints.
-const INLINE_KEPT: usize = 2 * crate::session::MAX_IN_FLIGHT;
 
 /// A live connection to a peer.
 #[derive(Clone)]
@@ -359,8 +356,6 @@ async fn drive_session(
         session.start(&mut JournalSource { journal: &mut j })
     };
     let mut pending = first;
-    // Inline chunks of received batches, per folder, until their Receive starts.
-    let mut inline_kept: HashMap<FolderId, VecDeque<(u64, Vec<ChunkResponse>)>> = HashMap::new();
     loop {
         for action in std::mem::take(&mut pending) {
             match action {
@@ -376,8 +371,9 @@ async fn drive_session(
                     folder,
                     records,
                     up_to,
+                    inline,
                 } => {
-                    let inline = take_inline(&mut inline_kept, &folder, up_to);
+                    let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
                     let engine = engine.clone();
                     let tx = tx.clone();
                     let conn = conn.clone();
@@ -421,19 +417,9 @@ async fn drive_session(
                 let mut j = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
                 let mut src = JournalSource { journal: &mut j };
                 pending = match ev {
-                    LinkEvent::Message(mut m) => {
-                        match &mut m {
-                            Message::Error { code, message } => {
-                                tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
-                            }
-                            Message::Index(b) if !b.inline.is_empty() => {
-                                let kept = inline_kept.entry(b.folder.clone()).or_default();
-                                if kept.len() >= INLINE_KEPT {
-                                    kept.pop_front();
-                                }
-                                kept.push_back((b.up_to, std::mem::take(&mut b.inline)));
-                            }
-                            _ => {}
+                    LinkEvent::Message(m) => {
+                        if let Message::Error { code, message } = &m {
+                            tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
                         }
                         session.handle(m, &mut src)
                     }
@@ -520,34 +506,33 @@ fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
     let Some(rt) = engine.folder(&batch.folder) else {
         return;
     };
-    let small = |r: &&FileRecord| {
-        r.sequence > after
-            && !r.deleted
-            && r.kind == FileKind::File
-            && r.size <= INLINE_FILE_BYTES
-            && crate::apply::one_piece(r)
-    };
-    let candidates: Vec<u64> = batch
+    let candidates: Vec<&FileRecord> = batch
         .records
         .iter()
-        .filter(small)
-        .map(|r| r.sequence)
+        .filter(|r| {
+            r.sequence > after
+                && !r.deleted
+                && r.kind == FileKind::File
+                && r.size <= INLINE_FILE_BYTES
+                && crate::apply::one_piece(r)
+        })
         .collect();
     if candidates.is_empty() {
         return;
     }
+    let sequences: Vec<u64> = candidates.iter().map(|r| r.sequence).collect();
     // Only content that is new at its path: a rename's content is on the peer under the old
     // name, a metadata change or a resolution (e.g. two devices that scanned the same tree
     // merging their versions) keeps content the peer sent or has. No history left (pruned):
     // an old file, attached like a creation.
     let ops = match engine.journal.lock() {
-        Ok(j) => j.ops_of(&batch.folder, &candidates).unwrap_or_default(),
+        Ok(j) => j.ops_of(&batch.folder, &sequences).unwrap_or_default(),
         Err(_) => return,
     };
     let mut dirs = DirCache::default();
     let mut seen = HashSet::new();
     let mut bytes = 0usize;
-    for r in batch.records.iter().filter(small) {
+    for r in candidates {
         let fresh = ops
             .get(&r.sequence)
             .is_none_or(|op| matches!(op, Op::Create | Op::Modify));
@@ -571,21 +556,6 @@ fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
             compressed,
         });
     }
-}
-
-/// The inline chunks kept for `folder`'s batches up to `up_to`, by hash.
-fn take_inline(
-    kept: &mut HashMap<FolderId, VecDeque<(u64, Vec<ChunkResponse>)>>,
-    folder: &FolderId,
-    up_to: u64,
-) -> HashMap<Hash, ChunkResponse> {
-    let mut out = HashMap::new();
-    if let Some(q) = kept.get_mut(folder) {
-        while let Some((_, chunks)) = q.pop_front_if(|(u, _)| *u <= up_to) {
-            out.extend(chunks.into_iter().map(|c| (c.hash, c)));
-        }
-    }
-    out
 }
 
 fn publish_status(engine: &Engine, peer: DeviceId, session: &Session) {

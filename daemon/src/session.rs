@@ -20,8 +20,8 @@
 //! - progress (sequences applied, acknowledged, known) never moves backwards.
 
 use meshfs_protocol::{
-    DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder, IndexAck, IndexBatch, Message,
-    MAX_FRAME_LEN, PROTOCOL_VERSION,
+    ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder, IndexAck,
+    IndexBatch, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
 use std::collections::{BTreeMap, VecDeque};
 
@@ -81,6 +81,8 @@ pub enum Action {
         records: Vec<FileRecord>,
         /// The peer's sequence this batch brings us to.
         up_to: u64,
+        /// Content the peer attached to the batch ([`IndexBatch::inline`]): unverified hints.
+        inline: Vec<ChunkResponse>,
     },
     /// Persist in the journal: their index epoch and the highest of their sequences applied here.
     SaveTheirSequence {
@@ -576,6 +578,7 @@ impl FolderState {
                     folder: batch.folder,
                     records: batch.records,
                     up_to: batch.up_to,
+                    inline: batch.inline,
                 });
             }
         }
@@ -746,6 +749,7 @@ mod tests {
                         folder,
                         records,
                         up_to,
+                        ..
                     } => {
                         let peer = *me.session.peer();
                         for r in records {

@@ -534,6 +534,7 @@ impl Sim {
                     folder,
                     records,
                     up_to,
+                    ..
                 } => {
                     let n = records.len();
                     let pr = PendingReceive {
