@@ -334,6 +334,10 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             }
             config.save(home)?;
             reload_if_running(home)?;
+            // Only temp files of an interrupted apply can be left here.
+            if let Ok(fid) = FolderId::new(&id) {
+                let _ = std::fs::remove_dir_all(home.staging_dir(&fid));
+            }
             Ok(0)
         }
         Command::Peer(PeerCmd::Add {

@@ -272,16 +272,26 @@ fn a_receiver_killed_mid_transfer_never_shows_a_partial_file_and_completes_after
             "a partial file appeared under the real name"
         );
     }
+    // The file was being assembled in the folder's staging directory, never in the replica.
+    let staging = b.home.join("state/staging/work");
+    let temps = |dir: &std::path::Path| {
+        std::fs::read_dir(dir)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(".meshfs-tmp"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(temps(&b.dir), 0, "a temp file appeared in the replica");
+    if !b.path("big.bin").exists() {
+        assert_eq!(temps(&staging), 1, "the killed apply left its temp file");
+    }
     b.start();
     wait_synced(&[&a, &b], 120);
     assert_eq!(
         blake3::hash(&std::fs::read(b.path("big.bin")).unwrap()),
         blake3::hash(&data)
     );
-    let temps: Vec<_> = std::fs::read_dir(&b.dir)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(".meshfs-tmp"))
-        .collect();
-    assert!(temps.is_empty(), "temp files left behind");
+    assert_eq!(temps(&b.dir) + temps(&staging), 0, "temp files left behind");
 }

@@ -61,6 +61,11 @@ impl Home {
         self.state_dir.clone()
     }
 
+    /// Where the store assembles `folder`'s incoming files (see [`crate::store::Store`]).
+    pub fn staging_dir(&self, folder: &meshfs_protocol::FolderId) -> PathBuf {
+        self.state_dir.join("staging").join(folder.as_str())
+    }
+
     /// The daemon's control socket.
     pub fn control_socket(&self) -> PathBuf {
         self.state_dir.join("control.sock")

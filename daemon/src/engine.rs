@@ -181,7 +181,8 @@ impl Engine {
 
     async fn start_folder(self: &Arc<Self>, f: &crate::config::FolderConfig) -> anyhow::Result<()> {
         let id = FolderId::new(&f.id)?;
-        let store = Store::open(&f.path).map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
+        let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
+            .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
         let removed = store.remove_temps();
         if removed > 0 {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");

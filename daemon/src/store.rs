@@ -1,9 +1,15 @@
 //! The replica store: the only code that writes into a replica directory.
 //!
 //! **Architecture invariant:** every user file always has either its old or its new content.
-//! A remote version is written to a temp file (`.meshfs-tmp-*`, in the target's directory),
-//! verified against its blake3, made durable, and only then renamed over the target, after
-//! checking that the target is still the version the journal expects to replace.
+//! A remote version is written to a temp file (`.meshfs-tmp-*`), verified against its blake3,
+//! made durable, and only then renamed over the target, after checking that the target is
+//! still the version the journal expects to replace.
+//!
+//! Temp files live in the folder's *staging directory* (outside the replica, in the daemon's
+//! state, on the same filesystem) so that the watcher, the user and other programs watching
+//! the folder never see them: an applied file costs the watcher one event (its final rename)
+//! instead of six. Where the staging directory is on another filesystem than a target's
+//! directory (a rename could not cross), the temp file is made in the target's directory.
 //!
 //! **Architecture invariant:** incoming paths never escape the replica. Every path is a
 //! validated [`RelPath`] (no `..`, never `.meshfs*`), and parents are walked one component at
@@ -92,6 +98,16 @@ pub struct Stat {
 pub struct Store {
     root: PathBuf,
     root_fd: OwnedFd,
+    staging: Option<Staging>,
+}
+
+/// The directory temp files are assembled in, when it is outside the replica.
+#[derive(Debug)]
+struct Staging {
+    path: PathBuf,
+    fd: OwnedFd,
+    /// Its filesystem: temp files are staged only for targets on the same one.
+    dev: u64,
 }
 
 /// Directories opened during one batch of work (an apply), by path (`None`: the root), so
@@ -100,6 +116,8 @@ pub struct Store {
 #[derive(Default)]
 pub struct DirCache {
     dirs: HashMap<Option<RelPath>, OwnedFd>,
+    /// The filesystem of each directory that got a temp file.
+    devs: HashMap<Option<RelPath>, u64>,
 }
 
 /// A remote version being assembled in a temp file next to its target.
@@ -109,6 +127,21 @@ pub struct TempFile {
     pub target: RelPath,
     name: CString,
     file: Option<File>,
+    /// It lives in the staging directory (else in the target's directory).
+    staged: bool,
+}
+
+fn open_path_dir(path: &Path) -> Result<OwnedFd, StoreError> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io_err(path.display(), io::Error::from(io::ErrorKind::InvalidInput)))?;
+    open_at(libc::AT_FDCWD, &c, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        .map_err(|e| io_err(path.display(), e))
+}
+
+fn fstat_dev(fd: RawFd) -> io::Result<u64> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    cvt(unsafe { libc::fstat(fd, &mut st) })?;
+    Ok(st.st_dev)
 }
 
 fn cstr(s: &str) -> Result<CString, StoreError> {
@@ -159,17 +192,51 @@ fn random_suffix() -> String {
 }
 
 impl Store {
-    /// Opens the replica at `root` (created if missing).
+    /// Opens the replica at `root` (created if missing); temp files are made next to their
+    /// targets.
     pub fn open(root: &Path) -> Result<Store, StoreError> {
         std::fs::create_dir_all(root).map_err(|e| io_err(root.display(), e))?;
-        let c = CString::new(root.as_os_str().as_encoded_bytes())
-            .map_err(|_| io_err(root.display(), io::Error::from(io::ErrorKind::InvalidInput)))?;
-        let fd = open_at(libc::AT_FDCWD, &c, libc::O_RDONLY | libc::O_DIRECTORY, 0)
-            .map_err(|e| io_err(root.display(), e))?;
         Ok(Store {
             root: root.to_path_buf(),
-            root_fd: fd,
+            root_fd: open_path_dir(root)?,
+            staging: None,
         })
+    }
+
+    /// Opens the replica at `root` with `staging` (created if missing; it must not be inside
+    /// the replica) as the directory temp files are assembled in. If `staging` cannot be used
+    /// (another filesystem, not creatable), temp files are made next to their targets.
+    pub fn open_staged(root: &Path, staging: &Path) -> Result<Store, StoreError> {
+        let mut store = Store::open(root)?;
+        let staged = std::fs::create_dir_all(staging)
+            .map_err(|e| io_err(staging.display(), e))
+            .and_then(|()| open_path_dir(staging))
+            .and_then(|fd| {
+                let dev = fstat_dev(fd.as_raw_fd()).map_err(|e| io_err(staging.display(), e))?;
+                let root_dev =
+                    fstat_dev(store.root_fd.as_raw_fd()).map_err(|e| io_err(root.display(), e))?;
+                Ok((fd, dev, root_dev))
+            });
+        match staged {
+            Ok((fd, dev, root_dev)) if dev == root_dev => {
+                store.staging = Some(Staging {
+                    path: staging.to_path_buf(),
+                    fd,
+                    dev,
+                })
+            }
+            Ok(_) => tracing::info!(
+                replica = %root.display(),
+                staging = %staging.display(),
+                "staging directory is on another filesystem; temp files go next to their targets"
+            ),
+            Err(e) => tracing::warn!(
+                replica = %root.display(),
+                error = %e,
+                "no staging directory; temp files go next to their targets"
+            ),
+        }
+        Ok(store)
     }
 
     /// The replica directory.
@@ -356,10 +423,29 @@ impl Store {
         cache: &mut DirCache,
         target: &RelPath,
     ) -> Result<TempFile, StoreError> {
-        let dir = self.dir_in(cache, target.parent().as_ref(), true)?;
+        let parent = target.parent();
+        let dir = self.dir_in(cache, parent.as_ref(), true)?;
+        let staged = match &self.staging {
+            None => false,
+            Some(s) => {
+                let dev = match cache.devs.get(&parent) {
+                    Some(d) => *d,
+                    None => {
+                        let d = fstat_dev(dir).map_err(|e| io_err(target, e))?;
+                        cache.devs.insert(parent.clone(), d);
+                        d
+                    }
+                };
+                dev == s.dev
+            }
+        };
+        let at = match &self.staging {
+            Some(s) if staged => s.fd.as_raw_fd(),
+            _ => dir,
+        };
         let name = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
         let fd = open_at(
-            dir,
+            at,
             &name,
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
             0o600,
@@ -369,20 +455,37 @@ impl Store {
             target: target.clone(),
             name,
             file: Some(File::from(fd)),
+            staged,
         })
+    }
+
+    /// Runs `f` with the directory descriptor `t` lives in.
+    fn in_temp_dir<R>(
+        &self,
+        t: &TempFile,
+        f: impl FnOnce(RawFd) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError> {
+        match &self.staging {
+            Some(s) if t.staged => f(s.fd.as_raw_fd()),
+            _ => {
+                let (dir, _) = self.parent_and_name(&t.target, false)?;
+                f(dir.as_raw_fd())
+            }
+        }
     }
 
     /// Re-opens a temp file whose handle was closed (to bound open descriptors).
     fn temp_handle(&self, t: &TempFile, write: bool) -> Result<File, StoreError> {
-        let (dir, _) = self.parent_and_name(&t.target, false)?;
         let flags = if write {
             libc::O_WRONLY
         } else {
             libc::O_RDONLY
         };
-        let fd = open_at(dir.as_raw_fd(), &t.name, flags | libc::O_NOFOLLOW, 0)
-            .map_err(|e| io_err(&t.target, e))?;
-        Ok(File::from(fd))
+        self.in_temp_dir(t, |dir| {
+            let fd = open_at(dir, &t.name, flags | libc::O_NOFOLLOW, 0)
+                .map_err(|e| io_err(&t.target, e))?;
+            Ok(File::from(fd))
+        })
     }
 
     /// Writes `data` at `offset` into the temp file.
@@ -451,9 +554,10 @@ impl Store {
     /// Deletes a temp file that will not be installed.
     pub fn discard_temp(&self, mut t: TempFile) {
         t.file = None;
-        if let Ok((dir, _)) = self.parent_and_name(&t.target, false) {
-            unsafe { libc::unlinkat(dir.as_raw_fd(), t.name.as_ptr(), 0) };
-        }
+        let _ = self.in_temp_dir(&t, |dir| {
+            unsafe { libc::unlinkat(dir, t.name.as_ptr(), 0) };
+            Ok(())
+        });
     }
 
     /// Installs finished temp files: one `syncfs` makes them all durable, each target is
@@ -486,6 +590,11 @@ impl Store {
         let mut touched: Vec<RawFd> = Vec::new();
         let mut out = Vec::with_capacity(batch.len());
         for (t, expect) in batch {
+            if t.staged {
+                if let Some(s) = &self.staging {
+                    touched.push(s.fd.as_raw_fd());
+                }
+            }
             out.push(self.install_one(cache, &mut touched, t, expect));
         }
         touched.sort_unstable();
@@ -503,16 +612,26 @@ impl Store {
         t: TempFile,
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
-        let dir = self.dir_in(cache, t.target.parent().as_ref(), false)?;
+        let dir = match self.dir_in(cache, t.target.parent().as_ref(), false) {
+            Ok(d) => d,
+            Err(e) => {
+                self.discard_temp(t);
+                return Err(e);
+            }
+        };
+        let from = match &self.staging {
+            Some(s) if t.staged => s.fd.as_raw_fd(),
+            _ => dir,
+        };
         let name = cstr(t.target.file_name())?;
         if let Err(e) = check_expect(dir, &name, &t.target, expect) {
-            unsafe { libc::unlinkat(dir, t.name.as_ptr(), 0) };
+            unsafe { libc::unlinkat(from, t.name.as_ptr(), 0) };
             return Err(e);
         }
-        let r = unsafe { libc::renameat(dir, t.name.as_ptr(), dir, name.as_ptr()) };
+        let r = unsafe { libc::renameat(from, t.name.as_ptr(), dir, name.as_ptr()) };
         if r < 0 {
             let e = io::Error::last_os_error();
-            unsafe { libc::unlinkat(dir, t.name.as_ptr(), 0) };
+            unsafe { libc::unlinkat(from, t.name.as_ptr(), 0) };
             return Err(io_err(&t.target, e));
         }
         if touched.last() != Some(&dir) {
@@ -714,6 +833,15 @@ impl Store {
     /// Returns how many were removed. Run at start-up: a crash leaves only temp files behind.
     pub fn remove_temps(&self) -> usize {
         let mut removed = 0;
+        if let Some(s) = &self.staging {
+            for e in std::fs::read_dir(&s.path).into_iter().flatten().flatten() {
+                if e.file_name().to_string_lossy().starts_with(TEMP_PREFIX)
+                    && std::fs::remove_file(e.path()).is_ok()
+                {
+                    removed += 1;
+                }
+            }
+        }
         let mut stack = vec![self.root.clone()];
         while let Some(d) = stack.pop() {
             let Ok(rd) = std::fs::read_dir(&d) else {
@@ -838,6 +966,86 @@ mod tests {
             0,
             "a refused install leaves no temp file"
         );
+    }
+
+    /// Names in `dir` (one level) that are temp files.
+    fn temps_in(dir: &Path) -> usize {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(TEMP_PREFIX))
+            .count()
+    }
+
+    #[test]
+    fn staged_temp_files_never_appear_in_the_replica() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let staging = state.path().join("staging");
+        let store = Store::open_staged(dir.path(), &staging).unwrap();
+        std::fs::write(dir.path().join("old"), b"old").unwrap();
+        let mut batch = Vec::new();
+        for name in ["new", "old"] {
+            let data = name.as_bytes();
+            let mut t = store.create_temp(&p(name)).unwrap();
+            store.write_temp(&mut t, 0, data).unwrap();
+            store
+                .finish_temp(&mut t, &Hash::of(data), data.len() as u64, 0o644, 0, false)
+                .unwrap();
+            batch.push(t);
+        }
+        assert_eq!(
+            temps_in(dir.path()),
+            0,
+            "assembly happens outside the replica"
+        );
+        assert_eq!(temps_in(&staging), 2);
+        // "new" installs; "old" was expected absent but exists: refused, its temp removed.
+        let results = store.install(batch.into_iter().map(|t| (t, Expect::Absent)).collect());
+        assert!(results[0].is_ok());
+        assert!(matches!(results[1], Err(StoreError::Changed(_))));
+        assert_eq!(std::fs::read(dir.path().join("new")).unwrap(), b"new");
+        assert_eq!(std::fs::read(dir.path().join("old")).unwrap(), b"old");
+        assert_eq!(temps_in(&staging), 0);
+        // A crash leaves staged temp files; the next start removes them.
+        let mut t = store.create_temp(&p("d/f")).unwrap();
+        store.write_temp(&mut t, 0, b"partial").unwrap();
+        drop(t);
+        let store = Store::open_staged(dir.path(), &staging).unwrap();
+        assert_eq!(store.remove_temps(), 1);
+        assert_eq!(temps_in(&staging), 0);
+    }
+
+    #[test]
+    fn a_staging_directory_on_another_filesystem_is_not_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let Ok(other) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let dev = |p: &Path| std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(p).unwrap());
+        assert_ne!(
+            dev(dir.path()),
+            dev(other.path()),
+            "/dev/shm is its own filesystem"
+        );
+        let staging = other.path().join("staging");
+        let store = Store::open_staged(dir.path(), &staging).unwrap();
+        let mut t = store.create_temp(&p("f")).unwrap();
+        store.write_temp(&mut t, 0, b"x").unwrap();
+        assert_eq!(
+            temps_in(dir.path()),
+            1,
+            "the temp file sits next to its target"
+        );
+        store
+            .finish_temp(&mut t, &Hash::of(b"x"), 1, 0o644, 0, false)
+            .unwrap();
+        assert!(store
+            .install(vec![(t, Expect::Absent)])
+            .pop()
+            .unwrap()
+            .is_ok());
+        assert_eq!(std::fs::read(dir.path().join("f")).unwrap(), b"x");
     }
 
     #[test]
