@@ -6,10 +6,12 @@
 //!    and journaled at once;
 //! 2. file contents are assembled in temp files from local chunks (chunk index) and chunks
 //!    fetched from the peer, each verified by blake3 (no lock held: local edits go on);
-//! 3. every temp file is verified against the record's whole-file hash;
+//! 3. every temp file is verified against the record's whole-file hash, and the batch's temp
+//!    files are made durable together (`syncfs`; still no lock);
 //! 4. (lock) the records are journaled as *pending* in one transaction;
-//! 5. the temp files are made durable together (`syncfs`), each target is checked against the
-//!    stat the journal expects, and renamed over it; each touched directory is fsynced once;
+//! 5. each target is checked against the stat the journal expects (and the journal against the
+//!    record the decision saw), and the temp file renamed over it; each touched directory is
+//!    fsynced once;
 //! 6. the applied records are committed in one transaction, which also clears their pending
 //!    rows. A crash between 4 and 6 is completed at start-up ([`recover_pending`]).
 //!
@@ -20,10 +22,13 @@ use crate::engine::{Engine, FolderRt};
 use crate::journal::{Change, Journal, LocalStat, Op, StoredRecord};
 use crate::reconcile::{self, Context, Outcome, ReplicaView, Step};
 use crate::store::{DirCache, Expect, StoreError, TempFile};
-use meshfs_protocol::{ChunkResponse, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath};
+use meshfs_protocol::{
+    ChunkResponse, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath, VersionVector,
+};
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use tokio::sync::oneshot;
 
 /// Temp files kept open while a batch is assembled (beyond this they are closed and re-opened
 /// on demand): a batch holds at most 1,000 records, well inside the 20,000-descriptor limit.
@@ -65,7 +70,7 @@ impl Memo {
         );
     }
 
-    /// What apply expects to find on disk at `path` (see [`expect_for`]).
+    /// What apply expects to find on disk at `path` (see [`expect_of`]).
     fn expect(&self, journal: &Journal, folder: &FolderId, path: &RelPath) -> Expect {
         expect_of(self.get(journal, folder, path).ok().flatten())
     }
@@ -92,12 +97,23 @@ impl ReplicaView for View<'_> {
     }
 }
 
+/// The journal's record at a path when a transfer to it was decided: its version and whether
+/// it is a tombstone (`None`: no record). The install goes ahead only if the journal still
+/// holds the same, so a decision made before an earlier batch's install (the receive
+/// pipeline) or a local edit landed is made again instead of acted on.
+type Basis = Option<(VersionVector, bool)>;
+
+fn basis_of(stored: Option<&StoredRecord>) -> Basis {
+    stored.map(|s| (s.record.version.clone(), s.record.deleted))
+}
+
 /// A file content to assemble.
 struct Transfer {
     record: FileRecord,
     op: Op,
     source: Option<DeviceId>,
     expect: Expect,
+    basis: Basis,
     detail: Option<String>,
     /// The remote record this transfer serves (for re-deciding after a failed install).
     remote: FileRecord,
@@ -123,7 +139,7 @@ fn prepare(
     record: FileRecord,
     op: Op,
     source: Option<DeviceId>,
-    expect: Expect,
+    (expect, basis): (Expect, Basis),
     detail: Option<String>,
     remote: FileRecord,
     keep_open: bool,
@@ -155,16 +171,13 @@ fn prepare(
         op,
         source,
         expect,
+        basis,
         detail,
         remote,
         temp,
         missing,
         then: Vec::new(),
     })
-}
-
-fn expect_for(journal: &Journal, folder: &FolderId, path: &RelPath) -> Expect {
-    expect_of(journal.get(folder, path).ok().flatten())
 }
 
 fn expect_of(stored: Option<StoredRecord>) -> Expect {
@@ -199,7 +212,85 @@ pub(crate) fn one_piece(record: &FileRecord) -> bool {
     matches!(record.chunks.as_slice(), [c] if c.hash == record.hash && u64::from(c.len) == record.size)
 }
 
-/// Reconciles and applies `records` received from `peer`.
+/// The paths a decided batch still has to install: its transfers' targets and their parent
+/// directories.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    files: HashSet<RelPath>,
+    dirs: HashSet<RelPath>,
+}
+
+impl InFlight {
+    fn of(transfers: &[Transfer]) -> InFlight {
+        let mut f = InFlight::default();
+        for t in transfers {
+            let p = &t.record.path;
+            if f.files.insert(p.clone()) {
+                f.dirs.extend(p.ancestors());
+            }
+        }
+        f
+    }
+
+    /// Whether a decision about `path` depends on what these installs will change: the same
+    /// path, a directory above one of them, or a path below one of them.
+    fn overlaps(&self, path: &RelPath) -> bool {
+        self.files.contains(path)
+            || self.dirs.contains(path)
+            || path.ancestors().iter().any(|a| self.files.contains(a))
+    }
+}
+
+/// The batch before this one in a folder's receive pipeline (`session::RECEIVE_DEPTH` = 2).
+pub struct Before {
+    /// Its paths in flight, once it has decided (dropped: it failed).
+    decided: oneshot::Receiver<Arc<InFlight>>,
+    /// Fires once it has installed everything (dropped: it failed).
+    installed: oneshot::Receiver<()>,
+}
+
+/// A Receive's place in its folder's receive pipeline. Batch N+1 decides once batch N has
+/// decided, and — unless one of its paths overlaps N's paths in flight, when it waits for N's
+/// install first — assembles and fetches while N installs; it installs, and reports itself
+/// applied, only after N has. The overlap rule keeps decisions off a view N is about to change;
+/// each install also checks that the journal still holds what its decision saw ([`Basis`]).
+pub struct Turn {
+    before: Option<Before>,
+    decided: Option<oneshot::Sender<Arc<InFlight>>>,
+    installed: Option<oneshot::Sender<()>>,
+}
+
+impl Turn {
+    /// The turn after `before` (`None`: nothing in flight), and what the next batch waits on.
+    pub fn after(before: Option<Before>) -> (Turn, Before) {
+        let (dtx, drx) = oneshot::channel();
+        let (itx, irx) = oneshot::channel();
+        (
+            Turn {
+                before,
+                decided: Some(dtx),
+                installed: Some(itx),
+            },
+            Before {
+                decided: drx,
+                installed: irx,
+            },
+        )
+    }
+}
+
+const EARLIER_FAILED: &str = "the batch received before this one failed to apply";
+
+/// Waits for the batch before to have installed, if it has not been waited for yet.
+async fn wait_installed(prev: &mut Option<oneshot::Receiver<()>>) -> Result<(), String> {
+    match prev.take() {
+        Some(rx) => rx.await.map_err(|_| EARLIER_FAILED.to_string()),
+        None => Ok(()),
+    }
+}
+
+/// Reconciles and applies `records` received from `peer`, in its turn of the folder's
+/// receive pipeline.
 pub async fn receive(
     engine: &Arc<Engine>,
     folder: &FolderId,
@@ -207,16 +298,31 @@ pub async fn receive(
     conn: &quinn::Connection,
     records: Vec<FileRecord>,
     mut inline: HashMap<Hash, ChunkResponse>,
+    turn: Turn,
 ) -> Result<(), String> {
     let rt = engine
         .folder(folder)
         .ok_or_else(|| format!("folder {folder} is not running here"))?;
+    let Turn {
+        before,
+        mut decided,
+        installed,
+    } = turn;
     let mut todo = order(records);
+    let mut prev_installed = None;
+    if let Some(b) = before {
+        let in_flight = b.decided.await.map_err(|_| EARLIER_FAILED.to_string())?;
+        prev_installed = Some(b.installed);
+        if todo.iter().any(|r| in_flight.overlaps(&r.path)) {
+            wait_installed(&mut prev_installed).await?;
+        }
+    }
     for _round in 0..MAX_ROUNDS {
         if todo.is_empty() {
-            return Ok(());
+            break;
         }
-        let decided = {
+        let deciding = std::time::Instant::now();
+        let this = {
             let engine = engine.clone();
             let rt = rt.clone();
             let folder = folder.clone();
@@ -224,11 +330,33 @@ pub async fn receive(
                 .await
                 .map_err(|e| e.to_string())??
         };
-        todo = transfer(engine, &rt, folder, conn, decided, &mut inline).await?;
+        let decide_ms = deciding.elapsed().as_millis() as u64;
+        if let Some(tx) = decided.take() {
+            let _ = tx.send(Arc::new(InFlight::of(&this.transfers)));
+        }
+        todo = transfer(
+            engine,
+            &rt,
+            folder,
+            conn,
+            this,
+            decide_ms,
+            &mut inline,
+            &mut prev_installed,
+        )
+        .await?;
     }
     if !todo.is_empty() {
         tracing::warn!(%folder, n = todo.len(), "paths kept changing during apply; they will be retried");
         return Err("local files kept changing during apply".into());
+    }
+    if let Some(tx) = decided.take() {
+        let _ = tx.send(Arc::default());
+    }
+    // Applied in order: not before the batch before this one.
+    wait_installed(&mut prev_installed).await?;
+    if let Some(tx) = installed {
+        let _ = tx.send(());
     }
     Ok(())
 }
@@ -297,6 +425,7 @@ struct Meta {
     op: Op,
     source: Option<DeviceId>,
     expect: Expect,
+    basis: Basis,
     detail: Option<String>,
     remote: FileRecord,
     then: Vec<Change>,
@@ -485,7 +614,8 @@ fn decide_each(
                     }
                 }
                 Step::PreserveRemote { record } => {
-                    let expect = memo.expect(journal, folder, &record.path);
+                    let at = memo.get(journal, folder, &record.path)?;
+                    let expect = (expect_of(at.clone()), basis_of(at.as_ref()));
                     let keep_open = transfers.len() < MAX_OPEN_TEMPS;
                     preserve_remote_at = Some(transfers.len());
                     transfers.push(prepare(
@@ -564,7 +694,7 @@ fn decide_each(
                                         record,
                                         op,
                                         source,
-                                        expect,
+                                        (expect, basis_of(prev.as_ref())),
                                         conflict.clone(),
                                         remote.clone(),
                                         keep_open,
@@ -625,14 +755,18 @@ fn decide_each(
     Ok(())
 }
 
-/// Steps 2–6 for the transfers; returns the remote records to decide again.
+/// Steps 2–6 for the transfers; returns the remote records to decide again. Installs only
+/// after the batch before has (`prev_installed`).
+#[allow(clippy::too_many_arguments)]
 async fn transfer(
     engine: &Arc<Engine>,
     rt: &Arc<FolderRt>,
     folder: &FolderId,
     conn: &quinn::Connection,
     decided: Decided,
+    decide_ms: u64,
     inline: &mut HashMap<Hash, ChunkResponse>,
+    prev_installed: &mut Option<oneshot::Receiver<()>>,
 ) -> Result<Vec<FileRecord>, String> {
     let Decided {
         transfers: work,
@@ -672,6 +806,7 @@ async fn transfer(
             op,
             source,
             expect,
+            basis,
             detail,
             remote,
             temp,
@@ -684,6 +819,7 @@ async fn transfer(
             op,
             source,
             expect,
+            basis,
             detail,
             remote,
             then,
@@ -763,6 +899,18 @@ async fn transfer(
         }
     }
     let verified_at = started.elapsed();
+    // Step 3's flush needs no lock: it overlaps the install of the batch before this one.
+    let ready = {
+        let rt = rt.clone();
+        tokio::task::spawn_blocking(move || {
+            let temps: Vec<&TempFile> = ready.iter().map(|(_, t)| t).collect();
+            rt.store.sync_temps(&temps);
+            ready
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    };
+    wait_installed(prev_installed).await?;
     // Steps 4–6 under the folder lock.
     let engine2 = engine.clone();
     let rt2 = rt.clone();
@@ -781,7 +929,7 @@ async fn transfer(
         .await?;
     }
     if files >= 100 {
-        tracing::info!(%folder, files, fetch_ms = fetched_at.as_millis() as u64,
+        tracing::info!(%folder, files, decide_ms, fetch_ms = fetched_at.as_millis() as u64,
             verify_ms = (verified_at - fetched_at).as_millis() as u64,
             install_ms = (started.elapsed() - verified_at).as_millis() as u64, "batch applied");
     }
@@ -810,10 +958,11 @@ fn install(
     let (meta, batch): (Vec<Meta>, Vec<(TempFile, Expect)>) = ready
         .into_iter()
         .map(|(t, temp)| {
-            let now = expect_for(&journal, folder, &t.record.path);
+            let stored = journal.get(folder, &t.record.path).ok().flatten();
+            let same = basis_of(stored.as_ref()) == t.basis && expect_of(stored) == t.expect;
             // A file open for writing through the mount is never replaced under its writer:
             // the remote version waits (it is decided again after the writer's release).
-            let e = if now == t.expect && !rt.writers.has_writer(&t.record.path) {
+            let e = if same && !rt.writers.has_writer(&t.record.path) {
                 t.expect
             } else {
                 Expect::Matches(LocalStat {
@@ -824,7 +973,7 @@ fn install(
             (t, (temp, e))
         })
         .unzip();
-    let results = rt.store.install_in(dirs, batch);
+    let results = rt.store.install_synced_in(dirs, batch);
     let mut changes = Vec::new();
     let mut redo = Vec::new();
     let mut cleared = Vec::new();
@@ -907,4 +1056,28 @@ pub fn recover_pending(
         .map_err(|e| e.to_string())?;
     journal.commit(folder, done).map_err(|e| e.to_string())?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_waits_for_the_one_before_only_where_their_paths_meet() {
+        let p = |s: &str| RelPath::new(s).unwrap();
+        let mut f = InFlight::default();
+        for path in ["a/b/f", "top"] {
+            let path = p(path);
+            f.dirs.extend(path.ancestors());
+            f.files.insert(path);
+        }
+        // The same file, a directory above one in flight, a path below a file in flight.
+        for meets in ["a/b/f", "a/b", "a", "top", "top/x"] {
+            assert!(f.overlaps(&p(meets)), "{meets}");
+        }
+        // Siblings, other directories, a name that only shares a prefix.
+        for apart in ["a/b/g", "a/c", "a/bb/f", "topper", "z/top"] {
+            assert!(!f.overlaps(&p(apart)), "{apart}");
+        }
+    }
 }

@@ -8,6 +8,7 @@
 //! The session logic (what to send, when a folder is in sync) lives in [`crate::session`]; this
 //! module only moves its messages and runs the applies it asks for.
 
+use crate::apply;
 use crate::engine::Engine;
 use crate::journal::{Journal, Op};
 use crate::session::{Action, FolderSyncStatus, IndexSource, Session, SessionFolder};
@@ -101,6 +102,11 @@ fn register(
     conn: quinn::Connection,
     dialer: DeviceId,
 ) -> Option<PeerLink> {
+    // A stopping daemon starts no session: the peer would only see it end at once and redial.
+    if *engine.stopping.borrow() {
+        conn.close(0u32.into(), b"daemon stopping");
+        return None;
+    }
     let mut peers = engine.peers.lock().ok()?;
     peers.serial += 1;
     let serial = peers.serial;
@@ -166,6 +172,9 @@ pub async fn dial_loop(engine: Arc<Engine>, peer: DeviceId, addr: String, stop: 
     let mut backoff = Duration::from_millis(100);
     let max = Duration::from_secs(engine.options().max_redial_secs.max(1));
     loop {
+        if *engine.stopping.borrow() {
+            return;
+        }
         let connected = engine
             .peers
             .lock()
@@ -356,6 +365,8 @@ async fn drive_session(
         session.start(&mut JournalSource { journal: &mut j })
     };
     let mut pending = first;
+    // Per folder, what the next Receive waits on (the receive pipeline, `apply::Turn`).
+    let mut pipeline: HashMap<FolderId, apply::Before> = HashMap::new();
     loop {
         for action in std::mem::take(&mut pending) {
             match action {
@@ -374,12 +385,14 @@ async fn drive_session(
                     inline,
                 } => {
                     let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
+                    let (turn, next) = apply::Turn::after(pipeline.remove(&folder));
+                    pipeline.insert(folder.clone(), next);
                     let engine = engine.clone();
                     let tx = tx.clone();
                     let conn = conn.clone();
                     tokio::spawn(async move {
-                        let ev = match crate::apply::receive(
-                            &engine, &folder, peer, &conn, records, inline,
+                        let ev = match apply::receive(
+                            &engine, &folder, peer, &conn, records, inline, turn,
                         )
                         .await
                         {

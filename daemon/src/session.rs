@@ -16,7 +16,9 @@
 //!   from 0; when the peer's epoch is not the one we remember, its sequence restarts at 0;
 //! - a batch holds at most [`MAX_BATCH_RECORDS`] records and about [`MAX_BATCH_BYTES`] of
 //!   encoded records; at most [`MAX_IN_FLIGHT`] unacknowledged batches per folder;
-//! - one `Receive` per folder is outstanding at a time; further batches queue behind it;
+//! - at most [`RECEIVE_DEPTH`] `Receive`s per folder are outstanding at a time (further
+//!   batches queue behind them), and the driver reports them applied in the order it got
+//!   them: the receiver decides and assembles one batch while the one before it installs;
 //! - progress (sequences applied, acknowledged, known) never moves backwards.
 
 use meshfs_protocol::{
@@ -24,6 +26,11 @@ use meshfs_protocol::{
     IndexBatch, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
 use std::collections::{BTreeMap, VecDeque};
+
+/// Receives of one folder handed to the driver before the first of them is applied. Two:
+/// the driver overlaps one batch's deciding and assembling with the install of the batch
+/// before it, and relies on the one before that being done (`apply::Turn`).
+pub const RECEIVE_DEPTH: usize = 2;
 
 /// Most records in one index batch.
 pub const MAX_BATCH_RECORDS: usize = 1000;
@@ -70,10 +77,11 @@ pub enum Action {
     /// Send this message on the control stream.
     Send(Message),
     /// Reconcile and apply these records of the peer, in order; then call
-    /// [`Session::applied`]`(folder, up_to)`. If some record cannot be applied yet (content
-    /// unavailable), call `applied` with the sequence just below it: the peer gets a partial
-    /// acknowledgement, the Receive stays outstanding, and the driver retries the rest and
-    /// calls `applied` again up to `up_to`.
+    /// [`Session::applied`]`(folder, up_to)`. Up to [`RECEIVE_DEPTH`] Receives of a folder may
+    /// be outstanding; `applied` is called for them in the order they were handed out. If
+    /// some record cannot be applied yet (content unavailable), call `applied` with the
+    /// sequence just below it: the peer gets a partial acknowledgement, the Receive stays
+    /// outstanding, and the driver retries the rest and calls `applied` again up to `up_to`.
     Receive {
         /// The folder.
         folder: FolderId,
@@ -144,8 +152,9 @@ struct FolderState {
     their_applied: u64,
     /// Highest `up_to` of their batches received in this session.
     their_received: u64,
-    /// `up_to` of the outstanding Receive.
-    receiving: Option<u64>,
+    /// Outstanding Receives, oldest first: their `up_to`, and how far applying it lets us
+    /// acknowledge (further, when empty batches arrived behind it).
+    receiving: VecDeque<(u64, u64)>,
     queued: VecDeque<IndexBatch>,
     /// Our records with a sequence above this are new to the peer (see [`Session::inline_after`]).
     inline_after: u64,
@@ -264,15 +273,15 @@ impl Session {
         let Some(f) = self.folders.get_mut(folder) else {
             return Vec::new();
         };
-        let Some(outstanding) = f.receiving else {
+        let Some(&(outstanding, ack_to)) = f.receiving.front() else {
             return Vec::new();
         };
-        let up_to = up_to.min(outstanding);
-        let mut out = f.progress(up_to);
-        if up_to == outstanding {
-            f.receiving = None;
-            out.extend(f.deliver());
+        if up_to < outstanding {
+            return f.progress(up_to);
         }
+        f.receiving.pop_front();
+        let mut out = f.progress(ack_to);
+        out.extend(f.deliver());
         out
     }
 
@@ -345,7 +354,7 @@ impl Session {
     /// Progress of `folder`, if it is one of ours.
     pub fn folder_status(&self, folder: &FolderId) -> Option<FolderSyncStatus> {
         let f = self.folders.get(folder)?;
-        let receiving = f.receiving.is_some() || !f.queued.is_empty();
+        let receiving = !f.receiving.is_empty() || !f.queued.is_empty();
         Some(FolderSyncStatus {
             our_max: f.our_max,
             our_acked: f.our_acked,
@@ -445,11 +454,7 @@ impl Session {
         f.their_received = batch.up_to;
         f.their_known_max = f.their_known_max.max(batch.up_to);
         f.queued.push_back(batch);
-        if f.receiving.is_none() {
-            f.deliver()
-        } else {
-            Vec::new()
-        }
+        f.deliver()
     }
 
     fn on_ack(&mut self, ack: IndexAck, src: &mut dyn IndexSource) -> Vec<Action> {
@@ -518,7 +523,7 @@ impl FolderState {
             our_max: 0,
             sent_up_to: 0,
             in_flight: VecDeque::new(),
-            receiving: None,
+            receiving: VecDeque::new(),
             queued: VecDeque::new(),
             inline_after: u64::MAX,
         }
@@ -563,17 +568,21 @@ impl FolderState {
         out
     }
 
-    /// Hands the next queued batch to the driver; empty batches are acknowledged at once.
+    /// Hands queued batches to the driver while fewer than [`RECEIVE_DEPTH`] are outstanding;
+    /// an empty batch is acknowledged at once, or with the Receive it queued behind.
     fn deliver(&mut self) -> Vec<Action> {
         let mut out = Vec::new();
-        while self.receiving.is_none() {
+        while self.receiving.len() < RECEIVE_DEPTH {
             let Some(batch) = self.queued.pop_front() else {
                 break;
             };
             if batch.records.is_empty() {
-                out.extend(self.progress(batch.up_to));
+                match self.receiving.back_mut() {
+                    Some((_, ack_to)) => *ack_to = batch.up_to,
+                    None => out.extend(self.progress(batch.up_to)),
+                }
             } else {
-                self.receiving = Some(batch.up_to);
+                self.receiving.push_back((batch.up_to, batch.up_to));
                 out.push(Action::Receive {
                     folder: batch.folder,
                     records: batch.records,
@@ -1055,7 +1064,7 @@ mod tests {
     }
 
     #[test]
-    fn a_second_batch_waits_for_the_first_to_be_applied() {
+    fn receives_are_pipelined_two_deep_and_acknowledged_in_order() {
         let mut a = Side::new(1, 2, vec![folder("f", 11)]);
         a.session.start(&mut a.journal);
         let hello = Message::Hello(Hello {
@@ -1066,27 +1075,38 @@ mod tests {
                 index_id: 5,
                 your_index_id: 0,
                 your_sequence: 0,
-                max_sequence: 4,
+                max_sequence: 7,
             }],
         });
         a.session.handle(hello, &mut a.journal);
-        let b1 = Message::Index(IndexBatch {
-            folder: fid("f"),
-            records: vec![record("x", 2, 1)],
-            up_to: 2,
-            inline: Vec::new(),
-        });
-        let b2 = Message::Index(IndexBatch {
-            folder: fid("f"),
-            records: vec![record("y", 2, 3)],
-            up_to: 4,
-            inline: Vec::new(),
-        });
-        let r1 = a.session.handle(b1, &mut a.journal);
+        let batch = |records: Vec<FileRecord>, up_to| {
+            Message::Index(IndexBatch {
+                folder: fid("f"),
+                records,
+                up_to,
+                inline: Vec::new(),
+            })
+        };
+        let r1 = a
+            .session
+            .handle(batch(vec![record("x", 2, 1)], 2), &mut a.journal);
         assert!(matches!(&r1[..], [Action::Receive { up_to: 2, .. }]));
-        assert!(a.session.handle(b2, &mut a.journal).is_empty());
+        // The second is handed out before the first is applied (RECEIVE_DEPTH = 2) ...
+        let r2 = a
+            .session
+            .handle(batch(vec![record("y", 2, 3)], 4), &mut a.journal);
+        assert!(matches!(&r2[..], [Action::Receive { up_to: 4, .. }]));
+        // ... an empty batch and a third wait, and nothing is acknowledged yet.
+        assert!(a
+            .session
+            .handle(batch(vec![], 5), &mut a.journal)
+            .is_empty());
+        assert!(a
+            .session
+            .handle(batch(vec![record("z", 2, 6)], 7), &mut a.journal)
+            .is_empty());
         assert!(!status(&a, "f").in_sync);
-        // Partial progress keeps the Receive outstanding.
+        // Partial progress keeps the first Receive outstanding.
         let p = a.session.applied(&fid("f"), 1);
         assert!(
             matches!(
@@ -1099,25 +1119,41 @@ mod tests {
             "{p:?}"
         );
         assert!(status(&a, "f").receiving);
+        // The first applied: acknowledged up to 2 only (the second is still outstanding, the
+        // empty batch behind it waits for it), and the third is handed out.
         let next = a.session.applied(&fid("f"), 2);
+        let acked: Vec<u64> = next
+            .iter()
+            .filter_map(|x| match x {
+                Action::Send(Message::IndexAck(a)) => Some(a.sequence),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(acked, vec![2]);
         assert!(
-            matches!(next.last(), Some(Action::Receive { up_to: 4, .. })),
+            matches!(next.last(), Some(Action::Receive { up_to: 7, .. })),
             "{next:?}"
         );
-        a.session.applied(&fid("f"), 4);
+        let second = a.session.applied(&fid("f"), 4);
+        assert!(
+            matches!(
+                &second[..],
+                [
+                    Action::Send(Message::IndexAck(IndexAck { sequence: 5, .. })),
+                    Action::SaveTheirSequence { sequence: 5, .. }
+                ]
+            ),
+            "the empty batch is acknowledged with the Receive it waited behind: {second:?}"
+        );
+        a.session.applied(&fid("f"), 7);
         let st = status(&a, "f");
         assert_eq!(
             (st.their_applied, st.their_known_max, st.receiving),
-            (4, 4, false)
+            (7, 7, false)
         );
         assert!(st.in_sync);
         // Progress never goes backwards; an out-of-order batch is a protocol violation.
-        let old = Message::Index(IndexBatch {
-            folder: fid("f"),
-            records: vec![record("z", 2, 3)],
-            up_to: 3,
-            inline: Vec::new(),
-        });
+        let old = batch(vec![record("z", 2, 3)], 3);
         assert!(matches!(
             a.session.handle(old, &mut a.journal).last(),
             Some(Action::Close { .. })

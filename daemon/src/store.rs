@@ -574,18 +574,33 @@ impl Store {
         cache: &mut DirCache,
         batch: Vec<(TempFile, Expect)>,
     ) -> Vec<Result<LocalStat, StoreError>> {
-        if batch.is_empty() {
-            return Vec::new();
-        }
-        // Step: durable. Few files: fsync each; many: one syncfs for the whole filesystem.
-        if batch.len() <= 4 {
-            for (t, _) in &batch {
+        let temps: Vec<&TempFile> = batch.iter().map(|(t, _)| t).collect();
+        self.sync_temps(&temps);
+        self.install_synced_in(cache, batch)
+    }
+
+    /// Makes finished temp files durable: few, `fsync` each; many, one `syncfs` for the whole
+    /// filesystem. Needs no lock: temp files are the store's own.
+    pub fn sync_temps(&self, temps: &[&TempFile]) {
+        if temps.len() <= 4 {
+            for t in temps {
                 if let Ok(f) = self.temp_handle(t, false) {
                     let _ = f.sync_all();
                 }
             }
-        } else {
+        } else if !temps.is_empty() {
             unsafe { libc::syncfs(self.root_fd.as_raw_fd()) };
+        }
+    }
+
+    /// [`Store::install_in`] of temp files already made durable by [`Store::sync_temps`].
+    pub fn install_synced_in(
+        &self,
+        cache: &mut DirCache,
+        batch: Vec<(TempFile, Expect)>,
+    ) -> Vec<Result<LocalStat, StoreError>> {
+        if batch.is_empty() {
+            return Vec::new();
         }
         let mut touched: Vec<RawFd> = Vec::new();
         let mut out = Vec::with_capacity(batch.len());

@@ -16,18 +16,27 @@ fn must_pass(cfg: &SimConfig) {
 #[test]
 fn a_thousand_seeded_runs_converge_without_losing_data() {
     let start = Instant::now();
-    let mut conflicts = 0;
+    let (mut conflicts, mut ran_ahead) = (0, 0);
     for seed in 0..1000 {
         match run(&SimConfig::new(seed)) {
-            Ok(r) => conflicts += r.conflict_files,
+            Ok(r) => {
+                conflicts += r.conflict_files;
+                ran_ahead += r.ran_ahead;
+            }
             Err(f) => panic!("{f}"),
         }
     }
-    // The workload must exercise conflicts, not only clean propagation.
+    // The workload must exercise conflicts, not only clean propagation, and the receive
+    // pipeline: a batch applied while the one before it waits for content.
     assert!(
         conflicts > 50,
         "only {conflicts} conflict files in 1000 runs"
     );
+    assert!(
+        ran_ahead > 50,
+        "only {ran_ahead} records ran ahead in 1000 runs"
+    );
+    eprintln!("{ran_ahead} records ran ahead of a waiting batch");
     eprintln!("1000 seeds in {:?}", start.elapsed());
 }
 

@@ -26,7 +26,7 @@ mod replica;
 mod truth;
 
 use crate::reconcile::{decide, new_local_version, Context, Decision, Outcome, Step};
-use crate::session::{Action, Session, SessionFolder};
+use crate::session::{Action, Session, SessionFolder, RECEIVE_DEPTH};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, Message, ShortId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -89,6 +89,8 @@ pub struct SimReport {
     pub superseded: u64,
     /// Chunk fetches that failed or arrived corrupt and were retried.
     pub fetch_retries: u64,
+    /// Records of a Receive applied while the Receive before it waited for content.
+    pub ran_ahead: u64,
     /// Virtual time at quiescence, ms.
     pub virtual_ms: u64,
     /// Paths (records, tombstones included) on every replica at the end.
@@ -189,8 +191,9 @@ struct Replica {
     journal: Journal,
     alive: bool,
     skew_ms: i64,
-    /// Records received on a connection, waiting to be applied.
-    receives: BTreeMap<u64, PendingReceive>,
+    /// Records received on a connection, waiting to be applied: up to [`RECEIVE_DEPTH`]
+    /// Receives per connection, oldest first.
+    receives: BTreeMap<u64, VecDeque<PendingReceive>>,
 }
 
 /// A connection: one control stream, one session at each end.
@@ -542,8 +545,12 @@ impl Sim {
                         records: records.into(),
                         up_to,
                     };
-                    if self.replicas[r].receives.insert(id, pr).is_some() {
-                        return Err(format!("r{r}: a second Receive while one is outstanding"));
+                    let queue = self.replicas[r].receives.entry(id).or_default();
+                    queue.push_back(pr);
+                    if queue.len() > RECEIVE_DEPTH {
+                        return Err(format!(
+                            "r{r}: more than {RECEIVE_DEPTH} Receives outstanding"
+                        ));
                     }
                     self.log(|| format!("r{r} receives {n} records from r{peer} up to {up_to}"));
                     let at = self.now + self.rng.gen_range(0..=5);
@@ -723,11 +730,16 @@ impl Sim {
 
     // ---- applying a peer's records ----
 
+    /// Applies the outstanding Receives of connection `id`, oldest first. A Receive whose
+    /// content is not available yet stays outstanding (partially acknowledged) and is retried;
+    /// the one behind it runs ahead meanwhile, as the engine's pipeline lets it, unless one of
+    /// its paths is, contains or lies inside a path still waiting in the first (`apply::Turn`).
+    /// Receives are acknowledged in order.
     fn apply_receive(&mut self, r: usize, id: u64) -> Res<()> {
         if !self.replicas[r].alive || !self.conns.contains_key(&id) {
             return Ok(());
         }
-        let Some(mut pr) = self.replicas[r].receives.remove(&id) else {
+        let Some(mut queue) = self.replicas[r].receives.remove(&id) else {
             return Ok(());
         };
         let side = match self.conns.get(&id) {
@@ -736,6 +748,72 @@ impl Sim {
             None => return Ok(()),
         };
         let sender = self.conns.get(&id).map(|c| c.ends[1 - side]).unwrap_or(r);
+        let mut grew = false;
+        let mut first_progress = None;
+        let mut waiting: Vec<meshfs_protocol::RelPath> = Vec::new();
+        for (i, pr) in queue.iter_mut().enumerate() {
+            let overlaps = pr.records.iter().any(|rec| {
+                waiting
+                    .iter()
+                    .any(|w| w.is_within(&rec.path) || rec.path.is_within(w))
+            });
+            if overlaps {
+                break;
+            }
+            let before = pr.records.len();
+            let Some((g, progress)) = self.apply_records(r, sender, pr)? else {
+                return Ok(()); // crashed mid-apply
+            };
+            grew |= g;
+            if i == 0 {
+                first_progress = progress;
+            } else {
+                self.report.ran_ahead += (before - pr.records.len()) as u64;
+            }
+            waiting.extend(pr.records.iter().map(|rec| rec.path.clone()));
+        }
+        let mut acts = Vec::new();
+        while queue.front().is_some_and(|pr| pr.records.is_empty()) {
+            let Some(pr) = queue.pop_front() else { break };
+            let Some(c) = self.conns.get_mut(&id) else {
+                return Ok(());
+            };
+            acts.extend(c.sessions[side].applied(&pr.folder, pr.up_to));
+        }
+        if let Some(blocked) = queue.front() {
+            let (folder, partial) = (blocked.folder.clone(), blocked.records[0].sequence - 1);
+            if let (Some(_), Some(c)) = (first_progress, self.conns.get_mut(&id)) {
+                acts.extend(c.sessions[side].applied(&folder, partial));
+            }
+            let at = self.now + self.rng.gen_range(20..=100);
+            self.schedule(
+                at,
+                Event::ApplyReceive {
+                    replica: r,
+                    conn: id,
+                },
+            );
+        }
+        if !queue.is_empty() {
+            self.replicas[r].receives.insert(id, queue);
+        }
+        self.process(id, side, acts)?;
+        self.check_consistency(r)?;
+        if grew {
+            self.notify(r)?;
+        }
+        Ok(())
+    }
+
+    /// Decides and executes `pr`'s records in order until one's content is unavailable.
+    /// Returns whether anything changed and the sequence of the last record done, or `None`
+    /// if the replica crashed in the middle.
+    fn apply_records(
+        &mut self,
+        r: usize,
+        sender: usize,
+        pr: &mut PendingReceive,
+    ) -> Res<Option<(bool, Option<u64>)>> {
         let mut grew = false;
         let mut progress = None;
         while let Some(remote) = pr.records.front().cloned() {
@@ -771,7 +849,7 @@ impl Sim {
                             .or_default() += 1;
                     }
                     if self.execute(r, sender, &remote, &decision, &blobs)? {
-                        return Ok(()); // crashed mid-apply
+                        return Ok(None);
                     }
                     grew |= !decision.steps.is_empty();
                 }
@@ -779,37 +857,7 @@ impl Sim {
             pr.records.pop_front();
             progress = Some(remote.sequence);
         }
-        let (folder, up_to) = (pr.folder.clone(), pr.up_to);
-        let acts = match pr.records.front() {
-            None => {
-                let Some(c) = self.conns.get_mut(&id) else {
-                    return Ok(());
-                };
-                c.sessions[side].applied(&folder, up_to)
-            }
-            Some(blocked) => {
-                let partial = blocked.sequence - 1;
-                self.replicas[r].receives.insert(id, pr);
-                let at = self.now + self.rng.gen_range(20..=100);
-                self.schedule(
-                    at,
-                    Event::ApplyReceive {
-                        replica: r,
-                        conn: id,
-                    },
-                );
-                match (progress, self.conns.get_mut(&id)) {
-                    (Some(_), Some(c)) => c.sessions[side].applied(&folder, partial),
-                    _ => Vec::new(),
-                }
-            }
-        };
-        self.process(id, side, acts)?;
-        self.check_consistency(r)?;
-        if grew {
-            self.notify(r)?;
-        }
-        Ok(())
+        Ok(Some((grew, progress)))
     }
 
     /// The remote contents a decision needs, from this replica's own files (the chunk index)
