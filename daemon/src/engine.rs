@@ -292,10 +292,14 @@ impl Engine {
             j.commit(folder, changes).map_err(|e| e.to_string())?;
             changes = rest;
         }
+        if report.entries > 10_000 {
+            j.release_memory();
+        }
         drop(j);
         if report.entries > 10_000 {
-            // A big scan's transient maps are freed now; give the pages back to the system so
-            // the resident size of an idle daemon stays small.
+            // A big scan's transient maps (and the journal's page cache, above) are freed now;
+            // give the pages back to the system so the resident size of an idle daemon stays
+            // small.
             #[cfg(target_env = "gnu")]
             unsafe {
                 libc::malloc_trim(0);

@@ -584,6 +584,15 @@ impl Journal {
         Ok(found)
     }
 
+    /// Gives back the page cache and cached statements of this connection (they refill on
+    /// demand). After a scan of a big tree, so that an idle daemon stays small.
+    pub fn release_memory(&self) {
+        self.conn.flush_prepared_statement_cache();
+        if let Err(e) = self.conn.execute_batch("PRAGMA shrink_memory") {
+            tracing::debug!(error = %e, "shrink_memory failed");
+        }
+    }
+
     /// Runs a read, naming the file in errors that concern it.
     fn read<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
         f(&self.conn).map_err(|e| classify(&self.path, e))
