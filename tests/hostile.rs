@@ -19,6 +19,7 @@ fn hello(folder: &str) -> Message {
             your_index_id: 0,
             your_sequence: 0,
             max_sequence: 0,
+            scanning: false,
         }],
     })
 }

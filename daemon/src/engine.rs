@@ -9,7 +9,7 @@ use crate::capture::{self, CaptureMsg, Coalescer};
 use crate::config::{Config, Home, Options};
 use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
-use crate::journal::Journal;
+use crate::journal::{Change, Journal};
 use crate::peers::{self, Peers};
 use crate::scanner::{self, ScanTarget};
 use crate::store::Store;
@@ -38,6 +38,8 @@ pub struct FolderRt {
     pub capture: mpsc::UnboundedSender<CaptureMsg>,
     /// Paths waiting in the capture loop.
     pub capture_pending: std::sync::atomic::AtomicUsize,
+    /// The folder's first scan is still running (the folder is not in sync meanwhile).
+    pub scanning: std::sync::atomic::AtomicBool,
     /// Which paths are open for writing through a mount (never replaced under their writer).
     pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
     /// Invalidates a mount's kernel caches after the engine changed a path.
@@ -188,6 +190,7 @@ impl Engine {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
         }
         let (tx, rx) = mpsc::unbounded_channel();
+        let fresh;
         let rt = Arc::new(FolderRt {
             id: id.clone(),
             ignore: RwLock::new(IgnoreRules::load(&f.path)),
@@ -195,6 +198,7 @@ impl Engine {
             op_lock: Mutex::new(()),
             capture: tx.clone(),
             capture_pending: Default::default(),
+            scanning: Default::default(),
             // Until the FUSE layer mounts the folder, nothing is open through a mount.
             writers: Arc::new(meshfs_fuse::NoMount),
             invalidator: Arc::new(meshfs_fuse::NoMount),
@@ -206,7 +210,7 @@ impl Engine {
                 .journal
                 .lock()
                 .map_err(|_| anyhow::anyhow!("journal lock poisoned"))?;
-            j.folder(&id)?;
+            fresh = j.folder(&id)?.max_sequence == 0;
             let done =
                 crate::apply::recover_pending(&mut j, &rt, &id).map_err(|e| anyhow::anyhow!(e))?;
             if done > 0 {
@@ -229,17 +233,48 @@ impl Engine {
             m.insert(id.clone(), rt.clone());
         }
         let started = Instant::now();
+        let path = f.path.clone();
+        if fresh {
+            // Nothing journaled yet: the first scan journals and announces as it hashes, so
+            // the daemon goes on to listen and dial at once and peers get the first files
+            // while the rest are read (`scan_blocking`).
+            rt.scanning
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            let engine = self.clone();
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+            tokio::spawn(async move {
+                let scanned = engine.scan_paths(&rt.id, Vec::new()).await;
+                rt.scanning
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                let _ = done_tx.send(());
+                match scanned {
+                    Ok(n) => {
+                        tracing::info!(folder = %rt.id, path = %path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned")
+                    }
+                    Err(e) => {
+                        tracing::error!(folder = %rt.id, error = %e, "first scan failed; retrying with a rescan");
+                        let _ = rt.capture.send(CaptureMsg::Rescan);
+                    }
+                }
+                capture_loop(engine, rt, rx).await;
+            });
+            // A small folder is done at once: wait for it, so the Hello says it is not
+            // scanning and peers attach small files' content (`HelloFolder::scanning`).
+            let _ = tokio::time::timeout(FIRST_SCAN_WAIT, done_rx).await;
+            return Ok(());
+        }
         let n = self
             .scan_paths(&id, Vec::new())
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
-        tracing::info!(folder = %id, path = %f.path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned");
+        tracing::info!(folder = %id, path = %path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned");
         tokio::spawn(capture_loop(self.clone(), rt, rx));
         Ok(())
     }
 
     /// Scans `paths` (empty: the whole folder) and journals what changed. Returns the number of
-    /// new versions.
+    /// new versions. The first scan of a folder journals and announces its changes in slices as
+    /// it goes ([`scanner::scan_new`]).
     pub async fn scan_paths(
         self: &Arc<Self>,
         folder: &FolderId,
@@ -275,23 +310,37 @@ impl Engine {
             now_secs: now_secs(),
         };
         let t0 = Instant::now();
+        let mut streamed = 0;
         let report = {
-            let j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
-            scanner::scan(&target, &j, paths).map_err(|e| e.to_string())?
+            let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
+            let empty = j.folder(folder).map_err(|e| e.to_string())?.max_sequence == 0;
+            if paths.is_empty() && empty {
+                // Nothing journaled yet: everything is new. Journal and announce it as it is
+                // hashed, without holding the journal, so peers get the first files while the
+                // rest are still being read.
+                drop(j);
+                let mut emit = |changes: Vec<Change>| -> Result<(), String> {
+                    streamed += changes.len();
+                    tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");
+                    let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
+                    commit_in_batches(&mut j, folder, changes)?;
+                    drop(j);
+                    self.changes_notify(folder);
+                    Ok(())
+                };
+                scanner::scan_new(&target, &mut emit).map_err(|e| e.to_string())?
+            } else {
+                scanner::scan(&target, &j, paths).map_err(|e| e.to_string())?
+            }
         };
         let scanned = t0.elapsed();
-        let n = report.changes.len();
+        let n = report.changes.len() + streamed;
         let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
         if !report.restat.is_empty() {
             j.set_local_stats(folder, &report.restat)
                 .map_err(|e| e.to_string())?;
         }
-        let mut changes = report.changes;
-        while !changes.is_empty() {
-            let rest = changes.split_off(changes.len().min(SCAN_COMMIT_BATCH));
-            j.commit(folder, changes).map_err(|e| e.to_string())?;
-            changes = rest;
-        }
+        commit_in_batches(&mut j, folder, report.changes)?;
         if report.entries > 10_000 {
             j.release_memory();
         }
@@ -445,7 +494,8 @@ impl Engine {
                 .capture_pending
                 .load(std::sync::atomic::Ordering::Relaxed);
             let mut peer_list = Vec::new();
-            let mut folder_synced = capture_pending == 0;
+            let scanning = rt.scanning.load(std::sync::atomic::Ordering::Relaxed);
+            let mut folder_synced = capture_pending == 0 && !scanning;
             let mut all_connected = true;
             for p in &config.peers {
                 if !p.folders.iter().any(|f| f == rt.id.as_str()) {
@@ -493,6 +543,7 @@ impl Engine {
                 "tombstones": counts.tombstones,
                 "sequence": max,
                 "capture_pending": capture_pending,
+                "scanning": scanning,
                 "conflicts": conflicts,
                 "in_sync": folder_synced,
                 "peers_connected": all_connected,
@@ -635,4 +686,21 @@ async fn capture_loop(
             _ = stopping.changed() => return,
         }
     }
+}
+
+/// How long starting a folder waits for its first scan before going on while it runs.
+const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);
+
+/// Commits scanned changes, [`SCAN_COMMIT_BATCH`] per transaction.
+fn commit_in_batches(
+    j: &mut Journal,
+    folder: &FolderId,
+    mut changes: Vec<Change>,
+) -> Result<(), String> {
+    while !changes.is_empty() {
+        let rest = changes.split_off(changes.len().min(SCAN_COMMIT_BATCH));
+        j.commit(folder, changes).map_err(|e| e.to_string())?;
+        changes = rest;
+    }
+    Ok(())
 }

@@ -293,12 +293,16 @@ fn session_folders(engine: &Engine, peer: &DeviceId) -> Vec<SessionFolder> {
         .filter_map(|folder| {
             let st = j.folder(&folder).ok()?;
             let pr = j.peer_progress(&folder, peer).ok()?;
+            let scanning = engine
+                .folder(&folder)
+                .is_some_and(|rt| rt.scanning.load(std::sync::atomic::Ordering::Relaxed));
             Some(SessionFolder {
                 folder,
                 index_id: st.index_id,
                 their_index_id: pr.their_index_id,
                 their_sequence: pr.their_sequence,
                 our_acked: pr.our_acked,
+                scanning,
             })
         })
         .collect()

@@ -55,6 +55,9 @@ pub enum ScanError {
     /// The journal could not be read.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// A slice of a streamed scan could not be journaled.
+    #[error("journaling scanned changes: {0}")]
+    Commit(String),
     /// The folder root is missing or unreadable.
     #[error("{path}: {source}")]
     Root {
@@ -91,16 +94,17 @@ impl Known {
     }
 }
 
-/// Fetches full records from the journal on demand.
+/// Fetches full records from the journal on demand (`None`: a folder the journal has nothing
+/// of yet).
 struct Lookup<'a> {
-    journal: &'a Journal,
+    journal: Option<&'a Journal>,
     folder: &'a FolderId,
 }
 
 impl Lookup<'_> {
     fn full(&self, k: &Known) -> Option<FileRecord> {
         k.full.clone().or_else(|| {
-            self.journal
+            self.journal?
                 .get(self.folder, &k.s.path)
                 .ok()
                 .flatten()
@@ -175,10 +179,36 @@ pub fn scan(
         }
     }
     let lk = Lookup {
-        journal,
+        journal: Some(journal),
         folder: t.folder,
     };
-    diff(t, &lk, known, seen, report)
+    diff(t, &lk, known, seen, report, None)
+}
+
+/// Files hashed per slice of a streamed first scan.
+const FIRST_SCAN_SLICE: usize = 1000;
+
+/// What a streamed scan hands over as soon as it has it: changes in a safe order (every
+/// directory before anything below it).
+pub type Emit<'a> = dyn FnMut(Vec<Change>) -> Result<(), String> + 'a;
+
+/// The first scan of a folder the journal has nothing of: the whole tree is new, so nothing can
+/// have been deleted or renamed, and no journal is read. Changes are handed to `emit` as they
+/// are found — directories and symlinks first, then files [`FIRST_SCAN_SLICE`] at a time as
+/// they are hashed — so they can be journaled and sent to peers while the rest is still being
+/// read. The returned report's `changes` is empty.
+pub fn scan_new(t: &ScanTarget<'_>, emit: &mut Emit<'_>) -> Result<ScanReport, ScanError> {
+    let mut seen: Vec<Seen> = Vec::new();
+    let mut report = ScanReport::default();
+    walk(t, None, &mut seen, &mut report).map_err(|source| ScanError::Root {
+        path: t.store.root().display().to_string(),
+        source,
+    })?;
+    let lk = Lookup {
+        journal: None,
+        folder: t.folder,
+    };
+    diff(t, &lk, HashMap::new(), seen, report, Some(emit))
 }
 
 fn walk(
@@ -264,12 +294,26 @@ struct HashJob {
     prev: Option<Known>,
 }
 
+/// Creations first: directories parent-first, then the rest by depth and path.
+fn sort_creates(creates: &mut [Change]) {
+    creates.sort_by_key(|c| {
+        (
+            c.record.kind != FileKind::Dir,
+            c.record.path.components().count(),
+            c.record.path.clone(),
+        )
+    });
+}
+
+/// Compares what the walk saw with what the journal knows. With `emit`, creations are handed
+/// over in slices as they are found (see [`scan_new`]) instead of returned.
 fn diff(
     t: &ScanTarget<'_>,
     lk: &Lookup<'_>,
     mut known: HashMap<RelPath, Known>,
     seen: Vec<Seen>,
     mut report: ScanReport,
+    mut emit: Option<&mut Emit<'_>>,
 ) -> Result<ScanReport, ScanError> {
     let ctx = Context {
         local_device: t.local,
@@ -416,9 +460,58 @@ fn diff(
             prev: None,
         });
     }
-    // Hash what must be hashed, on every core.
-    let hashed = hash_all(t.store, jobs);
-    for (job, content) in hashed {
+    // Hash what must be hashed, on every core; streamed, a slice at a time after what needs no
+    // reading.
+    let slice = if emit.is_some() {
+        FIRST_SCAN_SLICE
+    } else {
+        jobs.len().max(1)
+    };
+    let mut jobs = jobs.into_iter().peekable();
+    while jobs.peek().is_some() || emit.is_some() && !creates.is_empty() {
+        if let Some(emit) = emit.as_mut() {
+            if !creates.is_empty() {
+                sort_creates(&mut creates);
+                emit(std::mem::take(&mut creates)).map_err(ScanError::Commit)?;
+            }
+        }
+        let part: Vec<HashJob> = jobs.by_ref().take(slice).collect();
+        if part.is_empty() {
+            break;
+        }
+        hash_into(t, lk, &ctx, part, &mut creates, &mut report);
+    }
+    sort_creates(&mut creates);
+    vanished.sort_by_key(|k| std::cmp::Reverse((k.s.path.components().count(), k.s.path.clone())));
+
+    let mut deletes = Vec::with_capacity(vanished.len());
+    for k in vanished {
+        let Some(full) = lk.full(&k) else { continue };
+        let mut r = full.clone();
+        r.deleted = true;
+        r.size = 0;
+        r.hash = Hash::ZERO;
+        r.chunks.clear();
+        r.target.clear();
+        let mut c = version(&ctx, Some(&full), r, Op::Delete, LocalStat::default(), None);
+        c.local = None;
+        deletes.push(c);
+    }
+    report.changes = creates;
+    report.changes.extend(deletes);
+    Ok(report)
+}
+
+/// Hashes `jobs` (on every core) and adds the versions they make to `creates`.
+fn hash_into(
+    t: &ScanTarget<'_>,
+    lk: &Lookup<'_>,
+    ctx: &Context,
+    jobs: Vec<HashJob>,
+    creates: &mut Vec<Change>,
+    report: &mut ScanReport,
+) {
+    for (job, content) in hash_all(t.store, jobs) {
         let Some(content) = content else { continue };
         report.hashed_files += 1;
         report.hashed_bytes += content.size;
@@ -438,14 +531,14 @@ fn diff(
             Some(_) => Op::Modify,
             None => Op::Create,
         };
-        let mut r = base_record(&job.path, FileKind::File, &job.local, &ctx);
+        let mut r = base_record(&job.path, FileKind::File, &job.local, ctx);
         r.size = content.size;
         r.hash = content.hash;
         r.chunks = content.chunks;
         let mut local = job.local;
         local.size = content.size;
         creates.push(version(
-            &ctx,
+            ctx,
             lk.full_of(job.prev.as_ref()).as_ref(),
             r,
             op,
@@ -453,30 +546,6 @@ fn diff(
             None,
         ));
     }
-    creates.sort_by_key(|c| {
-        (
-            c.record.kind != FileKind::Dir,
-            c.record.path.components().count(),
-            c.record.path.clone(),
-        )
-    });
-    vanished.sort_by_key(|k| std::cmp::Reverse((k.s.path.components().count(), k.s.path.clone())));
-    let mut deletes = Vec::with_capacity(vanished.len());
-    for k in vanished {
-        let Some(full) = lk.full(&k) else { continue };
-        let mut r = full.clone();
-        r.deleted = true;
-        r.size = 0;
-        r.hash = Hash::ZERO;
-        r.chunks.clear();
-        r.target.clear();
-        let mut c = version(&ctx, Some(&full), r, Op::Delete, LocalStat::default(), None);
-        c.local = None;
-        deletes.push(c);
-    }
-    report.changes = creates;
-    report.changes.extend(deletes);
-    Ok(report)
 }
 
 fn base_record(path: &RelPath, kind: FileKind, local: &LocalStat, ctx: &Context) -> FileRecord {

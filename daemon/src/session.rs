@@ -69,6 +69,8 @@ pub struct SessionFolder {
     pub their_sequence: u64,
     /// Highest of our sequences the peer acknowledged.
     pub our_acked: u64,
+    /// Our first scan of this folder is still running (told to the peer in the Hello).
+    pub scanning: bool,
 }
 
 /// What the driver must do, in order.
@@ -204,6 +206,7 @@ impl Session {
                     your_index_id: f.cfg.their_index_id,
                     your_sequence: f.their_applied,
                     max_sequence: f.our_max,
+                    scanning: f.cfg.scanning,
                 }
             })
             .collect();
@@ -413,8 +416,11 @@ impl Session {
             // Content worth attaching to the index: everything when the peer's journal is empty
             // or it has seen our index before (what follows is new to it); after a fresh start
             // against a non-empty peer (which may hold the same files), only what is journaled
-            // from now on.
-            f.inline_after = if hf.max_sequence == 0 || resume > 0 {
+            // from now on; nothing while the peer is still in its first scan (its disk may
+            // hold any of our files, its journal does not say yet).
+            f.inline_after = if hf.scanning {
+                u64::MAX
+            } else if hf.max_sequence == 0 || resume > 0 {
                 0
             } else {
                 f.our_max
@@ -698,6 +704,7 @@ mod tests {
             their_index_id: 0,
             their_sequence: 0,
             our_acked: 0,
+            scanning: false,
         }
     }
 
@@ -828,6 +835,7 @@ mod tests {
             their_index_id: their.0,
             their_sequence: their.1,
             our_acked: st.our_acked,
+            scanning: false,
         };
         s.session = Session::new(format!("dev{}", s.id.as_bytes()[0]), dev(peer), vec![f]);
         s.received.clear();
@@ -927,6 +935,22 @@ mod tests {
         connect(&mut c, &mut d);
         assert_eq!(c.session.inline_after(&fid("f")), 0);
         assert_eq!(d.received.len(), 1);
+        // A peer still in its first scan may have any of our files on disk, whatever its
+        // journal says: nothing is attached to it in this session, not even from a resume.
+        let mut e = Side::new(5, 6, vec![folder("f", 55)]);
+        let mut g = Side::new(
+            6,
+            5,
+            vec![SessionFolder {
+                scanning: true,
+                ..folder("f", 66)
+            }],
+        );
+        e.journal.add("y", 5);
+        connect(&mut e, &mut g);
+        assert_eq!(e.session.inline_after(&fid("f")), u64::MAX);
+        assert_eq!(g.session.inline_after(&fid("f")), 0, "e is not scanning");
+        assert_eq!(g.received.len(), 1, "records still flow");
     }
 
     #[test]
@@ -1076,6 +1100,7 @@ mod tests {
                 your_index_id: 0,
                 your_sequence: 0,
                 max_sequence: 7,
+                scanning: false,
             }],
         });
         a.session.handle(hello, &mut a.journal);

@@ -206,6 +206,7 @@ mod tests {
                                     your_index_id,
                                     your_sequence,
                                     max_sequence,
+                                    scanning: max_sequence % 2 == 1,
                                 }
                             }
                         )

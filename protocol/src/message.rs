@@ -10,7 +10,7 @@ use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// A frame's payload.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,6 +59,9 @@ pub struct HelloFolder {
     pub your_sequence: u64,
     /// The sender's highest journal sequence for this folder when it said hello.
     pub max_sequence: u64,
+    /// The sender's first scan of this folder is still running: files on its disk may not be
+    /// in its journal yet, so its `max_sequence` says nothing about what content it has.
+    pub scanning: bool,
 }
 
 /// A batch of one folder's records.

@@ -487,6 +487,7 @@ impl Sim {
             their_index_id: p.their_index_id,
             their_sequence: p.their_sequence,
             our_acked: p.our_acked,
+            scanning: false,
         };
         Session::new(me.name.clone(), peer_dev, vec![f])
     }
