@@ -72,7 +72,7 @@ impl Memo {
 
     /// What apply expects to find on disk at `path` (see [`expect_of`]).
     fn expect(&self, journal: &Journal, folder: &FolderId, path: &RelPath) -> Expect {
-        expect_of(self.get(journal, folder, path).ok().flatten())
+        expect_of(self.get(journal, folder, path).ok().flatten().as_ref())
     }
 }
 
@@ -97,14 +97,17 @@ impl ReplicaView for View<'_> {
     }
 }
 
-/// The journal's record at a path when a transfer to it was decided: its version and whether
-/// it is a tombstone (`None`: no record). The install goes ahead only if the journal still
-/// holds the same, so a decision made before an earlier batch's install (the receive
-/// pipeline) or a local edit landed is made again instead of acted on.
-type Basis = Option<(VersionVector, bool)>;
+/// The version of the journal's record at a path when a transfer to it was decided (`None`:
+/// no record; whether it is a tombstone is in the [`Expect`] beside it). The install goes
+/// ahead only if the journal still holds the same, so a decision made before an earlier
+/// batch's install (the receive pipeline) or a local edit landed is made again instead of
+/// acted on.
+type Basis = Option<VersionVector>;
 
-fn basis_of(stored: Option<&StoredRecord>) -> Basis {
-    stored.map(|s| (s.record.version.clone(), s.record.deleted))
+/// What a transfer to a path records of the journal's record there when it is decided, and
+/// what the install compares with the journal's record then.
+fn seen_of(stored: Option<&StoredRecord>) -> (Expect, Basis) {
+    (expect_of(stored), stored.map(|s| s.record.version.clone()))
 }
 
 /// A file content to assemble.
@@ -180,7 +183,7 @@ fn prepare(
     })
 }
 
-fn expect_of(stored: Option<StoredRecord>) -> Expect {
+fn expect_of(stored: Option<&StoredRecord>) -> Expect {
     match stored {
         Some(s) if !s.record.deleted => match s.local {
             Some(l) => Expect::Matches(l),
@@ -614,8 +617,7 @@ fn decide_each(
                     }
                 }
                 Step::PreserveRemote { record } => {
-                    let at = memo.get(journal, folder, &record.path)?;
-                    let expect = (expect_of(at.clone()), basis_of(at.as_ref()));
+                    let expect = seen_of(memo.get(journal, folder, &record.path)?.as_ref());
                     let keep_open = transfers.len() < MAX_OPEN_TEMPS;
                     preserve_remote_at = Some(transfers.len());
                     transfers.push(prepare(
@@ -641,7 +643,7 @@ fn decide_each(
                     } else {
                         op_for(prev_rec, &record)
                     };
-                    let expect = memo.expect(journal, folder, &record.path);
+                    let (expect, basis) = seen_of(prev.as_ref());
                     let live_prev = prev.as_ref().filter(|p| !p.record.deleted);
                     if rt.writers.has_writer(&record.path) {
                         // Open for writing through the mount: wait for the release, then decide again.
@@ -694,7 +696,7 @@ fn decide_each(
                                         record,
                                         op,
                                         source,
-                                        (expect, basis_of(prev.as_ref())),
+                                        (expect, basis),
                                         conflict.clone(),
                                         remote.clone(),
                                         keep_open,
@@ -959,7 +961,8 @@ fn install(
         .into_iter()
         .map(|(t, temp)| {
             let stored = journal.get(folder, &t.record.path).ok().flatten();
-            let same = basis_of(stored.as_ref()) == t.basis && expect_of(stored) == t.expect;
+            let (expect, basis) = seen_of(stored.as_ref());
+            let same = expect == t.expect && basis == t.basis;
             // A file open for writing through the mount is never replaced under its writer:
             // the remote version waits (it is decided again after the writer's release).
             let e = if same && !rt.writers.has_writer(&t.record.path) {

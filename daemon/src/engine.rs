@@ -313,8 +313,10 @@ impl Engine {
         let mut streamed = 0;
         let report = {
             let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
-            let empty = j.folder(folder).map_err(|e| e.to_string())?.max_sequence == 0;
-            if paths.is_empty() && empty {
+            // Only a whole-folder scan asks (a capture of a few paths is the hot path).
+            let fresh =
+                paths.is_empty() && j.folder(folder).map_err(|e| e.to_string())?.max_sequence == 0;
+            if fresh {
                 // Nothing journaled yet: everything is new. Journal and announce it as it is
                 // hashed, without holding the journal, so peers get the first files while the
                 // rest are still being read.

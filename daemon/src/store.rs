@@ -432,17 +432,14 @@ impl Store {
                     Some(d) => *d,
                     None => {
                         let d = fstat_dev(dir).map_err(|e| io_err(target, e))?;
-                        cache.devs.insert(parent.clone(), d);
+                        cache.devs.insert(parent, d);
                         d
                     }
                 };
                 dev == s.dev
             }
         };
-        let at = match &self.staging {
-            Some(s) if staged => s.fd.as_raw_fd(),
-            _ => dir,
-        };
+        let at = self.staging_fd(staged).unwrap_or(dir);
         let name = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
         let fd = open_at(
             at,
@@ -459,15 +456,23 @@ impl Store {
         })
     }
 
+    /// The staging directory's descriptor, for a temp file that is `staged` there.
+    fn staging_fd(&self, staged: bool) -> Option<RawFd> {
+        self.staging
+            .as_ref()
+            .filter(|_| staged)
+            .map(|s| s.fd.as_raw_fd())
+    }
+
     /// Runs `f` with the directory descriptor `t` lives in.
     fn in_temp_dir<R>(
         &self,
         t: &TempFile,
         f: impl FnOnce(RawFd) -> Result<R, StoreError>,
     ) -> Result<R, StoreError> {
-        match &self.staging {
-            Some(s) if t.staged => f(s.fd.as_raw_fd()),
-            _ => {
+        match self.staging_fd(t.staged) {
+            Some(fd) => f(fd),
+            None => {
                 let (dir, _) = self.parent_and_name(&t.target, false)?;
                 f(dir.as_raw_fd())
             }
@@ -602,14 +607,14 @@ impl Store {
         if batch.is_empty() {
             return Vec::new();
         }
-        let mut touched: Vec<RawFd> = Vec::new();
+        // The staging directory loses the staged names: it is synced with the targets'.
+        let mut touched: Vec<RawFd> = batch
+            .iter()
+            .find_map(|(t, _)| self.staging_fd(t.staged))
+            .into_iter()
+            .collect();
         let mut out = Vec::with_capacity(batch.len());
         for (t, expect) in batch {
-            if t.staged {
-                if let Some(s) = &self.staging {
-                    touched.push(s.fd.as_raw_fd());
-                }
-            }
             out.push(self.install_one(cache, &mut touched, t, expect));
         }
         touched.sort_unstable();
@@ -634,10 +639,7 @@ impl Store {
                 return Err(e);
             }
         };
-        let from = match &self.staging {
-            Some(s) if t.staged => s.fd.as_raw_fd(),
-            _ => dir,
-        };
+        let from = self.staging_fd(t.staged).unwrap_or(dir);
         let name = cstr(t.target.file_name())?;
         if let Err(e) = check_expect(dir, &name, &t.target, expect) {
             unsafe { libc::unlinkat(from, t.name.as_ptr(), 0) };
