@@ -6,8 +6,9 @@
 //!    and journaled at once;
 //! 2. file contents are assembled in temp files from local chunks (chunk index) and chunks
 //!    fetched from the peer, each verified by blake3 (no lock held: local edits go on);
-//! 3. every temp file is verified against the record's whole-file hash, and the batch's temp
-//!    files are made durable together (`syncfs`; still no lock);
+//! 3. every temp file is checked to be exactly covered by its verified chunks (the record's
+//!    hash is its chunk list's, checked when the record was decoded, so the file is not read
+//!    again), and the batch's temp files are made durable together (`syncfs`; still no lock);
 //! 4. (lock) the records are journaled as *pending* in one transaction;
 //! 5. each target is checked against the stat the journal expects (and the journal against the
 //!    record the decision saw), and the temp file renamed over it; each touched directory is
@@ -207,12 +208,6 @@ fn op_for(prev: Option<&FileRecord>, new: &FileRecord) -> Op {
         Some(p) if p.same_content(new) => Op::Metadata,
         Some(_) => Op::Modify,
     }
-}
-
-/// Whether `record` is one chunk whose hash is the file's: its only chunk was verified when it
-/// was written (fetched or copied), so the whole file needs no second pass.
-pub(crate) fn one_piece(record: &FileRecord) -> bool {
-    matches!(record.chunks.as_slice(), [c] if c.hash == record.hash && u64::from(c.len) == record.size)
 }
 
 /// The paths a decided batch still has to install: its transfers' targets and their parent
@@ -881,18 +876,14 @@ async fn transfer(
         }
     }
     let fetched_at = started.elapsed();
-    // Step 3: verify whole files.
+    // Step 3: check every file is covered by its verified chunks.
     let mut ready: Vec<(Meta, TempFile)> = Vec::new();
     for (t, temp) in metas.into_iter().zip(temps) {
         let Some(mut temp) = temp else { continue };
-        match rt.store.finish_temp(
-            &mut temp,
-            &t.record.hash,
-            t.record.size,
-            t.record.mode,
-            t.record.mtime_ns,
-            one_piece(&t.record),
-        ) {
+        match rt
+            .store
+            .finish_temp(&mut temp, t.record.size, t.record.mode, t.record.mtime_ns)
+        {
             Ok(()) => ready.push((t, temp)),
             Err(e) => {
                 rt.store.discard_temp(temp);

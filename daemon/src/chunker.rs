@@ -28,7 +28,7 @@ pub fn chunk_sizes(size: u64) -> (u32, u32, u32) {
 /// A file's content summary.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Content {
-    /// blake3 of the whole content.
+    /// The content hash, from the chunk list ([`Hash::of_chunks`]).
     pub hash: Hash,
     /// Bytes read.
     pub size: u64,
@@ -41,7 +41,6 @@ pub struct Content {
 pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Content> {
     let (min, avg, max) = chunk_sizes(size_hint);
     let (min, avg, max) = (min as usize, avg as usize, max as usize);
-    let mut whole = blake3::Hasher::new();
     let mut chunks = Vec::new();
     // The window must exceed the largest chunk so every cut search sees its full range; a file
     // that fits gets a window of its own size. The buffer is reused per thread: a scan of
@@ -51,20 +50,12 @@ pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Co
     if buf.len() < want {
         buf.resize(want, 0);
     }
-    let result = fill_chunks(
-        &mut reader,
-        &mut buf[..want],
-        min,
-        avg,
-        max,
-        &mut whole,
-        &mut chunks,
-    );
+    let result = fill_chunks(&mut reader, &mut buf[..want], min, avg, max, &mut chunks);
     WINDOW.with(|w| *w.borrow_mut() = buf);
     let total = result?;
     BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
     Ok(Content {
-        hash: Hash(*whole.finalize().as_bytes()),
+        hash: Hash::of_chunks(&chunks),
         size: total,
         chunks,
     })
@@ -80,7 +71,6 @@ fn fill_chunks(
     min: usize,
     avg: usize,
     max: usize,
-    whole: &mut blake3::Hasher,
     chunks: &mut Vec<Chunk>,
 ) -> std::io::Result<u64> {
     let mut filled = 0usize;
@@ -105,7 +95,6 @@ fn fill_chunks(
                 break;
             }
             let data = &buf[c.offset..c.offset + c.length];
-            whole.update(data);
             chunks.push(Chunk {
                 len: c.length as u32,
                 hash: Hash::of(data),
@@ -124,15 +113,7 @@ fn fill_chunks(
 
 /// Hashes and chunks an in-memory buffer.
 pub fn chunk_bytes(data: &[u8]) -> Content {
-    match chunk_reader(data, data.len() as u64) {
-        Ok(c) => c,
-        // Reading from a slice cannot fail.
-        Err(_) => Content {
-            hash: Hash::of(data),
-            size: data.len() as u64,
-            chunks: Vec::new(),
-        },
-    }
+    chunk_reader(data, data.len() as u64).expect("reading from a slice cannot fail")
 }
 
 #[cfg(test)]
@@ -151,7 +132,12 @@ mod tests {
     fn chunks_cover_the_content_and_hash_matches() {
         let data = noise(3 << 20, 1);
         let c = chunk_bytes(&data);
-        assert_eq!(c.hash, Hash::of(&data));
+        assert!(c.chunks.len() > 1);
+        assert_eq!(c.hash, Hash::of_chunks(&c.chunks));
+        // Files of one chunk hash as their content (what `b3sum` prints).
+        let small = chunk_bytes(&data[..10_000]);
+        assert_eq!(small.hash, Hash::of(&data[..10_000]));
+        assert_eq!(chunk_bytes(b"").hash, Hash::of(b""));
         assert_eq!(
             c.chunks.iter().map(|c| c.len as u64).sum::<u64>(),
             data.len() as u64

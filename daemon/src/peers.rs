@@ -531,7 +531,7 @@ fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
                 && !r.deleted
                 && r.kind == FileKind::File
                 && r.size <= INLINE_FILE_BYTES
-                && crate::apply::one_piece(r)
+                && r.chunks.len() == 1
         })
         .collect();
     if candidates.is_empty() {

@@ -1,9 +1,13 @@
 //! The replica store: the only code that writes into a replica directory.
 //!
 //! **Architecture invariant:** every user file always has either its old or its new content.
-//! A remote version is written to a temp file (`.meshfs-tmp-*`), verified against its blake3,
-//! made durable, and only then renamed over the target, after checking that the target is
-//! still the version the journal expects to replace.
+//! A remote version is written to a temp file (`.meshfs-tmp-*`) chunk by chunk, each chunk
+//! verified against its blake3 before it is written (by `peers::open_chunk` for chunks from a
+//! peer, by [`Store::read_chunk`] for chunks copied from local files); the temp file must be
+//! covered exactly (bytes written = its size) and the record's hash is the one its chunk list
+//! gives (`FileRecord::validate`), so the file is the version's content without being read
+//! again. It is then made durable, and only then renamed over the target, after checking that
+//! the target is still the version the journal expects to replace.
 //!
 //! Temp files live in the folder's *staging directory* (outside the replica, in the daemon's
 //! state, on the same filesystem) so that the watcher, the user and other programs watching
@@ -43,7 +47,17 @@ pub enum StoreError {
         "{0}: changed on disk since it was last scanned; the change will be reconciled instead"
     )]
     Changed(RelPath),
-    /// The written content does not hash to what the record says.
+    /// A temp file's chunks do not cover its size.
+    #[error("{path}: {written} bytes written of {size}")]
+    Incomplete {
+        /// Which file.
+        path: RelPath,
+        /// Bytes written.
+        written: u64,
+        /// The version's size.
+        size: u64,
+    },
+    /// Read content does not hash to what the record says.
     #[error("{path}: content hashes to {got}, expected {want}")]
     Verify {
         /// Which file.
@@ -129,6 +143,9 @@ pub struct TempFile {
     file: Option<File>,
     /// It lives in the staging directory (else in the target's directory).
     staged: bool,
+    /// Bytes written into it so far (chunks never overlap, so the file is covered when this
+    /// reaches its size).
+    written: u64,
 }
 
 fn open_path_dir(path: &Path) -> Result<OwnedFd, StoreError> {
@@ -453,6 +470,7 @@ impl Store {
             name,
             file: Some(File::from(fd)),
             staged,
+            written: 0,
         })
     }
 
@@ -493,7 +511,7 @@ impl Store {
         })
     }
 
-    /// Writes `data` at `offset` into the temp file.
+    /// Writes `data`, one verified chunk, at `offset` into the temp file.
     pub fn write_temp(&self, t: &mut TempFile, offset: u64, data: &[u8]) -> Result<(), StoreError> {
         if t.file.is_none() {
             t.file = Some(self.temp_handle(t, true)?);
@@ -502,7 +520,9 @@ impl Store {
             unreachable!()
         };
         f.write_all_at(data, offset)
-            .map_err(|e| io_err(&t.target, e))
+            .map_err(|e| io_err(&t.target, e))?;
+        t.written += data.len() as u64;
+        Ok(())
     }
 
     /// Closes the temp file's descriptor (it is re-opened on demand).
@@ -510,47 +530,29 @@ impl Store {
         t.file = None;
     }
 
-    /// Checks the temp file hashes to `hash` with `size` bytes, then sets its mode and mtime.
-    /// This is the "verify before rename" half of the store's paired assertion.
-    ///
-    /// `written_verified`: the file was written as one piece whose bytes were already checked
-    /// against `hash` (a one-chunk file: its chunk hash is its file hash), so only its length
-    /// is checked; reading it back would hash the same bytes twice.
+    /// Checks the temp file is exactly covered by the chunks written into it (`size` bytes
+    /// written, `size` bytes long), then sets its mode and mtime. This is the "verify before
+    /// rename" half of the store's paired assertion: each chunk was verified before it was
+    /// written, and a record's hash is its chunk list's, so a covered file is the version.
     pub fn finish_temp(
         &self,
         t: &mut TempFile,
-        hash: &Hash,
         size: u64,
         mode: u32,
         mtime_ns: i64,
-        written_verified: bool,
     ) -> Result<(), StoreError> {
-        // Verify through the handle still open from writing (read-write), or re-open it.
+        if t.written != size {
+            return Err(StoreError::Incomplete {
+                path: t.target.clone(),
+                written: t.written,
+                size,
+            });
+        }
         let f = match t.file.take() {
             Some(f) => f,
             None => self.temp_handle(t, false)?,
         };
         f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
-        if !written_verified {
-            let mut hasher = blake3::Hasher::new();
-            let mut buf = vec![0u8; (size as usize).clamp(1, 1 << 20)];
-            let mut off = 0u64;
-            while off < size {
-                let n = ((size - off) as usize).min(buf.len());
-                f.read_exact_at(&mut buf[..n], off)
-                    .map_err(|e| io_err(&t.target, e))?;
-                hasher.update(&buf[..n]);
-                off += n as u64;
-            }
-            let got = Hash(*hasher.finalize().as_bytes());
-            if &got != hash {
-                return Err(StoreError::Verify {
-                    path: t.target.clone(),
-                    got,
-                    want: *hash,
-                });
-            }
-        }
         set_mode_fd(f.as_raw_fd(), mode).map_err(|e| io_err(&t.target, e))?;
         set_mtime_fd(f.as_raw_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
         Ok(())
@@ -958,9 +960,7 @@ mod tests {
         let data = b"hello";
         let mut t = store.create_temp(&p("a/b/f.txt")).unwrap();
         store.write_temp(&mut t, 0, data).unwrap();
-        store
-            .finish_temp(&mut t, &Hash::of(data), 5, 0o640, 1_000_000_000, false)
-            .unwrap();
+        store.finish_temp(&mut t, 5, 0o640, 1_000_000_000).unwrap();
         let st = store
             .install(vec![(t, Expect::Absent)])
             .pop()
@@ -972,9 +972,7 @@ mod tests {
         // A second install expecting absence must not clobber the file.
         let mut t = store.create_temp(&p("a/b/f.txt")).unwrap();
         store.write_temp(&mut t, 0, b"other").unwrap();
-        store
-            .finish_temp(&mut t, &Hash::of(b"other"), 5, 0o644, 0, false)
-            .unwrap();
+        store.finish_temp(&mut t, 5, 0o644, 0).unwrap();
         let r = store.install(vec![(t, Expect::Absent)]).pop().unwrap();
         assert!(matches!(r, Err(StoreError::Changed(_))));
         assert_eq!(std::fs::read(dir.path().join("a/b/f.txt")).unwrap(), data);
@@ -1007,7 +1005,7 @@ mod tests {
             let mut t = store.create_temp(&p(name)).unwrap();
             store.write_temp(&mut t, 0, data).unwrap();
             store
-                .finish_temp(&mut t, &Hash::of(data), data.len() as u64, 0o644, 0, false)
+                .finish_temp(&mut t, data.len() as u64, 0o644, 0)
                 .unwrap();
             batch.push(t);
         }
@@ -1054,9 +1052,7 @@ mod tests {
             1,
             "the temp file sits next to its target"
         );
-        store
-            .finish_temp(&mut t, &Hash::of(b"x"), 1, 0o644, 0, false)
-            .unwrap();
+        store.finish_temp(&mut t, 1, 0o644, 0).unwrap();
         assert!(store
             .install(vec![(t, Expect::Absent)])
             .pop()
@@ -1066,13 +1062,14 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_hash_is_refused_before_rename() {
+    fn a_temp_file_with_a_hole_is_refused_before_rename() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let mut t = store.create_temp(&p("f")).unwrap();
-        store.write_temp(&mut t, 0, b"evil").unwrap();
-        let r = store.finish_temp(&mut t, &Hash::of(b"good"), 4, 0o644, 0, false);
-        assert!(matches!(r, Err(StoreError::Verify { .. })));
+        // Four bytes long, but its first chunk never arrived.
+        store.write_temp(&mut t, 1, b"bcd").unwrap();
+        let r = store.finish_temp(&mut t, 4, 0o644, 0);
+        assert!(matches!(r, Err(StoreError::Incomplete { written: 3, .. })));
         store.discard_temp(t);
         assert!(!dir.path().join("f").exists());
         assert_eq!(store.remove_temps(), 0);

@@ -44,6 +44,13 @@ fn vv(pairs: &[(u8, u64)]) -> VersionVector {
 /// A file whose content is `parts` concatenated, one chunk per part.
 fn file_parts(path: &str, parts: &[&[u8]], version: VersionVector) -> FileRecord {
     let all: Vec<u8> = parts.concat();
+    let chunks: Vec<Chunk> = parts
+        .iter()
+        .map(|c| Chunk {
+            len: c.len() as u32,
+            hash: Hash::of(c),
+        })
+        .collect();
     FileRecord {
         path: p(path),
         kind: FileKind::File,
@@ -51,14 +58,8 @@ fn file_parts(path: &str, parts: &[&[u8]], version: VersionVector) -> FileRecord
         mode: 0o644,
         mtime_ns: 1_700_000_000_000_000_000,
         size: all.len() as u64,
-        hash: Hash::of(&all),
-        chunks: parts
-            .iter()
-            .map(|c| Chunk {
-                len: c.len() as u32,
-                hash: Hash::of(c),
-            })
-            .collect(),
+        hash: Hash::of_chunks(&chunks),
+        chunks,
         target: String::new(),
         modified_by: version.entries().last().map(|e| e.0).unwrap_or_default(),
         version,
@@ -184,6 +185,46 @@ fn an_empty_file_is_migrated_to_the_latest_schema() {
         .unwrap();
     drop(j);
     assert_eq!(Journal::open(&path).unwrap().schema_version(), latest);
+}
+
+#[test]
+fn schema_3_gives_multi_chunk_files_their_chunk_list_hash() {
+    let tmp = TempDir::new().unwrap();
+    let path = tmp.path().join("journal.db");
+    let big = file_parts("big", &[b"first part", b"second part"], vv(&[(1, 1)]));
+    let small = file("small", b"one chunk", vv(&[(1, 2)]));
+    let mut j = Journal::open(&path).unwrap();
+    j.commit(
+        &folder(),
+        vec![
+            change(big.clone(), Op::Create),
+            change(small.clone(), Op::Create),
+        ],
+    )
+    .unwrap();
+    drop(j);
+    // Rewind to schema 2, where a file's hash was blake3 of its whole content.
+    {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        let old = Hash::of(b"first partsecond part");
+        c.execute(
+            "UPDATE records SET hash = ?1 WHERE path = 'big'",
+            [&old.0[..]],
+        )
+        .unwrap();
+        c.execute(
+            "UPDATE history SET hash = ?1 WHERE path = 'big'",
+            [&old.0[..]],
+        )
+        .unwrap();
+        c.execute_batch("PRAGMA user_version = 2;").unwrap();
+    }
+    let j = Journal::open(&path).unwrap();
+    assert_eq!(j.schema_version(), 3);
+    let got = |path: &str| j.get(&folder(), &p(path)).unwrap().unwrap();
+    assert_eq!(got("big").record.hash, Hash::of_chunks(&big.chunks));
+    assert_eq!(got("small").record.hash, Hash::of(b"one chunk"));
+    assert_eq!(got("small").record.hash, small.hash);
 }
 
 #[test]

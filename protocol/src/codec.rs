@@ -162,7 +162,11 @@ mod tests {
                     } else {
                         0
                     },
-                    hash: Hash::of(&mtime_ns.to_le_bytes()),
+                    hash: if live_file {
+                        Hash::of_chunks(&chunks)
+                    } else {
+                        Hash::of(&mtime_ns.to_le_bytes())
+                    },
                     chunks: if live_file { chunks } else { vec![] },
                     target: if kind == FileKind::Symlink && !deleted {
                         "../t".into()
@@ -371,5 +375,46 @@ mod tests {
             decode_frame(&frame),
             Err(CodecError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn a_file_hash_that_is_not_its_chunk_lists_is_malformed() {
+        let chunks = vec![
+            Chunk {
+                len: 3,
+                hash: Hash::of(b"abc"),
+            },
+            Chunk {
+                len: 2,
+                hash: Hash::of(b"de"),
+            },
+        ];
+        let record = |hash| FileRecord {
+            path: RelPath::new("x").unwrap(),
+            kind: FileKind::File,
+            deleted: false,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: 5,
+            hash,
+            chunks: chunks.clone(),
+            target: String::new(),
+            version: VersionVector::from_pairs([(ShortId(1), 1)]),
+            modified_by: ShortId(1),
+            sequence: 1,
+        };
+        let index = |r| {
+            Message::Index(IndexBatch {
+                folder: FolderId::new("f").unwrap(),
+                records: vec![r],
+                up_to: 1,
+                inline: Vec::new(),
+            })
+        };
+        let good = encode_frame(&index(record(Hash::of_chunks(&chunks)))).unwrap();
+        assert!(decode_frame(&good).is_ok());
+        // The whole content's blake3 is not a multi-chunk file's hash.
+        let bad = encode_frame(&index(record(Hash::of(b"abcde")))).unwrap();
+        assert!(matches!(decode_frame(&bad), Err(CodecError::Malformed(_))));
     }
 }

@@ -29,5 +29,8 @@ pub use message::{
     PROTOCOL_VERSION,
 };
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
-pub use record::{Chunk, FileKind, FileRecord, Hash, RecordError, MAX_CHUNK_LEN, MODE_SYNC_MASK};
+pub use record::{
+    Chunk, FileKind, FileRecord, Hash, RecordError, FILE_HASH_CONTEXT, MAX_CHUNK_LEN,
+    MODE_SYNC_MASK,
+};
 pub use vv::{VersionVector, VvOrdering};

@@ -10,7 +10,7 @@ use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// A frame's payload.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

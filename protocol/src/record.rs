@@ -12,8 +12,11 @@ pub const MODE_SYNC_MASK: u32 = 0o1777;
 pub const MAX_LINK_TARGET: usize = 4095;
 /// Largest chunk accepted on the wire, in bytes.
 pub const MAX_CHUNK_LEN: u32 = 4 << 20;
+/// The blake3 derive-key context of a multi-chunk file's content hash ([`Hash::of_chunks`]).
+pub const FILE_HASH_CONTEXT: &str = "meshfs 2026-11-23 file content hash from its chunk list";
 
-/// A blake3 hash (of a whole file, a chunk, or a symlink target).
+/// A blake3 hash: of a chunk, of a symlink target, or a file's content hash
+/// ([`Hash::of_chunks`]).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
 pub struct Hash(pub [u8; 32]);
 
@@ -24,6 +27,27 @@ impl Hash {
     /// blake3 of `data`.
     pub fn of(data: &[u8]) -> Hash {
         Hash(*blake3::hash(data).as_bytes())
+    }
+
+    /// A file's content hash, from its chunk list: blake3 of nothing for an empty file; the
+    /// chunk's hash (blake3 of the content) for a one-chunk file; otherwise blake3 in derive-key
+    /// mode with context [`FILE_HASH_CONTEXT`] over each chunk's length (u32, little-endian)
+    /// and hash, in order. The chunking is deterministic (FastCDC with sizes chosen by file
+    /// size), so this is a function of the content; and a file rebuilt from chunks that each
+    /// verified has it without being read again.
+    pub fn of_chunks(chunks: &[Chunk]) -> Hash {
+        match chunks {
+            [] => Hash::of(b""),
+            [c] => c.hash,
+            _ => {
+                let mut h = blake3::Hasher::new_derive_key(FILE_HASH_CONTEXT);
+                for c in chunks {
+                    h.update(&c.len.to_le_bytes());
+                    h.update(&c.hash.0);
+                }
+                Hash(*h.finalize().as_bytes())
+            }
+        }
     }
 
     /// The first 8 hex digits, for people.
@@ -102,6 +126,9 @@ pub enum RecordError {
     /// A symlink target is empty, too long or contains NUL; or a non-symlink has a target.
     #[error("record for {0}: invalid symlink target")]
     Target(RelPath),
+    /// A file's hash is not the one its chunk list gives ([`Hash::of_chunks`]).
+    #[error("record for {0}: hash does not match its chunk list")]
+    Hash(RelPath),
     /// The version vector is empty (every version has at least one edit).
     #[error("record for {0}: empty version vector")]
     NoVersion(RelPath),
@@ -122,7 +149,8 @@ pub struct FileRecord {
     pub mtime_ns: i64,
     /// Size in bytes (files), 0 otherwise.
     pub size: u64,
-    /// blake3 of the content (files) or of the target (symlinks); zero otherwise.
+    /// The content hash ([`Hash::of_chunks`]) of a file, blake3 of a symlink's target; zero
+    /// otherwise.
     pub hash: Hash,
     /// Content-defined chunks of a file (empty otherwise).
     pub chunks: Vec<Chunk>,
@@ -183,6 +211,9 @@ impl FileRecord {
             if total != self.size {
                 return Err(RecordError::Chunks(self.path.clone(), self.size));
             }
+            if Hash::of_chunks(&self.chunks) != self.hash {
+                return Err(RecordError::Hash(self.path.clone()));
+            }
         } else if !self.chunks.is_empty() {
             return Err(RecordError::Chunks(self.path.clone(), self.size));
         }
@@ -197,5 +228,34 @@ impl FileRecord {
             off += c.len as u64;
             (o, c)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(data: &[u8]) -> Chunk {
+        Chunk {
+            len: data.len() as u32,
+            hash: Hash::of(data),
+        }
+    }
+
+    #[test]
+    fn small_files_hash_as_their_content() {
+        assert_eq!(Hash::of_chunks(&[]), Hash::of(b""));
+        assert_eq!(Hash::of_chunks(&[chunk(b"hello")]), Hash::of(b"hello"));
+    }
+
+    #[test]
+    fn a_chunk_list_hash_depends_on_order_and_lengths() {
+        let (a, b) = (chunk(b"one"), chunk(b"two"));
+        let ab = Hash::of_chunks(&[a, b]);
+        assert_ne!(ab, Hash::of_chunks(&[b, a]));
+        assert_ne!(ab, Hash::of(b"onetwo"));
+        let longer = Chunk { len: 4, ..b };
+        assert_ne!(ab, Hash::of_chunks(&[a, longer]));
+        assert_eq!(ab, Hash::of_chunks(&[chunk(b"one"), chunk(b"two")]));
     }
 }

@@ -6,18 +6,31 @@
 //! version intact. Migrations are only ever appended: an existing one is never edited.
 
 use super::{JournalError, Result};
-use rusqlite::{Connection, TransactionBehavior};
+use meshfs_protocol::{Chunk, Hash};
+use rusqlite::{Connection, Transaction, TransactionBehavior};
 use std::path::Path;
 
 /// `PRAGMA application_id` of a meshfs journal: "mshf".
 pub(super) const APPLICATION_ID: i32 = 0x6D73_6866;
+
+/// One migration: SQL, or a step that needs code.
+enum Migration {
+    Sql(&'static str),
+    Code(fn(&Transaction) -> Result<()>),
+}
 
 /// Every migration, in order; `MIGRATIONS[n - 1]` produces schema version `n`.
 ///
 /// Integers are SQLite's signed 64 bits; u64 values are stored bit-cast (see the module
 /// documentation of `journal`). Tables are STRICT so a value of the wrong type is refused
 /// when written instead of discovered when read.
-const MIGRATIONS: &[&str] = &[
+const MIGRATIONS: &[Migration] = &[
+    Migration::Sql(SCHEMA_1),
+    Migration::Sql(CONFLICT_INDEX_2),
+    Migration::Code(file_hash_from_chunks_3),
+];
+
+const SCHEMA_1: &str =
     // 1: folders, current records, history, peers, chunk index, pending bracket.
     r#"
     CREATE TABLE folders (
@@ -110,15 +123,51 @@ const MIGRATIONS: &[&str] = &[
         source BLOB,
         PRIMARY KEY (folder, path)
     ) STRICT;
-    "#,
-    // 2: the live conflict siblings, for `status` (polled every 25 ms by `--wait-synced`):
-    // a partial index holds only them, so counting them does not read the whole folder.
-    // The expression must stay identical to `Journal::conflict_records`' WHERE clause.
-    r#"
+    "#;
+
+// 2: the live conflict siblings, for `status` (polled every 25 ms by `--wait-synced`):
+// a partial index holds only them, so counting them does not read the whole folder.
+// The expression must stay identical to `Journal::conflict_records`' WHERE clause.
+const CONFLICT_INDEX_2: &str = r#"
     CREATE INDEX records_conflicts ON records (folder, path)
         WHERE deleted = 0 AND instr(path, '.sync-conflict-') > 0;
-    "#,
-];
+    "#;
+
+/// 3: protocol 4 defines a file's hash by its chunk list (`Hash::of_chunks`) instead of
+/// blake3 of the whole content. The two agree for files of zero or one chunk; a live file
+/// of several chunks gets the new hash, in its record and in the history entry of the same
+/// version (older history keeps the hashes it was written with). Every device rewrites the
+/// same versions to the same hashes, so peers keep agreeing on what they hold. Pending rows
+/// (remote versions not yet acknowledged) are left: their hashes no longer match, so they are
+/// dropped at start-up and the peer sends them again.
+fn file_hash_from_chunks_3(tx: &Transaction) -> Result<()> {
+    let mut read = tx.prepare(
+        "SELECT id, folder, sequence, chunks FROM records \
+         WHERE kind = 'file' AND deleted = 0 AND size > 0",
+    )?;
+    let mut changed: Vec<(i64, i64, i64, Hash)> = Vec::new();
+    let mut rows = read.query([])?;
+    while let Some(row) = rows.next()? {
+        let id: i64 = row.get(0)?;
+        let blob: Vec<u8> = row.get(3)?;
+        let chunks: Vec<Chunk> =
+            postcard::from_bytes(&blob).map_err(|e| JournalError::Corrupt {
+                what: format!("record {id}: chunk list: {e}"),
+            })?;
+        if chunks.len() > 1 {
+            changed.push((id, row.get(1)?, row.get(2)?, Hash::of_chunks(&chunks)));
+        }
+    }
+    drop(rows);
+    let mut record = tx.prepare("UPDATE records SET hash = ?2 WHERE id = ?1")?;
+    let mut history =
+        tx.prepare("UPDATE history SET hash = ?3 WHERE folder = ?1 AND sequence = ?2")?;
+    for (id, folder, sequence, hash) in changed {
+        record.execute(rusqlite::params![id, &hash.0[..]])?;
+        history.execute(rusqlite::params![folder, sequence, &hash.0[..]])?;
+    }
+    Ok(())
+}
 
 /// The schema version this build writes and understands.
 pub(super) const LATEST_VERSION: u32 = MIGRATIONS.len() as u32;
@@ -129,7 +178,7 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path, found: u32) -> Result<
     if found == LATEST_VERSION {
         return Ok(found);
     }
-    for (i, sql) in MIGRATIONS.iter().enumerate() {
+    for (i, step) in MIGRATIONS.iter().enumerate() {
         let version = i as u32 + 1;
         // IMMEDIATE, and the version re-read inside: another process opening the same new
         // file at the same moment migrates first, and this one then sees nothing to do.
@@ -138,7 +187,10 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path, found: u32) -> Result<
         if current >= version {
             continue;
         }
-        tx.execute_batch(sql)?;
+        match step {
+            Migration::Sql(sql) => tx.execute_batch(sql)?,
+            Migration::Code(f) => f(&tx)?,
+        }
         tx.pragma_update(None, "user_version", version)?;
         tx.pragma_update(None, "application_id", APPLICATION_ID)?;
         tx.commit()?;
