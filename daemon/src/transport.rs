@@ -653,8 +653,10 @@ pub async fn write_message(
     msg: &Message,
 ) -> Result<usize, TransportError> {
     let frame = encode_frame(msg)?;
-    send.write_all(&frame).await?;
-    Ok(frame.len())
+    let len = frame.len();
+    // Handed over, not copied: quinn keeps the buffer until the peer acknowledges it.
+    send.write_chunk(bytes::Bytes::from(frame)).await?;
+    Ok(len)
 }
 
 /// Reads the next frame from `recv`: `Ok(None)` when the stream ended cleanly between

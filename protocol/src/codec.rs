@@ -22,9 +22,18 @@ pub enum CodecError {
 
 /// Encodes `msg` as one frame (header + payload).
 pub fn encode_frame(msg: &Message) -> Result<Vec<u8>, CodecError> {
-    let mut out = vec![0u8; FRAME_HEADER_LEN];
-    let mut out = postcard::to_extend(msg, std::mem::take(&mut out))
-        .map_err(|e| CodecError::Malformed(e.to_string()))?;
+    // Sized for the chunk bytes a frame carries, so a 4 MiB chunk is not copied again and
+    // again as the buffer doubles.
+    let data = |c: &crate::ChunkResponse| c.data.as_ref().map_or(0, Vec::len);
+    let payload = match msg {
+        Message::Response(c) => data(c),
+        Message::Index(b) => b.inline.iter().map(data).sum::<usize>() + b.records.len() * 128,
+        _ => 0,
+    };
+    let mut out = Vec::with_capacity(FRAME_HEADER_LEN + 256 + payload);
+    out.resize(FRAME_HEADER_LEN, 0);
+    let mut out =
+        postcard::to_extend(msg, out).map_err(|e| CodecError::Malformed(e.to_string()))?;
     let len = out.len() - FRAME_HEADER_LEN;
     if len > MAX_FRAME_LEN {
         return Err(CodecError::TooLarge(len));
