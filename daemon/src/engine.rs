@@ -40,6 +40,9 @@ pub struct FolderRt {
     pub capture_pending: std::sync::atomic::AtomicUsize,
     /// The folder's first scan is still running (the folder is not in sync meanwhile).
     pub scanning: std::sync::atomic::AtomicBool,
+    /// Notified when the first scan journals a full slice: more is to come, so starting the
+    /// folder stops waiting for the scan to end.
+    pub scan_is_long: tokio::sync::Notify,
     /// Which paths are open for writing through a mount (never replaced under their writer).
     pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
     /// Invalidates a mount's kernel caches after the engine changed a path.
@@ -199,6 +202,7 @@ impl Engine {
             capture: tx.clone(),
             capture_pending: Default::default(),
             scanning: Default::default(),
+            scan_is_long: Default::default(),
             // Until the FUSE layer mounts the folder, nothing is open through a mount.
             writers: Arc::new(meshfs_fuse::NoMount),
             invalidator: Arc::new(meshfs_fuse::NoMount),
@@ -242,6 +246,7 @@ impl Engine {
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             let engine = self.clone();
             let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+            let waiting = rt.clone();
             tokio::spawn(async move {
                 let scanned = engine.scan_paths(&rt.id, Vec::new()).await;
                 rt.scanning
@@ -259,8 +264,14 @@ impl Engine {
                 capture_loop(engine, rt, rx).await;
             });
             // A small folder is done at once: wait for it, so the Hello says it is not
-            // scanning and peers attach small files' content (`HelloFolder::scanning`).
-            let _ = tokio::time::timeout(FIRST_SCAN_WAIT, done_rx).await;
+            // scanning and peers attach small files' content (`HelloFolder::scanning`). A
+            // folder whose scan journals a full slice is not small: waiting for it would only
+            // delay its first files to peers.
+            tokio::select! {
+                _ = done_rx => {}
+                _ = waiting.scan_is_long.notified() => {}
+                _ = tokio::time::sleep(FIRST_SCAN_WAIT) => {}
+            }
             return Ok(());
         }
         let n = self
@@ -322,6 +333,9 @@ impl Engine {
                 // rest are still being read.
                 drop(j);
                 let mut emit = |changes: Vec<Change>| -> Result<(), String> {
+                    if changes.len() >= scanner::FIRST_SCAN_SLICE {
+                        rt.scan_is_long.notify_one();
+                    }
                     streamed += changes.len();
                     tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");
                     let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;

@@ -388,6 +388,7 @@ async fn drive_session(
                     up_to,
                     inline,
                 } => {
+                    tracing::debug!(%folder, records = records.len(), inline = inline.len(), up_to, "index batch received");
                     let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
                     let (turn, next) = apply::Turn::after(pipeline.remove(&folder));
                     pipeline.insert(folder.clone(), next);
@@ -490,12 +491,17 @@ fn control_writer(
         while let Some((mut msg, after)) = queue.recv().await {
             if let Message::Index(batch) = msg {
                 let engine = engine.clone();
+                let t0 = std::time::Instant::now();
                 let attached = tokio::task::spawn_blocking(move || {
                     let mut batch = batch;
                     attach_inline(&engine, &mut batch, after);
                     batch
                 })
                 .await;
+                if let Ok(b) = &attached {
+                    tracing::debug!(folder = %b.folder, records = b.records.len(), inline = b.inline.len(),
+                        up_to = b.up_to, attach_ms = t0.elapsed().as_millis() as u64, "index batch sent");
+                }
                 msg = match attached {
                     Ok(b) => Message::Index(b),
                     Err(e) => {

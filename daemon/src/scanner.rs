@@ -186,7 +186,7 @@ pub fn scan(
 }
 
 /// Files hashed per slice of a streamed first scan.
-const FIRST_SCAN_SLICE: usize = 1000;
+pub const FIRST_SCAN_SLICE: usize = 1000;
 
 /// What a streamed scan hands over as soon as it has it: changes in a safe order (every
 /// directory before anything below it).
