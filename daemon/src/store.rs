@@ -643,15 +643,44 @@ impl Store {
         };
         let from = self.staging_fd(t.staged).unwrap_or(dir);
         let name = cstr(t.target.file_name())?;
-        if let Err(e) = check_expect(dir, &name, &t.target, expect) {
+        let refuse = |e| {
             unsafe { libc::unlinkat(from, t.name.as_ptr(), 0) };
-            return Err(e);
+            Err(e)
+        };
+        // A new file: the rename itself refuses an existing target (no stat first, and no
+        // window between the check and the rename). Where the filesystem cannot, check first.
+        let mut renamed = false;
+        if expect == Expect::Absent {
+            let r = unsafe {
+                libc::renameat2(
+                    from,
+                    t.name.as_ptr(),
+                    dir,
+                    name.as_ptr(),
+                    libc::RENAME_NOREPLACE,
+                )
+            };
+            let err = (r != 0).then(io::Error::last_os_error);
+            match err.as_ref().map(io::Error::raw_os_error) {
+                None => renamed = true,
+                Some(Some(libc::EEXIST)) => return refuse(StoreError::Changed(t.target.clone())),
+                Some(Some(libc::EINVAL | libc::ENOSYS)) => {}
+                Some(_) => {
+                    return refuse(io_err(
+                        &t.target,
+                        err.unwrap_or_else(io::Error::last_os_error),
+                    ))
+                }
+            }
         }
-        let r = unsafe { libc::renameat(from, t.name.as_ptr(), dir, name.as_ptr()) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            unsafe { libc::unlinkat(from, t.name.as_ptr(), 0) };
-            return Err(io_err(&t.target, e));
+        if !renamed {
+            if let Err(e) = check_expect(dir, &name, &t.target, expect) {
+                return refuse(e);
+            }
+            let r = unsafe { libc::renameat(from, t.name.as_ptr(), dir, name.as_ptr()) };
+            if r < 0 {
+                return refuse(io_err(&t.target, io::Error::last_os_error()));
+            }
         }
         if touched.last() != Some(&dir) {
             touched.push(dir);
@@ -902,6 +931,9 @@ impl SetLenChecked for File {
 }
 
 fn check_expect(dir: RawFd, name: &CStr, path: &RelPath, expect: Expect) -> Result<(), StoreError> {
+    if expect == Expect::Anything {
+        return Ok(());
+    }
     let now = match fstatat(dir, name) {
         Ok(st) => Some(stat_of(&st).local),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
