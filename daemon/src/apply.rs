@@ -461,6 +461,7 @@ fn decide_all(
     // than one per record (two devices starting from the same tree exchange every record and
     // each becomes a metadata-only change). Always committed, even when deciding fails.
     let mut done: Vec<Change> = Vec::new();
+    journal.begin_reads();
     let result = decide_each(
         &mut journal,
         rt,
@@ -474,6 +475,7 @@ fn decide_all(
         &mut transfers,
         &mut redo,
     );
+    journal.end_reads();
     let flushed = if done.is_empty() {
         Ok(())
     } else {

@@ -1585,3 +1585,27 @@ fn conflict_records_lists_live_siblings_only() {
     assert_eq!(found, vec![sibling.path.to_string()]);
     assert!(j.conflict_records(&other_folder()).unwrap().is_empty());
 }
+
+#[test]
+fn a_held_read_transaction_sees_writes_and_blocks_no_one() {
+    let tmp = TempDir::new().unwrap();
+    let path = tmp.path().join("journal.db");
+    let mut j = Journal::open(&path).unwrap();
+    j.commit(&folder(), vec![change(dir("a", vv(&[(1, 1)])), Op::Create)])
+        .unwrap();
+    j.begin_reads();
+    assert!(j.get(&folder(), &p("a")).unwrap().is_some());
+    // A write while reads are held commits, and later reads see it.
+    j.commit(&folder(), vec![change(dir("b", vv(&[(1, 2)])), Op::Create)])
+        .unwrap();
+    assert!(j.get(&folder(), &p("b")).unwrap().is_some());
+    // Another connection (the CLI) reads and writes meanwhile.
+    let mut other = Journal::open(&path).unwrap();
+    assert!(other.get(&folder(), &p("b")).unwrap().is_some());
+    other
+        .commit(&folder(), vec![change(dir("c", vv(&[(1, 3)])), Op::Create)])
+        .unwrap();
+    j.end_reads();
+    j.end_reads();
+    assert!(j.get(&folder(), &p("c")).unwrap().is_some());
+}
