@@ -13,7 +13,7 @@ use crate::journal::LocalStat;
 use crate::store::Stat;
 use meshfs_protocol::{FileKind, RelPath, INTERNAL_PREFIX};
 use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind};
-use notify::{RecommendedWatcher, RecursiveMode, Watcher};
+use notify::{Config, EventKindMask, RecommendedWatcher, RecursiveMode, Watcher};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -39,13 +39,18 @@ pub enum Hint {
     Other,
 }
 
+/// The events watched: changes, and a file closed after writing (its "done" hint). Not opens
+/// or reads: every open in the folder (our own scans, chunk reads and inline attachments
+/// included) would wake the watcher and fill the kernel's queue (16,384 events) for nothing.
+const WATCHED: EventKindMask = EventKindMask::CORE.union(EventKindMask::ACCESS_CLOSE);
+
 /// Starts an inotify watcher on `root`, feeding `tx`.
 pub fn watch(
     root: &Path,
     tx: mpsc::UnboundedSender<CaptureMsg>,
 ) -> notify::Result<RecommendedWatcher> {
     let root_buf = root.to_path_buf();
-    let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+    let handler = move |res: notify::Result<notify::Event>| match res {
         Ok(ev) => {
             if ev.need_rescan() {
                 let _ = tx.send(CaptureMsg::Rescan);
@@ -67,7 +72,8 @@ pub fn watch(
             tracing::warn!(error = %e, "watcher error; rescanning");
             let _ = tx.send(CaptureMsg::Rescan);
         }
-    })?;
+    };
+    let mut w = RecommendedWatcher::new(handler, Config::default().with_event_kinds(WATCHED))?;
     w.watch(root, RecursiveMode::Recursive)?;
     Ok(w)
 }
