@@ -1,5 +1,6 @@
 //! Single-core throughput of each pass the scanner makes over new content, on 256 MiB in
-//! memory (no I/O): the FastCDC cut search, blake3 of the chunks, and `chunker::chunk_bytes`
+//! memory (no I/O): the FastCDC cut search (ours, and the fastcdc crate's that it reproduces),
+//! blake3 of the chunks, and `chunker::chunk_bytes`
 //! (both; the file's hash comes from the chunk list). blake3 of the whole buffer is printed
 //! for comparison with `b3sum` (whole-file blake3 only, every core, memory-mapped):
 //! `cargo run --release -p meshfs-daemon --example hashrate`.
@@ -29,7 +30,18 @@ fn main() {
     }
     let (min, avg, max) = chunker::chunk_sizes(n as u64);
     let mut cuts = Vec::new();
-    rate("FastCDC cut search", n, || {
+    rate("cut search (meshfs_protocol::cdc)", n, || {
+        let mut lens = Vec::new();
+        meshfs_protocol::cdc::chunk_lengths(
+            &data,
+            min as usize,
+            avg as usize,
+            max as usize,
+            &mut lens,
+        );
+        std::hint::black_box(lens);
+    });
+    rate("cut search (fastcdc crate)", n, || {
         cuts = fastcdc::v2020::FastCDC::new(&data, min as usize, avg as usize, max as usize)
             .map(|c| (c.offset, c.length))
             .collect();

@@ -1,4 +1,5 @@
-//! Content hashing and content-defined chunking (FastCDC 2020 + blake3).
+//! Content hashing and content-defined chunking (FastCDC 2020, cut search in [`meshfs_protocol::cdc`],
+//! + blake3).
 //!
 //! Boundaries depend on content, not offsets, so inserting bytes into a file changes one or
 //! two chunks instead of every chunk after the insert. Chunk sizes scale with the file so a
@@ -73,6 +74,7 @@ fn fill_chunks(
     max: usize,
     chunks: &mut Vec<Chunk>,
 ) -> std::io::Result<u64> {
+    let masks = meshfs_protocol::cdc::select_masks(avg);
     let mut filled = 0usize;
     let mut eof = false;
     let mut total = 0u64;
@@ -87,19 +89,19 @@ fn fill_chunks(
         if filled == 0 {
             break;
         }
-        let cdc = fastcdc::v2020::FastCDC::new(&buf[..filled], min, avg, max);
         let mut consumed = 0usize;
-        for c in cdc {
+        while consumed < filled {
+            let rest = &buf[consumed..filled];
+            let len = meshfs_protocol::cdc::cut_with_masks(rest, min, avg, max, masks.0, masks.1);
             // Keep a trailing chunk that may only end because the window ended.
-            if !eof && c.offset + c.length == filled {
+            if !eof && len == rest.len() {
                 break;
             }
-            let data = &buf[c.offset..c.offset + c.length];
             chunks.push(Chunk {
-                len: c.length as u32,
-                hash: Hash::of(data),
+                len: len as u32,
+                hash: Hash::of(&rest[..len]),
             });
-            consumed = c.offset + c.length;
+            consumed += len;
         }
         total += consumed as u64;
         buf.copy_within(consumed..filled, 0);

@@ -12,6 +12,7 @@
 //! decoded from the wire), so a function that receives one never re-checks it.
 #![deny(missing_docs)]
 
+pub mod cdc;
 mod codec;
 mod ids;
 mod message;
