@@ -121,8 +121,9 @@ struct Transfer {
     detail: Option<String>,
     /// The remote record this transfer serves (for re-deciding after a failed install).
     remote: FileRecord,
-    /// The temp file, already holding every chunk found locally.
-    temp: TempFile,
+    /// The temp file, already holding every chunk found locally; none yet when no chunk was
+    /// (it is made after the decision, outside the folder lock).
+    temp: Option<TempFile>,
     /// Chunks still to fetch: (hash, length, offset in this file).
     missing: Vec<(Hash, u32, u64)>,
     /// Journal changes of the same decision that may only be committed once this file is
@@ -131,10 +132,12 @@ struct Transfer {
     then: Vec<Change>,
 }
 
-/// Starts a transfer: creates the temp file and copies in every chunk this device already has
-/// (any file of the folder, through the chunk index). Done at decision time, under the folder
+/// Starts a transfer: copies every chunk this device already has (any file of the folder,
+/// through the chunk index) into a new temp file. Done at decision time, under the folder
 /// lock, so a later deletion in the same batch (the old name of a renamed file) cannot take
-/// the local copy away first.
+/// the local copy away first. A file none of whose chunks is here gets its temp file later,
+/// outside the lock (`transfer`): creating a thousand files was a fifth of a receiving
+/// daemon's time under the lock, which the next batch's decision waits for.
 #[allow(clippy::too_many_arguments)]
 fn prepare(
     journal: &Journal,
@@ -149,10 +152,7 @@ fn prepare(
     keep_open: bool,
     dirs: &mut DirCache,
 ) -> Result<Transfer, String> {
-    let mut temp = rt
-        .store
-        .create_temp_in(dirs, &record.path)
-        .map_err(|e| e.to_string())?;
+    let mut temp: Option<TempFile> = None;
     let mut missing = Vec::new();
     for (off, c) in record.chunk_offsets() {
         let local = journal.find_chunk(folder, &c.hash).unwrap_or_default();
@@ -160,15 +160,22 @@ fn prepare(
             .into_iter()
             .find_map(|l| rt.store.read_chunk(&l.path, l.offset, l.len, &c.hash).ok())
         {
-            Some(d) => rt
-                .store
-                .write_temp(&mut temp, off, &d)
-                .map_err(|e| e.to_string())?,
+            Some(d) => {
+                let t = match &mut temp {
+                    Some(t) => t,
+                    None => temp.insert(
+                        rt.store
+                            .create_temp_in(dirs, &record.path)
+                            .map_err(|e| e.to_string())?,
+                    ),
+                };
+                rt.store.write_temp(t, off, &d).map_err(|e| e.to_string())?
+            }
             None => missing.push((c.hash, c.len, off)),
         }
     }
-    if !keep_open {
-        rt.store.close_temp(&mut temp);
+    if let (Some(t), false) = (&mut temp, keep_open) {
+        rt.store.close_temp(t);
     }
     Ok(Transfer {
         record,
@@ -230,6 +237,13 @@ impl InFlight {
         f
     }
 
+    /// These paths and `earlier`'s (a batch before, not yet installed).
+    fn with(mut self, earlier: &InFlight) -> InFlight {
+        self.files.extend(earlier.files.iter().cloned());
+        self.dirs.extend(earlier.dirs.iter().cloned());
+        self
+    }
+
     /// Whether a decision about `path` depends on what these installs will change: the same
     /// path, a directory above one of them, or a path below one of them.
     fn overlaps(&self, path: &RelPath) -> bool {
@@ -239,9 +253,10 @@ impl InFlight {
     }
 }
 
-/// The batch before this one in a folder's receive pipeline (`session::RECEIVE_DEPTH` = 2).
+/// The batch before this one in a folder's receive pipeline (`session::RECEIVE_DEPTH`).
 pub struct Before {
-    /// Its paths in flight, once it has decided (dropped: it failed).
+    /// Its paths in flight once it has decided, with those of the batches before it that had
+    /// not installed yet (dropped: it failed).
     decided: oneshot::Receiver<Arc<InFlight>>,
     /// Fires once it has installed everything (dropped: it failed).
     installed: oneshot::Receiver<()>,
@@ -308,13 +323,32 @@ pub async fn receive(
     } = turn;
     let mut todo = order(records);
     let mut prev_installed = None;
+    let mut prev_in_flight: Option<Arc<InFlight>> = None;
     if let Some(b) = before {
         let in_flight = b.decided.await.map_err(|_| EARLIER_FAILED.to_string())?;
         prev_installed = Some(b.installed);
         if todo.iter().any(|r| in_flight.overlaps(&r.path)) {
             wait_installed(&mut prev_installed).await?;
+        } else {
+            prev_in_flight = Some(in_flight);
         }
     }
+    // What the next batch must not decide against: ours, and the earlier batches' while they
+    // have not installed (several batches may be in flight, `session::RECEIVE_DEPTH`).
+    let still_in_flight = |prev_installed: &mut Option<oneshot::Receiver<()>>,
+                           prev: Option<Arc<InFlight>>|
+     -> Option<Arc<InFlight>> {
+        match prev_installed.as_mut().map(|rx| rx.try_recv()) {
+            Some(Err(oneshot::error::TryRecvError::Empty)) => prev,
+            // Installed: nothing to wait for any more.
+            Some(Ok(())) => {
+                *prev_installed = None;
+                None
+            }
+            // Failed (this batch fails too when it waits), or already waited for.
+            Some(Err(oneshot::error::TryRecvError::Closed)) | None => None,
+        }
+    };
     for _round in 0..MAX_ROUNDS {
         if todo.is_empty() {
             break;
@@ -330,7 +364,12 @@ pub async fn receive(
         };
         let decide_ms = deciding.elapsed().as_millis() as u64;
         if let Some(tx) = decided.take() {
-            let _ = tx.send(Arc::new(InFlight::of(&this.transfers)));
+            let mine = InFlight::of(&this.transfers);
+            let all = match still_in_flight(&mut prev_installed, prev_in_flight.take()) {
+                Some(p) => mine.with(&p),
+                None => mine,
+            };
+            let _ = tx.send(Arc::new(all));
         }
         todo = transfer(
             engine,
@@ -349,7 +388,8 @@ pub async fn receive(
         return Err("local files kept changing during apply".into());
     }
     if let Some(tx) = decided.take() {
-        let _ = tx.send(Arc::default());
+        let _ = tx
+            .send(still_in_flight(&mut prev_installed, prev_in_flight.take()).unwrap_or_default());
     }
     // Applied in order: not before the batch before this one.
     wait_installed(&mut prev_installed).await?;
@@ -799,7 +839,8 @@ async fn transfer(
         }
     }
     let mut metas = Vec::with_capacity(work.len());
-    for t in work {
+    let mut work = work.into_iter();
+    while let Some(t) = work.next() {
         let Transfer {
             record,
             op,
@@ -812,6 +853,24 @@ async fn transfer(
             then,
             ..
         } = t;
+        // Files with no chunk here get their temp file now, outside the folder lock.
+        let temp = match temp {
+            Some(t) => Ok(t),
+            None => rt.store.create_temp_in(&mut dirs, &record.path),
+        };
+        let mut temp = match temp {
+            Ok(t) => t,
+            Err(e) => {
+                let rest = work.filter_map(|t| t.temp);
+                for t in temps.into_iter().flatten().chain(rest) {
+                    rt.store.discard_temp(t);
+                }
+                return Err(e.to_string());
+            }
+        };
+        if temps.len() >= MAX_OPEN_TEMPS {
+            rt.store.close_temp(&mut temp);
+        }
         temps.push(Some(temp));
         metas.push(Meta {
             record,
@@ -941,6 +1000,7 @@ fn install(
 ) -> Result<Vec<FileRecord>, String> {
     let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;
     let mut journal = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
+    let t0 = std::time::Instant::now();
     let pending: Vec<(FileRecord, Option<DeviceId>)> = ready
         .iter()
         .map(|(t, _)| (t.record.clone(), t.source))
@@ -948,8 +1008,10 @@ fn install(
     journal
         .put_pending(folder, &pending)
         .map_err(|e| e.to_string())?;
+    let pending_at = t0.elapsed();
     // Re-read expectations now that the lock is held again: a scan may have run meanwhile. An
     // expectation that moved is turned into one no file can meet, so that path is redone.
+    journal.begin_reads();
     let (meta, batch): (Vec<Meta>, Vec<(TempFile, Expect)>) = ready
         .into_iter()
         .map(|(t, temp)| {
@@ -969,7 +1031,10 @@ fn install(
             (t, (temp, e))
         })
         .unzip();
+    journal.end_reads();
+    let reread_at = t0.elapsed();
     let results = rt.store.install_synced_in(dirs, batch);
+    let renamed_at = t0.elapsed();
     let mut changes = Vec::new();
     let mut redo = Vec::new();
     let mut cleared = Vec::new();
@@ -997,7 +1062,14 @@ fn install(
     journal
         .clear_pending(folder, &cleared)
         .map_err(|e| e.to_string())?;
+    let files = changes.len();
     journal.commit(folder, changes).map_err(|e| e.to_string())?;
+    if files >= 100 {
+        tracing::debug!(%folder, files, pending_ms = pending_at.as_millis() as u64,
+            reread_ms = (reread_at - pending_at).as_millis() as u64,
+            rename_ms = (renamed_at - reread_at).as_millis() as u64,
+            commit_ms = (t0.elapsed() - renamed_at).as_millis() as u64, "batch installed");
+    }
     Ok(redo)
 }
 
