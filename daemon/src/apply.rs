@@ -854,11 +854,8 @@ async fn transfer(
             ..
         } = t;
         // Files with no chunk here get their temp file now, outside the folder lock.
-        let temp = match temp {
-            Some(t) => Ok(t),
-            None => rt.store.create_temp_in(&mut dirs, &record.path),
-        };
-        let mut temp = match temp {
+        let made = temp.map_or_else(|| rt.store.create_temp_in(&mut dirs, &record.path), Ok);
+        let mut temp = match made {
             Ok(t) => t,
             Err(e) => {
                 let rest = work.filter_map(|t| t.temp);

@@ -649,30 +649,17 @@ impl Store {
         };
         // A new file: the rename itself refuses an existing target (no stat first, and no
         // window between the check and the rename). Where the filesystem cannot, check first.
-        let mut renamed = false;
-        if expect == Expect::Absent {
-            let r = unsafe {
-                libc::renameat2(
-                    from,
-                    t.name.as_ptr(),
-                    dir,
-                    name.as_ptr(),
-                    libc::RENAME_NOREPLACE,
-                )
-            };
-            let err = (r != 0).then(io::Error::last_os_error);
-            match err.as_ref().map(io::Error::raw_os_error) {
-                None => renamed = true,
-                Some(Some(libc::EEXIST)) => return refuse(StoreError::Changed(t.target.clone())),
-                Some(Some(libc::EINVAL | libc::ENOSYS)) => {}
-                Some(_) => {
-                    return refuse(io_err(
-                        &t.target,
-                        err.unwrap_or_else(io::Error::last_os_error),
-                    ))
+        let renamed = if expect == Expect::Absent {
+            match rename_noreplace(from, &t.name, dir, &name) {
+                Ok(done) => done,
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    return refuse(StoreError::Changed(t.target.clone()))
                 }
+                Err(e) => return refuse(io_err(&t.target, e)),
             }
-        }
+        } else {
+            false
+        };
         if !renamed {
             if let Err(e) = check_expect(dir, &name, &t.target, expect) {
                 return refuse(e);
@@ -927,6 +914,16 @@ impl SetLenChecked for File {
             ));
         }
         Ok(())
+    }
+}
+
+/// `renameat2(RENAME_NOREPLACE)`: `Ok(false)` where the filesystem cannot (nothing renamed).
+fn rename_noreplace(from: RawFd, old: &CStr, dir: RawFd, new: &CStr) -> io::Result<bool> {
+    let flags = libc::RENAME_NOREPLACE;
+    match cvt(unsafe { libc::renameat2(from, old.as_ptr(), dir, new.as_ptr(), flags) }) {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

@@ -242,6 +242,22 @@ mod x86 {
         };
     }
 
+    // One group of 8 positions of all 4 lanes, each step done by `$step`: the 8-byte words of
+    // lanes 0 and 1 at offset `i`, then four `two_steps`.
+    #[rustfmt::skip]
+    macro_rules! group {
+        ($step:ident) => {
+            concat!(
+                "mov rax, qword ptr [{p0} + {i}]\n",
+                "mov rdx, qword ptr [{p1} + {i}]\n",
+                two_steps!($step, "0", "1"),
+                two_steps!($step, "2", "3"),
+                two_steps!($step, "4", "5"),
+                two_steps!($step, "6", "7"),
+            )
+        };
+    }
+
     /// Hashes 4 lanes in lockstep, 8 positions per iteration: lane `j` is
     /// warmed up (untested) on the `WARMUP` bytes before `p + j * stride`,
     /// then tested on the `len` positions from `p + j * stride` on. Returns
@@ -269,22 +285,12 @@ mod x86 {
                 // Warm-up: the WARMUP (48) bytes before each lane, untested;
                 // `i` runs from -48 up to 0.
                 "4:",
-                "mov rax, qword ptr [{p0} + {i}]",
-                "mov rdx, qword ptr [{p1} + {i}]",
-                two_steps!(hash_only, "0", "1"),
-                two_steps!(hash_only, "2", "3"),
-                two_steps!(hash_only, "4", "5"),
-                two_steps!(hash_only, "6", "7"),
+                group!(hash_only),
                 "add {i}, 8",
                 "jnz 4b",
                 // Main loop over `0..len`, 8 positions per iteration.
                 "2:",
-                "mov rax, qword ptr [{p0} + {i}]",
-                "mov rdx, qword ptr [{p1} + {i}]",
-                two_steps!(hash_test, "0", "1"),
-                two_steps!(hash_test, "2", "3"),
-                two_steps!(hash_test, "4", "5"),
-                two_steps!(hash_test, "6", "7"),
+                group!(hash_test),
                 "add {i}, 8",
                 "cmp {i}, {len}",
                 "jb 2b",

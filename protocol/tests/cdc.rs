@@ -87,36 +87,46 @@ fn gear_table() -> &'static [u64] {
     G.get_or_init(|| fastcdc::v2020::get_gear_with_seed(0).0.to_vec())
 }
 
+/// `find(mask, avg)` for each parameter set, computed once into `cell`, and the entry of `p`.
+fn per_params(
+    cell: &'static OnceLock<Vec<Vec<Vec<u8>>>>,
+    p: (usize, usize, usize),
+    find: fn(u64, usize) -> Vec<Vec<u8>>,
+) -> &'static [Vec<u8>] {
+    let all = cell.get_or_init(|| {
+        PARAMS
+            .iter()
+            .map(|&(_, avg, _)| {
+                let (s, l) = fastcdc::v2020::select_masks(avg, Normalization::Level1);
+                find(s | l, avg)
+            })
+            .collect()
+    });
+    &all[PARAMS.iter().position(|&q| q == p).unwrap()]
+}
+
 /// 48-byte windows whose gear hash matches both masks of the parameter set:
 /// wherever one ends at a position at least `min + 47` bytes into a chunk,
 /// that position is a cut point (if nothing cut earlier).
 fn window_triggers(p: (usize, usize, usize)) -> &'static [Vec<u8>] {
     static T: OnceLock<Vec<Vec<Vec<u8>>>> = OnceLock::new();
-    let all = T.get_or_init(|| {
-        PARAMS
-            .iter()
-            .map(|&(_, avg, _)| {
-                let (s, l) = fastcdc::v2020::select_masks(avg, Normalization::Level1);
-                let mask = s | l;
-                let gear = gear_table();
-                let mut found = Vec::new();
-                let data = xorshift_bytes(64 << 20, 0x1234_5678_9abc_def1);
-                let mut h = 0u64;
-                for (i, &b) in data.iter().enumerate() {
-                    h = (h << 1).wrapping_add(gear[b as usize]);
-                    if i >= 48 && h & mask == 0 {
-                        found.push(data[i + 1 - 48..=i].to_vec());
-                        if found.len() == 4 {
-                            break;
-                        }
-                    }
+    per_params(&T, p, |mask, _| {
+        let gear = gear_table();
+        let mut found = Vec::new();
+        let data = xorshift_bytes(64 << 20, 0x1234_5678_9abc_def1);
+        let mut h = 0u64;
+        for (i, &b) in data.iter().enumerate() {
+            h = (h << 1).wrapping_add(gear[b as usize]);
+            if i >= 48 && h & mask == 0 {
+                found.push(data[i + 1 - 48..=i].to_vec());
+                if found.len() == 4 {
+                    break;
                 }
-                assert!(!found.is_empty());
-                found
-            })
-            .collect()
-    });
-    &all[PARAMS.iter().position(|&q| q == p).unwrap()]
+            }
+        }
+        assert!(!found.is_empty());
+        found
+    })
 }
 
 /// Short byte strings whose gear hash *from zero* matches both masks: placed
@@ -124,33 +134,25 @@ fn window_triggers(p: (usize, usize, usize)) -> &'static [Vec<u8>] {
 /// exact (non-windowed) part of the scan.
 fn exact_triggers(p: (usize, usize, usize)) -> &'static [Vec<u8>] {
     static T: OnceLock<Vec<Vec<Vec<u8>>>> = OnceLock::new();
-    let all = T.get_or_init(|| {
-        PARAMS
-            .iter()
-            .map(|&(_, avg, _)| {
-                let (s, l) = fastcdc::v2020::select_masks(avg, Normalization::Level1);
-                let mask = s | l;
-                let gear = gear_table();
-                let mut found: Vec<Vec<u8>> = Vec::new();
-                let mut rng = StdRng::seed_from_u64(avg as u64);
-                let mut buf = [0u8; 64];
-                while found.len() < 6 {
-                    rng.fill_bytes(&mut buf);
-                    let mut h = 0u64;
-                    for (i, &b) in buf.iter().enumerate() {
-                        h = (h << 1).wrapping_add(gear[b as usize]);
-                        if h & mask == 0 {
-                            found.push(buf[..=i].to_vec());
-                            break;
-                        }
-                    }
+    per_params(&T, p, |mask, avg| {
+        let gear = gear_table();
+        let mut found: Vec<Vec<u8>> = Vec::new();
+        let mut rng = StdRng::seed_from_u64(avg as u64);
+        let mut buf = [0u8; 64];
+        while found.len() < 6 {
+            rng.fill_bytes(&mut buf);
+            let mut h = 0u64;
+            for (i, &b) in buf.iter().enumerate() {
+                h = (h << 1).wrapping_add(gear[b as usize]);
+                if h & mask == 0 {
+                    found.push(buf[..=i].to_vec());
+                    break;
                 }
-                found.sort_by_key(Vec::len);
-                found
-            })
-            .collect()
-    });
-    &all[PARAMS.iter().position(|&q| q == p).unwrap()]
+            }
+        }
+        found.sort_by_key(Vec::len);
+        found
+    })
 }
 
 #[test]
