@@ -211,70 +211,168 @@ pub fn scan_new(t: &ScanTarget<'_>, emit: &mut Emit<'_>) -> Result<ScanReport, S
     diff(t, &lk, HashMap::new(), seen, report, Some(emit))
 }
 
+/// Walks the subtree at `dir` (the folder root when `None`), adding every entry below it to
+/// `seen`. An unreadable root is an error; an unreadable directory below it is skipped with a
+/// warning. Once several directories are waiting to be read, they are read on every core: with
+/// the cache cold, an unchanged tree's scan is the kernel reading inodes, one thread's worth of
+/// CPU per directory.
 fn walk(
     t: &ScanTarget<'_>,
     dir: Option<&RelPath>,
     seen: &mut Vec<Seen>,
     report: &mut ScanReport,
 ) -> std::io::Result<()> {
-    let mut stack: Vec<Option<RelPath>> = vec![dir.cloned()];
-    while let Some(d) = stack.pop() {
-        let abs = match &d {
-            Some(p) => t.store.root().join(p.as_str()),
-            None => t.store.root().to_path_buf(),
-        };
-        let rd = match std::fs::read_dir(&abs) {
-            Ok(rd) => rd,
-            Err(e) if d.is_none() => return Err(e),
-            Err(e) => {
-                tracing::warn!(path = %abs.display(), error = %e, "cannot read directory; skipped");
-                continue;
-            }
-        };
-        for entry in rd.flatten() {
-            let name = entry.file_name();
-            let bytes = name.as_bytes();
-            if bytes.starts_with(INTERNAL_PREFIX.as_bytes()) {
-                continue;
-            }
-            let Ok(name) = std::str::from_utf8(bytes) else {
-                tracing::warn!(path = %entry.path().display(), "file name is not UTF-8; not replicated");
-                continue;
-            };
-            let rel = match &d {
-                Some(p) => p.join(name),
-                None => RelPath::new(name),
-            };
-            let rel = match rel {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!(path = %entry.path().display(), error = %e, "not replicated");
-                    continue;
-                }
-            };
-            let st = match lstat(&entry.path()) {
-                Ok(st) => stat_of(&st),
-                Err(_) => continue,
-            };
-            let Some(kind) = st.kind else {
-                tracing::warn!(path = %entry.path().display(), "special file (fifo, socket or device); not replicated");
-                continue;
-            };
-            if t.ignore.is_ignored(&rel, kind == FileKind::Dir) {
-                continue;
-            }
-            report.entries += 1;
-            if kind == FileKind::Dir {
-                stack.push(Some(rel.clone()));
-            }
-            seen.push(Seen {
-                path: rel,
-                kind,
-                local: st.local,
-            });
-        }
+    let mut dirs = Vec::new();
+    report.entries += read_dir_into(t, dir, seen, &mut dirs)?;
+    while dirs.len() == 1 {
+        let d = dirs.pop();
+        report.entries += read_dir_into(t, d.as_ref(), seen, &mut dirs).unwrap_or(0);
+    }
+    if !dirs.is_empty() {
+        walk_parallel(t, dirs, seen, report);
     }
     Ok(())
+}
+
+/// Directories waiting to be read, and how many threads are reading one (and may add more).
+struct WalkQueue {
+    dirs: Vec<RelPath>,
+    busy: usize,
+}
+
+/// Threads that walk a tree: beyond the cores, a few more keep the disk busy while a thread
+/// waits for an inode.
+const WALK_THREADS: usize = 4;
+
+fn walk_parallel(
+    t: &ScanTarget<'_>,
+    dirs: Vec<RelPath>,
+    seen: &mut Vec<Seen>,
+    report: &mut ScanReport,
+) {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .clamp(2, WALK_THREADS)
+        .min(dirs.len());
+    let queue = std::sync::Mutex::new(WalkQueue { dirs, busy: 0 });
+    let wake = std::sync::Condvar::new();
+    let parts: Vec<(Vec<Seen>, u64)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| s.spawn(|| walk_worker(t, &queue, &wake)))
+            .collect();
+        workers.into_iter().filter_map(|w| w.join().ok()).collect()
+    });
+    for (part, entries) in parts {
+        seen.extend(part);
+        report.entries += entries;
+    }
+}
+
+/// One walking thread: takes a directory, reads it, queues its subdirectories, until no
+/// directory is waiting and no other thread is reading one.
+fn walk_worker(
+    t: &ScanTarget<'_>,
+    queue: &std::sync::Mutex<WalkQueue>,
+    wake: &std::sync::Condvar,
+) -> (Vec<Seen>, u64) {
+    let mut seen = Vec::new();
+    let mut entries = 0;
+    let mut found = Vec::new();
+    let Ok(mut q) = queue.lock() else {
+        return (seen, entries);
+    };
+    loop {
+        if let Some(d) = q.dirs.pop() {
+            q.busy += 1;
+            drop(q);
+            entries += read_dir_into(t, Some(&d), &mut seen, &mut found).unwrap_or(0);
+            q = match queue.lock() {
+                Ok(q) => q,
+                Err(_) => return (seen, entries),
+            };
+            q.busy -= 1;
+            let more = !found.is_empty();
+            q.dirs.append(&mut found);
+            if more || q.busy == 0 {
+                wake.notify_all();
+            }
+        } else if q.busy == 0 {
+            return (seen, entries);
+        } else {
+            q = match wake.wait(q) {
+                Ok(q) => q,
+                Err(_) => return (seen, entries),
+            };
+        }
+    }
+}
+
+/// Reads one directory (the folder root when `dir` is `None`): adds its entries to `seen` and
+/// its subdirectories to `dirs`; returns how many entries it added. Only the root's failure to
+/// open is returned; any other directory that cannot be read is skipped with a warning.
+fn read_dir_into(
+    t: &ScanTarget<'_>,
+    dir: Option<&RelPath>,
+    seen: &mut Vec<Seen>,
+    dirs: &mut Vec<RelPath>,
+) -> std::io::Result<u64> {
+    let abs = match dir {
+        Some(p) => t.store.root().join(p.as_str()),
+        None => t.store.root().to_path_buf(),
+    };
+    let rd = match std::fs::read_dir(&abs) {
+        Ok(rd) => rd,
+        Err(e) if dir.is_none() => return Err(e),
+        Err(e) => {
+            tracing::warn!(path = %abs.display(), error = %e, "cannot read directory; skipped");
+            return Ok(0);
+        }
+    };
+    let mut entries = 0;
+    for entry in rd.flatten() {
+        let name = entry.file_name();
+        let bytes = name.as_bytes();
+        if bytes.starts_with(INTERNAL_PREFIX.as_bytes()) {
+            continue;
+        }
+        let Ok(name) = std::str::from_utf8(bytes) else {
+            tracing::warn!(path = %entry.path().display(), "file name is not UTF-8; not replicated");
+            continue;
+        };
+        let rel = match dir {
+            Some(p) => p.join(name),
+            None => RelPath::new(name),
+        };
+        let rel = match rel {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(path = %entry.path().display(), error = %e, "not replicated");
+                continue;
+            }
+        };
+        let st = match lstat(&entry.path()) {
+            Ok(st) => stat_of(&st),
+            Err(_) => continue,
+        };
+        let Some(kind) = st.kind else {
+            tracing::warn!(path = %entry.path().display(), "special file (fifo, socket or device); not replicated");
+            continue;
+        };
+        if t.ignore.is_ignored(&rel, kind == FileKind::Dir) {
+            continue;
+        }
+        entries += 1;
+        if kind == FileKind::Dir {
+            dirs.push(rel.clone());
+        }
+        seen.push(Seen {
+            path: rel,
+            kind,
+            local: st.local,
+        });
+    }
+    Ok(entries)
 }
 
 fn lstat(p: &Path) -> std::io::Result<libc::stat> {
@@ -430,6 +528,9 @@ fn diff(
     // Whatever the journal knows as live but the disk no longer has: deleted (or renamed).
     let mut vanished: Vec<Known> = known.into_values().filter(|k| !k.s.deleted).collect();
     // Rename detection: a new file with the (inode, size, mtime) of a vanished file.
+    // The walk's order depends on its threads: sorted, a rename is found the same way every
+    // time, and a first scan hashes (and announces) a directory's files together.
+    new_files.sort_unstable_by(|a, b| a.0.cmp(&b.0));
     let mut by_inode: HashMap<(u64, u64, i64), usize> = HashMap::new();
     for (i, k) in vanished.iter().enumerate() {
         if let (FileKind::File, Some(l)) = (k.s.kind, k.s.local) {

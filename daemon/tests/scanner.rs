@@ -96,3 +96,67 @@ fn special_files_and_internal_names_are_skipped() {
         .collect();
     assert_eq!(paths, vec!["real"]);
 }
+
+#[test]
+fn a_deep_wide_tree_is_walked_once_per_entry() {
+    // Enough directories, nested deep and wide, that the walk goes on several threads; every
+    // entry must be found exactly once, and a scope finds exactly its own subtree.
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    let mut expected = std::collections::BTreeSet::new();
+    let mut stack = vec![(String::new(), 0)];
+    while let Some((d, depth)) = stack.pop() {
+        std::fs::create_dir_all(root.join(&d)).unwrap();
+        for f in 0..3 {
+            let p = format!("{d}f{f}");
+            std::fs::write(root.join(&p), p.as_bytes()).unwrap();
+            expected.insert(p);
+        }
+        if depth < 4 {
+            for s in 0..4 {
+                let sub = format!("{d}s{s}");
+                expected.insert(sub.clone());
+                stack.push((format!("{sub}/"), depth + 1));
+            }
+        }
+    }
+    let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let folder = FolderId::new("f").unwrap();
+    let store = Store::open(&root).unwrap();
+    let ignore = IgnoreRules::none();
+    let t = ScanTarget {
+        folder: &folder,
+        store: &store,
+        ignore: &ignore,
+        local: ShortId(1),
+        now_secs: 0,
+    };
+    let r = scan(&t, &j, &[]).unwrap();
+    assert_eq!(r.entries as usize, expected.len());
+    let found: Vec<String> = r
+        .changes
+        .iter()
+        .map(|c| c.record.path.to_string())
+        .collect();
+    let unique: std::collections::BTreeSet<String> = found.iter().cloned().collect();
+    assert_eq!(found.len(), unique.len(), "an entry was found twice");
+    assert_eq!(unique, expected);
+    j.commit(&folder, r.changes).unwrap();
+
+    let scope = meshfs_protocol::RelPath::new("s2/s1").unwrap();
+    std::fs::write(root.join("s2/s1/s3/new"), b"n").unwrap();
+    std::fs::write(root.join("s1/new"), b"n").unwrap();
+    let r = scan(&t, &j, &[scope]).unwrap();
+    let found: Vec<String> = r
+        .changes
+        .iter()
+        .map(|c| c.record.path.to_string())
+        .collect();
+    assert_eq!(found, vec!["s2/s1/s3/new".to_string()]);
+    let below = expected.iter().filter(|p| p.starts_with("s2/s1/")).count();
+    assert_eq!(
+        r.entries as usize,
+        below + 2,
+        "the scope, its subtree and the new file"
+    );
+}
