@@ -555,6 +555,7 @@ fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
     let mut dirs = DirCache::default();
     let mut seen = HashSet::new();
     let mut bytes = 0usize;
+    let mut packer = Packer::default();
     for r in candidates {
         let fresh = ops
             .get(&r.sequence)
@@ -568,7 +569,7 @@ fn attach_inline(engine: &Engine, batch: &mut IndexBatch, after: u64) {
         else {
             continue;
         };
-        let (data, compressed) = compress(d);
+        let (data, compressed) = packer.pack(d);
         bytes += data.len();
         if bytes > INLINE_BATCH_BYTES {
             break;
@@ -644,6 +645,7 @@ async fn serve_request(
     let reader = tokio::task::spawn_blocking(move || {
         let journal = &engine2.journal;
         let mut dirs = DirCache::default();
+        let mut packer = Packer::default();
         for hash in req.hashes {
             let locs = journal
                 .lock()
@@ -657,7 +659,7 @@ async fn serve_request(
             });
             let resp = match data {
                 Some(d) => {
-                    let (data, compressed) = compress(d);
+                    let (data, compressed) = packer.pack(d);
                     ChunkResponse {
                         hash,
                         data: Some(data),
@@ -692,6 +694,37 @@ type FetchItem = Result<(Hash, Option<Vec<u8>>), String>;
 /// by compressing 4 KiB from its middle: zstd gives up on incompressible input without
 /// finding matches, but it still reads, histograms and copies every block, which was a tenth
 /// of a sending daemon's CPU on already-compressed data (`perf`, 1.9 GB of mixed files).
+/// Compression over one stream of chunks (a batch's inline contents, a request's responses)
+/// that stops trying where it does not pay: after [`Packer::GIVE_UP`] chunks in a row that
+/// zstd could not shrink (a tree of photos, archives, random data), only every
+/// [`Packer::PROBE`]th chunk is tried, and one that pays turns it back on. For 4 KiB files zstd
+/// cost a fifth of a sending daemon's CPU, to find out there was nothing to save.
+#[derive(Default)]
+struct Packer {
+    misses: u32,
+    skipped: u32,
+}
+
+impl Packer {
+    const GIVE_UP: u32 = 8;
+    const PROBE: u32 = 16;
+
+    fn pack(&mut self, d: Vec<u8>) -> (Vec<u8>, bool) {
+        if self.misses >= Self::GIVE_UP && self.skipped + 1 < Self::PROBE {
+            self.skipped += 1;
+            return (d, false);
+        }
+        self.skipped = 0;
+        let (out, packed) = compress(d);
+        if packed {
+            self.misses = 0;
+        } else {
+            self.misses += 1;
+        }
+        (out, packed)
+    }
+}
+
 fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
     thread_local! {
         // A compression context per thread: creating one per chunk cost more than
@@ -845,6 +878,27 @@ mod tests {
                 x as u8
             })
             .collect()
+    }
+
+    #[test]
+    fn a_stream_of_incompressible_chunks_stops_trying_until_one_pays() {
+        let text = b"meshfs keeps a folder identical on every device. ".repeat(100);
+        let mut p = Packer::default();
+        let packed: Vec<bool> = (0..64).map(|_| p.pack(noise(4096)).1).collect();
+        assert!(!packed.iter().any(|&b| b));
+        assert_eq!(p.misses, Packer::GIVE_UP + 56 / Packer::PROBE, "tried only every 16th");
+        // Compressible content again: found at the next probe, then every chunk is tried.
+        let mut first = None;
+        for i in 0..Packer::PROBE {
+            let (sent, packed) = p.pack(text.clone());
+            if packed {
+                assert_eq!(open_chunk(&Hash::of(&text), sent, true).unwrap(), text);
+                first = Some(i);
+                break;
+            }
+        }
+        assert!(first.is_some(), "a probe within 16 chunks");
+        assert!((0..4).all(|_| p.pack(text.clone()).1));
     }
 
     #[test]
