@@ -886,7 +886,11 @@ mod tests {
         let mut p = Packer::default();
         let packed: Vec<bool> = (0..64).map(|_| p.pack(noise(4096)).1).collect();
         assert!(!packed.iter().any(|&b| b));
-        assert_eq!(p.misses, Packer::GIVE_UP + 56 / Packer::PROBE, "tried only every 16th");
+        assert_eq!(
+            p.misses,
+            Packer::GIVE_UP + 56 / Packer::PROBE,
+            "tried only every 16th"
+        );
         // Compressible content again: found at the next probe, then every chunk is tried.
         let mut first = None;
         for i in 0..Packer::PROBE {

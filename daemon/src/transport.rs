@@ -41,7 +41,8 @@
 //! stream may have 16 MiB unacknowledged, a connection 64 MiB each way, with 1024 concurrent
 //! bidirectional streams (chunk requests). Keep-alive every 5 s, idle timeout 30 s, initial
 //! RTT guess 100 ms. The congestion controller is BBR (see [`CongestionControl`] for the
-//! measurement). UDP segmentation offload (GSO) stays on. The UDP socket gets 8 MiB kernel
+//! measurement), held to a window of at least 256 KiB ([`FlooredBbr`]): on a LAN's tens of
+//! microseconds of RTT quinn's BBR otherwise shrinks to four packets. UDP segmentation offload (GSO) stays on. The UDP socket gets 8 MiB kernel
 //! buffers (forced past `net.core.rmem_max` when we may) so bursts are not dropped.
 
 use crate::identity::{device_id_of_cert, Identity};
@@ -281,6 +282,8 @@ pub struct Tuning {
     pub initial_rtt: Duration,
     /// Kernel send and receive buffer of the UDP socket, in bytes.
     pub socket_buffer: usize,
+    /// Least congestion window BBR is held to, in bytes (see [`FlooredBbr`]).
+    pub cwnd_floor: u64,
 }
 
 impl Default for Tuning {
@@ -296,6 +299,7 @@ impl Default for Tuning {
             max_idle_timeout: Duration::from_secs(30),
             initial_rtt: Duration::from_millis(100),
             socket_buffer: 8 << 20,
+            cwnd_floor: 256 << 10,
         }
     }
 }
@@ -322,9 +326,10 @@ impl Tuning {
             CongestionControl::Cubic => {
                 t.congestion_controller_factory(Arc::new(quinn::congestion::CubicConfig::default()))
             }
-            CongestionControl::Bbr => {
-                t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()))
-            }
+            CongestionControl::Bbr => t.congestion_controller_factory(Arc::new(FlooredBbr {
+                floor: self.cwnd_floor,
+                inner: Arc::new(quinn::congestion::BbrConfig::default()),
+            })),
         };
         Ok(t)
     }
@@ -916,9 +921,113 @@ impl ServerCertVerifier for PinnedServer {
     }
 }
 
+/// quinn's BBR with a least congestion window. BBR sets its window to gain × bandwidth × min
+/// RTT; where the min RTT is tens of microseconds (a LAN, loopback) that is a few packets, and
+/// quinn's bandwidth samples, clocked by the peer's ACKs, then barely grow it. Measured on
+/// loopback, the window fell from 240 KB to 5,808 bytes (four packets) as the first index batch
+/// went out and stayed there ~200 ms: 3.6 MB took 230–270 ms to arrive, 50–90 ms with a 256 KiB
+/// floor. Wherever bandwidth × RTT is above the floor (1 Gbit/s × 90 ms is 11 MB) BBR's own
+/// window rules; on a slow long path the floor may queue up to itself at the bottleneck.
+struct FlooredBbr {
+    floor: u64,
+    inner: Arc<quinn::congestion::BbrConfig>,
+}
+
+impl quinn::congestion::ControllerFactory for FlooredBbr {
+    fn build(
+        self: Arc<Self>,
+        now: std::time::Instant,
+        current_mtu: u16,
+    ) -> Box<dyn quinn::congestion::Controller> {
+        Box::new(Floored {
+            floor: self.floor,
+            inner: self.inner.clone().build(now, current_mtu),
+        })
+    }
+}
+
+/// One connection's [`FlooredBbr`] controller.
+struct Floored {
+    floor: u64,
+    inner: Box<dyn quinn::congestion::Controller>,
+}
+
+impl quinn::congestion::Controller for Floored {
+    fn on_sent(&mut self, now: std::time::Instant, bytes: u64, last_packet_number: u64) {
+        self.inner.on_sent(now, bytes, last_packet_number)
+    }
+    fn on_ack(
+        &mut self,
+        now: std::time::Instant,
+        sent: std::time::Instant,
+        bytes: u64,
+        app_limited: bool,
+        rtt: &quinn_proto::RttEstimator,
+    ) {
+        self.inner.on_ack(now, sent, bytes, app_limited, rtt)
+    }
+    fn on_end_acks(
+        &mut self,
+        now: std::time::Instant,
+        in_flight: u64,
+        app_limited: bool,
+        largest_packet_num_acked: Option<u64>,
+    ) {
+        self.inner
+            .on_end_acks(now, in_flight, app_limited, largest_packet_num_acked)
+    }
+    fn on_congestion_event(
+        &mut self,
+        now: std::time::Instant,
+        sent: std::time::Instant,
+        is_persistent_congestion: bool,
+        lost_bytes: u64,
+    ) {
+        self.inner
+            .on_congestion_event(now, sent, is_persistent_congestion, lost_bytes)
+    }
+    fn on_mtu_update(&mut self, new_mtu: u16) {
+        self.inner.on_mtu_update(new_mtu)
+    }
+    fn window(&self) -> u64 {
+        self.inner.window().max(self.floor)
+    }
+    fn clone_box(&self) -> Box<dyn quinn::congestion::Controller> {
+        Box::new(Floored {
+            floor: self.floor,
+            inner: self.inner.clone_box(),
+        })
+    }
+    fn initial_window(&self) -> u64 {
+        self.inner.initial_window()
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bbr_window_never_falls_below_the_floor() {
+        use quinn::congestion::{Controller, ControllerFactory};
+        let now = std::time::Instant::now();
+        let bbr = |floor| {
+            Arc::new(FlooredBbr {
+                floor,
+                inner: Arc::new(quinn::congestion::BbrConfig::default()),
+            })
+            .build(now, 1200)
+        };
+        let plain: Box<dyn Controller> = bbr(0);
+        let initial = plain.window();
+        assert!(initial > 0 && initial < 1 << 20);
+        assert_eq!(bbr(1 << 20).window(), 1 << 20, "a floor above BBR's window");
+        assert_eq!(bbr(1).window(), initial, "BBR's window above the floor");
+        assert_eq!(bbr(1 << 20).clone_box().window(), 1 << 20);
+    }
 
     #[test]
     fn certificate_alerts_are_recognized_as_refusals() {
