@@ -7,6 +7,33 @@ use meshfs_daemon::scanner::{scan, ScanTarget};
 use meshfs_daemon::store::Store;
 use meshfs_protocol::{FolderId, ShortId};
 
+/// A folder on `root` with no ignore rules, scanned as device 1.
+struct Fixture {
+    folder: FolderId,
+    store: Store,
+    ignore: IgnoreRules,
+}
+
+impl Fixture {
+    fn new(root: &std::path::Path) -> Fixture {
+        Fixture {
+            folder: FolderId::new("f").unwrap(),
+            store: Store::open(root).unwrap(),
+            ignore: IgnoreRules::none(),
+        }
+    }
+
+    fn target(&self) -> ScanTarget<'_> {
+        ScanTarget {
+            folder: &self.folder,
+            store: &self.store,
+            ignore: &self.ignore,
+            local: ShortId(1),
+            now_secs: 0,
+        }
+    }
+}
+
 fn commit_all(j: &mut Journal, f: &FolderId, t: &ScanTarget<'_>) -> (usize, u64) {
     let r = scan(t, j, &[]).unwrap();
     let n = r.changes.len();
@@ -25,22 +52,14 @@ fn an_unchanged_tree_is_scanned_without_reading_any_file() {
         std::fs::write(d.join(format!("f{i}")), vec![i as u8; 3000]).unwrap();
     }
     let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
-    let folder = FolderId::new("f").unwrap();
-    let store = Store::open(&root).unwrap();
-    let ignore = IgnoreRules::none();
-    let t = ScanTarget {
-        folder: &folder,
-        store: &store,
-        ignore: &ignore,
-        local: ShortId(1),
-        now_secs: 0,
-    };
+    let fx = Fixture::new(&root);
+    let (folder, t) = (&fx.folder, fx.target());
 
-    let (n, bytes) = commit_all(&mut j, &folder, &t);
+    let (n, bytes) = commit_all(&mut j, folder, &t);
     assert_eq!(n, 520, "500 files and 20 directories");
     assert_eq!(bytes, 500 * 3000);
 
-    let (n, bytes) = commit_all(&mut j, &folder, &t);
+    let (n, bytes) = commit_all(&mut j, folder, &t);
     assert_eq!(
         (n, bytes),
         (0, 0),
@@ -78,16 +97,8 @@ fn special_files_and_internal_names_are_skipped() {
     let fifo = std::ffi::CString::new(root.join("pipe").to_str().unwrap()).unwrap();
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
     let j = Journal::open(&dir.path().join("journal.db")).unwrap();
-    let folder = FolderId::new("f").unwrap();
-    let store = Store::open(&root).unwrap();
-    let ignore = IgnoreRules::none();
-    let t = ScanTarget {
-        folder: &folder,
-        store: &store,
-        ignore: &ignore,
-        local: ShortId(1),
-        now_secs: 0,
-    };
+    let fx = Fixture::new(&root);
+    let t = fx.target();
     let r = scan(&t, &j, &[]).unwrap();
     let paths: Vec<_> = r
         .changes
@@ -121,16 +132,8 @@ fn a_deep_wide_tree_is_walked_once_per_entry() {
         }
     }
     let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
-    let folder = FolderId::new("f").unwrap();
-    let store = Store::open(&root).unwrap();
-    let ignore = IgnoreRules::none();
-    let t = ScanTarget {
-        folder: &folder,
-        store: &store,
-        ignore: &ignore,
-        local: ShortId(1),
-        now_secs: 0,
-    };
+    let fx = Fixture::new(&root);
+    let (folder, t) = (&fx.folder, fx.target());
     let r = scan(&t, &j, &[]).unwrap();
     assert_eq!(r.entries as usize, expected.len());
     let found: Vec<String> = r
@@ -141,7 +144,7 @@ fn a_deep_wide_tree_is_walked_once_per_entry() {
     let unique: std::collections::BTreeSet<String> = found.iter().cloned().collect();
     assert_eq!(found.len(), unique.len(), "an entry was found twice");
     assert_eq!(unique, expected);
-    j.commit(&folder, r.changes).unwrap();
+    j.commit(folder, r.changes).unwrap();
 
     let scope = meshfs_protocol::RelPath::new("s2/s1").unwrap();
     std::fs::write(root.join("s2/s1/s3/new"), b"n").unwrap();
