@@ -222,15 +222,17 @@ fn walk(
     seen: &mut Vec<Seen>,
     report: &mut ScanReport,
 ) -> std::io::Result<()> {
+    let before = seen.len();
     let mut dirs = Vec::new();
-    report.entries += read_dir_into(t, dir, seen, &mut dirs)?;
+    read_dir_into(t, dir, seen, &mut dirs)?;
     while dirs.len() == 1 {
         let d = dirs.pop();
-        report.entries += read_dir_into(t, d.as_ref(), seen, &mut dirs).unwrap_or(0);
+        let _ = read_dir_into(t, d.as_ref(), seen, &mut dirs);
     }
     if !dirs.is_empty() {
-        walk_parallel(t, dirs, seen, report);
+        walk_parallel(t, dirs, seen);
     }
+    report.entries += (seen.len() - before) as u64;
     Ok(())
 }
 
@@ -244,12 +246,7 @@ struct WalkQueue {
 /// waits for an inode.
 const WALK_THREADS: usize = 4;
 
-fn walk_parallel(
-    t: &ScanTarget<'_>,
-    dirs: Vec<RelPath>,
-    seen: &mut Vec<Seen>,
-    report: &mut ScanReport,
-) {
+fn walk_parallel(t: &ScanTarget<'_>, dirs: Vec<RelPath>, seen: &mut Vec<Seen>) {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2)
@@ -257,15 +254,14 @@ fn walk_parallel(
         .min(dirs.len());
     let queue = std::sync::Mutex::new(WalkQueue { dirs, busy: 0 });
     let wake = std::sync::Condvar::new();
-    let parts: Vec<(Vec<Seen>, u64)> = std::thread::scope(|s| {
+    let parts: Vec<Vec<Seen>> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|_| s.spawn(|| walk_worker(t, &queue, &wake)))
             .collect();
         workers.into_iter().filter_map(|w| w.join().ok()).collect()
     });
-    for (part, entries) in parts {
+    for part in parts {
         seen.extend(part);
-        report.entries += entries;
     }
 }
 
@@ -275,21 +271,20 @@ fn walk_worker(
     t: &ScanTarget<'_>,
     queue: &std::sync::Mutex<WalkQueue>,
     wake: &std::sync::Condvar,
-) -> (Vec<Seen>, u64) {
+) -> Vec<Seen> {
     let mut seen = Vec::new();
-    let mut entries = 0;
     let mut found = Vec::new();
     let Ok(mut q) = queue.lock() else {
-        return (seen, entries);
+        return seen;
     };
     loop {
         if let Some(d) = q.dirs.pop() {
             q.busy += 1;
             drop(q);
-            entries += read_dir_into(t, Some(&d), &mut seen, &mut found).unwrap_or(0);
+            let _ = read_dir_into(t, Some(&d), &mut seen, &mut found);
             q = match queue.lock() {
                 Ok(q) => q,
-                Err(_) => return (seen, entries),
+                Err(_) => return seen,
             };
             q.busy -= 1;
             let more = !found.is_empty();
@@ -298,25 +293,25 @@ fn walk_worker(
                 wake.notify_all();
             }
         } else if q.busy == 0 {
-            return (seen, entries);
+            return seen;
         } else {
             q = match wake.wait(q) {
                 Ok(q) => q,
-                Err(_) => return (seen, entries),
+                Err(_) => return seen,
             };
         }
     }
 }
 
 /// Reads one directory (the folder root when `dir` is `None`): adds its entries to `seen` and
-/// its subdirectories to `dirs`; returns how many entries it added. Only the root's failure to
-/// open is returned; any other directory that cannot be read is skipped with a warning.
+/// its subdirectories to `dirs`. Only the root's failure to open is returned; any other
+/// directory that cannot be read is skipped with a warning.
 fn read_dir_into(
     t: &ScanTarget<'_>,
     dir: Option<&RelPath>,
     seen: &mut Vec<Seen>,
     dirs: &mut Vec<RelPath>,
-) -> std::io::Result<u64> {
+) -> std::io::Result<()> {
     let abs = match dir {
         Some(p) => t.store.root().join(p.as_str()),
         None => t.store.root().to_path_buf(),
@@ -326,10 +321,9 @@ fn read_dir_into(
         Err(e) if dir.is_none() => return Err(e),
         Err(e) => {
             tracing::warn!(path = %abs.display(), error = %e, "cannot read directory; skipped");
-            return Ok(0);
+            return Ok(());
         }
     };
-    let mut entries = 0;
     for entry in rd.flatten() {
         let name = entry.file_name();
         let bytes = name.as_bytes();
@@ -362,7 +356,6 @@ fn read_dir_into(
         if t.ignore.is_ignored(&rel, kind == FileKind::Dir) {
             continue;
         }
-        entries += 1;
         if kind == FileKind::Dir {
             dirs.push(rel.clone());
         }
@@ -372,7 +365,7 @@ fn read_dir_into(
             local: st.local,
         });
     }
-    Ok(entries)
+    Ok(())
 }
 
 fn lstat(p: &Path) -> std::io::Result<libc::stat> {
