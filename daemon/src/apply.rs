@@ -1097,9 +1097,7 @@ pub fn recover_pending(
                 .store
                 .open_file(&record.path)
                 .ok()
-                .and_then(|f| {
-                    crate::chunker::chunk_reader(std::io::BufReader::new(f), record.size).ok()
-                })
+                .and_then(|f| crate::chunker::chunk_file(f, record.size).ok())
                 .filter(|c| c.hash == record.hash)
                 .map(|_| st.local),
             _ => None,

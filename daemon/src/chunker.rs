@@ -6,9 +6,14 @@
 //! record's chunk list stays small enough for one index frame (see `docs/architecture.md`
 //! for the sizes and the measurement behind them).
 
+use crate::mapped::{Mapped, Torn};
 use meshfs_protocol::{Chunk, Hash};
+use std::fs::{File, Metadata};
 use std::io::Read;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// Bytes read for hashing since the process started (the scanner's tests read it to prove an
 /// unchanged tree is not re-read).
@@ -116,6 +121,212 @@ fn fill_chunks(
     Ok(total)
 }
 
+/// Files from this size on are read through a memory mapping rather than `read(2)`: the cut
+/// search and the chunk hashes then read the page cache directly, without a copy (a tenth of a
+/// first scan's CPU; `bench/capture-bench`). Below it, a mapping's set-up and page faults cost
+/// more than the copy they save.
+pub const MAP_FROM: u64 = 1 << 20;
+
+/// The most of a file mapped at once: a large file is chunked one segment after another, so the
+/// daemon's address space and resident set never hold more than this of it.
+const SEGMENT: u64 = 64 << 20;
+
+/// Hashes and chunks an open file: what [`chunk_reader`] yields for it, read through a mapping
+/// from [`MAP_FROM`] bytes on. Fails if the file was truncated or
+/// rewritten while it was read (its size, mtime or ctime moved): the caller sees the change
+/// again through its watcher and reads the new content then.
+pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
+    let before = file.metadata()?;
+    if before.len() < MAP_FROM {
+        return chunk_reader(file, size_hint);
+    }
+    chunk_mapped(&file, &before, SEGMENT, Hashing::spare_core)
+}
+
+/// [`chunk_file`] through mappings of `segment` bytes (a multiple of the page size; at least a
+/// page and a largest chunk are mapped) of a file whose stat before reading is `before`. Each
+/// segment is cut and hashed on this thread alone, or, where `spare_core()` says a core is
+/// idle, cut here and hashed on a helper thread at the same time (twice as fast for a lone
+/// large file: the two passes cost about the same per byte).
+fn chunk_mapped(
+    file: &File,
+    before: &Metadata,
+    segment: u64,
+    spare_core: impl Fn() -> bool,
+) -> std::io::Result<Content> {
+    let _busy = Hashing::enter();
+    let size = before.len();
+    let cut = Cutter::for_size(size);
+    let page = crate::mapped::page_size() as u64;
+    let mut chunks = Vec::new();
+    let mut done = 0u64;
+    while done < size {
+        let start = done - done % page;
+        // At least a page (the alignment) and a largest chunk past `done`, so each mapping cuts.
+        let len = (size - start).min(segment.max(page + cut.max as u64));
+        let last = start + len == size;
+        let map = Mapped::new(file.as_fd(), start, len as usize)?;
+        let from = (done - start) as usize;
+        let consumed = if spare_core() {
+            cut_here_hash_there(&map, &cut, from, last, &mut chunks)
+        } else {
+            map.guarded(|bytes| {
+                let mut pos = from;
+                while let Some(n) = cut.next(bytes, pos, last) {
+                    chunks.push(Chunk {
+                        len: n as u32,
+                        hash: Hash::of(&bytes[pos..pos + n]),
+                    });
+                    pos += n;
+                }
+                pos
+            })
+        }
+        .map_err(|_: Torn| std::io::Error::other("the file shrank while it was read"))?;
+        assert!(start + consumed as u64 > done, "a mapping made no progress");
+        done = start + consumed as u64;
+    }
+    let after = file.metadata()?;
+    let stamp = |m: &Metadata| {
+        (
+            m.len(),
+            m.mtime(),
+            m.mtime_nsec(),
+            m.ctime(),
+            m.ctime_nsec(),
+        )
+    };
+    if stamp(&after) != stamp(before) {
+        return Err(std::io::Error::other("the file changed while it was read"));
+    }
+    BYTES_HASHED.fetch_add(size, Ordering::Relaxed);
+    Ok(Content {
+        hash: Hash::of_chunks(&chunks),
+        size,
+        chunks,
+    })
+}
+
+/// One segment cut on this thread while a helper thread hashes the chunks found, in batches.
+/// Appends the segment's chunks to `chunks`; returns how far into `map` they reach.
+fn cut_here_hash_there(
+    map: &Mapped,
+    cut: &Cutter,
+    from: usize,
+    last: bool,
+    chunks: &mut Vec<Chunk>,
+) -> Result<usize, Torn> {
+    const BATCH: usize = 16;
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(usize, usize)>>(64);
+    std::thread::scope(|s| {
+        let hasher = s.spawn(move || {
+            let _busy = Hashing::enter();
+            map.guarded(|bytes| {
+                let mut out = Vec::new();
+                for (pos, n) in rx.into_iter().flatten() {
+                    out.push(Chunk {
+                        len: n as u32,
+                        hash: Hash::of(&bytes[pos..pos + n]),
+                    });
+                }
+                out
+            })
+        });
+        let reached = map.guarded(move |bytes| {
+            let mut pos = from;
+            let mut batch = Vec::with_capacity(BATCH);
+            while let Some(n) = cut.next(bytes, pos, last) {
+                batch.push((pos, n));
+                pos += n;
+                if batch.len() == BATCH
+                    && tx
+                        .send(std::mem::replace(&mut batch, Vec::with_capacity(BATCH)))
+                        .is_err()
+                {
+                    break;
+                }
+            }
+            let _ = tx.send(batch);
+            pos
+        });
+        let hashed = match hasher.join() {
+            Ok(h) => h,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        chunks.extend(hashed?);
+        reached
+    })
+}
+
+/// The cut search's parameters for one file.
+struct Cutter {
+    min: usize,
+    avg: usize,
+    max: usize,
+    masks: (u64, u64),
+}
+
+impl Cutter {
+    fn for_size(size: u64) -> Cutter {
+        let (min, avg, max) = chunk_sizes(size);
+        let avg = avg as usize;
+        Cutter {
+            min: min as usize,
+            avg,
+            max: max as usize,
+            masks: meshfs_protocol::cdc::select_masks(avg),
+        }
+    }
+
+    /// The length of the chunk at `bytes[pos..]`, or `None` at the end, or where fewer than a
+    /// largest chunk's bytes remain and more follow (`!last`): a cut is final only with `max`
+    /// bytes ahead or at the file's end.
+    fn next(&self, bytes: &[u8], pos: usize, last: bool) -> Option<usize> {
+        let rest = &bytes[pos..];
+        if rest.is_empty() || (!last && rest.len() < self.max) {
+            return None;
+        }
+        Some(meshfs_protocol::cdc::cut_with_masks(
+            rest,
+            self.min,
+            self.avg,
+            self.max,
+            self.masks.0,
+            self.masks.1,
+        ))
+    }
+}
+
+/// Threads now hashing through mappings (callers of [`chunk_file`] and their helpers).
+static HASHING: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts the current thread in [`HASHING`] while it lives.
+struct Hashing;
+
+impl Hashing {
+    fn enter() -> Hashing {
+        HASHING.fetch_add(1, Ordering::Relaxed);
+        Hashing
+    }
+
+    /// Whether a core would otherwise sit idle: fewer threads hash than there are cores.
+    fn spare_core() -> bool {
+        static CORES: OnceLock<usize> = OnceLock::new();
+        let cores = *CORES.get_or_init(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
+        HASHING.load(Ordering::Relaxed) < cores
+    }
+}
+
+impl Drop for Hashing {
+    fn drop(&mut self) {
+        HASHING.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Hashes and chunks an in-memory buffer.
 pub fn chunk_bytes(data: &[u8]) -> Content {
     chunk_reader(data, data.len() as u64).expect("reading from a slice cannot fail")
@@ -165,6 +376,53 @@ mod tests {
         let known: std::collections::HashSet<_> = a.chunks.iter().map(|c| c.hash).collect();
         let new = b.chunks.iter().filter(|c| !known.contains(&c.hash)).count();
         assert!(new <= 3, "{new} new chunks");
+    }
+
+    fn file_of(data: &[u8]) -> File {
+        use std::io::{Seek, Write};
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(data).unwrap();
+        f.rewind().unwrap();
+        f
+    }
+
+    #[test]
+    fn a_mapped_file_chunks_exactly_as_a_read_one() {
+        let data = noise(5 << 20, 3);
+        let f = file_of(&data);
+        let meta = f.metadata().unwrap();
+        let want = chunk_bytes(&data);
+        // Segments of 4 MiB, 1 MiB and 256 KiB (the largest chunk, so raised to it and a page):
+        // every seam is crossed.
+        for segment in [4 << 20, 1 << 20, 256 << 10] {
+            for helper in [false, true] {
+                let got = chunk_mapped(&f, &meta, segment, || helper).unwrap();
+                assert_eq!(got, want, "segment {segment}, helper thread {helper}");
+            }
+        }
+        assert_eq!(chunk_file(file_of(&data), 0).unwrap(), want);
+        // Below MAP_FROM the file is read, with the same result.
+        let small = &data[..(MAP_FROM - 1) as usize];
+        assert_eq!(chunk_file(file_of(small), 0).unwrap(), chunk_bytes(small));
+    }
+
+    #[test]
+    fn a_file_that_changes_while_mapped_is_refused_not_half_hashed() {
+        let data = noise(3 << 20, 4);
+        let f = file_of(&data);
+        let meta = f.metadata().unwrap();
+        f.set_len(1 << 20).unwrap();
+        for helper in [false, true] {
+            let err = chunk_mapped(&f, &meta, 1 << 20, || helper).unwrap_err();
+            assert!(err.to_string().contains("shrank"), "{err}");
+        }
+        // Rewritten in place at the same size: the stat moved, so the result is refused.
+        let f = file_of(&data);
+        let meta = f.metadata().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        std::os::unix::fs::FileExt::write_all_at(&f, b"edit", 100).unwrap();
+        let err = chunk_mapped(&f, &meta, SEGMENT, || false).unwrap_err();
+        assert!(err.to_string().contains("changed"), "{err}");
     }
 
     proptest! {

@@ -15,6 +15,7 @@ pub mod engine;
 pub mod identity;
 pub mod ignore;
 pub mod journal;
+pub mod mapped;
 pub mod peers;
 pub mod reconcile;
 pub mod scanner;

@@ -711,7 +711,7 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<chunker::
                 let content = store
                     .open_file_in(&mut dirs, &job.path)
                     .ok()
-                    .and_then(|f| chunker::chunk_reader(f, job.local.size).ok());
+                    .and_then(|f| chunker::chunk_file(f, job.local.size).ok());
                 if content.is_none() {
                     tracing::debug!(path = %job.path, "vanished or unreadable while hashing; will be picked up by the next event");
                 }
