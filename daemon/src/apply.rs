@@ -22,7 +22,7 @@
 use crate::engine::{Engine, FolderRt};
 use crate::journal::{Change, Journal, LocalStat, Op, StoredRecord};
 use crate::reconcile::{self, Context, Outcome, ReplicaView, Step};
-use crate::store::{DirCache, Expect, StoreError, TempFile};
+use crate::store::{DirCache, Expect, LocalCopy, StoreError, TempFile};
 use meshfs_protocol::{
     ChunkResponse, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath, VersionVector,
 };
@@ -154,25 +154,40 @@ fn prepare(
 ) -> Result<Transfer, String> {
     let mut temp: Option<TempFile> = None;
     let mut missing = Vec::new();
-    for (off, c) in record.chunk_offsets() {
-        let local = journal.find_chunk(folder, &c.hash).unwrap_or_default();
-        match local
+    let mut copies = Vec::new();
+    for (offset, c) in record.chunk_offsets() {
+        let sources: Vec<(RelPath, u64)> = journal
+            .find_chunk(folder, &c.hash)
+            .unwrap_or_default()
             .into_iter()
-            .find_map(|l| rt.store.read_chunk(&l.path, l.offset, l.len, &c.hash).ok())
-        {
-            Some(d) => {
-                let t = match &mut temp {
-                    Some(t) => t,
-                    None => temp.insert(
-                        rt.store
-                            .create_temp_in(dirs, &record.path)
-                            .map_err(|e| e.to_string())?,
-                    ),
-                };
-                rt.store.write_temp(t, off, &d).map_err(|e| e.to_string())?
-            }
-            None => missing.push((c.hash, c.len, off)),
+            .filter(|l| l.len == c.len)
+            .map(|l| (l.path, l.offset))
+            .collect();
+        if sources.is_empty() {
+            missing.push((c.hash, c.len, offset));
+        } else {
+            copies.push(LocalCopy {
+                offset,
+                hash: c.hash,
+                len: c.len,
+                sources,
+            });
         }
+    }
+    if !copies.is_empty() {
+        let t = temp.insert(
+            rt.store
+                .create_temp_in(dirs, &record.path)
+                .map_err(|e| e.to_string())?,
+        );
+        let absent = rt
+            .store
+            .copy_chunks_in(dirs, t, &copies)
+            .map_err(|e| e.to_string())?;
+        missing.extend(absent.into_iter().map(|i| {
+            let c = &copies[i];
+            (c.hash, c.len, c.offset)
+        }));
     }
     if let (Some(t), false) = (&mut temp, keep_open) {
         rt.store.close_temp(t);

@@ -3,7 +3,7 @@
 //! **Architecture invariant:** every user file always has either its old or its new content.
 //! A remote version is written to a temp file (`.meshfs-tmp-*`) chunk by chunk, each chunk
 //! verified against its blake3 before it is written (by `peers::open_chunk` for chunks from a
-//! peer, by [`Store::read_chunk`] for chunks copied from local files); the temp file must be
+//! peer, by [`Store::copy_chunks_in`] for chunks copied from local files); the temp file must be
 //! covered exactly (bytes written = its size) and the record's hash is the one its chunk list
 //! gives (`FileRecord::validate`), so the file is the version's content without being read
 //! again. It is then made durable, and only then renamed over the target, after checking that
@@ -146,7 +146,45 @@ pub struct TempFile {
     /// Bytes written into it so far (chunks never overlap, so the file is covered when this
     /// reaches its size).
     written: u64,
+    /// `written` when writeback of its dirty pages was last started.
+    flushing_from: u64,
 }
+
+/// One chunk of a temp file to copy from local files ([`Store::copy_chunks_in`]).
+#[derive(Debug, Clone)]
+pub struct LocalCopy {
+    /// Where it goes in the temp file.
+    pub offset: u64,
+    /// What it must hash to.
+    pub hash: Hash,
+    /// Its length.
+    pub len: u32,
+    /// Files of the replica, with the chunk's offset in each, that should hold it (tried in
+    /// order until one verifies).
+    pub sources: Vec<(RelPath, u64)>,
+}
+
+/// From this many chunks on, [`Store::copy_chunks_in`] verifies and writes on two threads.
+const PARALLEL_COPY_FROM: usize = 64;
+
+/// Starts writing a temp file's dirty pages out once [`WRITEBACK_EVERY`] more bytes were
+/// written into it since the last start.
+fn start_writeback(t: &mut TempFile) {
+    if t.written - t.flushing_from < WRITEBACK_EVERY {
+        return;
+    }
+    if let Some(f) = &t.file {
+        // SAFETY: a plain syscall on our open descriptor. Only a hint: the durability step
+        // (`sync_temps`) still flushes the whole file, so a failure here loses nothing.
+        unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+    }
+    t.flushing_from = t.written;
+}
+
+/// Every this many bytes written into a temp file, the kernel is asked to start writing its
+/// dirty pages out (without waiting): the flush that makes it durable before its rename then
+/// has only the last few MiB left, instead of the whole file after the whole transfer.
+const WRITEBACK_EVERY: u64 = 8 << 20;
 
 fn open_path_dir(path: &Path) -> Result<OwnedFd, StoreError> {
     let c = CString::new(path.as_os_str().as_encoded_bytes())
@@ -327,18 +365,8 @@ impl Store {
         self.open_file_in(&mut DirCache::default(), path)
     }
 
-    /// Reads `len` bytes at `offset` of `path` and checks they hash to `hash`.
-    pub fn read_chunk(
-        &self,
-        path: &RelPath,
-        offset: u64,
-        len: u32,
-        hash: &Hash,
-    ) -> Result<Vec<u8>, StoreError> {
-        self.read_chunk_in(&mut DirCache::default(), path, offset, len, hash)
-    }
-
-    /// [`Store::read_chunk`] walking to the file's directory through `cache`.
+    /// Reads `len` bytes at `offset` of `path` (walking to its directory through `cache`) and
+    /// checks they hash to `hash`.
     pub fn read_chunk_in(
         &self,
         cache: &mut DirCache,
@@ -471,6 +499,7 @@ impl Store {
             file: Some(File::from(fd)),
             staged,
             written: 0,
+            flushing_from: 0,
         })
     }
 
@@ -522,7 +551,83 @@ impl Store {
         f.write_all_at(data, offset)
             .map_err(|e| io_err(&t.target, e))?;
         t.written += data.len() as u64;
+        start_writeback(t);
         Ok(())
+    }
+
+    /// Copies chunks into a temp file from local files that the chunk index says hold them,
+    /// each read into a private buffer and verified by blake3 before that same buffer is
+    /// written. Returns the indexes of the `copies` no source had (a stale index: the file
+    /// changed since it was scanned), to be fetched from a peer instead.
+    ///
+    /// Each source file is opened once for the whole list, not once per chunk; from
+    /// [`PARALLEL_COPY_FROM`] chunks on, two threads verify and write (a 4 KiB edit of a
+    /// 512 MiB file copies 8,192 chunks, and their blake3 was a fifth of the receiver's CPU).
+    pub fn copy_chunks_in(
+        &self,
+        cache: &mut DirCache,
+        t: &mut TempFile,
+        copies: &[LocalCopy],
+    ) -> Result<Vec<usize>, StoreError> {
+        let mut sources: HashMap<&RelPath, Option<File>> = HashMap::new();
+        for c in copies {
+            for (path, _) in &c.sources {
+                if !sources.contains_key(path) {
+                    sources.insert(path, self.open_file_in(cache, path).ok());
+                }
+            }
+        }
+        if t.file.is_none() {
+            t.file = Some(self.temp_handle(t, true)?);
+        }
+        let Some(out) = t.file.as_ref() else {
+            unreachable!()
+        };
+        let lanes = if copies.len() >= PARALLEL_COPY_FROM {
+            2
+        } else {
+            1
+        };
+        let lane = |lane: usize| -> io::Result<(u64, Vec<usize>)> {
+            let mut buf = Vec::new();
+            let mut written = 0u64;
+            let mut missing = Vec::new();
+            for (i, c) in copies.iter().enumerate().skip(lane).step_by(lanes) {
+                buf.resize(c.len as usize, 0);
+                let found = c.sources.iter().any(|(path, offset)| {
+                    sources.get(path).and_then(Option::as_ref).is_some_and(|f| {
+                        f.read_exact_at(&mut buf, *offset).is_ok() && Hash::of(&buf) == c.hash
+                    })
+                });
+                if found {
+                    out.write_all_at(&buf, c.offset)?;
+                    written += c.len as u64;
+                } else {
+                    missing.push(i);
+                }
+            }
+            Ok((written, missing))
+        };
+        let results: Vec<io::Result<(u64, Vec<usize>)>> = std::thread::scope(|s| {
+            let helpers: Vec<_> = (1..lanes).map(|l| s.spawn(move || lane(l))).collect();
+            let mut results = vec![lane(0)];
+            for h in helpers {
+                results.push(match h.join() {
+                    Ok(r) => r,
+                    Err(panic) => std::panic::resume_unwind(panic),
+                });
+            }
+            results
+        });
+        let mut missing = Vec::new();
+        for r in results {
+            let (written, m) = r.map_err(|e| io_err(&t.target, e))?;
+            t.written += written;
+            missing.extend(m);
+        }
+        start_writeback(t);
+        missing.sort_unstable();
+        Ok(missing)
     }
 
     /// Closes the temp file's descriptor (it is re-opened on demand).
@@ -1010,6 +1115,59 @@ mod tests {
             0,
             "a refused install leaves no temp file"
         );
+    }
+
+    #[test]
+    fn local_chunks_are_copied_only_where_they_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        // 100 chunks of 1 KiB (two lanes), from two source files; the second was edited since
+        // the chunk index saw it, so its chunk 7 no longer verifies.
+        let chunk = |i: u32| -> Vec<u8> { (0..1024u32).map(|b| (i * 7 + b) as u8).collect() };
+        let whole: Vec<u8> = (0..100).flat_map(chunk).collect();
+        std::fs::write(dir.path().join("src1"), &whole[..50 * 1024]).unwrap();
+        let mut edited = whole[50 * 1024..].to_vec();
+        edited[7 * 1024] ^= 1;
+        std::fs::create_dir(dir.path().join("d")).unwrap();
+        std::fs::write(dir.path().join("d/src2"), &edited).unwrap();
+        let copies: Vec<LocalCopy> = (0..100u32)
+            .map(|i| LocalCopy {
+                offset: i as u64 * 1024,
+                hash: Hash::of(&chunk(i)),
+                len: 1024,
+                sources: if i < 50 {
+                    vec![(p("missing"), 0), (p("src1"), i as u64 * 1024)]
+                } else {
+                    vec![(p("d/src2"), (i - 50) as u64 * 1024)]
+                },
+            })
+            .collect();
+        let mut t = store.create_temp(&p("out")).unwrap();
+        let absent = store
+            .copy_chunks_in(&mut DirCache::default(), &mut t, &copies)
+            .unwrap();
+        assert_eq!(absent, vec![57], "only the edited chunk is to be fetched");
+        store.write_temp(&mut t, 57 * 1024, &chunk(57)).unwrap();
+        store
+            .finish_temp(&mut t, whole.len() as u64, 0o644, 0)
+            .unwrap();
+        store
+            .install(vec![(t, Expect::Absent)])
+            .pop()
+            .unwrap()
+            .unwrap();
+        assert_eq!(std::fs::read(dir.path().join("out")).unwrap(), whole);
+        // A copy that finds nothing leaves the temp file uncovered: it cannot be finished.
+        let mut t = store.create_temp(&p("out2")).unwrap();
+        let absent = store
+            .copy_chunks_in(&mut DirCache::default(), &mut t, &copies[57..58])
+            .unwrap();
+        assert_eq!(absent, vec![0]);
+        assert!(matches!(
+            store.finish_temp(&mut t, 1024, 0o644, 0),
+            Err(StoreError::Incomplete { .. })
+        ));
+        store.discard_temp(t);
     }
 
     /// Names in `dir` (one level) that are temp files.
