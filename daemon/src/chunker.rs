@@ -45,8 +45,7 @@ pub struct Content {
 /// Hashes and chunks everything `reader` yields. `size_hint` picks the chunk sizes; the
 /// result describes exactly the bytes read.
 pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Content> {
-    let (min, avg, max) = chunk_sizes(size_hint);
-    let (min, avg, max) = (min as usize, avg as usize, max as usize);
+    let cut = Cutter::for_size(size_hint);
     let mut chunks = Vec::new();
     // The window must exceed the largest chunk so every cut search sees its full range; a file
     // of up to WINDOW_CAP gets a window of its own size. Larger windows only cost: each refill
@@ -54,12 +53,12 @@ pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Co
     // 32 MiB files: 1.24 s with 8 MiB windows, 1.01 s with 1 MiB). The buffer is reused per
     // thread: a scan of 100,000 small files must not allocate a zeroed buffer for each.
     const WINDOW_CAP: usize = 1 << 20;
-    let want = (max * 2).max(((size_hint as usize).saturating_add(1)).min(WINDOW_CAP));
+    let want = (cut.max * 2).max(((size_hint as usize).saturating_add(1)).min(WINDOW_CAP));
     let mut buf = WINDOW.with(|w| std::mem::take(&mut *w.borrow_mut()));
     if buf.len() < want {
         buf.resize(want, 0);
     }
-    let result = fill_chunks(&mut reader, &mut buf[..want], min, avg, max, &mut chunks);
+    let result = fill_chunks(&mut reader, &mut buf[..want], &cut, &mut chunks);
     WINDOW.with(|w| *w.borrow_mut() = buf);
     let total = result?;
     BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
@@ -77,12 +76,9 @@ thread_local! {
 fn fill_chunks(
     reader: &mut impl Read,
     buf: &mut [u8],
-    min: usize,
-    avg: usize,
-    max: usize,
+    cut: &Cutter,
     chunks: &mut Vec<Chunk>,
 ) -> std::io::Result<u64> {
-    let masks = meshfs_protocol::cdc::select_masks(avg);
     let mut filled = 0usize;
     let mut eof = false;
     let mut total = 0u64;
@@ -97,19 +93,15 @@ fn fill_chunks(
         if filled == 0 {
             break;
         }
+        // A trailing chunk that may only end because the window ended waits for the refill.
+        let window = &buf[..filled];
         let mut consumed = 0usize;
-        while consumed < filled {
-            let rest = &buf[consumed..filled];
-            let len = meshfs_protocol::cdc::cut_with_masks(rest, min, avg, max, masks.0, masks.1);
-            // Keep a trailing chunk that may only end because the window ended.
-            if !eof && len == rest.len() {
-                break;
-            }
+        while let Some(n) = cut.next(window, consumed, eof) {
             chunks.push(Chunk {
-                len: len as u32,
-                hash: Hash::of(&rest[..len]),
+                len: n as u32,
+                hash: Hash::of(&window[consumed..consumed + n]),
             });
-            consumed += len;
+            consumed += n;
         }
         total += consumed as u64;
         buf.copy_within(consumed..filled, 0);
