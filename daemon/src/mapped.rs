@@ -63,8 +63,8 @@ unsafe impl Sync for Mapped {}
 
 impl Mapped {
     /// Maps `len` (> 0) bytes of `file` from `offset`, which must be a multiple of the page
-    /// size. Pages are read in as they are touched, with the kernel told the access is
-    /// sequential (a larger read-ahead, pages dropped behind).
+    /// size. The kernel is told the access is sequential and starts reading the whole range
+    /// in at once.
     pub fn new(file: BorrowedFd<'_>, offset: u64, len: usize) -> std::io::Result<Mapped> {
         assert!(len > 0, "an empty mapping");
         assert_eq!(offset % page_size() as u64, 0, "an unaligned mapping");
@@ -85,7 +85,13 @@ impl Mapped {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: the range is the mapping just made. Advice only: failure changes nothing.
-        unsafe { libc::madvise(ptr, len, libc::MADV_SEQUENTIAL) };
+        // WILLNEED starts reading the whole range from disk at once: page faults alone read
+        // ahead in small windows, and a cold first scan of 2 GiB took 3.2-3.4 s instead of
+        // read(2)'s 1.9-2.7 s.
+        unsafe {
+            libc::madvise(ptr, len, libc::MADV_SEQUENTIAL);
+            libc::madvise(ptr, len, libc::MADV_WILLNEED);
+        }
         Ok(Mapped { ptr, len })
     }
 
