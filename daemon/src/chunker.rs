@@ -129,6 +129,10 @@ const SEGMENT: u64 = 64 << 20;
 /// again through its watcher and reads the new content then.
 pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
     let _busy = Hashing::enter();
+    // The caller's stat already tells a small file: no second one for each of 100,000.
+    if size_hint < MAP_FROM {
+        return chunk_reader(file, size_hint);
+    }
     let before = file.metadata()?;
     // Mapped only while a core would otherwise idle (then it is also cut and hashed on two
     // threads). With every core on a file of its own, `read(2)` is as fast warm and faster
@@ -396,10 +400,13 @@ mod tests {
                 assert_eq!(got, want, "segment {segment}, helper thread {helper}");
             }
         }
-        assert_eq!(chunk_file(file_of(&data), 0).unwrap(), want);
+        assert_eq!(chunk_file(file_of(&data), data.len() as u64).unwrap(), want);
         // Below MAP_FROM the file is read, with the same result.
         let small = &data[..(MAP_FROM - 1) as usize];
-        assert_eq!(chunk_file(file_of(small), 0).unwrap(), chunk_bytes(small));
+        assert_eq!(
+            chunk_file(file_of(small), small.len() as u64).unwrap(),
+            chunk_bytes(small)
+        );
     }
 
     #[test]
