@@ -284,9 +284,9 @@ fn a_receiver_killed_mid_transfer_never_shows_a_partial_file_and_completes_after
             .unwrap_or(0)
     };
     assert_eq!(temps(&b.dir), 0, "a temp file appeared in the replica");
-    if !b.path("big.bin").exists() {
-        assert_eq!(temps(&staging), 1, "the killed apply left its temp file");
-    }
+    // The temp file is unnamed (O_TMPFILE, freed with the killed process) where the staging
+    // directory's filesystem allows, else named, and then the one leftover.
+    assert!(temps(&staging) <= 1, "more than one temp file for one file");
     b.start();
     wait_synced(&[&a, &b], 120);
     assert_eq!(

@@ -177,7 +177,7 @@ fn prepare(
     if !copies.is_empty() {
         let t = temp.insert(
             rt.store
-                .create_temp_in(dirs, &record.path)
+                .create_temp_in(dirs, &record.path, keep_open)
                 .map_err(|e| e.to_string())?,
         );
         let absent = rt
@@ -869,7 +869,11 @@ async fn transfer(
             ..
         } = t;
         // Files with no chunk here get their temp file now, outside the folder lock.
-        let made = temp.map_or_else(|| rt.store.create_temp_in(&mut dirs, &record.path), Ok);
+        let kept = temps.len() < MAX_OPEN_TEMPS;
+        let made = temp.map_or_else(
+            || rt.store.create_temp_in(&mut dirs, &record.path, kept),
+            Ok,
+        );
         let mut temp = match made {
             Ok(t) => t,
             Err(e) => {
@@ -880,7 +884,7 @@ async fn transfer(
                 return Err(e.to_string());
             }
         };
-        if temps.len() >= MAX_OPEN_TEMPS {
+        if !kept {
             rt.store.close_temp(&mut temp);
         }
         temps.push(Some(temp));

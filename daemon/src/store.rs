@@ -15,6 +15,15 @@
 //! instead of six. Where the staging directory is on another filesystem than a target's
 //! directory (a rename could not cross), the temp file is made in the target's directory.
 //!
+//! A temp file that stays open until it is installed is made *unnamed* where the filesystem
+//! allows (`O_TMPFILE` in the staging directory) and is given its one name by `linkat` at
+//! install. Compared with a named temp file and a rename, that skips two entries of the
+//! staging directory (its insert and its removal), the contention of the thread creating the
+//! next batch's temp files with the one installing this batch on that directory's lock, and the
+//! filesystem-wide lock a cross-directory rename takes. A crash leaves nothing to clean up: an
+//! unnamed file is freed when its last descriptor closes (on a filesystem without a journal,
+//! by the next `fsck`).
+//!
 //! **Architecture invariant:** incoming paths never escape the replica. Every path is a
 //! validated [`RelPath`] (no `..`, never `.meshfs*`), and parents are walked one component at
 //! a time with `openat(O_NOFOLLOW | O_DIRECTORY)`, so a symlink planted in a parent component
@@ -122,6 +131,17 @@ struct Staging {
     fd: OwnedFd,
     /// Its filesystem: temp files are staged only for targets on the same one.
     dev: u64,
+    /// How an unnamed temp file made here gets a name, if it can (probed at open).
+    link: Option<LinkVia>,
+}
+
+/// How an unnamed (`O_TMPFILE`) file is given a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinkVia {
+    /// `linkat(fd, "", ..., AT_EMPTY_PATH)`: needs `CAP_DAC_READ_SEARCH` on older kernels.
+    EmptyPath,
+    /// `linkat("/proc/self/fd/N", ..., AT_SYMLINK_FOLLOW)`: needs `/proc`.
+    ProcFd,
 }
 
 /// Directories opened during one batch of work (an apply), by path (`None`: the root), so
@@ -143,6 +163,9 @@ pub struct TempFile {
     file: Option<File>,
     /// It lives in the staging directory (else in the target's directory).
     staged: bool,
+    /// It has no name (`O_TMPFILE`): `file` is its only handle and is never closed before
+    /// the install (`name` is empty).
+    unnamed: bool,
     /// Bytes written into it so far (chunks never overlap, so the file is covered when this
     /// reaches its size).
     written: u64,
@@ -274,10 +297,12 @@ impl Store {
             });
         match staged {
             Ok((fd, dev, root_dev)) if dev == root_dev => {
+                let link = probe_unnamed(fd.as_raw_fd());
                 store.staging = Some(Staging {
                     path: staging.to_path_buf(),
                     fd,
                     dev,
+                    link,
                 })
             }
             Ok(_) => tracing::info!(
@@ -459,14 +484,17 @@ impl Store {
 
     /// Starts a temp file for a new version of `target` (parents are created as needed).
     pub fn create_temp(&self, target: &RelPath) -> Result<TempFile, StoreError> {
-        self.create_temp_in(&mut DirCache::default(), target)
+        self.create_temp_in(&mut DirCache::default(), target, false)
     }
 
-    /// [`Store::create_temp`] walking to the parent through `cache`.
+    /// [`Store::create_temp`] walking to the parent through `cache`. With `kept_open` (the
+    /// caller will not close it before the install), the temp file is unnamed where the
+    /// staging directory allows: [`Store::close_temp`] then leaves it open.
     pub fn create_temp_in(
         &self,
         cache: &mut DirCache,
         target: &RelPath,
+        kept_open: bool,
     ) -> Result<TempFile, StoreError> {
         let parent = target.parent();
         let dir = self.dir_in(cache, parent.as_ref(), true)?;
@@ -485,6 +513,27 @@ impl Store {
             }
         };
         let at = self.staging_fd(staged).unwrap_or(dir);
+        if kept_open && staged && self.staging.as_ref().is_some_and(|s| s.link.is_some()) {
+            let flags = libc::O_RDWR | libc::O_TMPFILE;
+            match open_at(at, c".", flags, 0o600) {
+                Ok(fd) => {
+                    return Ok(TempFile {
+                        target: target.clone(),
+                        name: CString::default(),
+                        file: Some(File::from(fd)),
+                        staged,
+                        unnamed: true,
+                        written: 0,
+                        flushing_from: 0,
+                    })
+                }
+                // Out of space or descriptors is an error; anything else, a named file.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EMFILE)) => {
+                    return Err(io_err(target, e))
+                }
+                Err(_) => {}
+            }
+        }
         let name = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
         let fd = open_at(
             at,
@@ -498,6 +547,7 @@ impl Store {
             name,
             file: Some(File::from(fd)),
             staged,
+            unnamed: false,
             written: 0,
             flushing_from: 0,
         })
@@ -528,6 +578,13 @@ impl Store {
 
     /// Re-opens a temp file whose handle was closed (to bound open descriptors).
     fn temp_handle(&self, t: &TempFile, write: bool) -> Result<File, StoreError> {
+        if t.unnamed {
+            // Never closed before the install (close_temp leaves it open), so never re-opened.
+            return match &t.file {
+                Some(f) => f.try_clone().map_err(|e| io_err(&t.target, e)),
+                None => Err(io_err(&t.target, io::Error::from_raw_os_error(libc::EBADF))),
+            };
+        }
         let flags = if write {
             libc::O_WRONLY
         } else {
@@ -630,9 +687,12 @@ impl Store {
         Ok(missing)
     }
 
-    /// Closes the temp file's descriptor (it is re-opened on demand).
+    /// Closes the temp file's descriptor (it is re-opened on demand). An unnamed temp file
+    /// stays open: its descriptor is all there is of it.
     pub fn close_temp(&self, t: &mut TempFile) {
-        t.file = None;
+        if !t.unnamed {
+            t.file = None;
+        }
     }
 
     /// Checks the temp file is exactly covered by the chunks written into it (`size` bytes
@@ -653,6 +713,7 @@ impl Store {
                 size,
             });
         }
+        // A named temp file's descriptor is closed here (the install needs only its name).
         let f = match t.file.take() {
             Some(f) => f,
             None => self.temp_handle(t, false)?,
@@ -660,12 +721,18 @@ impl Store {
         f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
         set_mode_fd(f.as_raw_fd(), mode).map_err(|e| io_err(&t.target, e))?;
         set_mtime_fd(f.as_raw_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
+        if t.unnamed {
+            t.file = Some(f);
+        }
         Ok(())
     }
 
     /// Deletes a temp file that will not be installed.
     pub fn discard_temp(&self, mut t: TempFile) {
         t.file = None;
+        if t.unnamed {
+            return;
+        }
         let _ = self.in_temp_dir(&t, |dir| {
             unsafe { libc::unlinkat(dir, t.name.as_ptr(), 0) };
             Ok(())
@@ -696,8 +763,15 @@ impl Store {
     pub fn sync_temps(&self, temps: &[&TempFile]) {
         if temps.len() <= 4 {
             for t in temps {
-                if let Ok(f) = self.temp_handle(t, false) {
-                    let _ = f.sync_all();
+                match &t.file {
+                    Some(f) => {
+                        let _ = f.sync_all();
+                    }
+                    None => {
+                        if let Ok(f) = self.temp_handle(t, false) {
+                            let _ = f.sync_all();
+                        }
+                    }
                 }
             }
         } else if !temps.is_empty() {
@@ -717,7 +791,7 @@ impl Store {
         // The staging directory loses the staged names: it is synced with the targets'.
         let mut touched: Vec<RawFd> = batch
             .iter()
-            .find_map(|(t, _)| self.staging_fd(t.staged))
+            .find_map(|(t, _)| self.staging_fd(t.staged && !t.unnamed))
             .into_iter()
             .collect();
         let mut out = Vec::with_capacity(batch.len());
@@ -746,8 +820,11 @@ impl Store {
                 return Err(e);
             }
         };
-        let from = self.staging_fd(t.staged).unwrap_or(dir);
         let name = cstr(t.target.file_name())?;
+        if t.unnamed {
+            return self.install_unnamed(dir, touched, t, &name, expect);
+        }
+        let from = self.staging_fd(t.staged).unwrap_or(dir);
         let refuse = |e| {
             unsafe { libc::unlinkat(from, t.name.as_ptr(), 0) };
             Err(e)
@@ -778,6 +855,51 @@ impl Store {
             touched.push(dir);
         }
         let st = fstatat(dir, &name).map_err(|e| io_err(&t.target, e))?;
+        Ok(stat_of(&st).local)
+    }
+
+    /// [`Store::install_one`] of an unnamed temp file: a new file is linked in (the link
+    /// itself refuses an existing target); a replacement is linked into the staging directory
+    /// under a temp name, then renamed over the target. Dropping `t` frees an unlinked file.
+    fn install_unnamed(
+        &self,
+        dir: RawFd,
+        touched: &mut Vec<RawFd>,
+        t: TempFile,
+        name: &CStr,
+        expect: Expect,
+    ) -> Result<LocalStat, StoreError> {
+        let (Some(file), Some(staging)) = (t.file.as_ref(), self.staging.as_ref()) else {
+            return Err(io_err(&t.target, io::Error::from_raw_os_error(libc::EBADF)));
+        };
+        let via = staging.link.unwrap_or(LinkVia::ProcFd);
+        let fd = file.as_raw_fd();
+        if expect == Expect::Absent {
+            match link_unnamed(fd, via, dir, name) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    return Err(StoreError::Changed(t.target.clone()))
+                }
+                Err(e) => return Err(io_err(&t.target, e)),
+            }
+        } else {
+            check_expect(dir, name, &t.target, expect)?;
+            let sdir = staging.fd.as_raw_fd();
+            let tmp = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
+            link_unnamed(fd, via, sdir, &tmp).map_err(|e| io_err(&t.target, e))?;
+            let r = unsafe { libc::renameat(sdir, tmp.as_ptr(), dir, name.as_ptr()) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                unsafe { libc::unlinkat(sdir, tmp.as_ptr(), 0) };
+                return Err(io_err(&t.target, e));
+            }
+        }
+        if touched.last() != Some(&dir) {
+            touched.push(dir);
+        }
+        // SAFETY: `st` is a plain struct the kernel fills; `fd` is our open descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        cvt(unsafe { libc::fstat(fd, &mut st) }).map_err(|e| io_err(&t.target, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -1022,6 +1144,43 @@ impl SetLenChecked for File {
     }
 }
 
+/// Gives the unnamed file `fd` the name `name` in `dir`; fails with `EEXIST` if it is taken.
+fn link_unnamed(fd: RawFd, via: LinkVia, dir: RawFd, name: &CStr) -> io::Result<()> {
+    let r = match via {
+        // SAFETY: plain syscalls on descriptors we own, with NUL-terminated names.
+        LinkVia::EmptyPath => unsafe {
+            libc::linkat(fd, c"".as_ptr(), dir, name.as_ptr(), libc::AT_EMPTY_PATH)
+        },
+        LinkVia::ProcFd => {
+            let proc = CString::new(format!("/proc/self/fd/{fd}")).map_err(io::Error::other)?;
+            unsafe {
+                libc::linkat(
+                    libc::AT_FDCWD,
+                    proc.as_ptr(),
+                    dir,
+                    name.as_ptr(),
+                    libc::AT_SYMLINK_FOLLOW,
+                )
+            }
+        }
+    };
+    cvt(r).map(|_| ())
+}
+
+/// Whether unnamed temp files can be made in `dir` and named afterwards, and how: makes one,
+/// links it, and removes the link again.
+fn probe_unnamed(dir: RawFd) -> Option<LinkVia> {
+    let fd = open_at(dir, c".", libc::O_RDWR | libc::O_TMPFILE, 0o600).ok()?;
+    for via in [LinkVia::EmptyPath, LinkVia::ProcFd] {
+        let name = CString::new(format!("{TEMP_PREFIX}{}", random_suffix())).ok()?;
+        if link_unnamed(fd.as_raw_fd(), via, dir, &name).is_ok() {
+            unsafe { libc::unlinkat(dir, name.as_ptr(), 0) };
+            return Some(via);
+        }
+    }
+    None
+}
+
 /// `renameat2(RENAME_NOREPLACE)`: `Ok(false)` where the filesystem cannot (nothing renamed).
 fn rename_noreplace(from: RawFd, old: &CStr, dir: RawFd, new: &CStr) -> io::Result<bool> {
     let flags = libc::RENAME_NOREPLACE;
@@ -1216,6 +1375,84 @@ mod tests {
         let store = Store::open_staged(dir.path(), &staging).unwrap();
         assert_eq!(store.remove_temps(), 1);
         assert_eq!(temps_in(&staging), 0);
+    }
+
+    #[test]
+    fn unnamed_temp_files_are_linked_in_and_leave_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let staging = state.path().join("staging");
+        let store = Store::open_staged(dir.path(), &staging).unwrap();
+        if store.staging.as_ref().and_then(|s| s.link).is_none() {
+            // A filesystem without O_TMPFILE: named temp files (the other tests) are all there is.
+            return;
+        }
+        std::fs::write(dir.path().join("old"), b"old").unwrap();
+        std::fs::write(dir.path().join("taken"), b"mine").unwrap();
+        let old = store.stat(&p("old")).unwrap().unwrap().local;
+        let mut batch = Vec::new();
+        for (name, expect) in [
+            ("d/new", Expect::Absent),
+            ("taken", Expect::Absent),
+            ("old", Expect::Matches(old)),
+        ] {
+            let data = format!("{name} v2");
+            let mut cache = DirCache::default();
+            let mut t = store.create_temp_in(&mut cache, &p(name), true).unwrap();
+            assert!(t.unnamed);
+            store.write_temp(&mut t, 0, data.as_bytes()).unwrap();
+            store.close_temp(&mut t);
+            assert!(
+                t.file.is_some(),
+                "an unnamed temp file is never closed early"
+            );
+            store
+                .finish_temp(&mut t, data.len() as u64, 0o640, 2_000_000_000)
+                .unwrap();
+            batch.push((t, expect));
+        }
+        assert_eq!(
+            temps_in(&staging),
+            0,
+            "unnamed files have no entry anywhere"
+        );
+        assert_eq!(temps_in(dir.path()), 0);
+        let results = store.install(batch);
+        let st = results[0].as_ref().unwrap();
+        assert_eq!(
+            std::fs::read(dir.path().join("d/new")).unwrap(),
+            b"d/new v2"
+        );
+        assert_eq!(*st, store.stat(&p("d/new")).unwrap().unwrap().local);
+        assert_eq!(st.mode & 0o777, 0o640);
+        assert_eq!(st.mtime_ns, 2_000_000_000);
+        // Expected absent but taken: refused, and the user's file is untouched.
+        assert!(matches!(results[1], Err(StoreError::Changed(_))));
+        assert_eq!(std::fs::read(dir.path().join("taken")).unwrap(), b"mine");
+        // A replacement of the version the journal expects.
+        assert!(results[2].is_ok());
+        assert_eq!(std::fs::read(dir.path().join("old")).unwrap(), b"old v2");
+        // A replacement whose target moved on is refused.
+        let mut t = store
+            .create_temp_in(&mut DirCache::default(), &p("old"), true)
+            .unwrap();
+        store.write_temp(&mut t, 0, b"v3").unwrap();
+        store.finish_temp(&mut t, 2, 0o644, 0).unwrap();
+        let r = store
+            .install(vec![(t, Expect::Matches(old))])
+            .pop()
+            .unwrap();
+        assert!(matches!(r, Err(StoreError::Changed(_))));
+        assert_eq!(std::fs::read(dir.path().join("old")).unwrap(), b"old v2");
+        // A crash (the temp dropped unfinished) leaves nothing to clean up.
+        let mut t = store
+            .create_temp_in(&mut DirCache::default(), &p("e/f"), true)
+            .unwrap();
+        store.write_temp(&mut t, 0, b"partial").unwrap();
+        drop(t);
+        assert_eq!(temps_in(&staging), 0);
+        assert_eq!(store.remove_temps(), 0);
+        assert!(!dir.path().join("e/f").exists());
     }
 
     #[test]
