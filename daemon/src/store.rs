@@ -187,6 +187,9 @@ pub struct LocalCopy {
     pub sources: Vec<(RelPath, u64)>,
 }
 
+/// From this many files on, [`Store::install_synced_in`] installs on two threads.
+const PARALLEL_INSTALL_FROM: usize = 64;
+
 /// From this many chunks on, [`Store::copy_chunks_in`] verifies and writes on two threads.
 const PARALLEL_COPY_FROM: usize = 64;
 
@@ -789,18 +792,68 @@ impl Store {
             return Vec::new();
         }
         // The staging directory loses the staged names: it is synced with the targets'.
-        let mut touched: Vec<RawFd> = batch
+        let staging = batch
             .iter()
-            .find_map(|(t, _)| self.staging_fd(t.staged && !t.unnamed))
+            .find_map(|(t, _)| self.staging_fd(t.staged && !t.unnamed));
+        // Each target's directory, walked to once through `cache`, before any install.
+        let mut items: Vec<(Result<RawFd, StoreError>, TempFile, Expect)> = batch
             .into_iter()
+            .map(|(t, e)| (self.dir_in(cache, t.target.parent().as_ref(), false), t, e))
             .collect();
-        let mut out = Vec::with_capacity(batch.len());
-        for (t, expect) in batch {
-            out.push(self.install_one(cache, &mut touched, t, expect));
+        // Large batches install on two threads, split where the directory changes so that
+        // each directory (its lock, its fsync) is one thread's. Installs into different
+        // directories of one filesystem do not serialize: a link takes only its directory's
+        // lock (a rename across directories takes the filesystem's, so named temp files gain
+        // little here).
+        let mut split = items.len();
+        if items.len() >= PARALLEL_INSTALL_FROM {
+            split = items.len() / 2;
+            let same = |a: &Result<RawFd, StoreError>, b: &Result<RawFd, StoreError>| matches!((a, b), (Ok(x), Ok(y)) if x == y);
+            while split < items.len() && same(&items[split].0, &items[split - 1].0) {
+                split += 1;
+            }
         }
+        let right = items.split_off(split);
+        let out = if right.is_empty() {
+            self.install_lane(items)
+        } else {
+            std::thread::scope(|s| {
+                let other = s.spawn(|| self.install_lane(right));
+                let mut out = self.install_lane(items);
+                match other.join() {
+                    Ok(rest) => out.extend(rest),
+                    Err(p) => std::panic::resume_unwind(p),
+                }
+                out
+            })
+        };
+        if let Some(fd) = staging {
+            // SAFETY: a plain syscall on the staging directory's open descriptor.
+            unsafe { libc::fsync(fd) };
+        }
+        out
+    }
+
+    /// Installs `items` in order, then fsyncs each directory they went into.
+    fn install_lane(
+        &self,
+        items: Vec<(Result<RawFd, StoreError>, TempFile, Expect)>,
+    ) -> Vec<Result<LocalStat, StoreError>> {
+        let mut touched = Vec::new();
+        let out: Vec<_> = items
+            .into_iter()
+            .map(|(dir, t, expect)| match dir {
+                Ok(dir) => self.install_one(dir, &mut touched, t, expect),
+                Err(e) => {
+                    self.discard_temp(t);
+                    Err(e)
+                }
+            })
+            .collect();
         touched.sort_unstable();
         touched.dedup();
         for fd in touched {
+            // SAFETY: a plain syscall on a directory descriptor the batch's cache holds open.
             unsafe { libc::fsync(fd) };
         }
         out
@@ -808,18 +861,11 @@ impl Store {
 
     fn install_one(
         &self,
-        cache: &mut DirCache,
+        dir: RawFd,
         touched: &mut Vec<RawFd>,
         t: TempFile,
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
-        let dir = match self.dir_in(cache, t.target.parent().as_ref(), false) {
-            Ok(d) => d,
-            Err(e) => {
-                self.discard_temp(t);
-                return Err(e);
-            }
-        };
         let name = cstr(t.target.file_name())?;
         if t.unnamed {
             return self.install_unnamed(dir, touched, t, &name, expect);
@@ -1453,6 +1499,49 @@ mod tests {
         assert_eq!(temps_in(&staging), 0);
         assert_eq!(store.remove_temps(), 0);
         assert!(!dir.path().join("e/f").exists());
+    }
+
+    #[test]
+    fn a_large_batch_installs_on_two_threads_with_results_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let store = Store::open_staged(dir.path(), &state.path().join("staging")).unwrap();
+        let n = 3 * PARALLEL_INSTALL_FROM;
+        let name = |i: usize| format!("d{}/f{i:03}", i / 50);
+        std::fs::create_dir_all(dir.path().join("d1")).unwrap();
+        // Every seventh target is taken: expected absent, so refused.
+        for i in (0..n).step_by(7) {
+            std::fs::create_dir_all(dir.path().join(format!("d{}", i / 50))).unwrap();
+            std::fs::write(dir.path().join(name(i)), b"mine").unwrap();
+        }
+        let mut cache = DirCache::default();
+        let batch: Vec<_> = (0..n)
+            .map(|i| {
+                let data = format!("v{i}");
+                let mut t = store
+                    .create_temp_in(&mut cache, &p(&name(i)), i % 2 == 0)
+                    .unwrap();
+                store.write_temp(&mut t, 0, data.as_bytes()).unwrap();
+                store
+                    .finish_temp(&mut t, data.len() as u64, 0o644, 0)
+                    .unwrap();
+                (t, Expect::Absent)
+            })
+            .collect();
+        let results = store.install_synced_in(&mut cache, batch);
+        assert_eq!(results.len(), n);
+        for (i, r) in results.iter().enumerate() {
+            let on_disk = std::fs::read(dir.path().join(name(i))).unwrap();
+            if i % 7 == 0 {
+                assert!(matches!(r, Err(StoreError::Changed(_))), "{i}: {r:?}");
+                assert_eq!(on_disk, b"mine");
+            } else {
+                let st = r.as_ref().unwrap();
+                assert_eq!(on_disk, format!("v{i}").as_bytes());
+                assert_eq!(*st, store.stat(&p(&name(i))).unwrap().unwrap().local, "{i}");
+            }
+        }
+        assert_eq!(store.remove_temps(), 0, "no temp file left behind");
     }
 
     #[test]
