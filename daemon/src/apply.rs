@@ -1049,7 +1049,12 @@ fn install(
         .unzip();
     journal.end_reads();
     let reread_at = t0.elapsed();
-    let results = rt.store.install_synced_in(dirs, batch);
+    // The watcher's event for a file can come as soon as it is in place: its echo is
+    // expected from then on, not after the whole batch (else the event, seen first, is
+    // rescanned, waiting for this lock).
+    let results = rt.store.install_synced_in(dirs, batch, &|path, local| {
+        rt.echoes.expect(path.clone(), Some(*local))
+    });
     let renamed_at = t0.elapsed();
     let mut changes = Vec::new();
     let mut redo = Vec::new();
@@ -1058,7 +1063,6 @@ fn install(
         match r {
             Ok(local) => {
                 rt.invalidator.invalidate(&t.record.path);
-                rt.echoes.expect(t.record.path.clone(), Some(local));
                 changes.push(Change {
                     record: t.record,
                     op: t.op,

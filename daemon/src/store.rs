@@ -758,7 +758,7 @@ impl Store {
     ) -> Vec<Result<LocalStat, StoreError>> {
         let temps: Vec<&TempFile> = batch.iter().map(|(t, _)| t).collect();
         self.sync_temps(&temps);
-        self.install_synced_in(cache, batch)
+        self.install_synced_in(cache, batch, &|_, _| {})
     }
 
     /// Makes finished temp files durable: few, `fsync` each; many, one `syncfs` for the whole
@@ -783,10 +783,13 @@ impl Store {
     }
 
     /// [`Store::install_in`] of temp files already made durable by [`Store::sync_temps`].
+    /// `installed` is called the moment each file is in place (from either thread), before
+    /// the batch's directories are fsynced: the watcher's event for it can come that soon.
     pub fn install_synced_in(
         &self,
         cache: &mut DirCache,
         batch: Vec<(TempFile, Expect)>,
+        installed: &(dyn Fn(&RelPath, &LocalStat) + Sync),
     ) -> Vec<Result<LocalStat, StoreError>> {
         if batch.is_empty() {
             return Vec::new();
@@ -815,11 +818,11 @@ impl Store {
         }
         let right = items.split_off(split);
         let out = if right.is_empty() {
-            self.install_lane(items)
+            self.install_lane(items, installed)
         } else {
             std::thread::scope(|s| {
-                let other = s.spawn(|| self.install_lane(right));
-                let mut out = self.install_lane(items);
+                let other = s.spawn(|| self.install_lane(right, installed));
+                let mut out = self.install_lane(items, installed);
                 match other.join() {
                     Ok(rest) => out.extend(rest),
                     Err(p) => std::panic::resume_unwind(p),
@@ -838,12 +841,20 @@ impl Store {
     fn install_lane(
         &self,
         items: Vec<(Result<RawFd, StoreError>, TempFile, Expect)>,
+        installed: &(dyn Fn(&RelPath, &LocalStat) + Sync),
     ) -> Vec<Result<LocalStat, StoreError>> {
         let mut touched = Vec::new();
         let out: Vec<_> = items
             .into_iter()
             .map(|(dir, t, expect)| match dir {
-                Ok(dir) => self.install_one(dir, &mut touched, t, expect),
+                Ok(dir) => {
+                    let target = t.target.clone();
+                    let r = self.install_one(dir, &mut touched, t, expect);
+                    if let Ok(local) = &r {
+                        installed(&target, local);
+                    }
+                    r
+                }
                 Err(e) => {
                     self.discard_temp(t);
                     Err(e)
@@ -1528,7 +1539,15 @@ mod tests {
                 (t, Expect::Absent)
             })
             .collect();
-        let results = store.install_synced_in(&mut cache, batch);
+        let seen = std::sync::Mutex::new(0usize);
+        let results = store.install_synced_in(&mut cache, batch, &|_, _| {
+            *seen.lock().unwrap() += 1;
+        });
+        assert_eq!(
+            *seen.lock().unwrap(),
+            n - (n + 6) / 7,
+            "one call per installed file"
+        );
         assert_eq!(results.len(), n);
         for (i, r) in results.iter().enumerate() {
             let on_disk = std::fs::read(dir.path().join(name(i))).unwrap();
