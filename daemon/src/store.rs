@@ -1545,7 +1545,7 @@ mod tests {
         });
         assert_eq!(
             *seen.lock().unwrap(),
-            n - (n + 6) / 7,
+            n - n.div_ceil(7),
             "one call per installed file"
         );
         assert_eq!(results.len(), n);
