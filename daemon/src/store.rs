@@ -163,14 +163,19 @@ pub struct TempFile {
     file: Option<File>,
     /// It lives in the staging directory (else in the target's directory).
     staged: bool,
-    /// It has no name (`O_TMPFILE`): `file` is its only handle and is never closed before
-    /// the install (`name` is empty).
-    unnamed: bool,
     /// Bytes written into it so far (chunks never overlap, so the file is covered when this
     /// reaches its size).
     written: u64,
     /// `written` when writeback of its dirty pages was last started.
     flushing_from: u64,
+}
+
+impl TempFile {
+    /// It has no name (`O_TMPFILE`, and `name` is empty): `file` is its only handle and is
+    /// never closed before the install.
+    fn unnamed(&self) -> bool {
+        self.name.is_empty()
+    }
 }
 
 /// One chunk of a temp file to copy from local files ([`Store::copy_chunks_in`]).
@@ -525,7 +530,6 @@ impl Store {
                         name: CString::default(),
                         file: Some(File::from(fd)),
                         staged,
-                        unnamed: true,
                         written: 0,
                         flushing_from: 0,
                     })
@@ -550,7 +554,6 @@ impl Store {
             name,
             file: Some(File::from(fd)),
             staged,
-            unnamed: false,
             written: 0,
             flushing_from: 0,
         })
@@ -581,7 +584,7 @@ impl Store {
 
     /// Re-opens a temp file whose handle was closed (to bound open descriptors).
     fn temp_handle(&self, t: &TempFile, write: bool) -> Result<File, StoreError> {
-        if t.unnamed {
+        if t.unnamed() {
             // Never closed before the install (close_temp leaves it open), so never re-opened.
             return match &t.file {
                 Some(f) => f.try_clone().map_err(|e| io_err(&t.target, e)),
@@ -693,7 +696,7 @@ impl Store {
     /// Closes the temp file's descriptor (it is re-opened on demand). An unnamed temp file
     /// stays open: its descriptor is all there is of it.
     pub fn close_temp(&self, t: &mut TempFile) {
-        if !t.unnamed {
+        if !t.unnamed() {
             t.file = None;
         }
     }
@@ -724,7 +727,7 @@ impl Store {
         f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
         set_mode_fd(f.as_raw_fd(), mode).map_err(|e| io_err(&t.target, e))?;
         set_mtime_fd(f.as_raw_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
-        if t.unnamed {
+        if t.unnamed() {
             t.file = Some(f);
         }
         Ok(())
@@ -733,7 +736,7 @@ impl Store {
     /// Deletes a temp file that will not be installed.
     pub fn discard_temp(&self, mut t: TempFile) {
         t.file = None;
-        if t.unnamed {
+        if t.unnamed() {
             return;
         }
         let _ = self.in_temp_dir(&t, |dir| {
@@ -766,16 +769,18 @@ impl Store {
     pub fn sync_temps(&self, temps: &[&TempFile]) {
         if temps.len() <= 4 {
             for t in temps {
-                match &t.file {
-                    Some(f) => {
-                        let _ = f.sync_all();
-                    }
-                    None => {
-                        if let Ok(f) = self.temp_handle(t, false) {
-                            let _ = f.sync_all();
+                let reopened;
+                let f = match &t.file {
+                    Some(f) => f,
+                    None => match self.temp_handle(t, false) {
+                        Ok(f) => {
+                            reopened = f;
+                            &reopened
                         }
-                    }
-                }
+                        Err(_) => continue,
+                    },
+                };
+                let _ = f.sync_all();
             }
         } else if !temps.is_empty() {
             unsafe { libc::syncfs(self.root_fd.as_raw_fd()) };
@@ -797,7 +802,7 @@ impl Store {
         // The staging directory loses the staged names: it is synced with the targets'.
         let staging = batch
             .iter()
-            .find_map(|(t, _)| self.staging_fd(t.staged && !t.unnamed));
+            .find_map(|(t, _)| self.staging_fd(t.staged && !t.unnamed()));
         // Each target's directory, walked to once through `cache`, before any install.
         let mut items: Vec<(Result<RawFd, StoreError>, TempFile, Expect)> = batch
             .into_iter()
@@ -849,9 +854,12 @@ impl Store {
             .map(|(dir, t, expect)| match dir {
                 Ok(dir) => {
                     let target = t.target.clone();
-                    let r = self.install_one(dir, &mut touched, t, expect);
+                    let r = self.install_one(dir, t, expect);
                     if let Ok(local) = &r {
                         installed(&target, local);
+                        if touched.last() != Some(&dir) {
+                            touched.push(dir);
+                        }
                     }
                     r
                 }
@@ -873,13 +881,12 @@ impl Store {
     fn install_one(
         &self,
         dir: RawFd,
-        touched: &mut Vec<RawFd>,
         t: TempFile,
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
         let name = cstr(t.target.file_name())?;
-        if t.unnamed {
-            return self.install_unnamed(dir, touched, t, &name, expect);
+        if t.unnamed() {
+            return self.install_unnamed(dir, t, &name, expect);
         }
         let from = self.staging_fd(t.staged).unwrap_or(dir);
         let refuse = |e| {
@@ -908,9 +915,6 @@ impl Store {
                 return refuse(io_err(&t.target, io::Error::last_os_error()));
             }
         }
-        if touched.last() != Some(&dir) {
-            touched.push(dir);
-        }
         let st = fstatat(dir, &name).map_err(|e| io_err(&t.target, e))?;
         Ok(stat_of(&st).local)
     }
@@ -921,7 +925,6 @@ impl Store {
     fn install_unnamed(
         &self,
         dir: RawFd,
-        touched: &mut Vec<RawFd>,
         t: TempFile,
         name: &CStr,
         expect: Expect,
@@ -950,9 +953,6 @@ impl Store {
                 unsafe { libc::unlinkat(sdir, tmp.as_ptr(), 0) };
                 return Err(io_err(&t.target, e));
             }
-        }
-        if touched.last() != Some(&dir) {
-            touched.push(dir);
         }
         // SAFETY: `st` is a plain struct the kernel fills; `fd` is our open descriptor.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -1456,7 +1456,7 @@ mod tests {
             let data = format!("{name} v2");
             let mut cache = DirCache::default();
             let mut t = store.create_temp_in(&mut cache, &p(name), true).unwrap();
-            assert!(t.unnamed);
+            assert!(t.unnamed());
             store.write_temp(&mut t, 0, data.as_bytes()).unwrap();
             store.close_temp(&mut t);
             assert!(
