@@ -40,8 +40,8 @@ pub struct FolderRt {
     pub capture_pending: std::sync::atomic::AtomicUsize,
     /// The folder's first scan is still running (the folder is not in sync meanwhile).
     pub scanning: std::sync::atomic::AtomicBool,
-    /// Notified when the first scan journals a full slice: more is to come, so starting the
-    /// folder stops waiting for the scan to end.
+    /// Notified when the first scan has walked the tree and found more than a slice of files
+    /// to hash: starting the folder stops waiting for the scan to end.
     pub scan_is_long: tokio::sync::Notify,
     /// Which paths are open for writing through a mount (never replaced under their writer).
     pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
@@ -265,8 +265,8 @@ impl Engine {
             });
             // A small folder is done at once: wait for it, so the Hello says it is not
             // scanning and peers attach small files' content (`HelloFolder::scanning`). A
-            // folder whose scan journals a full slice is not small: waiting for it would only
-            // delay its first files to peers.
+            // folder with more than a slice of files to hash is not small: waiting for it
+            // would only delay its first files to peers (known once the tree is walked).
             tokio::select! {
                 _ = done_rx => {}
                 _ = waiting.scan_is_long.notified() => {}
@@ -332,9 +332,13 @@ impl Engine {
                 // hashed, without holding the journal, so peers get the first files while the
                 // rest are still being read.
                 drop(j);
-                let mut emit = |changes: Vec<Change>| -> Result<(), String> {
-                    if changes.len() >= scanner::FIRST_SCAN_SLICE {
+                let mut emit = |changes: Vec<Change>, to_hash: usize| -> Result<(), String> {
+                    // Known once the tree is walked: peers need not wait for a long scan.
+                    if to_hash >= scanner::FIRST_SCAN_SLICE {
                         rt.scan_is_long.notify_one();
+                    }
+                    if changes.is_empty() {
+                        return Ok(());
                     }
                     streamed += changes.len();
                     tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");

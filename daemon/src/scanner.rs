@@ -189,8 +189,10 @@ pub fn scan(
 pub const FIRST_SCAN_SLICE: usize = 1000;
 
 /// What a streamed scan hands over as soon as it has it: changes in a safe order (every
-/// directory before anything below it).
-pub type Emit<'a> = dyn FnMut(Vec<Change>) -> Result<(), String> + 'a;
+/// directory before anything below it), and how many files are still to be hashed after them.
+/// The first call comes as soon as the tree is walked, before any file is read (its changes
+/// may be none).
+pub type Emit<'a> = dyn FnMut(Vec<Change>, usize) -> Result<(), String> + 'a;
 
 /// The first scan of a folder the journal has nothing of: the whole tree is new, so nothing can
 /// have been deleted or renamed, and no journal is read. Changes are handed to `emit` as they
@@ -404,7 +406,7 @@ fn diff(
     mut known: HashMap<RelPath, Known>,
     seen: Vec<Seen>,
     mut report: ScanReport,
-    mut emit: Option<&mut Emit<'_>>,
+    emit: Option<&mut Emit<'_>>,
 ) -> Result<ScanReport, ScanError> {
     let ctx = Context {
         local_device: t.local,
@@ -554,26 +556,46 @@ fn diff(
             prev: None,
         });
     }
-    // Hash what must be hashed, on every core; streamed, a slice at a time after what needs no
-    // reading.
-    let slice = if emit.is_some() {
-        FIRST_SCAN_SLICE
-    } else {
-        jobs.len().max(1)
-    };
-    let mut jobs = jobs.into_iter().peekable();
-    while jobs.peek().is_some() || emit.is_some() && !creates.is_empty() {
-        if let Some(emit) = emit.as_mut() {
-            if !creates.is_empty() {
-                sort_creates(&mut creates);
-                emit(std::mem::take(&mut creates)).map_err(ScanError::Commit)?;
+    // Hash what must be hashed, on every core. Streamed, a slice at a time after what needs no
+    // reading, and one slice ahead: the next slice is read while this one is journaled and
+    // handed over.
+    match emit {
+        None => {
+            let hashed = hash_all(t.store, jobs);
+            add_hashed(lk, &ctx, hashed, &mut creates, &mut report);
+        }
+        Some(emit) => {
+            let mut to_hash = jobs.len();
+            let mut slices: Vec<Vec<HashJob>> = Vec::new();
+            let mut jobs = jobs.into_iter().peekable();
+            while jobs.peek().is_some() {
+                slices.push(jobs.by_ref().take(FIRST_SCAN_SLICE).collect());
             }
+            std::thread::scope(|s| -> Result<(), ScanError> {
+                let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                let store = t.store;
+                s.spawn(move || {
+                    for part in slices {
+                        // The receiver is gone when emitting failed: stop reading.
+                        if tx.send(hash_all(store, part)).is_err() {
+                            break;
+                        }
+                    }
+                });
+                let mut first = true;
+                loop {
+                    if first || !creates.is_empty() {
+                        sort_creates(&mut creates);
+                        emit(std::mem::take(&mut creates), to_hash).map_err(ScanError::Commit)?;
+                        first = false;
+                    }
+                    let Ok(hashed) = rx.recv() else { break };
+                    to_hash -= hashed.len();
+                    add_hashed(lk, &ctx, hashed, &mut creates, &mut report);
+                }
+                Ok(())
+            })?;
         }
-        let part: Vec<HashJob> = jobs.by_ref().take(slice).collect();
-        if part.is_empty() {
-            break;
-        }
-        hash_into(t, lk, &ctx, part, &mut creates, &mut report);
     }
     sort_creates(&mut creates);
     vanished.sort_by_key(|k| std::cmp::Reverse((k.s.path.components().count(), k.s.path.clone())));
@@ -596,16 +618,15 @@ fn diff(
     Ok(report)
 }
 
-/// Hashes `jobs` (on every core) and adds the versions they make to `creates`.
-fn hash_into(
-    t: &ScanTarget<'_>,
+/// Adds the versions that hashed files make to `creates`.
+fn add_hashed(
     lk: &Lookup<'_>,
     ctx: &Context,
-    jobs: Vec<HashJob>,
+    hashed: Vec<(HashJob, Option<chunker::Content>)>,
     creates: &mut Vec<Change>,
     report: &mut ScanReport,
 ) {
-    for (job, content) in hash_all(t.store, jobs) {
+    for (job, content) in hashed {
         let Some(content) = content else { continue };
         report.hashed_files += 1;
         report.hashed_bytes += content.size;

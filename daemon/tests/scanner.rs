@@ -163,3 +163,58 @@ fn a_deep_wide_tree_is_walked_once_per_entry() {
         "the scope, its subtree and the new file"
     );
 }
+
+#[test]
+fn a_first_scan_says_how_much_is_to_hash_before_reading_and_streams_every_file_once() {
+    // The engine stops waiting for a long first scan once the walk is done (before any file
+    // is read), and journals each slice while the next is hashed: the first emit carries only
+    // the directories and the count of files to hash, then every file comes exactly once.
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    let files = 2 * meshfs_daemon::scanner::FIRST_SCAN_SLICE + 345;
+    for d in 0..5 {
+        std::fs::create_dir_all(root.join(format!("d{d}"))).unwrap();
+    }
+    for i in 0..files {
+        std::fs::write(root.join(format!("d{}/f{i:05}", i % 5)), i.to_le_bytes()).unwrap();
+    }
+    let fx = Fixture::new(&root);
+    let t = fx.target();
+    let mut calls: Vec<(Vec<String>, usize)> = Vec::new();
+    let report = meshfs_daemon::scanner::scan_new(&t, &mut |changes, to_hash| {
+        let paths = changes.iter().map(|c| c.record.path.to_string()).collect();
+        calls.push((paths, to_hash));
+        Ok(())
+    })
+    .unwrap();
+    assert!(report.changes.is_empty(), "a streamed scan returns nothing");
+    assert_eq!(report.hashed_files as usize, files);
+    let (dirs, first_to_hash) = &calls[0];
+    assert_eq!(dirs, &["d0", "d1", "d2", "d3", "d4"]);
+    assert_eq!(*first_to_hash, files);
+    let mut seen = std::collections::BTreeSet::new();
+    for (paths, _) in &calls[1..] {
+        assert!(paths.len() <= meshfs_daemon::scanner::FIRST_SCAN_SLICE);
+        for p in paths {
+            assert!(seen.insert(p.clone()), "{p} emitted twice");
+        }
+    }
+    assert_eq!(seen.len(), files);
+    let left: Vec<usize> = calls.iter().map(|c| c.1).collect();
+    assert!(left.windows(2).all(|w| w[0] >= w[1]), "{left:?}");
+    assert_eq!(left.last(), Some(&0));
+
+    // A failing emit stops the scan (and the hashing thread) with its error.
+    let mut n = 0;
+    let err = meshfs_daemon::scanner::scan_new(&t, &mut |_, _| {
+        n += 1;
+        if n == 2 {
+            Err("disk full".into())
+        } else {
+            Ok(())
+        }
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("disk full"), "{err}");
+    assert_eq!(n, 2);
+}
