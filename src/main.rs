@@ -543,7 +543,8 @@ fn status(home: &Home, json: bool, wait_synced: bool, timeout: f64) -> anyhow::R
             }
             return Ok(0);
         }
-        std::thread::sleep(Duration::from_millis(25));
+        // While syncing, poll gently (each poll reads the journal); once in sync, confirm soon.
+        std::thread::sleep(Duration::from_millis(if synced { 10 } else { 25 }));
     }
 }
 

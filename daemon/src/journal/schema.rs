@@ -125,7 +125,7 @@ const SCHEMA_1: &str =
     ) STRICT;
     "#;
 
-// 2: the live conflict siblings, for `status` (polled every 25 ms by `--wait-synced`):
+// 2: the live conflict siblings, for `status` (polled every 10–25 ms by `--wait-synced`):
 // a partial index holds only them, so counting them does not read the whole folder.
 // The expression must stay identical to `Journal::conflict_records`' WHERE clause.
 const CONFLICT_INDEX_2: &str = r#"
