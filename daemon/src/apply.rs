@@ -825,7 +825,7 @@ async fn transfer(
     let Decided {
         transfers: work,
         redo,
-        mut dirs,
+        dirs,
     } = decided;
     if !redo.is_empty() {
         rescan(
@@ -841,7 +841,116 @@ async fn transfer(
     }
     let started = std::time::Instant::now();
     let files = work.len();
-    let mut missing: HashMap<Hash, (u32, Vec<(usize, u64)>)> = HashMap::new();
+    // The chunks the peer attached to the index for these files.
+    let mut attached = HashMap::new();
+    for t in &work {
+        for (h, ..) in &t.missing {
+            if let Some(c) = inline.remove(h) {
+                attached.insert(*h, c);
+            }
+        }
+    }
+    // Temp files, and writing what is at hand into them, are a thousand system calls and more
+    // for a batch of small files: on a blocking thread, not on the runtime that moves packets.
+    let Assembled {
+        mut temps,
+        metas,
+        missing,
+        wanted,
+        mut dirs,
+    } = {
+        let rt = rt.clone();
+        tokio::task::spawn_blocking(move || assemble(&rt, dirs, work, attached))
+            .await
+            .map_err(|e| e.to_string())??
+    };
+    if !wanted.is_empty() {
+        let store = &rt.store;
+        let mut sink = |hash: Hash, data: Vec<u8>| -> Result<(), String> {
+            write_chunk(store, &missing, &mut temps, hash, &data)
+        };
+        match crate::peers::fetch(conn, folder, wanted, &mut sink).await {
+            Ok(absent) => {
+                // The peer no longer has these chunks: the version was superseded there, and its
+                // successor follows in the index. Skip the files that need them (retrying would
+                // livelock: the successor waits behind them in the same stream).
+                for h in absent {
+                    for (i, _) in missing.get(&h).map(|m| m.1.clone()).unwrap_or_default() {
+                        if let Some(t) = temps.get_mut(i).and_then(Option::take) {
+                            tracing::info!(%folder, path = %t.target, "version superseded on the peer before it was fetched; skipped");
+                            rt.store.discard_temp(t);
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                for t in temps.into_iter().flatten() {
+                    rt.store.discard_temp(t);
+                }
+                return Err(e);
+            }
+        }
+    }
+    let fetched_at = started.elapsed();
+    // Step 3: check every file is covered by its verified chunks, and flush them. The flush
+    // needs no lock: it overlaps the install of the batch before this one.
+    let ready = {
+        let rt = rt.clone();
+        tokio::task::spawn_blocking(move || finish_all(&rt, metas, temps))
+            .await
+            .map_err(|e| e.to_string())??
+    };
+    let verified_at = started.elapsed();
+    wait_installed(prev_installed).await?;
+    // Steps 4–6 under the folder lock.
+    let engine2 = engine.clone();
+    let rt2 = rt.clone();
+    let folder2 = folder.clone();
+    let mut changed =
+        tokio::task::spawn_blocking(move || install(&engine2, &rt2, &folder2, &mut dirs, ready))
+            .await
+            .map_err(|e| e.to_string())??;
+    if !changed.is_empty() {
+        rescan(
+            engine,
+            rt,
+            folder,
+            changed.iter().map(|r| r.path.clone()).collect(),
+        )
+        .await?;
+    }
+    if files >= 100 {
+        tracing::info!(%folder, files, decide_ms, fetch_ms = fetched_at.as_millis() as u64,
+            verify_ms = (verified_at - fetched_at).as_millis() as u64,
+            install_ms = (started.elapsed() - verified_at).as_millis() as u64, "batch applied");
+    }
+    changed.extend(redo);
+    Ok(changed)
+}
+
+/// Chunks wanted by a batch: each hash's length and where it goes (file index, offset).
+type Wanted = HashMap<Hash, (u32, Vec<(usize, u64)>)>;
+
+/// What [`assemble`] leaves for the network.
+struct Assembled {
+    /// One temp file per transfer (`None` once skipped).
+    temps: Vec<Option<TempFile>>,
+    metas: Vec<Meta>,
+    missing: Wanted,
+    /// The chunks to ask the peer for.
+    wanted: Vec<(Hash, u32)>,
+    dirs: DirCache,
+}
+
+/// Step 2 without the network: a temp file for each transfer (files with no chunk here get
+/// theirs now, outside the folder lock), and the chunks the peer attached written into them.
+fn assemble(
+    rt: &FolderRt,
+    mut dirs: DirCache,
+    work: Vec<Transfer>,
+    mut attached: HashMap<Hash, ChunkResponse>,
+) -> Result<Assembled, String> {
+    let mut missing: Wanted = HashMap::new();
     let mut temps: Vec<Option<TempFile>> = Vec::with_capacity(work.len());
     let mut work: Vec<Transfer> = work;
     for (i, t) in work.iter_mut().enumerate() {
@@ -868,7 +977,6 @@ async fn transfer(
             then,
             ..
         } = t;
-        // Files with no chunk here get their temp file now, outside the folder lock.
         let kept = temps.len() < MAX_OPEN_TEMPS;
         let made = temp.map_or_else(
             || rt.store.create_temp_in(&mut dirs, &record.path, kept),
@@ -899,62 +1007,59 @@ async fn transfer(
             then,
         });
     }
-    if !missing.is_empty() {
-        let store = &rt.store;
-        let mut sink = |hash: Hash, data: Vec<u8>| -> Result<(), String> {
-            if let Some((_, places)) = missing.get(&hash) {
-                for (i, off) in places {
-                    if let Some(Some(t)) = temps.get_mut(*i) {
-                        store
-                            .write_temp(t, *off, &data)
-                            .map_err(|e| e.to_string())?;
+    // Chunks the peer attached to the index need no request; a bad one is asked for.
+    let mut wanted: Vec<(Hash, u32)> = Vec::new();
+    for (h, (len, _)) in &missing {
+        let data = attached.remove(h).and_then(|c| {
+            let data = c.data?;
+            crate::peers::open_chunk(h, data, c.compressed).ok()
+        });
+        match data {
+            Some(data) if data.len() == *len as usize => {
+                if let Err(e) = write_chunk(&rt.store, &missing, &mut temps, *h, &data) {
+                    for t in temps.into_iter().flatten() {
+                        rt.store.discard_temp(t);
                     }
+                    return Err(e);
                 }
             }
-            Ok(())
-        };
-        // Chunks the peer attached to the index need no request; a bad one is asked for.
-        let mut wanted: Vec<(Hash, u32)> = Vec::new();
-        for (h, (len, _)) in &missing {
-            let attached = inline.remove(h).and_then(|c| {
-                let data = c.data?;
-                crate::peers::open_chunk(h, data, c.compressed).ok()
-            });
-            match attached {
-                Some(data) if data.len() == *len as usize => sink(*h, data)?,
-                _ => wanted.push((*h, *len)),
-            }
+            _ => wanted.push((*h, *len)),
         }
-        let fetched = if wanted.is_empty() {
-            Ok(Vec::new())
-        } else {
-            crate::peers::fetch(conn, folder, wanted, &mut sink).await
-        };
-        match fetched {
-            Ok(absent) => {
-                // The peer no longer has these chunks: the version was superseded there, and its
-                // successor follows in the index. Skip the files that need them (retrying would
-                // livelock: the successor waits behind them in the same stream).
-                for h in absent {
-                    for (i, _) in missing.get(&h).map(|m| m.1.clone()).unwrap_or_default() {
-                        if let Some(t) = temps.get_mut(i).and_then(Option::take) {
-                            tracing::info!(%folder, path = %t.target, "version superseded on the peer before it was fetched; skipped");
-                            rt.store.discard_temp(t);
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                for t in temps.into_iter().flatten() {
-                    rt.store.discard_temp(t);
-                }
-                return Err(e);
+    }
+    Ok(Assembled {
+        temps,
+        metas,
+        missing,
+        wanted,
+        dirs,
+    })
+}
+
+/// Writes a verified chunk everywhere a batch wants it.
+fn write_chunk(
+    store: &crate::store::Store,
+    missing: &Wanted,
+    temps: &mut [Option<TempFile>],
+    hash: Hash,
+    data: &[u8],
+) -> Result<(), String> {
+    if let Some((_, places)) = missing.get(&hash) {
+        for (i, off) in places {
+            if let Some(Some(t)) = temps.get_mut(*i) {
+                store.write_temp(t, *off, data).map_err(|e| e.to_string())?;
             }
         }
     }
-    let fetched_at = started.elapsed();
-    // Step 3: check every file is covered by its verified chunks.
-    let mut ready: Vec<(Meta, TempFile)> = Vec::new();
+    Ok(())
+}
+
+/// Step 3: checks every file is covered by its verified chunks and makes the batch durable.
+fn finish_all(
+    rt: &FolderRt,
+    metas: Vec<Meta>,
+    temps: Vec<Option<TempFile>>,
+) -> Result<Vec<(Meta, TempFile)>, String> {
+    let mut ready: Vec<(Meta, TempFile)> = Vec::with_capacity(metas.len());
     for (t, temp) in metas.into_iter().zip(temps) {
         let Some(mut temp) = temp else { continue };
         match rt
@@ -964,47 +1069,16 @@ async fn transfer(
             Ok(()) => ready.push((t, temp)),
             Err(e) => {
                 rt.store.discard_temp(temp);
+                for (_, t) in ready {
+                    rt.store.discard_temp(t);
+                }
                 return Err(e.to_string());
             }
         }
     }
-    let verified_at = started.elapsed();
-    // Step 3's flush needs no lock: it overlaps the install of the batch before this one.
-    let ready = {
-        let rt = rt.clone();
-        tokio::task::spawn_blocking(move || {
-            let temps: Vec<&TempFile> = ready.iter().map(|(_, t)| t).collect();
-            rt.store.sync_temps(&temps);
-            ready
-        })
-        .await
-        .map_err(|e| e.to_string())?
-    };
-    wait_installed(prev_installed).await?;
-    // Steps 4–6 under the folder lock.
-    let engine2 = engine.clone();
-    let rt2 = rt.clone();
-    let folder2 = folder.clone();
-    let mut changed =
-        tokio::task::spawn_blocking(move || install(&engine2, &rt2, &folder2, &mut dirs, ready))
-            .await
-            .map_err(|e| e.to_string())??;
-    if !changed.is_empty() {
-        rescan(
-            engine,
-            rt,
-            folder,
-            changed.iter().map(|r| r.path.clone()).collect(),
-        )
-        .await?;
-    }
-    if files >= 100 {
-        tracing::info!(%folder, files, decide_ms, fetch_ms = fetched_at.as_millis() as u64,
-            verify_ms = (verified_at - fetched_at).as_millis() as u64,
-            install_ms = (started.elapsed() - verified_at).as_millis() as u64, "batch applied");
-    }
-    changed.extend(redo);
-    Ok(changed)
+    let temps: Vec<&TempFile> = ready.iter().map(|(_, t)| t).collect();
+    rt.store.sync_temps(&temps);
+    Ok(ready)
 }
 
 fn install(
