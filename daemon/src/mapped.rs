@@ -18,6 +18,7 @@
 
 use std::cell::Cell;
 use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::atomic::{compiler_fence, AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};
 
 /// A read through a mapping met the end of a file that had shrunk (or an I/O error, which the
@@ -31,7 +32,7 @@ thread_local! {
     /// thread-local load, with no lazy initialization.
     static GUARD: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
     /// Set by the signal handler when it patched a page of the guarded region.
-    static FAULTED: Cell<bool> = const { Cell::new(false) };
+    static FAULTED: AtomicBool = const { AtomicBool::new(false) };
 }
 
 /// The disposition of `SIGBUS` before ours, for faults that are not ours.
@@ -109,15 +110,20 @@ impl Mapped {
             }
         }
         assert_eq!(GUARD.with(Cell::get), (0, 0), "nested guarded reads");
-        FAULTED.with(|f| f.set(false));
+        FAULTED.with(|f| f.store(false, Ordering::Relaxed));
         GUARD.with(|g| g.set((self.ptr as usize, self.len)));
         let _unguard = Unguard;
         // SAFETY: `ptr..ptr+len` is a live read-only mapping owned by `self`, which outlives
         // the borrow; a page past the file's end is patched with zeros by the handler instead
         // of killing the process.
         let bytes = unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) };
+        // The handler runs on this thread, between two of `read`'s loads: without the fences
+        // an optimized build may carry the `false` stored above straight to the check below
+        // (nothing in `read` writes memory), and a torn read would pass as whole.
+        compiler_fence(Ordering::SeqCst);
         let out = read(bytes);
-        if FAULTED.with(Cell::get) {
+        compiler_fence(Ordering::SeqCst);
+        if FAULTED.with(|f| f.load(Ordering::Relaxed)) {
             Err(Torn)
         } else {
             Ok(out)
@@ -169,7 +175,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             )
         };
         if p != libc::MAP_FAILED {
-            FAULTED.with(|f| f.set(true));
+            FAULTED.with(|f| f.store(true, Ordering::Relaxed));
             return;
         }
     }
