@@ -1122,6 +1122,9 @@ fn install(
         })
         .unzip();
     journal.end_reads();
+    // The links and directory syncs need the folder lock, not the journal: others (a
+    // session acknowledging, reading its next batch, `status`) use it meanwhile.
+    drop(journal);
     let reread_at = t0.elapsed();
     // The watcher's event for a file can come as soon as it is in place: its echo is
     // expected from then on, not after the whole batch (else the event, seen first, is
@@ -1130,6 +1133,7 @@ fn install(
         rt.echoes.expect(path.clone(), Some(*local))
     });
     let renamed_at = t0.elapsed();
+    let mut journal = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
     let mut changes = Vec::new();
     let mut redo = Vec::new();
     let mut cleared = Vec::new();
