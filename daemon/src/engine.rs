@@ -697,8 +697,11 @@ async fn capture_loop(
                         .collect()
                 };
                 if rescan || !scopes.is_empty() {
-                    if let Err(e) = engine.scan_paths(&rt.id, scopes).await {
-                        tracing::warn!(folder = %rt.id, error = %e, "scan failed");
+                    let (t0, n) = (Instant::now(), scopes.len());
+                    let first = scopes.first().map(|p| p.to_string()).unwrap_or_default();
+                    match engine.scan_paths(&rt.id, scopes).await {
+                        Ok(changes) => tracing::debug!(folder = %rt.id, rescan, scopes = n, first, changes, ms = t0.elapsed().as_millis() as u64, "captured"),
+                        Err(e) => tracing::warn!(folder = %rt.id, error = %e, "scan failed"),
                     }
                 }
                 rt.capture_pending.store(c.len(), std::sync::atomic::Ordering::Relaxed);
