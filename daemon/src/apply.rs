@@ -828,28 +828,29 @@ async fn transfer(
         dirs,
     } = decided;
     if !redo.is_empty() {
-        rescan(
-            engine,
-            rt,
-            folder,
-            redo.iter().map(|r| r.path.clone()).collect(),
-        )
-        .await?;
+        rescan(engine, folder, &redo).await?;
     }
     if work.is_empty() {
         return Ok(redo);
     }
     let started = std::time::Instant::now();
     let files = work.len();
-    // The chunks the peer attached to the index for these files.
-    let mut attached = HashMap::new();
-    for t in &work {
-        for (h, ..) in &t.missing {
-            if let Some(c) = inline.remove(h) {
-                attached.insert(*h, c);
-            }
+    let mut work = work;
+    let mut missing: Wanted = HashMap::new();
+    for (i, t) in work.iter_mut().enumerate() {
+        for (h, len, off) in std::mem::take(&mut t.missing) {
+            missing
+                .entry(h)
+                .or_insert((len, Vec::new()))
+                .1
+                .push((i, off));
         }
     }
+    // The chunks the peer attached to the index for these files.
+    let attached = missing
+        .keys()
+        .filter_map(|h| Some((*h, inline.remove(h)?)))
+        .collect();
     // Temp files, and writing what is at hand into them, are a thousand system calls and more
     // for a batch of small files: on a blocking thread, not on the runtime that moves packets.
     let Assembled {
@@ -860,7 +861,7 @@ async fn transfer(
         mut dirs,
     } = {
         let rt = rt.clone();
-        tokio::task::spawn_blocking(move || assemble(&rt, dirs, work, attached))
+        tokio::task::spawn_blocking(move || assemble(&rt, dirs, work, missing, attached))
             .await
             .map_err(|e| e.to_string())??
     };
@@ -884,9 +885,7 @@ async fn transfer(
                 }
             }
             Err(e) => {
-                for t in temps.into_iter().flatten() {
-                    rt.store.discard_temp(t);
-                }
+                discard_all(rt, temps.into_iter().flatten());
                 return Err(e);
             }
         }
@@ -911,13 +910,7 @@ async fn transfer(
             .await
             .map_err(|e| e.to_string())??;
     if !changed.is_empty() {
-        rescan(
-            engine,
-            rt,
-            folder,
-            changed.iter().map(|r| r.path.clone()).collect(),
-        )
-        .await?;
+        rescan(engine, folder, &changed).await?;
     }
     if files >= 100 {
         tracing::info!(%folder, files, decide_ms, fetch_ms = fetched_at.as_millis() as u64,
@@ -948,20 +941,10 @@ fn assemble(
     rt: &FolderRt,
     mut dirs: DirCache,
     work: Vec<Transfer>,
+    missing: Wanted,
     mut attached: HashMap<Hash, ChunkResponse>,
 ) -> Result<Assembled, String> {
-    let mut missing: Wanted = HashMap::new();
     let mut temps: Vec<Option<TempFile>> = Vec::with_capacity(work.len());
-    let mut work: Vec<Transfer> = work;
-    for (i, t) in work.iter_mut().enumerate() {
-        for (h, len, off) in std::mem::take(&mut t.missing) {
-            missing
-                .entry(h)
-                .or_insert((len, Vec::new()))
-                .1
-                .push((i, off));
-        }
-    }
     let mut metas = Vec::with_capacity(work.len());
     let mut work = work.into_iter();
     while let Some(t) = work.next() {
@@ -986,9 +969,7 @@ fn assemble(
             Ok(t) => t,
             Err(e) => {
                 let rest = work.filter_map(|t| t.temp);
-                for t in temps.into_iter().flatten().chain(rest) {
-                    rt.store.discard_temp(t);
-                }
+                discard_all(rt, temps.into_iter().flatten().chain(rest));
                 return Err(e.to_string());
             }
         };
@@ -1017,9 +998,7 @@ fn assemble(
         match data {
             Some(data) if data.len() == *len as usize => {
                 if let Err(e) = write_chunk(&rt.store, &missing, &mut temps, *h, &data) {
-                    for t in temps.into_iter().flatten() {
-                        rt.store.discard_temp(t);
-                    }
+                    discard_all(rt, temps.into_iter().flatten());
                     return Err(e);
                 }
             }
@@ -1033,6 +1012,13 @@ fn assemble(
         wanted,
         dirs,
     })
+}
+
+/// Drops a failed batch's temp files.
+fn discard_all(rt: &FolderRt, temps: impl IntoIterator<Item = TempFile>) {
+    for t in temps {
+        rt.store.discard_temp(t);
+    }
 }
 
 /// Writes a verified chunk everywhere a batch wants it.
@@ -1068,10 +1054,8 @@ fn finish_all(
         {
             Ok(()) => ready.push((t, temp)),
             Err(e) => {
-                rt.store.discard_temp(temp);
-                for (_, t) in ready {
-                    rt.store.discard_temp(t);
-                }
+                let rest = ready.into_iter().map(|(_, t)| t);
+                discard_all(rt, std::iter::once(temp).chain(rest));
                 return Err(e.to_string());
             }
         }
@@ -1174,10 +1158,10 @@ fn install(
 /// Captures local edits at `paths` (they beat an apply to the disk).
 async fn rescan(
     engine: &Arc<Engine>,
-    _rt: &Arc<FolderRt>,
     folder: &FolderId,
-    paths: Vec<RelPath>,
+    records: &[FileRecord],
 ) -> Result<(), String> {
+    let paths = records.iter().map(|r| r.path.clone()).collect();
     engine.scan_paths(folder, paths).await.map(|_| ())
 }
 

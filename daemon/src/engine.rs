@@ -698,9 +698,11 @@ async fn capture_loop(
                 };
                 if rescan || !scopes.is_empty() {
                     let (t0, n) = (Instant::now(), scopes.len());
-                    let first = scopes.first().map(|p| p.to_string()).unwrap_or_default();
+                    let first = tracing::enabled!(tracing::Level::DEBUG)
+                        .then(|| scopes.first().cloned())
+                        .flatten();
                     match engine.scan_paths(&rt.id, scopes).await {
-                        Ok(changes) => tracing::debug!(folder = %rt.id, rescan, scopes = n, first, changes, ms = t0.elapsed().as_millis() as u64, "captured"),
+                        Ok(changes) => tracing::debug!(folder = %rt.id, rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured"),
                         Err(e) => tracing::warn!(folder = %rt.id, error = %e, "scan failed"),
                     }
                 }
