@@ -69,7 +69,17 @@ async fn handle(
         let reply = match serde_json::from_str::<serde_json::Value>(&line) {
             Err(e) => serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
             Ok(req) => match req.get("op").and_then(|v| v.as_str()).unwrap_or("") {
-                "status" => engine.status(),
+                // On a blocking thread: status reads the journal, whose lock an install holds
+                // for tens of milliseconds, and `--wait-synced` asks every 10–25 ms; a runtime
+                // worker waiting on it would stall the connections it drives.
+                "status" => {
+                    let engine = engine.clone();
+                    tokio::task::spawn_blocking(move || engine.status())
+                        .await
+                        .unwrap_or_else(
+                            |e| serde_json::json!({"ok": false, "error": e.to_string()}),
+                        )
+                }
                 "reload" => match engine.reload().await {
                     Ok(()) => serde_json::json!({"ok": true}),
                     Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),

@@ -9,7 +9,7 @@ use crate::capture::{self, CaptureMsg, Coalescer};
 use crate::config::{Config, Home, Options};
 use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
-use crate::journal::{Change, Journal};
+use crate::journal::{Change, FolderCounts, Journal};
 use crate::peers::{self, Peers};
 use crate::scanner::{self, ScanTarget};
 use crate::store::Store;
@@ -488,28 +488,30 @@ impl Engine {
     /// The daemon's state as the `status --json` document (see `docs/cli.md`).
     pub fn status(&self) -> serde_json::Value {
         let config = self.config();
-        let peers = self.peers.lock().ok();
-        let mut folders_json = Vec::new();
         let folders: Vec<Arc<FolderRt>> = self
             .folders
             .read()
             .map(|f| f.values().cloned().collect())
             .unwrap_or_default();
+        // The journal first, in one hold, and not under the peers lock: an install can hold
+        // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
+        let journaled: Vec<(FolderCounts, u64, usize)> = match self.journal.lock() {
+            Ok(mut j) => folders
+                .iter()
+                .map(|rt| {
+                    (
+                        j.counts(&rt.id).unwrap_or_default(),
+                        j.folder(&rt.id).map(|s| s.max_sequence).unwrap_or(0),
+                        crate::conflicts::count(&j, &rt.id),
+                    )
+                })
+                .collect(),
+            Err(_) => vec![Default::default(); folders.len()],
+        };
+        let peers = self.peers.lock().ok();
+        let mut folders_json = Vec::new();
         let mut all_synced = true;
-        for rt in folders {
-            let counts = self
-                .journal
-                .lock()
-                .ok()
-                .and_then(|j| j.counts(&rt.id).ok())
-                .unwrap_or_default();
-            let max = self
-                .journal
-                .lock()
-                .ok()
-                .and_then(|mut j| j.folder(&rt.id).ok())
-                .map(|s| s.max_sequence)
-                .unwrap_or(0);
+        for (rt, (counts, max, conflicts)) in folders.into_iter().zip(journaled) {
             let capture_pending = rt
                 .capture_pending
                 .load(std::sync::atomic::Ordering::Relaxed);
@@ -547,12 +549,6 @@ impl Engine {
                 }));
             }
             all_synced &= folder_synced;
-            let conflicts = self
-                .journal
-                .lock()
-                .ok()
-                .map(|j| crate::conflicts::count(&j, &rt.id))
-                .unwrap_or(0);
             folders_json.push(serde_json::json!({
                 "id": rt.id.to_string(),
                 "path": rt.store.root().display().to_string(),
