@@ -203,6 +203,38 @@ fn a_chain_converges_through_the_middle_device() {
 }
 
 #[test]
+fn devices_started_together_keep_one_connection_and_say_so_once() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    for round in 0..4 {
+        write(&a.path(&format!("r{round}")), b"x");
+        Device::start_together(&mut [&mut a, &mut b]);
+        wait_synced(&[&a, &b], 30);
+        assert_eq!(std::fs::read(b.path(&format!("r{round}"))).unwrap(), b"x");
+        // Both dial at start; when the dials cross, each end keeps the same one of the two
+        // connections. The user hears of the peer once, and of no failure or disconnection.
+        if std::env::var("MESHFS_TEST_LOG").is_err() {
+            for d in [&a, &b] {
+                let log = d.log();
+                assert_eq!(log.matches("peer connected").count(), 1, "{log}");
+                for noise in [
+                    "peer disconnected",
+                    "session ended",
+                    "duplicate",
+                    "dial failed",
+                ] {
+                    assert!(!log.contains(noise), "{noise:?} in\n{log}");
+                }
+            }
+        }
+        a.stop();
+        b.stop();
+    }
+}
+
+#[test]
 fn an_unknown_device_is_refused_and_gets_no_data() {
     let t = tmp();
     let mut a = Device::new(&t, "a");

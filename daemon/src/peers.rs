@@ -62,6 +62,9 @@ pub struct Peers {
     pub closed_received: u64,
     /// When each peer was last connected.
     pub last_seen: HashMap<DeviceId, std::time::SystemTime>,
+    /// Peers whose connection was logged and not yet its end (one line each way per peer,
+    /// however many connections a crossed dial opened).
+    announced: HashSet<DeviceId>,
     serial: u64,
 }
 
@@ -115,14 +118,15 @@ fn register(
         let old_alive = old.conn.close_reason().is_none();
         let keep_old = old_alive && old.dialer == preferred && dialer != preferred;
         if keep_old {
-            conn.close(1u32.into(), b"duplicate connection");
+            conn.close(transport::CLOSE_DUPLICATE, b"duplicate connection");
             return None;
         }
         let old = old.clone();
         let s = transport::link_stats(&old.conn);
         peers.closed_sent += s.bytes_sent;
         peers.closed_received += s.bytes_received;
-        old.conn.close(1u32.into(), b"duplicate connection");
+        old.conn
+            .close(transport::CLOSE_DUPLICATE, b"duplicate connection");
     }
     let link = PeerLink {
         conn,
@@ -196,6 +200,10 @@ pub async fn dial_loop(engine: Arc<Engine>, peer: DeviceId, addr: String, stop: 
                         tokio::spawn(run_link(e, peer, link));
                     }
                     continue;
+                }
+                // Both dialed at once and the peer kept its own connection: nothing failed.
+                Err(e @ transport::TransportError::Duplicate { .. }) => {
+                    tracing::debug!(peer = %peer.short(), %addr, reason = %e, "crossed dial")
                 }
                 Err(e) => {
                     tracing::info!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
@@ -271,15 +279,43 @@ enum LinkEvent {
 /// Runs the session of one connection until it closes.
 async fn run_link(engine: Arc<Engine>, peer: DeviceId, link: PeerLink) {
     let conn = link.conn.clone();
-    tracing::info!(peer = %peer.short(), addr = %conn.remote_address(), "peer connected");
+    // Crossed dials open two connections and keep one: the user hears of the peer once.
+    let first = engine
+        .peers
+        .lock()
+        .is_ok_and(|mut p| p.announced.insert(peer));
+    if first {
+        tracing::info!(peer = %peer.short(), addr = %conn.remote_address(), "peer connected");
+    } else {
+        tracing::debug!(peer = %peer.short(), addr = %conn.remote_address(), "another connection to a connected peer");
+    }
     engine.peer_changed.notify_waiters();
     let serial = link.serial;
     let result = drive_session(&engine, peer, &link).await;
+    // Read before closing: a local close replaces the reason.
+    let closed_as_duplicate = conn
+        .close_reason()
+        .is_some_and(|e| transport::closed_as_duplicate(&e));
+    conn.close(0u32.into(), b"session ended");
+    unregister(&engine, &peer, serial);
+    // Another connection to the peer is live, or the peer closed this one as the duplicate of
+    // one it keeps: this one lost a crossed dial (or was replaced by a newer one), and the peer
+    // is still connected.
+    let superseded = closed_as_duplicate
+        || engine
+            .peers
+            .lock()
+            .is_ok_and(|p| p.links.get(&peer).is_some_and(|l| l.serial != serial));
+    if superseded {
+        tracing::debug!(peer = %peer.short(), reason = ?result.err(), "duplicate connection closed; the other one stays");
+        return;
+    }
+    if let Ok(mut p) = engine.peers.lock() {
+        p.announced.remove(&peer);
+    }
     if let Err(reason) = &result {
         tracing::info!(peer = %peer.short(), %reason, "session ended");
     }
-    conn.close(0u32.into(), b"session ended");
-    unregister(&engine, &peer, serial);
     tracing::info!(peer = %peer.short(), "peer disconnected");
 }
 

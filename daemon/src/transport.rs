@@ -74,6 +74,10 @@ pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CLOSE_BAD_WELCOME: VarInt = VarInt::from_u32(1);
 /// Application close code: the handshake completed with a device other than the expected one.
 pub const CLOSE_WRONG_DEVICE: VarInt = VarInt::from_u32(2);
+/// Application close code: both devices dialed, and this connection is the one not kept (see
+/// `peers`). The same value as [`CLOSE_BAD_WELCOME`], which only a dialer sends: a dialer
+/// that receives it was told its connection is the duplicate.
+pub const CLOSE_DUPLICATE: VarInt = VarInt::from_u32(1);
 /// STOP_SENDING code: a frame on this stream was oversized or malformed.
 pub const STOP_BAD_FRAME: VarInt = VarInt::from_u32(1);
 
@@ -211,6 +215,13 @@ pub enum TransportError {
     /// Building the TLS or QUIC configuration failed.
     #[error("cannot configure TLS for this device's identity: {0}")]
     Tls(String),
+    /// The peer closed our dial because it keeps the connection it dialed to us at the same
+    /// moment (both dialed; see `peers`). Not a failure: the pair is connected.
+    #[error("peer {addr} kept the connection it dialed to us at the same moment")]
+    Duplicate {
+        /// The dialed address.
+        addr: SocketAddr,
+    },
     /// Connecting to a peer failed (unreachable, timeout, handshake or welcome failure).
     #[error("cannot connect to peer {addr}: {reason}")]
     Connect {
@@ -487,8 +498,9 @@ fn force_buffer(socket: &socket2::Socket, option: libc::c_int, bytes: usize) -> 
 /// the connection once the listener has welcomed us (see the module docs, step 5).
 ///
 /// Fails with [`TransportError::Refused`] if the peer does not trust us,
-/// [`TransportError::WrongDevice`] if another device answers at `addr`, and
-/// [`TransportError::Connect`] otherwise.
+/// [`TransportError::WrongDevice`] if another device answers at `addr`,
+/// [`TransportError::Duplicate`] if it keeps the connection it dialed to us at the same moment,
+/// and [`TransportError::Connect`] otherwise.
 pub async fn dial(
     endpoint: &quinn::Endpoint,
     addr: SocketAddr,
@@ -538,6 +550,9 @@ pub async fn dial(
                     our_addr,
                 };
             }
+        }
+        if closed_as_duplicate(&e) {
+            return TransportError::Duplicate { addr };
         }
         match pin.presented() {
             Some(presented) if presented != expected => TransportError::WrongDevice {
@@ -739,6 +754,11 @@ pub fn link_stats(conn: &quinn::Connection) -> LinkStats {
         lost_packets: s.path.lost_packets,
         congestion_events: s.path.congestion_events,
     }
+}
+
+/// Whether the listener closed a dial as the duplicate of a connection it dialed itself.
+pub fn closed_as_duplicate(e: &ConnectionError) -> bool {
+    matches!(e, ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_DUPLICATE)
 }
 
 /// QUIC `0x100 + alert` codes by which a TLS stack says it rejected our certificate.
@@ -1027,6 +1047,20 @@ mod tests {
         assert_eq!(bbr(1 << 20).window(), 1 << 20, "a floor above BBR's window");
         assert_eq!(bbr(1).window(), initial, "BBR's window above the floor");
         assert_eq!(bbr(1 << 20).clone_box().window(), 1 << 20);
+    }
+
+    #[test]
+    fn a_close_with_the_duplicate_code_is_a_crossed_dial_not_a_failure() {
+        let closed = |code: VarInt| {
+            ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+                error_code: code,
+                reason: bytes::Bytes::from_static(b"duplicate connection"),
+            })
+        };
+        assert!(closed_as_duplicate(&closed(CLOSE_DUPLICATE)));
+        assert!(!closed_as_duplicate(&closed(CLOSE_WRONG_DEVICE)));
+        assert!(!closed_as_duplicate(&closed(VarInt::from_u32(0))));
+        assert!(!closed_as_duplicate(&ConnectionError::TimedOut));
     }
 
     #[test]

@@ -87,6 +87,21 @@ impl Device {
     }
 
     pub fn start(&mut self) {
+        self.spawn();
+        self.wait_up();
+    }
+
+    /// Starts every device before waiting for any: they come up, and dial, at once.
+    pub fn start_together(devices: &mut [&mut Device]) {
+        for d in devices.iter_mut() {
+            d.spawn();
+        }
+        for d in devices.iter() {
+            d.wait_up();
+        }
+    }
+
+    fn spawn(&mut self) {
         assert!(self.child.is_none());
         let log = std::fs::File::create(self.home.join("daemon.log")).unwrap();
         let child = Command::new(bin())
@@ -102,6 +117,9 @@ impl Device {
             .spawn()
             .unwrap();
         self.child = Some(child);
+    }
+
+    fn wait_up(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             if meshfs(&self.home, &["status", "--json"]).status.success() {
