@@ -757,7 +757,7 @@ pub fn link_stats(conn: &quinn::Connection) -> LinkStats {
 }
 
 /// Whether the listener closed a dial as the duplicate of a connection it dialed itself.
-pub fn closed_as_duplicate(e: &ConnectionError) -> bool {
+pub(crate) fn closed_as_duplicate(e: &ConnectionError) -> bool {
     matches!(e, ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_DUPLICATE)
 }
 
