@@ -373,9 +373,7 @@ pub async fn receive(
             let engine = engine.clone();
             let rt = rt.clone();
             let folder = folder.clone();
-            tokio::task::spawn_blocking(move || decide_all(&engine, &rt, &folder, peer, todo))
-                .await
-                .map_err(|e| e.to_string())??
+            on_blocking(move || decide_all(&engine, &rt, &folder, peer, todo)).await?
         };
         let decide_ms = deciding.elapsed().as_millis() as u64;
         if let Some(tx) = decided.take() {
@@ -861,9 +859,7 @@ async fn transfer(
         mut dirs,
     } = {
         let rt = rt.clone();
-        tokio::task::spawn_blocking(move || assemble(&rt, dirs, work, missing, attached))
-            .await
-            .map_err(|e| e.to_string())??
+        on_blocking(move || assemble(&rt, dirs, work, missing, attached)).await?
     };
     if !wanted.is_empty() {
         let store = &rt.store;
@@ -895,9 +891,7 @@ async fn transfer(
     // needs no lock: it overlaps the install of the batch before this one.
     let ready = {
         let rt = rt.clone();
-        tokio::task::spawn_blocking(move || finish_all(&rt, metas, temps))
-            .await
-            .map_err(|e| e.to_string())??
+        on_blocking(move || finish_all(&rt, metas, temps)).await?
     };
     let verified_at = started.elapsed();
     wait_installed(prev_installed).await?;
@@ -906,9 +900,7 @@ async fn transfer(
     let rt2 = rt.clone();
     let folder2 = folder.clone();
     let mut changed =
-        tokio::task::spawn_blocking(move || install(&engine2, &rt2, &folder2, &mut dirs, ready))
-            .await
-            .map_err(|e| e.to_string())??;
+        on_blocking(move || install(&engine2, &rt2, &folder2, &mut dirs, ready)).await?;
     if !changed.is_empty() {
         rescan(engine, folder, &changed).await?;
     }
@@ -919,6 +911,15 @@ async fn transfer(
     }
     changed.extend(redo);
     Ok(changed)
+}
+
+/// Runs a step that blocks (SQLite, the disk) on a blocking thread, off the runtime's workers.
+async fn on_blocking<T: Send + 'static>(
+    step: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(step)
+        .await
+        .map_err(|e| e.to_string())?
 }
 
 /// Chunks wanted by a batch: each hash's length and where it goes (file index, offset).
