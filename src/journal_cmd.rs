@@ -27,6 +27,10 @@ pub struct JournalArgs {
     /// Keep printing new entries as they are journaled.
     #[arg(long)]
     follow: bool,
+    /// Also show bookkeeping entries (op `merged`): two devices' versions of the same state
+    /// met and only the version vector changed.
+    #[arg(long)]
+    all: bool,
     /// One JSON object per entry.
     #[arg(long)]
     json: bool,
@@ -167,6 +171,7 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
         since_time_ns,
         since_sequence,
         limit: a.limit,
+        bookkeeping: a.all,
     };
     if !a.json && !a.follow {
         println!(

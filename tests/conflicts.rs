@@ -168,3 +168,150 @@ fn many_non_conflicting_offline_edits_merge_without_conflict_files() {
     assert!(!a.path("common/49.txt").exists());
     assert_eq!(tree(&a.dir).len(), 1 + 49 + 1 + 25 + 1 + 25);
 }
+
+fn link(d: &Device, name: &str, target: &str) {
+    let p = d.path(name);
+    let _ = std::fs::remove_file(&p);
+    std::os::unix::fs::symlink(target, &p).unwrap();
+}
+
+/// Journal rows of `work` on `d` with op `op` at paths starting with `prefix`.
+fn rows(d: &Device, op: &str, prefix: &str) -> usize {
+    d.journal(&[])
+        .iter()
+        .filter(|e| e["op"] == op && e["path"].as_str().unwrap_or("").starts_with(prefix))
+        .count()
+}
+
+/// Full mesh between every pair of `devs`.
+fn mesh(devs: &[&Device]) {
+    for (i, a) in devs.iter().enumerate() {
+        for b in &devs[i + 1..] {
+            pair(a, b);
+        }
+    }
+}
+
+#[test]
+fn a_symlink_retargeted_on_three_disconnected_devices_leaves_symlink_siblings_everywhere() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    let mut c = Device::new(&t, "c");
+    mesh(&[&a, &b, &c]);
+    link(&a, "link", "target-0");
+    Device::start_together(&mut [&mut a, &mut b, &mut c]);
+    wait_synced(&[&a, &b, &c], 30);
+    b.stop();
+    c.stop();
+    for (d, x) in [(&a, "a"), (&b, "b"), (&c, "c")] {
+        link(d, "link", &format!("target-{x}"));
+    }
+    Device::start_together(&mut [&mut b, &mut c]);
+    // Equal trees on all three (wait_synced compares kinds and link targets too).
+    wait_synced(&[&a, &b, &c], 30);
+    let ta = tree(&a.dir);
+    let links: Vec<_> = ta.iter().filter(|(k, _)| k.starts_with("link")).collect();
+    assert_eq!(links.len(), 3, "one winner and two siblings: {links:?}");
+    let mut targets: Vec<_> = links.iter().map(|(_, v)| v.as_str()).collect();
+    targets.sort();
+    assert_eq!(
+        targets,
+        ["link target-a", "link target-b", "link target-c"],
+        "every sibling is a symlink to its losing target"
+    );
+    for d in [&a, &b, &c] {
+        // Resolutions leave no trail of metadata rows nobody made.
+        assert_eq!(rows(d, "metadata", "link"), 0, "{}", d.name);
+    }
+}
+
+#[test]
+fn a_losing_remote_symlink_becomes_a_symlink_sibling_on_two_devices() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    link(&a, "link", "target-0");
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 30);
+    b.stop();
+    link(&a, "link", "target-a");
+    link(&b, "link", "target-b");
+    b.start();
+    wait_synced(&[&a, &b], 30);
+    let kinds: Vec<_> = tree(&a.dir)
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("link"))
+        .map(|(_, v)| v)
+        .collect();
+    assert_eq!(kinds.len(), 2, "{kinds:?}");
+    assert!(kinds.iter().all(|v| v.starts_with("link ")), "{kinds:?}");
+}
+
+#[test]
+fn five_devices_settle_a_three_way_conflict_with_one_entry_per_resolution_even_after_a_kill() {
+    let t = tmp();
+    let mut devs: Vec<Device> = ["a", "b", "c", "d", "e"]
+        .iter()
+        .map(|n| Device::new(&t, n))
+        .collect();
+    mesh(&devs.iter().collect::<Vec<_>>());
+    write(&devs[0].path("doc.txt"), b"base");
+    link(&devs[0], "link", "target-0");
+    Device::start_together(&mut devs.iter_mut().collect::<Vec<_>>());
+    wait_synced(&devs.iter().collect::<Vec<_>>(), 30);
+    let bytes_before: u64 = devs.iter().map(|d| d.wire_bytes()).sum();
+    // Three devices edit both paths while cut off from everyone.
+    for d in &mut devs[1..3] {
+        d.stop();
+    }
+    devs[0].stop();
+    for (i, d) in devs[..3].iter().enumerate() {
+        write(&d.path("doc.txt"), format!("edit {i}").as_bytes());
+        link(d, "link", &format!("target-edit-{i}"));
+    }
+    Device::start_together(&mut devs[..3].iter_mut().collect::<Vec<_>>());
+    // One of them dies in the middle of resolving and comes back.
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    devs[2].kill();
+    devs[2].start();
+    let all: Vec<&Device> = devs.iter().collect();
+    let t0 = std::time::Instant::now();
+    wait_synced(&all, 60);
+    eprintln!(
+        "quiet and identical {:?} after the last restart",
+        t0.elapsed()
+    );
+    let tr = tree(&devs[0].dir);
+    let doc: Vec<_> = tr.keys().filter(|k| k.starts_with("doc")).collect();
+    let links: Vec<_> = tr.iter().filter(|(k, _)| k.starts_with("link")).collect();
+    assert_eq!(
+        doc.len(),
+        3,
+        "one winner and one sibling per losing version: {doc:?}"
+    );
+    assert_eq!(links.len(), 3, "{links:?}");
+    assert!(
+        links.iter().all(|(_, v)| v.starts_with("link target-")),
+        "{links:?}"
+    );
+    for d in &devs {
+        for p in ["doc", "link"] {
+            // Nobody changed metadata; at most one resolution per losing version.
+            assert_eq!(rows(d, "metadata", p), 0, "{} {p}", d.name);
+            let conflicts = rows(d, "conflict", p);
+            assert!(
+                conflicts <= 2,
+                "{}: {conflicts} conflict rows for {p}",
+                d.name
+            );
+        }
+    }
+    let bytes_after: u64 = devs.iter().map(|d| d.wire_bytes()).sum();
+    eprintln!(
+        "index traffic of the conflict: {} bytes",
+        bytes_after.saturating_sub(bytes_before)
+    );
+}

@@ -67,6 +67,7 @@ fn main() -> ExitCode {
     let start = Instant::now();
     let (mut events, mut conflicts, mut crashes) = (0u64, 0usize, 0u64);
     let (mut interrupted, mut superseded) = (0u64, 0u64);
+    let (mut max_versions, mut max_extra, mut worst) = (0usize, 0usize, first);
     let mut outcomes = std::collections::BTreeMap::<String, u64>::new();
     for seed in first..first + n {
         match run(&SimConfig {
@@ -81,6 +82,10 @@ fn main() -> ExitCode {
                 crashes += r.crashes;
                 interrupted += r.interrupted_applies;
                 superseded += r.superseded;
+                max_versions = max_versions.max(r.max_versions_per_path);
+                if r.max_extra_versions_per_path > max_extra {
+                    (max_extra, worst) = (r.max_extra_versions_per_path, seed);
+                }
                 for (k, v) in r.outcomes {
                     *outcomes.entry(k).or_default() += v;
                 }
@@ -99,6 +104,7 @@ fn main() -> ExitCode {
         }
     }
     println!("decisions: {outcomes:?}; {interrupted} applies interrupted by a crash; {superseded} superseded records skipped");
+    println!("versions per path: at most {max_versions}, at most {max_extra} beyond its user edits (seed {worst})");
     println!("all {n} seeds passed in {:.1?}", start.elapsed());
     ExitCode::SUCCESS
 }

@@ -21,7 +21,7 @@
 
 use crate::engine::{Engine, FolderRt};
 use crate::journal::{Change, Journal, LocalStat, Op, StoredRecord};
-use crate::reconcile::{self, Context, Outcome, ReplicaView, Step};
+use crate::reconcile::{self, Outcome, ReplicaView, Step};
 use crate::store::{DirCache, Expect, LocalCopy, StoreError, TempFile};
 use meshfs_protocol::{
     ChunkResponse, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath, VersionVector,
@@ -227,6 +227,7 @@ fn op_for(prev: Option<&FileRecord>, new: &FileRecord) -> Op {
         _ if new.deleted => Op::Delete,
         None => Op::Create,
         Some(p) if p.deleted => Op::Create,
+        Some(p) if p.same_state(new) => Op::Merged,
         Some(p) if p.same_content(new) => Op::Metadata,
         Some(_) => Op::Modify,
     }
@@ -440,13 +441,6 @@ fn depth(r: &FileRecord) -> usize {
     r.path.components().count()
 }
 
-fn now_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 fn conflict_detail(
     local: Option<&FileRecord>,
     remote: &FileRecord,
@@ -502,10 +496,6 @@ fn decide_all(
 ) -> Result<Decided, String> {
     let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;
     let mut journal = engine.journal.lock().map_err(|_| "journal lock poisoned")?;
-    let ctx = Context {
-        local_device: engine.short,
-        now_secs: now_secs(),
-    };
     let mut transfers = Vec::new();
     let mut redo = Vec::new();
     let mut dirs = DirCache::default();
@@ -520,7 +510,6 @@ fn decide_all(
         rt,
         folder,
         peer,
-        &ctx,
         records,
         &memo,
         &mut dirs,
@@ -554,7 +543,6 @@ fn decide_each(
     rt: &FolderRt,
     folder: &FolderId,
     peer: DeviceId,
-    ctx: &Context,
     records: Vec<FileRecord>,
     memo: &Memo,
     dirs: &mut DirCache,
@@ -570,7 +558,6 @@ fn decide_each(
                 .commit(folder, std::mem::take(done))
                 .map_err(|e| e.to_string())?;
         }
-        let journal: &Journal = journal;
         let local_before = memo.get(journal, folder, &remote.path)?.map(|s| s.record);
         let decision = reconcile::decide(
             &View {
@@ -578,11 +565,38 @@ fn decide_each(
                 folder,
                 memo,
             },
-            ctx,
             &remote,
         );
+        // Siblings made here, not through a temp file, go inside the apply bracket too: a
+        // crash after the link or symlink is made and before its commit leaves a pending row
+        // that start-up recognises (`recover_pending`), never an object the scan would take
+        // for a user's edit.
+        let made_here: Vec<(FileRecord, Option<DeviceId>)> = decision
+            .steps
+            .iter()
+            .filter_map(|step| match step {
+                Step::PreserveLocal { record, .. } => Some((record.clone(), None)),
+                Step::PreserveRemote { record } if record.kind != FileKind::File => {
+                    Some((record.clone(), None))
+                }
+                _ => None,
+            })
+            .collect();
+        if !made_here.is_empty() {
+            journal
+                .put_pending(folder, &made_here)
+                .map_err(|e| e.to_string())?;
+        }
+        let journal: &Journal = journal;
+        // A conflict whose loser is already kept as a sibling (another device's resolution of
+        // the same versions arriving here) keeps nothing new: it is not a resolution of its
+        // own, and the journal shows it as the change it makes here.
+        let keeps_a_loser = decision
+            .steps
+            .iter()
+            .any(|s| matches!(s, Step::PreserveLocal { .. } | Step::PreserveRemote { .. }));
         let conflict = match decision.outcome {
-            Outcome::Conflict { winner_is_local } => Some(conflict_detail(
+            Outcome::Conflict { winner_is_local } if keeps_a_loser => Some(conflict_detail(
                 local_before.as_ref(),
                 &remote,
                 winner_is_local,
@@ -617,10 +631,10 @@ fn decide_each(
                             }
                         }
                     }
-                    let op = if conflict.is_some() {
-                        Op::Conflict
-                    } else {
-                        Op::Metadata
+                    let op = match &prev {
+                        _ if conflict.is_some() => Op::Conflict,
+                        Some(p) if p.record.same_state(&record) => Op::Merged,
+                        _ => Op::Metadata,
                     };
                     Some(Change {
                         record,
@@ -651,7 +665,7 @@ fn decide_each(
                     match rt.store.preserve_as(&from, &record.path, expect) {
                         Ok(local) => Some(Change {
                             record,
-                            op: Op::Conflict,
+                            op: Op::Create,
                             local: Some(local),
                             source: None,
                             detail: conflict
@@ -660,6 +674,34 @@ fn decide_each(
                         }),
                         Err(StoreError::Changed(_)) => {
                             // The local file changed since it was scanned: capture that edit, then decide again.
+                            redo.push(remote.clone());
+                            break;
+                        }
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+                Step::PreserveRemote { record } if record.kind != FileKind::File => {
+                    // A losing symlink (or directory) is made as what it is: only a regular
+                    // file's content is assembled from chunks.
+                    let expect = seen_of(memo.get(journal, folder, &record.path)?.as_ref()).0;
+                    let made = match record.kind {
+                        FileKind::Symlink => rt.store.make_symlink(
+                            &record.path,
+                            &record.target,
+                            record.mtime_ns,
+                            expect,
+                        ),
+                        _ => rt.store.make_dir(&record.path, record.mode),
+                    };
+                    match made {
+                        Ok(local) => Some(Change {
+                            record,
+                            op: Op::Create,
+                            local: Some(local),
+                            source: None,
+                            detail: conflict.clone(),
+                        }),
+                        Err(StoreError::Changed(_)) => {
                             redo.push(remote.clone());
                             break;
                         }
@@ -675,7 +717,7 @@ fn decide_each(
                         rt,
                         folder,
                         record,
-                        Op::Conflict,
+                        Op::Create,
                         None,
                         expect,
                         conflict.clone(),
@@ -1179,7 +1221,15 @@ pub fn recover_pending(
     let mut dropped = Vec::new();
     for (record, source) in pending {
         let ok = match rt.store.stat(&record.path) {
-            Ok(Some(st)) if st.kind == Some(FileKind::File) && st.local.size == record.size => rt
+            Ok(Some(st)) if record.deleted || st.kind != Some(record.kind) => None,
+            Ok(Some(st)) if record.kind == FileKind::Dir => Some(st.local),
+            Ok(Some(st)) if record.kind == FileKind::Symlink => rt
+                .store
+                .read_link(&record.path)
+                .ok()
+                .filter(|t| *t == record.target)
+                .map(|_| st.local),
+            Ok(Some(st)) if st.local.size == record.size => rt
                 .store
                 .open_file(&record.path)
                 .ok()

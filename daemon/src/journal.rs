@@ -185,6 +185,10 @@ pub enum Op {
     Metadata,
     /// The result of resolving a conflict.
     Conflict,
+    /// Bookkeeping: only the version vector changed (two devices' versions of the same
+    /// state met and merged). Nobody changed content, mode or mtime, so `meshfs journal`
+    /// hides these rows unless asked for them.
+    Merged,
 }
 
 impl Op {
@@ -197,6 +201,7 @@ impl Op {
             Op::Rename => "rename",
             Op::Metadata => "metadata",
             Op::Conflict => "conflict",
+            Op::Merged => "merged",
         }
     }
 
@@ -209,6 +214,7 @@ impl Op {
             "rename" => Op::Rename,
             "metadata" => Op::Metadata,
             "conflict" => Op::Conflict,
+            "merged" => Op::Merged,
             _ => return None,
         })
     }
@@ -323,6 +329,8 @@ pub struct HistoryQuery {
     pub since_sequence: Option<u64>,
     /// At most this many rows.
     pub limit: Option<usize>,
+    /// Include bookkeeping rows ([`Op::Merged`]): vector-only changes nobody made.
+    pub bookkeeping: bool,
 }
 
 /// How far a peer and this device have exchanged one folder's index.
@@ -1080,6 +1088,9 @@ impl Journal {
                 args.push(Value::Text(p.as_str().to_string()));
                 args.push(Value::Text(below));
             }
+            if !q.bookkeeping {
+                sql.push_str(" AND op != 'merged'");
+            }
             if let Some(d) = q.device {
                 sql.push_str(" AND modified_by = ?");
                 args.push(Value::Integer(to_i64(d.0)));
@@ -1284,9 +1295,19 @@ impl Journal {
         items: &[(FileRecord, Option<DeviceId>)],
     ) -> Result<()> {
         // FULL only around this transaction: the promise must be durable before any rename.
-        self.conn
+        // SQLite refuses to change it inside a transaction: let go of an open read first.
+        let resume = self.reading;
+        self.end_reads();
+        let full = self
+            .conn
             .pragma_update(None, "synchronous", "FULL")
-            .map_err(|e| classify(&self.path, e.into()))?;
+            .map_err(|e| classify(&self.path, e.into()));
+        if let Err(e) = full {
+            if resume {
+                self.begin_reads();
+            }
+            return Err(e);
+        }
         let written = self.write(|tx| {
             let (key, _) = ensure_folder(tx, folder)?;
             let mut st = tx.prepare_cached(
@@ -1313,6 +1334,9 @@ impl Journal {
             .conn
             .pragma_update(None, "synchronous", "NORMAL")
             .map_err(|e| classify(&self.path, e.into()));
+        if resume {
+            self.begin_reads();
+        }
         written.and(restored)
     }
 

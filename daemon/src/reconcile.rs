@@ -143,19 +143,19 @@ pub fn new_local_version(prev: Option<&FileRecord>, ctx: &Context) -> VersionVec
 }
 
 /// Decides what to do with `remote`, a peer's record, given this replica's records.
-pub fn decide(view: &dyn ReplicaView, ctx: &Context, remote: &FileRecord) -> Decision {
+pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Decision {
     let Some(local) = view.get(&remote.path) else {
         let plan = Plan::new(Outcome::ApplyRemote, remote.clone(), false);
-        return plan.finish(view, ctx, None);
+        return plan.finish(view, None);
     };
     match local.version.compare(&remote.version) {
         // Equal vectors name the same version; content cannot differ between honest peers.
         VvOrdering::Equal => none(Outcome::Nothing),
         VvOrdering::After => none(Outcome::LocalNewer),
         VvOrdering::Before => {
-            Plan::new(Outcome::ApplyRemote, remote.clone(), false).finish(view, ctx, Some(&local))
+            Plan::new(Outcome::ApplyRemote, remote.clone(), false).finish(view, Some(&local))
         }
-        VvOrdering::Concurrent => concurrent(view, ctx, &local, remote),
+        VvOrdering::Concurrent => concurrent(view, &local, remote),
     }
 }
 
@@ -169,21 +169,21 @@ fn none(outcome: Outcome) -> Decision {
 /// Concurrent versions: the precedence winner keeps the name.
 ///
 /// The result's vector is the merge of both, and — unless both records are already in the
-/// very same state — incremented by this device: a resolution is a new version. A bare
-/// merged vector could otherwise name two different states: it can be reached from
-/// different pairs of inputs (say `{a:3,b:2} ∨ {a:4,b:1}` on one device and
+/// very same state — incremented by a *resolver id* ([`resolver_id`]): a resolution is a new
+/// version. A bare merged vector could otherwise name two different states: it can be
+/// reached from different pairs of inputs (say `{a:3,b:2} ∨ {a:4,b:1}` on one device and
 /// `{a:4,b:1} ∨ {a:2,b:2}` on another, where `{a:4,b:1}` superseded `{a:3,…}` on the
 /// second device only), and the precedence winner of each pair differs; two replicas would
 /// then hold different states under equal vectors and never reconcile again (found by the
-/// simulation, seed 2). Two devices resolving the same conflict make two new versions in the
-/// same state, which meet later as concurrent identical states and merge without a new
-/// version, so resolution terminates.
-fn concurrent(
-    view: &dyn ReplicaView,
-    ctx: &Context,
-    local: &FileRecord,
-    remote: &FileRecord,
-) -> Decision {
+/// simulation, seed 2).
+///
+/// The resolver id is a function of the merged vector and the resulting state, not of the
+/// device that resolves: every device that resolves the same versions makes the *same*
+/// version, so a resolution is never itself a new concurrent change that others resolve
+/// again (with an increment per device, n devices made O(n²) bookkeeping versions of one
+/// conflict). Different inputs give different ids, which keeps the seed-2 rule: equal
+/// vectors still name one state.
+fn concurrent(view: &dyn ReplicaView, local: &FileRecord, remote: &FileRecord) -> Decision {
     let merged = local.version.merge(&remote.version);
     let local_wins = precedence(local) > precedence(remote);
     let (winner, loser) = if local_wins {
@@ -195,11 +195,11 @@ fn concurrent(
     result.version = if identical_state(local, remote) {
         merged
     } else {
-        merged.incremented(ctx.local_device, ctx.now_secs)
+        resolved(&merged, &result)
     };
     if local.same_content(remote) {
         // Same content: both sides end with the winner's metadata.
-        return Plan::new(Outcome::MergedNoConflict, result, true).finish(view, ctx, Some(local));
+        return Plan::new(Outcome::MergedNoConflict, result, true).finish(view, Some(local));
     }
     let outcome = if loser.deleted {
         Outcome::DeleteLostToModify {
@@ -212,9 +212,9 @@ fn concurrent(
     };
     let mut plan = Plan::new(outcome, result, local_wins);
     if !loser.deleted {
-        plan.preserve(view, ctx, loser, !local_wins);
+        plan.preserve(view, loser, !local_wins);
     }
-    plan.finish(view, ctx, Some(local))
+    plan.finish(view, Some(local))
 }
 
 /// Every replicated field equal (all but the vector and the sequence), `modified_by` included.
@@ -228,6 +228,33 @@ fn identical_state(a: &FileRecord, b: &FileRecord) -> bool {
         && a.chunks == b.chunks
         && a.target == b.target
         && a.modified_by == b.modified_by
+}
+
+/// The id a resolution increments: derived from the merged vector and the resulting state
+/// (everything [`identical_state`] compares), so the same inputs give the same version on
+/// every device. It is 64 bits of blake3, like a device's [`ShortId`]; no real device uses
+/// it, so no device's own edits can collide with a resolution's counter.
+pub fn resolver_id(merged: &VersionVector, result: &FileRecord) -> ShortId {
+    let mut buf = Vec::with_capacity(128 + result.target.len() + 16 * merged.entries().len());
+    buf.extend_from_slice(b"meshfs-resolution/1");
+    for (dev, counter) in merged.entries() {
+        buf.extend_from_slice(&dev.0.to_be_bytes());
+        buf.extend_from_slice(&counter.to_be_bytes());
+    }
+    buf.extend_from_slice(result.path.as_str().as_bytes());
+    buf.push(0);
+    buf.push(result.kind as u8);
+    buf.push(u8::from(result.deleted));
+    buf.extend_from_slice(&result.mode.to_be_bytes());
+    buf.extend_from_slice(&result.mtime_ns.to_be_bytes());
+    buf.extend_from_slice(&result.size.to_be_bytes());
+    buf.extend_from_slice(&result.hash.0);
+    buf.extend_from_slice(&result.modified_by.0.to_be_bytes());
+    buf.extend_from_slice(result.target.as_bytes());
+    let h = Hash::of(&buf);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&h.0[..8]);
+    ShortId(u64::from_be_bytes(first))
 }
 
 /// A decision being assembled: preserves, then the path's final record, then the checks that
@@ -253,19 +280,14 @@ impl Plan {
     }
 
     /// Keeps `loser` (live) as a conflict sibling, unless that content is already there.
-    fn preserve(&mut self, view: &dyn ReplicaView, ctx: &Context, loser: &FileRecord, local: bool) {
+    fn preserve(&mut self, view: &dyn ReplicaView, loser: &FileRecord, local: bool) {
         debug_assert!(!loser.deleted);
-        if let Some(step) = preserve_step(view, ctx, &loser.path, loser, local) {
+        if let Some(step) = preserve_step(view, &loser.path, loser, local) {
             self.preserves.push(step);
         }
     }
 
-    fn finish(
-        mut self,
-        view: &dyn ReplicaView,
-        ctx: &Context,
-        local: Option<&FileRecord>,
-    ) -> Decision {
+    fn finish(mut self, view: &dyn ReplicaView, local: Option<&FileRecord>) -> Decision {
         let path = self.result.path.clone();
         let is_live_dir = !self.result.deleted && self.result.kind == FileKind::Dir;
         let mut last = None;
@@ -274,23 +296,22 @@ impl Plan {
             // directory, as a new local version that dominates what it replaces.
             if !self.result.deleted {
                 let content = self.result.clone();
-                self.preserve(view, ctx, &content, self.result_is_local);
+                self.preserve(view, &content, self.result_is_local);
             }
             let local_dir = local.filter(|l| !l.deleted && l.kind == FileKind::Dir);
             let mut base = self.result.version.clone();
             if let Some(l) = local {
                 base = base.merge(&l.version);
             }
-            let version = base.incremented(ctx.local_device, ctx.now_secs);
             let record = match local_dir {
                 Some(l) => {
                     let mut r = l.clone();
-                    r.version = version;
+                    r.version = resolved(&base, &r);
                     r.sequence = 0;
                     Step::UpdateLocal { record: r }
                 }
                 None => Step::ReviveDir {
-                    record: dir_record(&path, local, version, ctx),
+                    record: dir_record(&path, local, &base, self.result.modified_by),
                 },
             };
             self.outcome = Outcome::DirKeptForLiveChildren;
@@ -299,7 +320,7 @@ impl Plan {
         }
         let mut steps = Vec::new();
         if !self.result.deleted {
-            ancestors(view, ctx, &path, &mut steps);
+            ancestors(view, self.result.modified_by, &path, &mut steps);
         }
         steps.append(&mut self.preserves);
         steps.push(match last {
@@ -328,8 +349,9 @@ fn step_record(step: &Step) -> &FileRecord {
     }
 }
 
-/// Steps that make every ancestor of `path` a live directory, outermost first.
-fn ancestors(view: &dyn ReplicaView, ctx: &Context, path: &RelPath, steps: &mut Vec<Step>) {
+/// Steps that make every ancestor of `path` a live directory, outermost first; `by` is the
+/// author of the entry that needs them.
+fn ancestors(view: &dyn ReplicaView, by: ShortId, path: &RelPath, steps: &mut Vec<Step>) {
     let mut ancestors = path.ancestors();
     ancestors.reverse();
     for anc in ancestors {
@@ -338,31 +360,34 @@ fn ancestors(view: &dyn ReplicaView, ctx: &Context, path: &RelPath, steps: &mut 
             Some(p) if !p.deleted && p.kind == FileKind::Dir => continue,
             Some(p) if !p.deleted => {
                 // A file or symlink stands where a directory must be: move it aside first.
-                if let Some(step) = preserve_step(view, ctx, &anc, p, true) {
+                if let Some(step) = preserve_step(view, &anc, p, true) {
                     steps.push(step);
                 }
             }
             _ => {}
         }
-        let version = new_local_version(prev.as_ref(), ctx);
+        let base = prev.as_ref().map(|p| p.version.clone()).unwrap_or_default();
         steps.push(Step::ReviveDir {
-            record: dir_record(&anc, prev.as_ref(), version, ctx),
+            record: dir_record(&anc, prev.as_ref(), &base, by),
         });
     }
 }
 
-/// A live directory record at `path` replacing `prev`.
+/// A live directory record at `path` replacing `prev`, as a version that dominates `base`.
 ///
 /// A revived directory keeps a previous directory's mode and mtime; otherwise it gets 0o755 and
 /// mtime 0, so that a real directory version concurrent with it wins the metadata on merge.
+/// Its author is the previous record's, or `by` (whoever made the entry that needs it): like a
+/// resolution, two devices that revive the same directory from the same record make the same
+/// version.
 fn dir_record(
     path: &RelPath,
     prev: Option<&FileRecord>,
-    version: VersionVector,
-    ctx: &Context,
+    base: &VersionVector,
+    by: ShortId,
 ) -> FileRecord {
     let prev_dir = prev.filter(|p| p.kind == FileKind::Dir);
-    FileRecord {
+    let mut record = FileRecord {
         path: path.clone(),
         kind: FileKind::Dir,
         deleted: false,
@@ -375,24 +400,31 @@ fn dir_record(
         hash: Hash::ZERO,
         chunks: Vec::new(),
         target: String::new(),
-        version,
-        modified_by: ctx.local_device,
+        version: VersionVector::new(),
+        modified_by: prev.map_or(by, |p| p.modified_by),
         sequence: 0,
-    }
+    };
+    record.version = resolved(base, &record);
+    record
+}
+
+/// The version of `result` made by a reconcile on top of `base`: `base` incremented by the
+/// [`resolver_id`] of the two, the same on every device.
+fn resolved(base: &VersionVector, result: &FileRecord) -> VersionVector {
+    base.incremented(resolver_id(base, result), 1)
 }
 
 /// The step that keeps `content` (live, found at `path`) as its conflict sibling, or `None`
 /// when a live record with the same content already holds the sibling's name.
 fn preserve_step(
     view: &dyn ReplicaView,
-    ctx: &Context,
     path: &RelPath,
     content: &FileRecord,
     local: bool,
 ) -> Option<Step> {
     let sibling = free_sibling(view, path, content)?;
     let prev = view.get(&sibling);
-    let record = FileRecord {
+    let mut record = FileRecord {
         path: sibling,
         kind: content.kind,
         deleted: false,
@@ -402,10 +434,16 @@ fn preserve_step(
         hash: content.hash,
         chunks: content.chunks.clone(),
         target: content.target.clone(),
-        version: new_local_version(prev.as_ref(), ctx),
-        modified_by: ctx.local_device,
+        version: VersionVector::new(),
+        // The content's author: every device that keeps this loser makes the same record.
+        modified_by: content.modified_by,
         sequence: 0,
     };
+    // Like a resolution, a sibling's version depends on what it keeps, not on who keeps it:
+    // two devices that preserve the same losing version make the same object, which never
+    // conflicts with itself. It dominates whatever this replica had at the name.
+    let base = prev.map(|p| p.version).unwrap_or_default();
+    record.version = resolved(&base, &record);
     Some(if local {
         Step::PreserveLocal {
             from: path.clone(),
@@ -648,13 +686,6 @@ mod tests {
         }
     }
 
-    fn ctx(dev: ShortId) -> Context {
-        Context {
-            local_device: dev,
-            now_secs: 0,
-        }
-    }
-
     #[test]
     fn conflict_name_follows_the_pattern() {
         let loser = file("docs/report.txt", b"x", 1_795_356_903, A, vv(&[(A, 1)]));
@@ -702,11 +733,11 @@ mod tests {
     #[test]
     fn remote_for_unknown_path_is_applied() {
         let r = file("a", b"x", 1, B, vv(&[(B, 1)]));
-        let d = decide(&View::default(), &ctx(A), &r);
+        let d = decide(&View::default(), &r);
         assert_eq!(d.outcome, Outcome::ApplyRemote);
         assert_eq!(d.steps.len(), 1);
         let t = tombstone(&r, B, vv(&[(B, 2)]));
-        let d = decide(&View::default(), &ctx(A), &t);
+        let d = decide(&View::default(), &t);
         assert_eq!(d.outcome, Outcome::ApplyRemote);
         assert!(matches!(&d.steps[..], [Step::ApplyRemote { record }] if record.deleted));
     }
@@ -716,12 +747,9 @@ mod tests {
         let l = file("a", b"x", 1, A, vv(&[(A, 1)]));
         let r = file("a", b"y", 2, B, vv(&[(A, 1), (B, 1)]));
         let view = View::with(&[&l]);
-        assert_eq!(decide(&view, &ctx(A), &r).outcome, Outcome::ApplyRemote);
-        assert_eq!(
-            decide(&View::with(&[&r]), &ctx(B), &l).outcome,
-            Outcome::LocalNewer
-        );
-        assert_eq!(decide(&view, &ctx(A), &l).outcome, Outcome::Nothing);
+        assert_eq!(decide(&view, &r).outcome, Outcome::ApplyRemote);
+        assert_eq!(decide(&View::with(&[&r]), &l).outcome, Outcome::LocalNewer);
+        assert_eq!(decide(&view, &l).outcome, Outcome::Nothing);
     }
 
     #[test]
@@ -729,7 +757,7 @@ mod tests {
         let base = vv(&[(A, 1)]);
         let l = file("a.txt", b"mine", 10, A, base.incremented(A, 0));
         let r = file("a.txt", b"theirs", 20, B, base.incremented(B, 0));
-        let d = decide(&View::with(&[&l]), &ctx(A), &r);
+        let d = decide(&View::with(&[&l]), &r);
         assert_eq!(
             d.outcome,
             Outcome::Conflict {
@@ -762,7 +790,7 @@ mod tests {
             C,
             vv(&[(C, 1)]),
         );
-        let d = decide(&View::with(&[&l, &squatter]), &ctx(A), &r);
+        let d = decide(&View::with(&[&l, &squatter]), &r);
         let Step::PreserveLocal { record, .. } = &d.steps[0] else {
             panic!("{d:?}")
         };
@@ -778,7 +806,7 @@ mod tests {
             C,
             vv(&[(C, 1)]),
         );
-        let d = decide(&View::with(&[&l, &same]), &ctx(A), &r);
+        let d = decide(&View::with(&[&l, &same]), &r);
         assert_eq!(d.steps.len(), 1, "{d:?}");
     }
 
@@ -788,8 +816,8 @@ mod tests {
         let x = file("a.txt", b"one", 10, A, vv(&[(A, 1)]));
         let y = file("a.txt", b"two", 10, A, vv(&[(A, 1), (C, 1)]));
         let mut view = View::with(&[&file("a.txt", b"win", 99, B, vv(&[(B, 1)]))]);
-        view.apply(&decide(&view, &ctx(B), &x));
-        view.apply(&decide(&view, &ctx(B), &y));
+        view.apply(&decide(&view, &x));
+        view.apply(&decide(&view, &y));
         let contents: Vec<_> = view.0.values().map(|r| r.hash).collect();
         assert!(
             contents.contains(&x.hash) && contents.contains(&y.hash),
@@ -806,8 +834,8 @@ mod tests {
         chmod.mode = 0o600;
         chmod.version = base.version.incremented(A, 0);
         let del = tombstone(&base, B, base.version.incremented(B, 0));
-        let at_a = decide(&View::with(&[&chmod]), &ctx(A), &del);
-        let at_b = decide(&View::with(&[&del]), &ctx(B), &chmod);
+        let at_a = decide(&View::with(&[&chmod]), &del);
+        let at_b = decide(&View::with(&[&del]), &chmod);
         assert_eq!(
             at_a.outcome,
             Outcome::DeleteLostToModify { kept_local: true }
@@ -831,7 +859,7 @@ mod tests {
     fn directory_beats_file_which_becomes_the_sibling() {
         let f = file("x", b"f", 50, A, vv(&[(A, 1)]));
         let d = dir("x", B, vv(&[(B, 1)]));
-        let at_a = decide(&View::with(&[&f]), &ctx(A), &d);
+        let at_a = decide(&View::with(&[&f]), &d);
         assert_eq!(
             at_a.outcome,
             Outcome::Conflict {
@@ -841,7 +869,7 @@ mod tests {
         assert!(
             matches!(&at_a.steps[..], [Step::PreserveLocal { .. }, Step::ApplyRemote { record }] if record.kind == FileKind::Dir)
         );
-        let at_b = decide(&View::with(&[&d]), &ctx(B), &f);
+        let at_b = decide(&View::with(&[&d]), &f);
         assert!(
             matches!(&at_b.steps[..], [Step::PreserveRemote { .. }, Step::UpdateLocal { record }] if record.kind == FileKind::Dir)
         );
@@ -853,7 +881,7 @@ mod tests {
         let child = file("d/new", b"n", 1, A, vv(&[(A, 1)]));
         let del = tombstone(&d, B, vv(&[(A, 1), (B, 1)]));
         let view = View::with(&[&d, &child]);
-        let dec = decide(&view, &ctx(A), &del);
+        let dec = decide(&view, &del);
         assert_eq!(dec.outcome, Outcome::DirKeptForLiveChildren);
         let [Step::UpdateLocal { record }] = &dec.steps[..] else {
             panic!("{dec:?}")
@@ -867,7 +895,7 @@ mod tests {
         let top = tombstone(&dir("a", A, vv(&[])), A, vv(&[(A, 2)]));
         let mid = tombstone(&dir("a/b", A, vv(&[])), A, vv(&[(A, 2)]));
         let r = file("a/b/c", b"c", 1, B, vv(&[(B, 1)]));
-        let dec = decide(&View::with(&[&top, &mid]), &ctx(A), &r);
+        let dec = decide(&View::with(&[&top, &mid]), &r);
         match &dec.steps[..] {
             [Step::ReviveDir { record: x }, Step::ReviveDir { record: y }, Step::ApplyRemote { .. }] =>
             {
@@ -883,7 +911,7 @@ mod tests {
     fn live_child_under_a_local_file_moves_the_file_aside() {
         let f = file("a", b"file", 1, A, vv(&[(A, 1)]));
         let r = file("a/c", b"c", 1, B, vv(&[(B, 1)]));
-        let dec = decide(&View::with(&[&f]), &ctx(A), &r);
+        let dec = decide(&View::with(&[&f]), &r);
         assert!(
             matches!(
                 &dec.steps[..],
@@ -902,7 +930,7 @@ mod tests {
         let d = dir("d", A, vv(&[(A, 1)]));
         let child = file("d/new", b"n", 1, A, vv(&[(A, 1)]));
         let f = file("d", b"f", 1, B, vv(&[(A, 1), (B, 1)]));
-        let dec = decide(&View::with(&[&d, &child]), &ctx(A), &f);
+        let dec = decide(&View::with(&[&d, &child]), &f);
         assert_eq!(dec.outcome, Outcome::DirKeptForLiveChildren);
         assert!(
             matches!(&dec.steps[..], [Step::PreserveRemote { record }, Step::UpdateLocal { .. }] if record.hash == f.hash),
@@ -919,7 +947,7 @@ mod tests {
         s.chunks.clear();
         s.version = vv(&[(B, 1)]);
         s.modified_by = B;
-        let dec = decide(&View::with(&[&f]), &ctx(A), &s);
+        let dec = decide(&View::with(&[&f]), &s);
         assert!(matches!(dec.outcome, Outcome::Conflict { .. }), "{dec:?}");
         assert_eq!(dec.steps.len(), 2);
     }
@@ -930,7 +958,7 @@ mod tests {
         let sib = conflict_name(&first.path, &first);
         let l = file(sib.as_str(), b"edited here", 20, A, vv(&[(A, 2)]));
         let r = file(sib.as_str(), b"edited there", 30, B, vv(&[(B, 1)]));
-        let d = decide(&View::with(&[&l]), &ctx(A), &r);
+        let d = decide(&View::with(&[&l]), &r);
         assert_eq!(
             d.outcome,
             Outcome::Conflict {
@@ -951,7 +979,7 @@ mod tests {
         chmod.mode = 0o600;
         chmod.version = vv(&[(A, 2)]);
         let edit = file("a", b"new", 20, B, vv(&[(A, 1), (B, 1)]));
-        let d = decide(&View::with(&[&chmod]), &ctx(A), &edit);
+        let d = decide(&View::with(&[&chmod]), &edit);
         // The newer content keeps the name; the chmod-only version (old content, new mode)
         // survives as the sibling.
         assert_eq!(
@@ -974,18 +1002,24 @@ mod tests {
         let l = file("a", b"x", 1, A, vv(&[(A, 1)]));
         let mut r = file("a", b"x", 2, B, vv(&[(B, 1)]));
         r.mode = 0o600;
-        let dec = decide(&View::with(&[&l]), &ctx(A), &r);
+        let dec = decide(&View::with(&[&l]), &r);
         assert_eq!(dec.outcome, Outcome::MergedNoConflict);
         let [Step::UpdateLocal { record }] = &dec.steps[..] else {
             panic!()
         };
         assert_eq!(record.mode, 0o600);
-        // Metadata changed for one side: a new version.
-        assert_eq!(record.version, vv(&[(A, 2), (B, 1)]));
+        // Metadata changed for one side: a new version, the same whoever resolves it.
+        let merged = vv(&[(A, 1), (B, 1)]);
+        assert_eq!(
+            record.version,
+            merged.incremented(resolver_id(&merged, record), 1)
+        );
+        let on_b = decide(&View::with(&[&r]), &l);
+        assert_eq!(on_b.steps.last().map(step_record), Some(record));
         // Identical states merge without one.
         let mut same = l.clone();
         same.version = vv(&[(B, 1)]);
-        let dec = decide(&View::with(&[&l]), &ctx(A), &same);
+        let dec = decide(&View::with(&[&l]), &same);
         let [Step::UpdateLocal { record }] = &dec.steps[..] else {
             panic!()
         };
@@ -1003,8 +1037,8 @@ mod tests {
                     }
                     let records: Vec<FileRecord> = views[i].0 .0.values().cloned().collect();
                     for r in records {
-                        let (view, dev) = &mut views[j];
-                        let d = decide(view, &ctx(*dev), &r);
+                        let (view, _) = &mut views[j];
+                        let d = decide(view, &r);
                         changed |= !d.steps.is_empty();
                         view.apply(&d);
                     }
@@ -1042,10 +1076,10 @@ mod tests {
         let dk = file("p", b"dk", 10, t, vv(&[(m, 2), (t, 2)]));
         let x = tombstone(&r1, m, vv(&[(m, 4), (t, 1)]));
         let mut at_t = View::with(&[&dk]);
-        at_t.apply(&decide(&at_t, &ctx(t), &r1));
-        at_t.apply(&decide(&at_t, &ctx(t), &x));
+        at_t.apply(&decide(&at_t, &r1));
+        at_t.apply(&decide(&at_t, &x));
         let mut at_m = View::with(&[&x]);
-        at_m.apply(&decide(&at_m, &ctx(m), &dk));
+        at_m.apply(&decide(&at_m, &dk));
         let (pt, pm) = (at_t.get(&r1.path).unwrap(), at_m.get(&r1.path).unwrap());
         assert!(
             pt.version != pm.version || pt.same_state(&pm),
@@ -1120,10 +1154,10 @@ mod tests {
             let parent = dir("d", C, vv(&[(C, 1)]));
             let va = View::with(&[&parent, &l]);
             let vb = View::with(&[&parent, &r]);
-            let da = decide(&va, &ctx(A), &r);
-            let db = decide(&vb, &ctx(B), &l);
+            let da = decide(&va, &r);
+            let db = decide(&vb, &l);
             // Deterministic.
-            prop_assert_eq!(&da, &decide(&va, &ctx(A), &r));
+            prop_assert_eq!(&da, &decide(&va, &r));
             let (fa, sa) = final_at(&va, &da, &l.path);
             let (fb, sb) = final_at(&vb, &db, &l.path);
             let (fa, fb) = (fa.unwrap(), fb.unwrap());
@@ -1173,12 +1207,12 @@ mod tests {
             let parent = dir("d", d4, vv(&[(d4, 1)]));
             let mut one = View::with(&[&parent, &x]);
             for r in [&y, &z] {
-                let d = decide(&one, &ctx(d4), r);
+                let d = decide(&one, r);
                 one.apply(&d);
             }
             let mut two = View::with(&[&parent, &z]);
             for r in [&y, &x] {
-                let d = decide(&two, &ctx(d4), r);
+                let d = decide(&two, r);
                 two.apply(&d);
             }
             let (a, b) = (one.get(&x.path).unwrap(), two.get(&x.path).unwrap());

@@ -52,6 +52,27 @@ fn every_replica_count_from_two_to_five_converges() {
     }
 }
 
+/// Five and eight always-on devices: every replica that resolves the same versions makes the
+/// same record (invariant (f), checked in every run), so resolutions never feed on each other.
+#[test]
+fn five_and_eight_replicas_converge_and_resolve_each_conflict_the_same_way_everywhere() {
+    for replicas in [5, 8] {
+        let mut conflicts = 0;
+        for seed in 0..150 {
+            let r = run(&SimConfig {
+                replicas: Some(replicas),
+                ..SimConfig::new(20_000 + seed)
+            })
+            .unwrap_or_else(|f| panic!("{f}"));
+            conflicts += r.conflict_files;
+        }
+        assert!(
+            conflicts > 10,
+            "{replicas} replicas: only {conflicts} conflict files"
+        );
+    }
+}
+
 #[test]
 fn a_run_replays_exactly_from_its_seed() {
     let cfg = SimConfig {

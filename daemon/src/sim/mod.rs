@@ -16,7 +16,9 @@
 //! - (d) a path's version vector never moves backwards on any journal commit;
 //! - (e) no file is ever written with content other than its record's (verified before the
 //!   atomic write), and after every event the files match the journal exactly — also after a
-//!   crash and its recovery, so an interrupted apply is never re-captured as a local edit.
+//!   crash and its recovery, so an interrupted apply is never re-captured as a local edit;
+//! - (f) every replica that resolves the same two versions makes the same record (vector and
+//!   state), so a resolution is never itself a new concurrent change.
 //!
 //! **Architecture invariant:** pure, like the modules it drives: no IO, no clock, no
 //! threads. Trace lines are collected and returned, not printed.
@@ -97,6 +99,11 @@ pub struct SimReport {
     pub paths: usize,
     /// Conflict siblings on every replica at the end.
     pub conflict_files: usize,
+    /// The most distinct versions any one path had, over all replicas.
+    pub max_versions_per_path: usize,
+    /// The most versions made at one path beyond its user edits (resolutions, merges,
+    /// siblings, kept directories), over all replicas.
+    pub max_extra_versions_per_path: usize,
     /// Trace lines, when asked for.
     pub trace: Vec<String>,
 }
@@ -222,6 +229,8 @@ struct Sim {
     /// Links of the topology (a < b) and whether each is up.
     links: BTreeMap<(usize, usize), bool>,
     truth: Truth,
+    /// Every resolution made, by the pair it resolved: its result and the replica that made it.
+    resolutions: HashMap<String, (FileRecord, usize)>,
     folder: FolderId,
     unique: u64,
     crash_apply_p: f64,
@@ -266,6 +275,7 @@ impl Sim {
             next_conn: 1,
             links: BTreeMap::new(),
             truth: Truth::default(),
+            resolutions: HashMap::new(),
             folder,
             unique: 0,
             crash_apply_p: 0.0,
@@ -818,11 +828,11 @@ impl Sim {
         let mut grew = false;
         let mut progress = None;
         while let Some(remote) = pr.records.front().cloned() {
-            let ctx = self.ctx(r);
-            let decision = decide(&self.replicas[r].journal, &ctx, &remote);
-            if let Some(local) = self.replicas[r].journal.record(&remote.path) {
+            let decision = decide(&self.replicas[r].journal, &remote);
+            if let Some(local) = self.replicas[r].journal.record(&remote.path).cloned() {
                 self.truth
-                    .check_order(local, &remote, local.version.compare(&remote.version))?;
+                    .check_order(&local, &remote, local.version.compare(&remote.version))?;
+                self.check_resolution(r, &local, &remote, &decision)?;
             }
             match self.fetch(r, sender, &decision)? {
                 Fetch::Retry => break,
@@ -959,6 +969,50 @@ impl Sim {
         Ok(false)
     }
 
+    /// (f) A resolution depends on the two versions it resolves, not on who resolves them:
+    /// every replica that resolves the same pair makes the same record at the path (same
+    /// vector, same state), so no resolution is itself a new concurrent change. Decisions
+    /// that look around the path (a directory kept for its children, revived ancestors)
+    /// depend on more than the pair and are not compared.
+    fn check_resolution(
+        &mut self,
+        r: usize,
+        local: &FileRecord,
+        remote: &FileRecord,
+        d: &Decision,
+    ) -> Res<()> {
+        let resolves = matches!(
+            d.outcome,
+            Outcome::Conflict { .. }
+                | Outcome::MergedNoConflict
+                | Outcome::DeleteLostToModify { .. }
+        );
+        let Some(last) = d.steps.last().filter(|_| resolves) else {
+            return Ok(());
+        };
+        let result = match last {
+            Step::ApplyRemote { record } | Step::UpdateLocal { record } => record,
+            _ => return Ok(()),
+        };
+        let mut pair = [local.clone(), remote.clone()];
+        for p in &mut pair {
+            p.sequence = 0;
+        }
+        pair.sort_by(|a, b| format!("{:?}", a.version).cmp(&format!("{:?}", b.version)));
+        let key = format!("{}|{:?}|{:?}", remote.path, pair[0], pair[1]);
+        match self.resolutions.get(&key) {
+            Some((other, first)) if other != result => Err(format!(
+                "(f) r{r} resolved {} {} vs {} into {:?}, r{first} into {:?}",
+                remote.path, local.version, remote.version, result, other
+            )),
+            Some(_) => Ok(()),
+            None => {
+                self.resolutions.insert(key, (result.clone(), r));
+                Ok(())
+            }
+        }
+    }
+
     /// The journal records of a decision's steps, with their ground truth.
     fn pending_steps(
         &mut self,
@@ -1041,7 +1095,7 @@ impl Sim {
                 _ => return Err(format!("unexpected step off the decision's path: {step:?}")),
             };
             let event = event_kind.map(|kind| {
-                let id = self.truth.alloc();
+                let id = self.truth.derived(&record.path, &record.version);
                 truth.hist.insert(id);
                 let content = (kind == EventKind::Sibling).then_some((record.kind, record.hash));
                 if content.is_some() {
@@ -1350,6 +1404,13 @@ impl Sim {
             .values()
             .filter(|e| !e.record.deleted && e.record.path.file_name().contains(".sync-conflict-"))
             .count();
+        for (versions, edits) in self.truth.versions_per_path().into_values() {
+            self.report.max_versions_per_path = self.report.max_versions_per_path.max(versions);
+            self.report.max_extra_versions_per_path = self
+                .report
+                .max_extra_versions_per_path
+                .max(versions.saturating_sub(edits));
+        }
         let made = self.truth.events_made();
         self.log(|| format!("quiet: {made} versions made, all invariants hold"));
         Ok(())

@@ -49,12 +49,28 @@ pub(crate) struct Truth {
     next_event: u32,
     transferred: BTreeSet<u32>,
     discharged: BTreeSet<u32>,
+    /// Versions made by a reconcile (siblings, resolutions, kept directories), by what they
+    /// are: the reconciler makes the same version from the same inputs on every replica, and
+    /// the same version made twice is one event.
+    derived: HashMap<(RelPath, VersionVector), u32>,
 }
 
 impl Truth {
     pub fn alloc(&mut self) -> u32 {
         self.next_event += 1;
         self.next_event
+    }
+
+    /// The event of a version a reconcile made: the same (path, vector) made on two replicas
+    /// is the same event.
+    pub fn derived(&mut self, path: &RelPath, version: &VersionVector) -> u32 {
+        let key = (path.clone(), version.clone());
+        if let Some(&id) = self.derived.get(&key) {
+            return id;
+        }
+        let id = self.alloc();
+        self.derived.insert(key, id);
+        id
     }
 
     /// The truth of a record (the empty truth for no record).
@@ -135,5 +151,19 @@ impl Truth {
 
     pub fn events_made(&self) -> usize {
         self.events.len()
+    }
+
+    /// Per path: (distinct versions that ever existed on some replica, user edits made there).
+    pub fn versions_per_path(&self) -> BTreeMap<RelPath, (usize, usize)> {
+        let mut out: BTreeMap<RelPath, (usize, usize)> = BTreeMap::new();
+        for (path, _) in self.by_version.keys() {
+            out.entry(path.clone()).or_default().0 += 1;
+        }
+        for e in self.events.values() {
+            if e.kind == EventKind::User {
+                out.entry(e.path.clone()).or_default().1 += 1;
+            }
+        }
+        out
     }
 }
