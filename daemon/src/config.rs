@@ -154,7 +154,7 @@ impl Default for Options {
             coalesce_ms: 5,
             history_retention_days: 0,
             tombstone_retention_days: 365,
-            max_redial_secs: 30,
+            max_redial_secs: 2,
         }
     }
 }

@@ -48,6 +48,8 @@ pub struct PeerLink {
     pub since: Instant,
     /// Distinguishes connections to the same peer.
     pub serial: u64,
+    /// The peer process's instance nonce (`transport::instance` on its side).
+    pub instance: u64,
 }
 
 /// What the engine knows about each peer's connection and sessions.
@@ -99,12 +101,12 @@ impl Peers {
 
 /// Registers a new connection, resolving duplicates. Returns the link to run a session on, or
 /// `None` when the new connection lost to an existing one (it is closed).
-fn register(
-    engine: &Engine,
-    peer: DeviceId,
-    conn: quinn::Connection,
-    dialer: DeviceId,
-) -> Option<PeerLink> {
+fn register(engine: &Engine, est: transport::Established, dialer: DeviceId) -> Option<PeerLink> {
+    let transport::Established {
+        conn,
+        peer,
+        instance,
+    } = est;
     // A stopping daemon starts no session: the peer would only see it end at once and redial.
     if *engine.stopping.borrow() {
         conn.close(0u32.into(), b"daemon stopping");
@@ -115,7 +117,11 @@ fn register(
     let serial = peers.serial;
     let preferred = engine.device.max(peer);
     if let Some(old) = peers.links.get(&peer) {
-        let old_alive = old.conn.close_reason().is_none();
+        // A connection from another instance of the peer proves the old one dead: that
+        // process is gone, whatever our side of the old connection still believes. Only two
+        // connections between the same two live processes (a crossed dial) are settled by
+        // who dialed.
+        let old_alive = old.conn.close_reason().is_none() && old.instance == instance;
         let keep_old = old_alive && old.dialer == preferred && dialer != preferred;
         if keep_old {
             conn.close(transport::CLOSE_DUPLICATE, b"duplicate connection");
@@ -133,6 +139,7 @@ fn register(
         dialer,
         since: Instant::now(),
         serial,
+        instance,
     };
     peers.links.insert(peer, link.clone());
     peers.last_seen.insert(peer, std::time::SystemTime::now());
@@ -159,9 +166,10 @@ pub async fn accept_loop(engine: Arc<Engine>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
         let engine = engine.clone();
         tokio::spawn(async move {
-            match transport::accept(incoming).await {
-                Ok((conn, peer)) => {
-                    if let Some(link) = register(&engine, peer, conn, peer) {
+            match transport::accept_peer(incoming).await {
+                Ok(est) => {
+                    let peer = est.peer;
+                    if let Some(link) = register(&engine, est, peer) {
                         run_link(engine, peer, link).await;
                     }
                 }
@@ -193,9 +201,9 @@ pub async fn dial_loop(engine: Arc<Engine>, peer: DeviceId, addr: String, stop: 
             }
         }
         match resolve(&addr).await {
-            Some(sa) => match transport::dial(&engine.endpoint, sa, peer).await {
-                Ok(conn) => {
-                    if let Some(link) = register(&engine, peer, conn, engine.device) {
+            Some(sa) => match transport::dial_peer(&engine.endpoint, sa, peer).await {
+                Ok(est) => {
+                    if let Some(link) = register(&engine, est, engine.device) {
                         let e = engine.clone();
                         tokio::spawn(run_link(e, peer, link));
                     }

@@ -22,10 +22,17 @@
 //! 5. **Welcome.** Under TLS 1.3 the dialer finishes its side of the handshake before the
 //!    listener has checked the dialer's certificate, so the dialer cannot tell "accepted"
 //!    from "not yet refused". Therefore, once the listener has accepted a connection, it opens
-//!    its first unidirectional stream (stream id 3), writes exactly one byte [`WELCOME`]
-//!    (`0x01`) and finishes the stream. The dialer considers the connection established only
-//!    when it has read exactly that byte followed by the end of that stream, within
-//!    [`WELCOME_TIMEOUT`]. If instead the connection is closed by the listener with a QUIC
+//!    its first unidirectional stream (stream id 3), writes exactly nine bytes — [`WELCOME`]
+//!    (`0x01`) and its [`instance`] nonce as a big-endian `u64` — and finishes the stream.
+//!    The dialer considers the connection established only when it has read exactly those
+//!    nine bytes followed by the end of that stream, within [`WELCOME_TIMEOUT`]. As soon as
+//!    its handshake completes, the dialer likewise opens its first unidirectional stream
+//!    (stream id 2) and writes its *hello*: [`HELLO`] (`0x02`) and its own instance nonce,
+//!    then finishes it; the listener closes a connection whose hello is missing or wrong
+//!    after [`WELCOME_TIMEOUT`] with [`CLOSE_BAD_HELLO`]. The instance nonce is drawn at
+//!    random once per daemon process: a connection from a new instance proves every older
+//!    connection from the same device dead (its process is gone), so the peer replaces it at
+//!    once instead of waiting for an idle timeout. If instead the connection is closed by the listener with a QUIC
 //!    transport error `0x100 + alert` for a certificate alert (42–46, 48, 49 or 116), the
 //!    listener refused the dialer's certificate ([`TransportError::Refused`]). Any other
 //!    outcome (another byte, more bytes, timeout) is a failed connect; the dialer closes the
@@ -39,7 +46,8 @@
 //!
 //! Links of 1 Gbit/s × 90 ms hold ≈ 11 MB in flight, so the windows are well above that: a
 //! stream may have 16 MiB unacknowledged, a connection 64 MiB each way, with 1024 concurrent
-//! bidirectional streams (chunk requests). Keep-alive every 5 s, idle timeout 30 s, initial
+//! bidirectional streams (chunk requests). Keep-alive every 1 s, idle timeout 5 s (a dead path
+//! is noticed within seconds; a restarted peer is noticed at once by its instance nonce), initial
 //! RTT guess 100 ms. The congestion controller is BBR (see [`CongestionControl`] for the
 //! measurement), held to a window of at least 256 KiB ([`FlooredBbr`]): on a LAN's tens of
 //! microseconds of RTT quinn's BBR otherwise shrinks to four packets. UDP segmentation offload (GSO) stays on. The UDP socket gets 8 MiB kernel
@@ -66,8 +74,14 @@ use std::time::{Duration, SystemTime};
 pub const ALPN: &[u8] = b"meshfs/1";
 /// The SNI a dialer sends (identities are pinned by key, not by name).
 pub const SERVER_NAME: &str = "meshfs";
-/// The single byte a listener sends on its first unidirectional stream to say "accepted".
+/// The first byte a listener sends on its first unidirectional stream to say "accepted"
+/// (followed by its 8-byte [`instance`] nonce).
 pub const WELCOME: u8 = 0x01;
+/// The first byte a dialer sends on its first unidirectional stream (followed by its 8-byte
+/// [`instance`] nonce).
+pub const HELLO: u8 = 0x02;
+/// Length of the welcome and of the hello: the tag byte and a big-endian `u64` nonce.
+const GREETING_LEN: usize = 9;
 /// How long a dialer waits for the welcome after its side of the handshake completed.
 pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(10);
 /// Application close code: the welcome was missing or wrong.
@@ -78,6 +92,8 @@ pub const CLOSE_WRONG_DEVICE: VarInt = VarInt::from_u32(2);
 /// `peers`). The same value as [`CLOSE_BAD_WELCOME`], which only a dialer sends: a dialer
 /// that receives it was told its connection is the duplicate.
 pub const CLOSE_DUPLICATE: VarInt = VarInt::from_u32(1);
+/// Application close code (listener): the dialer's hello was missing or wrong.
+pub const CLOSE_BAD_HELLO: VarInt = VarInt::from_u32(3);
 /// STOP_SENDING code: a frame on this stream was oversized or malformed.
 pub const STOP_BAD_FRAME: VarInt = VarInt::from_u32(1);
 
@@ -306,8 +322,8 @@ impl Default for Tuning {
             send_window: 64 << 20,
             max_concurrent_bidi_streams: 1024,
             max_concurrent_uni_streams: 16,
-            keep_alive_interval: Duration::from_secs(5),
-            max_idle_timeout: Duration::from_secs(30),
+            keep_alive_interval: Duration::from_secs(1),
+            max_idle_timeout: Duration::from_secs(5),
             initial_rtt: Duration::from_millis(100),
             socket_buffer: 8 << 20,
             cwnd_floor: 256 << 10,
@@ -494,6 +510,69 @@ fn force_buffer(socket: &socket2::Socket, option: libc::c_int, bytes: usize) -> 
     rc == 0
 }
 
+/// This process's instance nonce: random, drawn once per daemon process. A peer that sees a
+/// new nonce from a device knows that device restarted, so any older connection from it is
+/// dead even if no timeout has said so yet (module docs, step 5).
+pub fn instance() -> u64 {
+    static INSTANCE: OnceLock<u64> = OnceLock::new();
+    *INSTANCE.get_or_init(|| loop {
+        let n: u64 = rand::random();
+        if n != 0 {
+            break n;
+        }
+    })
+}
+
+/// An established, welcomed connection to a peer.
+#[derive(Clone)]
+pub struct Established {
+    /// The connection.
+    pub conn: quinn::Connection,
+    /// The peer's device id (from its certificate).
+    pub peer: DeviceId,
+    /// The peer process's [`instance`] nonce.
+    pub instance: u64,
+}
+
+/// Reads a greeting (`tag` then a `u64`) from `recv`: exactly [`GREETING_LEN`] bytes, then
+/// the end of the stream. `Ok(Err(reason))` for anything else the peer sent.
+async fn read_greeting(
+    recv: &mut quinn::RecvStream,
+    tag: u8,
+) -> Result<Result<u64, String>, ConnectionError> {
+    let mut got = Vec::with_capacity(GREETING_LEN + 1);
+    let mut buf = [0u8; GREETING_LEN + 1];
+    while got.len() <= GREETING_LEN {
+        match recv.read(&mut buf[..GREETING_LEN + 1 - got.len()]).await {
+            Ok(Some(n)) => got.extend_from_slice(&buf[..n]),
+            Ok(None) => break,
+            Err(quinn::ReadError::ConnectionLost(e)) => return Err(e),
+            Err(e) => return Ok(Err(e.to_string())),
+        }
+    }
+    Ok(if got.len() == GREETING_LEN && got[0] == tag {
+        let mut n = [0u8; 8];
+        n.copy_from_slice(&got[1..]);
+        Ok(u64::from_be_bytes(n))
+    } else {
+        Err(format!(
+            "it sent {got:02x?} instead of the meshfs/1 greeting {tag:02x}"
+        ))
+    })
+}
+
+/// Sends this process's greeting (`tag`, then [`instance`]) on a new unidirectional stream.
+async fn send_greeting(conn: &quinn::Connection, tag: u8) -> Result<(), TransportError> {
+    let mut send = conn.open_uni().await?;
+    let mut g = [0u8; GREETING_LEN];
+    g[0] = tag;
+    g[1..].copy_from_slice(&instance().to_be_bytes());
+    send.write_all(&g).await?;
+    // Finishing only fails if the stream was already reset or finished: neither happened.
+    let _ = send.finish();
+    Ok(())
+}
+
 /// Dials the device `expected` at `addr` from `endpoint` (made by [`endpoint`]) and returns
 /// the connection once the listener has welcomed us (see the module docs, step 5).
 ///
@@ -506,6 +585,15 @@ pub async fn dial(
     addr: SocketAddr,
     expected: DeviceId,
 ) -> Result<quinn::Connection, TransportError> {
+    dial_peer(endpoint, addr, expected).await.map(|e| e.conn)
+}
+
+/// [`dial`], also returning the listener's instance nonce.
+pub async fn dial_peer(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    expected: DeviceId,
+) -> Result<Established, TransportError> {
     let connect_err = |reason: String| TransportError::Connect { addr, reason };
     let local = endpoint
         .local_addr()
@@ -569,33 +657,24 @@ pub async fn dial(
         }
     };
     let conn = connecting.await.map_err(failed)?;
+    // Our hello goes out at once, beside the listener's welcome: no extra round trip.
+    if let Err(e) = send_greeting(&conn, HELLO).await {
+        return Err(match e {
+            TransportError::Connection(c) => failed(c),
+            other => connect_err(other.to_string()),
+        });
+    }
 
     let welcome = async {
         let mut recv = conn.accept_uni().await?;
-        let mut got = Vec::with_capacity(2);
-        while got.len() < 2 {
-            let mut byte = [0u8; 1];
-            match recv.read(&mut byte).await {
-                Ok(Some(n)) => got.extend_from_slice(&byte[..n]),
-                Ok(None) => break,
-                Err(quinn::ReadError::ConnectionLost(e)) => return Err(e),
-                Err(e) => return Ok(Err(e.to_string())),
-            }
-        }
-        Ok(if got == [WELCOME] {
-            Ok(())
-        } else {
-            Err(format!(
-                "it sent {got:02x?} instead of the meshfs/1 welcome"
-            ))
-        })
+        read_greeting(&mut recv, WELCOME).await
     };
     let outcome = tokio::time::timeout(WELCOME_TIMEOUT, welcome).await;
     let bad_welcome = |reason: String| {
         conn.close(CLOSE_BAD_WELCOME, b"bad welcome");
         Err(connect_err(reason))
     };
-    match outcome {
+    let instance = match outcome {
         Err(_) => {
             return bad_welcome(format!(
                 "no welcome within {} s after the handshake",
@@ -604,12 +683,16 @@ pub async fn dial(
         }
         Ok(Err(e)) => return Err(failed(e)),
         Ok(Ok(Err(reason))) => return bad_welcome(reason),
-        Ok(Ok(Ok(()))) => {}
-    }
+        Ok(Ok(Ok(n))) => n,
+    };
 
     // The verifier pinned `expected`; check again on the finished connection.
     match remote_device(&conn) {
-        Some(id) if id == expected => Ok(conn),
+        Some(id) if id == expected => Ok(Established {
+            conn,
+            peer: id,
+            instance,
+        }),
         other => {
             conn.close(CLOSE_WRONG_DEVICE, b"wrong device");
             Err(match other {
@@ -634,6 +717,12 @@ pub async fn dial(
 pub async fn accept(
     incoming: quinn::Incoming,
 ) -> Result<(quinn::Connection, DeviceId), TransportError> {
+    accept_peer(incoming).await.map(|e| (e.conn, e.peer))
+}
+
+/// [`accept`], also returning the dialer's instance nonce (read from its hello within
+/// [`WELCOME_TIMEOUT`]).
+pub async fn accept_peer(incoming: quinn::Incoming) -> Result<Established, TransportError> {
     let conn = match incoming.accept()?.await {
         Ok(conn) => conn,
         Err(ConnectionError::TransportError(e)) => {
@@ -651,11 +740,31 @@ pub async fn accept(
             reason: "the peer presented no usable certificate".into(),
         });
     };
-    let mut welcome = conn.open_uni().await?;
-    welcome.write_all(&[WELCOME]).await?;
-    // Finishing only fails if the stream was already reset or finished: neither happened.
-    let _ = welcome.finish();
-    Ok((conn, id))
+    send_greeting(&conn, WELCOME).await?;
+    let hello = async {
+        let mut recv = conn.accept_uni().await?;
+        read_greeting(&mut recv, HELLO).await
+    };
+    let bad = |reason: String| {
+        conn.close(CLOSE_BAD_HELLO, b"bad hello");
+        TransportError::Connect {
+            addr: conn.remote_address(),
+            reason,
+        }
+    };
+    match tokio::time::timeout(WELCOME_TIMEOUT, hello).await {
+        Err(_) => Err(bad(format!(
+            "no hello within {} s after the handshake",
+            WELCOME_TIMEOUT.as_secs()
+        ))),
+        Ok(Err(e)) => Err(e.into()),
+        Ok(Ok(Err(reason))) => Err(bad(reason)),
+        Ok(Ok(Ok(instance))) => Ok(Established {
+            conn,
+            peer: id,
+            instance,
+        }),
+    }
 }
 
 /// The device id of the peer of `conn` (from its TLS certificate).
