@@ -1,36 +1,74 @@
-//! # meshfs-fuse: the meeting point of a FUSE mount and the engine
+//! # meshfs-fuse: the mount of a replicated folder
 //!
-//! The mount itself arrives in the next stage; this crate already fixes the small interface
-//! through which it will plug into the engine (DESIGN §2, §4, §9), so the engine is built
-//! against it from the start:
+//! A FUSE filesystem that shows a folder's replica directory exactly as it is (DESIGN §9),
+//! plus the small interface through which it plugs into the engine (DESIGN §2, §4):
 //!
-//! - **events in:** every mutating operation the mount sees becomes a [`ChangeEvent`] sent to
-//!   the engine's capture path (the same path inotify events take), so a change made through
-//!   the mount needs no rescan;
-//! - **invalidations out:** when the engine applies a remote change it calls an
-//!   [`Invalidator`], so readers in the mount see the new version at once;
-//! - **no replace under an open writer:** the mount answers [`WriterRegistry::has_writer`],
-//!   and the engine defers an apply to a path that is open for writing until its release.
+//! - **the mount:** [`mount`] serves a backing directory at a mount point with multi-threaded
+//!   request handling, long kernel entry/attribute caching, readdirplus, and kernel
+//!   passthrough of reads and writes where the kernel allows it (Linux ≥ 6.9, root), with
+//!   ordinary forwarding as the fallback. [`Mount`] unmounts on [`Mount::unmount`] or drop;
+//!   a dead mount point ("transport endpoint is not connected", left by a killed daemon) is
+//!   detached and reused.
+//! - **events in:** every mutating operation that succeeded on the backing directory
+//!   becomes a [`ChangeEvent`] given to the engine's [`ChangeSink`], so a change made
+//!   through the mount needs no rescan. Content changes are reported at the fsync or
+//!   release of a handle that wrote ([`ChangeKind::Written`]), and the release of the last
+//!   writer of a path is reported as [`ChangeKind::Closed`].
+//! - **invalidations out:** when the engine applies a remote change it calls
+//!   [`Invalidator::invalidate`]; the mount queues it to its notifier thread, which drops
+//!   the kernel's cached entry, attributes and pages for that path.
+//! - **no replace under an open writer:** [`WriterRegistry::has_writer`] tells the engine
+//!   a path is open for writing, so it defers an apply until the `Closed` event.
 //!
-//! **Architecture invariant:** this crate never touches SQLite or the network; it only knows
-//! the vocabulary crate.
+//! ## What it owns and what it never does
+//!
+//! It owns the FUSE session, the inode table (FUSE node ↔ backing path) and the open
+//! handles. It **never** touches SQLite, the network or an async runtime (its dependencies
+//! leave no way to); it never hashes or reads a file on its own behalf, and never blocks a
+//! request on the engine: the sink must not block, and invalidations are queued.
+//! It never shows, creates, or renames onto meshfs's own names (any path component
+//! starting with [`meshfs_protocol::INTERNAL_PREFIX`]: the `.meshfs` state directory and
+//! the store's temp files). It never follows a symlink out of the backing directory: every
+//! path is resolved beneath an `O_PATH` descriptor of the backing root.
+//!
+//! **File descriptors are a budget** (the open-file limit is 20,000 and shared with the
+//! engine): the mount holds one descriptor per open handle, the backing root, and at most
+//! 1,024 cached directory descriptors, whatever the size of the tree. Known inodes cost
+//! memory (a table entry), not descriptors.
 #![deny(missing_docs)]
 
+mod backing;
+mod dircache;
+mod fs;
+mod handles;
+mod inodes;
+mod invalidate;
+mod mount;
+mod sys;
+
+pub use mount::{mount, Mount, MountError, MountHandle, MountInfo, MountOptions};
+
 use meshfs_protocol::RelPath;
+use std::sync::{Mutex, MutexGuard};
 
 /// What the mount saw happen to a path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ChangeKind {
-    /// A file opened for writing was released or fsynced: its content may have changed.
+    /// A handle that wrote (or, with kernel passthrough, that could write) was fsynced or
+    /// released: the content may have changed.
     Written,
-    /// Created (file, directory, symlink or hard link).
+    /// Created (file, directory, symlink, device node, fifo or hard link).
     Created,
     /// Removed (unlink or rmdir).
     Removed,
-    /// Renamed from another path.
+    /// Renamed from another path (a `RENAME_EXCHANGE` is two of these).
     RenamedFrom(RelPath),
-    /// Mode, size (truncate) or times changed.
+    /// Mode, owner, size (truncate), times or extended attributes changed.
     Metadata,
+    /// The last handle open for writing on this path was released (after its `Written`):
+    /// the content is final for now, and an apply the engine deferred because of
+    /// [`WriterRegistry::has_writer`] may proceed.
+    Closed,
 }
 
 /// One change seen by the mount.
@@ -42,9 +80,32 @@ pub struct ChangeEvent {
     pub kind: ChangeKind,
 }
 
+/// Where the mount reports changes: the engine's capture path.
+///
+/// Called on a FUSE request thread, after the operation succeeded and (mostly) after the
+/// kernel got its answer. **Must not block** and must not call back into the mount (a
+/// channel send is the expected implementation).
+pub trait ChangeSink: Send + Sync {
+    /// `ev` happened.
+    fn changed(&self, ev: ChangeEvent);
+}
+
+impl<F: Fn(ChangeEvent) + Send + Sync> ChangeSink for F {
+    fn changed(&self, ev: ChangeEvent) {
+        self(ev)
+    }
+}
+
+impl ChangeSink for std::sync::mpsc::Sender<ChangeEvent> {
+    fn changed(&self, ev: ChangeEvent) {
+        // A receiver that went away no longer wants events.
+        let _ = self.send(ev);
+    }
+}
+
 /// Invalidates the kernel's caches for a path after the engine changed it.
 pub trait Invalidator: Send + Sync {
-    /// The entry, attributes and cached pages of `path` are stale.
+    /// The entry, attributes and cached pages of `path` are stale. Never blocks.
     fn invalidate(&self, path: &RelPath);
 }
 
@@ -66,4 +127,10 @@ impl WriterRegistry for NoMount {
     fn has_writer(&self, _path: &RelPath) -> bool {
         false
     }
+}
+
+/// Locks `m`, through poisoning: every critical section in this crate is panic-free
+/// bookkeeping, so a poisoned lock still guards consistent data.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

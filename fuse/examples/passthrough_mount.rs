@@ -1,0 +1,89 @@
+//! Mounts a directory through meshfs-fuse until SIGINT or SIGTERM, then prints how many
+//! change events the mount reported.
+//!
+//! ```text
+//! passthrough_mount [--no-passthrough] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>
+//! ```
+//!
+//! Used to run conformance suites (pjdfstest) and timings against the mount.
+
+use meshfs_fuse::{ChangeEvent, MountOptions};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let mut opts = MountOptions::default();
+    let mut print = false;
+    let mut paths = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--threads" => opts.n_threads = args.next().and_then(|n| n.parse().ok()).unwrap_or(2),
+            "--no-passthrough" => opts.passthrough = false,
+            "--ro" => opts.read_only = true,
+            "--print-events" => print = true,
+            "--allow-other" => opts.allow_other = true,
+            _ => paths.push(PathBuf::from(arg)),
+        }
+    }
+    let [backing, mountpoint] = paths.as_slice() else {
+        eprintln!("usage: passthrough_mount [--no-passthrough] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>");
+        std::process::exit(2);
+    };
+
+    // Block the stop signals before the mount starts its threads (they inherit the mask),
+    // so only `sigwait` below receives them.
+    // SAFETY: a sigset_t is plain data; these calls only read and write the local set and
+    // this thread's mask.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+
+    let events = Arc::new(AtomicUsize::new(0));
+    let counter = events.clone();
+    let sink = move |ev: ChangeEvent| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        if print {
+            eprintln!("event {:?} {}", ev.kind, ev.path);
+        }
+    };
+    let mount = match meshfs_fuse::mount(backing, mountpoint, opts, Arc::new(sink)) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let info = mount.info();
+    println!(
+        "mounted {} at {} (passthrough: {}, threads: {})",
+        info.backing.display(),
+        info.mountpoint.display(),
+        info.passthrough,
+        info.threads
+    );
+
+    let mut sig: libc::c_int = 0;
+    // SAFETY: `set` is the initialised set above; `sig` is a valid out-pointer.
+    unsafe { libc::sigwait(&set, &mut sig) };
+    let info = mount.info();
+    if let Err(e) = mount.unmount() {
+        eprintln!("error: {e}");
+    }
+    println!(
+        "unmounted; {} change events, {} inodes known at exit, passthrough: {}",
+        events.load(Ordering::Relaxed),
+        info.known_inodes,
+        info.passthrough
+    );
+}

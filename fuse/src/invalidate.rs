@@ -1,0 +1,61 @@
+//! The notifier thread: turns the engine's invalidations into kernel notifications.
+//!
+//! Owns the only place the mount calls into the kernel unprompted. The engine's
+//! [`crate::Invalidator::invalidate`] only queues a path (it never blocks and never makes a
+//! syscall on the caller's thread); this thread then, for the deepest name of the path the
+//! kernel knows, sends `inval_inode` for the node (attributes and pages) and `inval_entry`
+//! on its parent (the dentry, and with it the parent's attributes and cached listing).
+//!
+//! **Why a thread of its own:** an `inval_entry` takes the parent directory's lock in the
+//! kernel, which a request in flight in that directory may hold while it waits for a FUSE
+//! worker; sent from a worker (or from an engine thread a worker waits on) it could
+//! deadlock. Here it only waits for that request to finish. No lock of ours is held while
+//! the kernel is called.
+
+use crate::backing::Shared;
+use crate::lock;
+use fuser::{INodeNo, Notifier};
+use meshfs_protocol::RelPath;
+use std::ffi::OsStr;
+use std::io;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use tracing::debug;
+
+/// Starts the notifier thread; it ends when every sender of `rx` is gone.
+pub(crate) fn spawn(
+    sh: Arc<Shared>,
+    notifier: Notifier,
+    rx: Receiver<RelPath>,
+) -> io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("meshfs-fuse-inval".into())
+        .spawn(move || {
+            while let Ok(path) = rx.recv() {
+                invalidate(&sh, &notifier, &path);
+            }
+        })
+}
+
+fn invalidate(sh: &Shared, notifier: &Notifier, path: &RelPath) {
+    let target = {
+        let t = lock(&sh.table);
+        t.walk(path.components())
+            .map(|(parent, name, node)| (parent, name.to_owned(), node))
+    };
+    let Some((parent, name, node)) = target else {
+        return;
+    };
+    if let Some(ino) = node {
+        // A directory the engine replaced or moved must be resolved by its path again.
+        sh.dirs.remove(ino);
+        // Offset 0, length 0: attributes and every cached page.
+        if let Err(e) = notifier.inval_inode(INodeNo(ino), 0, 0) {
+            debug!(%path, error = %e, "inval_inode");
+        }
+    }
+    if let Err(e) = notifier.inval_entry(INodeNo(parent), OsStr::new(&name)) {
+        debug!(%path, error = %e, "inval_entry");
+    }
+}

@@ -1,0 +1,453 @@
+//! Mounting and unmounting: the mount point checks, the FUSE session's threads, and the
+//! handle the engine keeps.
+//!
+//! Owns the life of a mount: [`mount`] checks the mount point (exists, is an empty
+//! directory, is not already a mount point; a dead one left by a killed daemon is detached
+//! first), opens the backing root, mounts, and starts the request threads and the notifier
+//! thread. [`Mount::unmount`] (or drop) unmounts; if the mount is busy (an open file, a shell
+//! inside it) it is detached lazily and the request threads serve the last users until they
+//! leave.
+
+use crate::backing::{Shared, DIR_CACHE};
+use crate::dircache::DirCache;
+use crate::fs::Passthrough;
+use crate::handles::Handles;
+use crate::inodes::Table;
+use crate::{invalidate, lock, sys, ChangeSink, Invalidator, WriterRegistry};
+use meshfs_protocol::RelPath;
+use std::ffi::CString;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// How to mount.
+#[derive(Clone, Debug)]
+pub struct MountOptions {
+    /// Refuse every change (`EROFS`).
+    pub read_only: bool,
+    /// Request threads, each on its own clone of the FUSE device (default: the number of
+    /// CPUs, clamped to 2..=4).
+    pub n_threads: usize,
+    /// Try kernel passthrough of reads and writes; without the kernel's support or the
+    /// privilege, reads and writes are forwarded instead (silently).
+    pub passthrough: bool,
+    /// How long the kernel may trust an entry or attributes without asking again. Long is
+    /// fast; the engine invalidates what it changes, so only changes made to the backing
+    /// directory behind the engine's back wait for it.
+    pub ttl: Duration,
+    /// Let other users than the mounting one in (`allow_other`, which for a non-root mount
+    /// needs `user_allow_other` in /etc/fuse.conf). The kernel then checks every access
+    /// against the files' modes (`default_permissions`), as on any filesystem. Off (the
+    /// default), only the mounting user gets in, and the backing's own permission checks
+    /// (made with that user's identity) suffice: the kernel then skips refreshing a
+    /// directory's attributes for a permission check after every create in it.
+    pub allow_other: bool,
+}
+
+impl Default for MountOptions {
+    fn default() -> MountOptions {
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        MountOptions {
+            read_only: false,
+            n_threads: cpus.clamp(2, 4),
+            passthrough: true,
+            ttl: Duration::from_secs(2),
+            allow_other: false,
+        }
+    }
+}
+
+/// Why a mount or unmount failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    /// The mount point does not exist.
+    #[error("mount point {} does not exist; create an empty directory there", .0.display())]
+    MountPointMissing(PathBuf),
+    /// The mount point is not a directory.
+    #[error("mount point {} is not a directory", .0.display())]
+    NotADirectory(PathBuf),
+    /// The mount point has entries.
+    #[error("mount point {} is not empty; meshfs mounts only on an empty directory (move its contents into the folder first)", .0.display())]
+    NotEmpty(PathBuf),
+    /// Something is already mounted there.
+    #[error("{} is already a mount point; unmount it first (umount {})", .0.display(), .0.display())]
+    AlreadyMounted(PathBuf),
+    /// The backing directory is missing or not a directory.
+    #[error("backing directory {}: {source}", path.display())]
+    Backing {
+        /// The backing directory.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// The mount point is inside the backing directory (the mount would serve itself).
+    #[error("mount point {} lies inside the backing directory {}; choose a mount point outside it", mountpoint.display(), backing.display())]
+    Nested {
+        /// The mount point.
+        mountpoint: PathBuf,
+        /// The backing directory.
+        backing: PathBuf,
+    },
+    /// A dead mount (its daemon was killed) could not be detached.
+    #[error("{} is a dead mount (transport endpoint is not connected) and detaching it failed: {source}; try `umount -l {}` as root", path.display(), path.display())]
+    DeadMount {
+        /// The mount point.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// Inspecting the mount point failed.
+    #[error("cannot inspect mount point {}: {source}", path.display())]
+    Inspect {
+        /// The mount point.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// The kernel (or fusermount) refused the mount, or its threads could not start.
+    #[error("mounting {} failed: {source}", path.display())]
+    Mount {
+        /// The mount point.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// Unmounting failed.
+    #[error("unmounting {} failed: {source}", path.display())]
+    Unmount {
+        /// The mount point.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+}
+
+/// What a mount is doing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountInfo {
+    /// Where it is mounted.
+    pub mountpoint: PathBuf,
+    /// The directory it shows.
+    pub backing: PathBuf,
+    /// Mounted read-only.
+    pub read_only: bool,
+    /// Reads and writes go through kernel passthrough (negotiated and not refused).
+    pub passthrough: bool,
+    /// Open file and directory handles.
+    pub open_handles: usize,
+    /// Inodes the kernel holds (the inode table's size).
+    pub known_inodes: usize,
+    /// Directory descriptors cached.
+    pub cached_dirs: usize,
+    /// Request threads.
+    pub threads: usize,
+}
+
+/// The part of a mount the engine keeps: its [`Invalidator`] and [`WriterRegistry`].
+/// Cheap to share; after the mount is gone it invalidates nothing and has no writers.
+#[derive(Debug)]
+pub struct MountHandle {
+    sh: Arc<Shared>,
+}
+
+impl Invalidator for MountHandle {
+    fn invalidate(&self, path: &RelPath) {
+        if let Some(tx) = lock(&self.sh.invalidations).as_ref() {
+            // Unbounded: never blocks. A closed queue means the mount is going away.
+            let _ = tx.send(path.clone());
+        }
+    }
+}
+
+impl WriterRegistry for MountHandle {
+    fn has_writer(&self, path: &RelPath) -> bool {
+        let node = lock(&self.sh.table)
+            .walk(path.components())
+            .and_then(|(_, _, node)| node);
+        node.is_some_and(|ino| self.sh.handles.has_writer(ino))
+    }
+}
+
+/// A live mount. Unmounts on [`Mount::unmount`] or drop.
+pub struct Mount {
+    mountpoint: PathBuf,
+    backing: PathBuf,
+    threads: usize,
+    handle: Arc<MountHandle>,
+    unmounter: Option<fuser::SessionUnmounter>,
+    session: Option<JoinHandle<io::Result<()>>>,
+    notifier: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Mount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mount")
+            .field("mountpoint", &self.mountpoint)
+            .field("backing", &self.backing)
+            .finish_non_exhaustive()
+    }
+}
+
+fn cpath(path: &Path) -> CString {
+    // A path from the OS never holds a NUL; an empty one fails its syscall instead.
+    CString::new(path.as_os_str().as_bytes()).unwrap_or_default()
+}
+
+fn os_err(e: sys::Errno) -> io::Error {
+    io::Error::from_raw_os_error(e)
+}
+
+/// Checks `mountpoint` and returns its canonical path; detaches a dead mount there.
+fn prepare_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
+    let c = cpath(mountpoint);
+    // statfs, not stat: the kernel may still answer a stat of a dead FUSE mount from its
+    // attribute cache, but it always asks the server for statfs.
+    match sys::statfs_probe(&c) {
+        Ok(_) => {}
+        Err(libc::ENOENT) => return Err(MountError::MountPointMissing(mountpoint.into())),
+        Err(libc::ENOTCONN) | Err(libc::ECONNABORTED) => {
+            warn!(mountpoint = %mountpoint.display(), "dead mount point (its daemon died); detaching it");
+            sys::umount2(&c, libc::MNT_DETACH).map_err(|e| MountError::DeadMount {
+                path: mountpoint.into(),
+                source: os_err(e),
+            })?;
+        }
+        Err(e) => {
+            return Err(MountError::Inspect {
+                path: mountpoint.into(),
+                source: os_err(e),
+            })
+        }
+    }
+    let canonical = mountpoint
+        .canonicalize()
+        .map_err(|source| MountError::Inspect {
+            path: mountpoint.into(),
+            source,
+        })?;
+    let st = sys::stat_path(&cpath(&canonical)).map_err(|e| MountError::Inspect {
+        path: mountpoint.into(),
+        source: os_err(e),
+    })?;
+    if !st.is_dir() {
+        return Err(MountError::NotADirectory(mountpoint.into()));
+    }
+    if st.mount_root {
+        return Err(MountError::AlreadyMounted(mountpoint.into()));
+    }
+    let mut entries = std::fs::read_dir(&canonical).map_err(|source| MountError::Inspect {
+        path: mountpoint.into(),
+        source,
+    })?;
+    if entries.next().is_some() {
+        return Err(MountError::NotEmpty(mountpoint.into()));
+    }
+    Ok(canonical)
+}
+
+/// Mounts `backing` (a folder's replica directory) at `mountpoint`, reporting every change
+/// made through the mount to `sink`.
+pub fn mount(
+    backing: &Path,
+    mountpoint: &Path,
+    opts: MountOptions,
+    sink: Arc<dyn ChangeSink>,
+) -> Result<Mount, MountError> {
+    let backing_err = |source| MountError::Backing {
+        path: backing.into(),
+        source,
+    };
+    let backing_abs = backing.canonicalize().map_err(backing_err)?;
+    let mp = prepare_mountpoint(mountpoint)?;
+    if mp.starts_with(&backing_abs) {
+        return Err(MountError::Nested {
+            mountpoint: mp,
+            backing: backing_abs,
+        });
+    }
+    let root = sys::open_dir_path(&cpath(&backing_abs)).map_err(|e| backing_err(os_err(e)))?;
+    let root_st = sys::fstat(root.as_fd()).map_err(|e| backing_err(os_err(e)))?;
+    let (euid, egid) = sys::effective_ids();
+    let sh = Arc::new(Shared {
+        root: Arc::new(root),
+        root_ino: root_st.ino,
+        root_dev: root_st.dev,
+        table: Mutex::new(Table::new()),
+        dirs: DirCache::new(DIR_CACHE),
+        handles: Handles::new(),
+        sink,
+        ttl: opts.ttl,
+        read_only: opts.read_only,
+        want_passthrough: opts.passthrough,
+        passthrough: AtomicBool::new(false),
+        euid,
+        egid,
+        invalidations: Mutex::new(None),
+    });
+
+    let mut options = vec![
+        fuser::MountOption::FSName("meshfs".into()),
+        fuser::MountOption::Subtype("meshfs".into()),
+        fuser::MountOption::NoSuid,
+        fuser::MountOption::NoDev,
+    ];
+    if opts.allow_other {
+        // Other users' requests run with this process's identity on the backing: the
+        // kernel must check them against the modes we report (it knows the caller's
+        // supplementary groups; FUSE requests do not carry them).
+        options.push(fuser::MountOption::DefaultPermissions);
+    }
+    if opts.read_only {
+        options.push(fuser::MountOption::RO);
+    }
+    let threads = opts.n_threads.max(1);
+    let mut config = fuser::Config::default();
+    config.mount_options = options;
+    config.acl = if opts.allow_other {
+        fuser::SessionACL::All
+    } else {
+        fuser::SessionACL::Owner
+    };
+    config.n_threads = Some(threads);
+    config.clone_fd = true;
+
+    let mount_err = |source| MountError::Mount {
+        path: mp.clone(),
+        source,
+    };
+    let mut session =
+        fuser::Session::new(Passthrough::new(sh.clone()), &mp, &config).map_err(mount_err)?;
+    let notifier = session.notifier();
+    let mut unmounter = session.unmount_callable();
+    let session_thread = std::thread::Builder::new()
+        .name("meshfs-fuse".into())
+        .spawn(move || session.run());
+    let session_thread = match session_thread {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = unmounter.unmount();
+            return Err(mount_err(e));
+        }
+    };
+    let (tx, rx) = mpsc::channel();
+    *lock(&sh.invalidations) = Some(tx);
+    let notifier_thread = invalidate::spawn(sh.clone(), notifier, rx).map_err(mount_err);
+    let mut m = Mount {
+        mountpoint: mp,
+        backing: backing_abs,
+        threads,
+        handle: Arc::new(MountHandle { sh }),
+        unmounter: Some(unmounter),
+        session: Some(session_thread),
+        notifier: None,
+    };
+    m.notifier = Some(notifier_thread?);
+    info!(
+        mountpoint = %m.mountpoint.display(),
+        backing = %m.backing.display(),
+        passthrough = m.handle.sh.passthrough.load(Ordering::Relaxed),
+        "mounted"
+    );
+    Ok(m)
+}
+
+impl Mount {
+    /// What the mount is doing.
+    pub fn info(&self) -> MountInfo {
+        let sh = &self.handle.sh;
+        MountInfo {
+            mountpoint: self.mountpoint.clone(),
+            backing: self.backing.clone(),
+            read_only: sh.read_only,
+            passthrough: sh.passthrough.load(Ordering::Relaxed),
+            open_handles: sh.handles.count(),
+            known_inodes: lock(&sh.table).len(),
+            cached_dirs: sh.dirs.len(),
+            threads: self.threads,
+        }
+    }
+
+    /// The engine's side of the mount: invalidations and the writer registry.
+    pub fn handle(&self) -> Arc<MountHandle> {
+        self.handle.clone()
+    }
+
+    /// Unmounts. A busy mount (an open file, a process inside it) is detached: it vanishes
+    /// from the mount point now and its last users are served until they leave.
+    pub fn unmount(mut self) -> Result<(), MountError> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<(), MountError> {
+        let Some(session) = self.session.take() else {
+            return Ok(());
+        };
+        // Ends the notifier thread once its queue drains.
+        lock(&self.handle.sh.invalidations).take();
+        let mut detached = false;
+        let mut result = Ok(());
+        if let Some(mut unmounter) = self.unmounter.take() {
+            match unmounter.unmount() {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                    info!(mountpoint = %self.mountpoint.display(), "mount busy; detaching it");
+                    match sys::umount2(&cpath(&self.mountpoint), libc::MNT_DETACH) {
+                        Ok(()) => detached = true,
+                        Err(e) => {
+                            result = Err(MountError::Unmount {
+                                path: self.mountpoint.clone(),
+                                source: os_err(e),
+                            })
+                        }
+                    }
+                }
+                // Already unmounted (by `umount` from outside, or the connection aborted).
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                Err(source) => {
+                    result = Err(MountError::Unmount {
+                        path: self.mountpoint.clone(),
+                        source,
+                    })
+                }
+            }
+        }
+        if result.is_ok() && !detached {
+            match session.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(error = %e, "FUSE session ended with an error"),
+                Err(_) => warn!("FUSE session thread panicked"),
+            }
+        }
+        // Otherwise the session thread is left to serve the detached mount's last users.
+        if let Some(n) = self.notifier.take() {
+            let _ = n.join();
+        }
+        result
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            warn!(error = %e, "unmount on drop failed");
+        }
+    }
+}
+
+impl Invalidator for Mount {
+    fn invalidate(&self, path: &RelPath) {
+        self.handle.invalidate(path)
+    }
+}
+
+impl WriterRegistry for Mount {
+    fn has_writer(&self, path: &RelPath) -> bool {
+        self.handle.has_writer(path)
+    }
+}
