@@ -66,18 +66,30 @@ enum Command {
     },
     /// Run the engine in the foreground until SIGINT/SIGTERM.
     Daemon,
-    /// Mount a folder through the running daemon.
+    /// Mount a folder through the running daemon (an empty directory; the replica stays where it is).
+    #[command(
+        after_help = "Example: meshfs mount work ~/work   # then edit in ~/work\nThe folder keeps syncing; `meshfs unmount work` ends the mount. To mount at every start, set `mount = \"PATH\"` in its [[folder]]."
+    )]
     Mount {
         /// The folder id.
         folder: String,
-        /// Where to mount it.
+        /// Where to mount it: an existing empty directory.
         mountpoint: PathBuf,
+        /// Refuse every change through the mount.
+        #[arg(long)]
+        read_only: bool,
     },
-    /// Unmount a folder.
+    /// Unmount a folder (it keeps syncing).
     Unmount {
         /// The folder id.
         folder: String,
     },
+    /// Rebuild a damaged journal: move it aside (nothing is deleted) so the next daemon start
+    /// rescans every folder and reconciles with its peers; differences become conflicts.
+    #[command(
+        after_help = "Run it with the daemon stopped, when the daemon says the journal is damaged.\nThe change history kept in the old journal is not carried over; the files are untouched."
+    )]
+    Repair,
     /// Rescan a folder now (the daemon also scans at start and watches for changes).
     Scan {
         /// The folder id.
@@ -294,6 +306,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
                 id: id.clone(),
                 path,
                 watch: true,
+                mount: None,
             });
             config.save(home)?;
             reload_if_running(home)?;
@@ -455,11 +468,107 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             rt.block_on(control::run_daemon(home.clone()))?;
             Ok(0)
         }
-        Command::Mount { folder, .. } | Command::Unmount { folder } => {
+        Command::Mount {
+            folder,
+            mountpoint,
+            read_only,
+        } => {
             Config::load(home)?
                 .folder(&folder)
                 .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
-            bail!("this build of meshfs has no FUSE layer yet: folder {folder:?} is replicated as a plain directory (edit it in place; changes are captured by the watcher)")
+            let point = std::path::absolute(&mountpoint)
+                .map_err(|e| anyhow!("mount point {}: {e}", mountpoint.display()))?;
+            let req = serde_json::json!({"op": "mount", "folder": folder, "mountpoint": point, "read_only": read_only});
+            match control::request(home, &req)? {
+                None => {
+                    eprintln!("meshfs: the daemon is not running; the mount is served by it (`meshfs daemon`)");
+                    Ok(EXIT_NO_DAEMON)
+                }
+                Some(r) if r.get("ok").and_then(|v| v.as_bool()) == Some(true) => {
+                    let m = &r["mount"];
+                    println!(
+                        "folder {folder} mounted at {} ({}, kernel passthrough {})",
+                        point.display(),
+                        m["mode"].as_str().unwrap_or("read-write"),
+                        if m["passthrough"] == true {
+                            "on"
+                        } else {
+                            "off"
+                        }
+                    );
+                    Ok(0)
+                }
+                Some(r) => bail!(
+                    "{}",
+                    r.get("error")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("mount failed")
+                ),
+            }
+        }
+        Command::Unmount { folder } => {
+            Config::load(home)?
+                .folder(&folder)
+                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
+            match control::request(
+                home,
+                &serde_json::json!({"op": "unmount", "folder": folder}),
+            )? {
+                None => {
+                    eprintln!("meshfs: the daemon is not running, so nothing of it is mounted");
+                    Ok(EXIT_NO_DAEMON)
+                }
+                Some(r) if r.get("ok").and_then(|v| v.as_bool()) == Some(true) => {
+                    println!(
+                        "folder {folder} unmounted from {}",
+                        r["mountpoint"].as_str().unwrap_or("?")
+                    );
+                    Ok(0)
+                }
+                Some(r) => bail!(
+                    "{}",
+                    r.get("error")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("unmount failed")
+                ),
+            }
+        }
+        Command::Repair => {
+            if control::is_running(home) {
+                bail!("the daemon is running; stop it first (`meshfs repair` moves its journal aside)");
+            }
+            let db = home.journal_file();
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            let mut moved = Vec::new();
+            for suffix in ["", "-wal", "-shm"] {
+                let from = PathBuf::from(format!("{}{suffix}", db.display()));
+                if from.exists() {
+                    let to = PathBuf::from(format!("{}.damaged-{stamp}{suffix}", db.display()));
+                    std::fs::rename(&from, &to).map_err(|e| {
+                        anyhow!(
+                            "cannot move {} aside to {}: {e}",
+                            from.display(),
+                            to.display()
+                        )
+                    })?;
+                    moved.push(to);
+                }
+            }
+            if moved.is_empty() {
+                println!(
+                    "no journal at {}; the next `meshfs daemon` creates one",
+                    db.display()
+                );
+            } else {
+                for m in &moved {
+                    println!("kept the old journal as {}", m.display());
+                }
+                println!("the next `meshfs daemon` rescans every folder into a new journal and reconciles with its peers: files that differ become conflicts, nothing is overwritten");
+            }
+            Ok(0)
         }
         Command::Scan { folder } => {
             Config::load(home)?
@@ -583,6 +692,20 @@ fn print_status(st: &serde_json::Value) {
                 "syncing"
             }
         );
+        let m = &f["mount"];
+        if m.is_object() {
+            println!(
+                "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
+                s(m, "mountpoint"),
+                s(m, "mode"),
+                if m["passthrough"] == true {
+                    "on"
+                } else {
+                    "off"
+                },
+                u(m, "open_handles")
+            );
+        }
         for p in f["peers"].as_array().into_iter().flatten() {
             println!(
                 "          with {}: {}{}",

@@ -315,3 +315,38 @@ fn five_devices_settle_a_three_way_conflict_with_one_entry_per_resolution_even_a
         bytes_after.saturating_sub(bytes_before)
     );
 }
+
+/// Bytes on the wire while `n` devices settle one conflict made on two of them, per pair of
+/// devices.
+fn conflict_traffic_per_pair(n: usize) -> f64 {
+    let t = tmp();
+    let names = ["a", "b", "c", "d", "e"];
+    let mut devs: Vec<Device> = names[..n].iter().map(|x| Device::new(&t, x)).collect();
+    mesh(&devs.iter().collect::<Vec<_>>());
+    write(&devs[0].path("doc.txt"), b"base");
+    Device::start_together(&mut devs.iter_mut().collect::<Vec<_>>());
+    wait_synced(&devs.iter().collect::<Vec<_>>(), 30);
+    for d in &mut devs[..2] {
+        d.stop();
+    }
+    write(&devs[0].path("doc.txt"), b"edit on a");
+    write(&devs[1].path("doc.txt"), b"edit on b");
+    // The restarted two count from zero; the others from here.
+    let before: u64 = devs[2..].iter().map(|d| d.wire_bytes()).sum();
+    Device::start_together(&mut devs[..2].iter_mut().collect::<Vec<_>>());
+    wait_synced(&devs.iter().collect::<Vec<_>>(), 30);
+    let after: u64 = devs.iter().map(|d| d.wire_bytes()).sum();
+    let pairs = (n * (n - 1) / 2) as f64;
+    (after - before) as f64 / pairs
+}
+
+#[test]
+fn a_conflict_among_five_devices_costs_each_pair_no_more_than_twice_what_two_devices_pay() {
+    let two = conflict_traffic_per_pair(2);
+    let five = conflict_traffic_per_pair(5);
+    eprintln!("index traffic per device pair: 2 devices {two:.0} B, 5 devices {five:.0} B");
+    assert!(
+        five <= 2.0 * two,
+        "5 devices: {five:.0} B per pair, 2 devices: {two:.0} B"
+    );
+}

@@ -738,8 +738,12 @@ fn decide_each(
                     let (expect, basis) = seen_of(prev.as_ref());
                     let live_prev = prev.as_ref().filter(|p| !p.record.deleted);
                     if rt.writers.has_writer(&record.path) {
-                        // Open for writing through the mount: wait for the release, then decide again.
-                        redo.push(remote.clone());
+                        // Open for writing through the mount: never replaced, renamed away or
+                        // deleted under its writer. The rest of the batch goes on; this path
+                        // is decided again after the last writing handle is released
+                        // (`Engine::apply_deferred`).
+                        tracing::info!(%folder, path = %record.path, "open for writing through the mount; the remote version waits for its release");
+                        rt.defer(remote.clone(), peer);
                         continue;
                     }
                     let result: Result<Option<LocalStat>, StoreError> = if record.deleted {

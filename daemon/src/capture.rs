@@ -26,6 +26,9 @@ pub enum CaptureMsg {
     Changed(RelPath, Hint),
     /// The whole folder must be rescanned (watcher overflow, or asked by the user).
     Rescan,
+    /// The last handle open for writing on this path through the mount was released: a
+    /// remote version deferred for it may be applied once the path is captured.
+    Released(RelPath),
 }
 
 /// What kind of event a path saw.
@@ -100,6 +103,8 @@ impl Coalescer {
     pub fn add(&mut self, msg: CaptureMsg, now: Instant) {
         match msg {
             CaptureMsg::Rescan => self.rescan = true,
+            // The capture loop handles releases itself.
+            CaptureMsg::Released(_) => {}
             CaptureMsg::Changed(p, hint) => {
                 let e = self.waiting.entry(p).or_insert((now, false));
                 e.0 = now;

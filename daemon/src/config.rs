@@ -154,7 +154,7 @@ impl Default for Options {
             coalesce_ms: 5,
             history_retention_days: 0,
             tombstone_retention_days: 365,
-            max_redial_secs: 2,
+            max_redial_secs: 1,
         }
     }
 }
@@ -167,9 +167,14 @@ pub struct FolderConfig {
     pub id: String,
     /// The replica directory.
     pub path: PathBuf,
-    /// Watch the directory with inotify (on by default).
+    /// Watch the directory with inotify (on by default). The mount reports its own changes;
+    /// the watcher is the net for writes that bypass it. Turning it off is meant for proving
+    /// that capture through the mount needs no watcher.
     #[serde(default = "yes")]
     pub watch: bool,
+    /// Mount the folder here when the daemon starts (`meshfs mount` does it at runtime).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount: Option<PathBuf>,
 }
 
 fn yes() -> bool {
@@ -357,6 +362,7 @@ mod tests {
             id: "work".into(),
             path: "/tmp/w".into(),
             watch: true,
+            mount: None,
         });
         c.save(&home).unwrap();
         assert_eq!(Config::load(&home).unwrap(), c);

@@ -94,6 +94,7 @@ async fn handle(
                         },
                     }
                 }
+                "mount" | "unmount" => mount_op(&engine, &req).await,
                 "stop" => {
                     stop.notify_one();
                     serde_json::json!({"ok": true})
@@ -106,6 +107,42 @@ async fn handle(
         w.write_all(out.as_bytes()).await?;
     }
     Ok(())
+}
+
+/// `mount` (`folder`, `mountpoint`, `read_only`) and `unmount` (`folder`), on a blocking
+/// thread: mounting and unmounting wait for the kernel.
+async fn mount_op(engine: &Arc<Engine>, req: &serde_json::Value) -> serde_json::Value {
+    let folder = req.get("folder").and_then(|v| v.as_str()).unwrap_or("");
+    let folder = match FolderId::new(folder) {
+        Ok(f) => f,
+        Err(e) => return serde_json::json!({"ok": false, "error": e.to_string()}),
+    };
+    let engine = engine.clone();
+    let op = req
+        .get("op")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    let point = req
+        .get("mountpoint")
+        .and_then(|v| v.as_str())
+        .map(std::path::PathBuf::from);
+    let read_only = req.get("read_only").and_then(|v| v.as_bool()) == Some(true);
+    let done = tokio::task::spawn_blocking(move || match (op.as_str(), point) {
+        ("mount", Some(p)) => engine
+            .mount(&folder, &p, read_only)
+            .map(|m| serde_json::json!({"ok": true, "mount": m})),
+        ("mount", None) => Err("mount needs a mountpoint".to_string()),
+        _ => engine
+            .unmount(&folder)
+            .map(|p| serde_json::json!({"ok": true, "mountpoint": p})),
+    })
+    .await;
+    match done {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => serde_json::json!({"ok": false, "error": e}),
+        Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
+    }
 }
 
 /// Sends one request to the daemon of `home` and returns its reply; `Ok(None)` when no daemon

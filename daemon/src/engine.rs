@@ -14,7 +14,7 @@ use crate::peers::{self, Peers};
 use crate::scanner::{self, ScanTarget};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
-use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
+use meshfs_protocol::{DeviceId, FileRecord, FolderId, RelPath, ShortId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -47,9 +47,68 @@ pub struct FolderRt {
     pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
     /// Invalidates a mount's kernel caches after the engine changed a path.
     pub invalidator: Arc<dyn meshfs_fuse::Invalidator>,
+    /// The folder's mount while it has one (both of the above forward to it).
+    pub mount_slot: Arc<crate::mounts::MountSlot>,
+    /// The running mount, if any.
+    mount: Mutex<Option<meshfs_fuse::Mount>>,
+    /// Remote versions waiting for a path's writer through the mount to let go, with the
+    /// peer each came from (the newest per path).
+    deferred: Mutex<HashMap<RelPath, (FileRecord, DeviceId)>>,
+    /// Why receiving into this folder is stopped (the disk is full), if it is.
+    blocked: Mutex<Option<String>>,
     /// What apply just did to paths, so the watcher's events for it are not rescanned.
     pub echoes: crate::capture::Echoes,
     watcher: Mutex<Option<notify::RecommendedWatcher>>,
+}
+
+impl FolderRt {
+    /// Holds `remote` (from `peer`) until `remote.path` has no writer through the mount.
+    pub fn defer(&self, remote: FileRecord, peer: DeviceId) {
+        if let Ok(mut d) = self.deferred.lock() {
+            d.insert(remote.path.clone(), (remote, peer));
+        }
+    }
+
+    /// Receiving stopped for `reason` (the disk is full). Returns whether it was not already
+    /// stopped, so the caller tells the user once, not per batch.
+    pub fn block(&self, reason: String) -> bool {
+        self.blocked
+            .lock()
+            .map(|mut b| b.replace(reason).is_none())
+            .unwrap_or(false)
+    }
+
+    /// Receiving works again. Returns whether it had been stopped.
+    pub fn unblock(&self) -> bool {
+        self.blocked
+            .lock()
+            .map(|mut b| b.take().is_some())
+            .unwrap_or(false)
+    }
+
+    /// Why receiving is stopped, if it is.
+    pub fn blocked(&self) -> Option<String> {
+        self.blocked.lock().ok().and_then(|b| b.clone())
+    }
+
+    /// Remote versions waiting for a writer to let go.
+    pub fn deferred_count(&self) -> usize {
+        self.deferred.lock().map_or(0, |d| d.len())
+    }
+
+    /// Takes the deferred versions whose paths no longer have a writer and whose peer is
+    /// connected (the content may have to be fetched from it).
+    fn take_ready_deferred(&self, connected: &HashSet<DeviceId>) -> Vec<(FileRecord, DeviceId)> {
+        let Ok(mut d) = self.deferred.lock() else {
+            return Vec::new();
+        };
+        let ready: Vec<RelPath> = d
+            .iter()
+            .filter(|(p, (_, peer))| connected.contains(peer) && !self.writers.has_writer(p))
+            .map(|(p, _)| p.clone())
+            .collect();
+        ready.into_iter().filter_map(|p| d.remove(&p)).collect()
+    }
 }
 
 /// The engine of one device.
@@ -95,6 +154,7 @@ impl Engine {
         let config = Config::load(&home)?;
         let identity = Identity::load(&home.identity_dir())?;
         let journal = Journal::open(&home.journal_file())?;
+        journal.check()?;
         let listen: std::net::SocketAddr = config.device.listen.parse()?;
         let trust = TrustStore::new(config.peer_ids());
         let endpoint = transport::endpoint(&identity, listen, trust.clone()).map_err(|e| {
@@ -124,6 +184,21 @@ impl Engine {
         });
         for f in &config.folders {
             engine.start_folder(f).await?;
+        }
+        for f in &config.folders {
+            if let (Some(point), Ok(id)) = (&f.mount, FolderId::new(&f.id)) {
+                let (e, point) = (engine.clone(), point.clone());
+                let mounted =
+                    tokio::task::spawn_blocking(move || e.mount(&id, &point, false)).await?;
+                match mounted {
+                    Ok(m) => {
+                        tracing::info!(folder = %f.id, mountpoint = %m.mountpoint.display(), passthrough = m.passthrough, "folder mounted")
+                    }
+                    Err(e) => {
+                        tracing::error!(folder = %f.id, error = %e, "cannot mount the folder; it keeps syncing unmounted")
+                    }
+                }
+            }
         }
         tokio::spawn(peers::accept_loop(engine.clone(), endpoint));
         tokio::spawn(retention_loop(engine.clone()));
@@ -174,6 +249,119 @@ impl Engine {
             .collect()
     }
 
+    /// Mounts `folder` at `mountpoint`, served by this daemon. Blocking (the kernel's mount
+    /// call): run it off the async workers.
+    pub fn mount(
+        &self,
+        folder: &FolderId,
+        mountpoint: &std::path::Path,
+        read_only: bool,
+    ) -> Result<crate::mounts::MountStatus, String> {
+        let rt = self
+            .folder(folder)
+            .ok_or_else(|| format!("no running folder {folder} (see `meshfs folder list`)"))?;
+        let mut slot = rt.mount.lock().map_err(|_| "mount lock poisoned")?;
+        if let Some(m) = slot.as_ref() {
+            return Err(format!(
+                "folder {folder} is already mounted at {}; `meshfs unmount {folder}` first",
+                m.info().mountpoint.display()
+            ));
+        }
+        let opts = meshfs_fuse::MountOptions {
+            read_only,
+            ..Default::default()
+        };
+        let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
+        let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)
+            .map_err(|e| e.to_string())?;
+        rt.mount_slot.attach(m.handle());
+        let status = crate::mounts::MountStatus::from(m.info());
+        *slot = Some(m);
+        Ok(status)
+    }
+
+    /// Unmounts `folder`; its replica keeps syncing. Returns where it was mounted.
+    pub fn unmount(&self, folder: &FolderId) -> Result<std::path::PathBuf, String> {
+        let rt = self
+            .folder(folder)
+            .ok_or_else(|| format!("no running folder {folder} (see `meshfs folder list`)"))?;
+        let mut slot = rt.mount.lock().map_err(|_| "mount lock poisoned")?;
+        let m = slot
+            .take()
+            .ok_or_else(|| format!("folder {folder} is not mounted"))?;
+        rt.mount_slot.detach();
+        let point = m.info().mountpoint;
+        m.unmount().map_err(|e| e.to_string())?;
+        Ok(point)
+    }
+
+    /// Decides again, and applies, the remote versions that waited for a writer through the
+    /// mount which has since let go (its own version is captured by then, so a concurrent
+    /// edit becomes an ordinary conflict with both versions kept).
+    pub fn apply_deferred(self: &Arc<Self>, rt: &Arc<FolderRt>) {
+        let links: HashMap<DeviceId, quinn::Connection> = self
+            .peers
+            .lock()
+            .map(|p| {
+                p.connected()
+                    .into_iter()
+                    .filter_map(|d| p.link(&d).map(|l| (d, l.conn.clone())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let connected: HashSet<DeviceId> = links.keys().copied().collect();
+        for (record, peer) in rt.take_ready_deferred(&connected) {
+            let Some(conn) = links.get(&peer).cloned() else {
+                continue;
+            };
+            let (engine, folder, path) = (self.clone(), rt.id.clone(), record.path.clone());
+            tokio::spawn(async move {
+                let (turn, _) = crate::apply::Turn::after(None);
+                let r = crate::apply::receive(
+                    &engine,
+                    &folder,
+                    peer,
+                    &conn,
+                    vec![record],
+                    HashMap::new(),
+                    turn,
+                )
+                .await;
+                match r {
+                    Ok(()) => {
+                        tracing::info!(%folder, %path, "applied the remote version that waited for the mount's writer");
+                        engine.changes_notify(&folder);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; the peer's next change of it brings it again")
+                    }
+                }
+            });
+        }
+    }
+
+    /// Unmounts every mounted folder (the daemon is stopping).
+    pub fn unmount_all(&self) {
+        let folders: Vec<Arc<FolderRt>> = self
+            .folders
+            .read()
+            .map(|f| f.values().cloned().collect())
+            .unwrap_or_default();
+        for rt in folders {
+            let m = rt.mount.lock().ok().and_then(|mut s| s.take());
+            if let Some(m) = m {
+                rt.mount_slot.detach();
+                let point = m.info().mountpoint;
+                match m.unmount() {
+                    Ok(()) => {
+                        tracing::info!(folder = %rt.id, mountpoint = %point.display(), "unmounted")
+                    }
+                    Err(e) => tracing::warn!(folder = %rt.id, error = %e, "unmount failed"),
+                }
+            }
+        }
+    }
+
     /// A running folder.
     pub fn folder(&self, id: &FolderId) -> Option<Arc<FolderRt>> {
         self.folders.read().ok()?.get(id).cloned()
@@ -194,6 +382,7 @@ impl Engine {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let fresh;
+        let slot = Arc::new(crate::mounts::MountSlot::default());
         let rt = Arc::new(FolderRt {
             id: id.clone(),
             ignore: RwLock::new(IgnoreRules::load(&f.path)),
@@ -203,9 +392,13 @@ impl Engine {
             capture_pending: Default::default(),
             scanning: Default::default(),
             scan_is_long: Default::default(),
-            // Until the FUSE layer mounts the folder, nothing is open through a mount.
-            writers: Arc::new(meshfs_fuse::NoMount),
-            invalidator: Arc::new(meshfs_fuse::NoMount),
+            // Inert until the folder is mounted; then it forwards to the mount.
+            writers: slot.clone(),
+            invalidator: slot.clone(),
+            mount_slot: slot,
+            mount: Mutex::new(None),
+            deferred: Mutex::new(HashMap::new()),
+            blocked: Mutex::new(None),
             echoes: Default::default(),
             watcher: Mutex::new(None),
         });
@@ -474,6 +667,7 @@ impl Engine {
     /// Stops sessions and the endpoint.
     pub async fn stop(&self) {
         let _ = self.stopping.send(true);
+        self.unmount_all();
         self.shutdown.notify_waiters();
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.endpoint.close(0u32.into(), b"daemon stopping");
@@ -517,7 +711,10 @@ impl Engine {
                 .load(std::sync::atomic::Ordering::Relaxed);
             let mut peer_list = Vec::new();
             let scanning = rt.scanning.load(std::sync::atomic::Ordering::Relaxed);
-            let mut folder_synced = capture_pending == 0 && !scanning;
+            let waiting_for_writers = rt.deferred_count();
+            let blocked = rt.blocked();
+            let mut folder_synced =
+                capture_pending == 0 && !scanning && waiting_for_writers == 0 && blocked.is_none();
             let mut all_connected = true;
             for p in &config.peers {
                 if !p.folders.iter().any(|f| f == rt.id.as_str()) {
@@ -561,6 +758,9 @@ impl Engine {
                 "capture_pending": capture_pending,
                 "scanning": scanning,
                 "conflicts": conflicts,
+                "waiting_for_writers": waiting_for_writers,
+                "blocked": blocked,
+                "mount": rt.mount.lock().ok().and_then(|m| m.as_ref().map(|m| crate::mounts::MountStatus::from(m.info()))),
                 "in_sync": folder_synced,
                 "peers_connected": all_connected,
                 "peers": peer_list,
@@ -658,6 +858,7 @@ async fn capture_loop(
     let open_quiet = Duration::from_secs(1);
     let mut c = Coalescer::default();
     let mut next: Option<Instant> = None;
+    let mut released = false;
     let mut stopping = engine.stopping.subscribe();
     loop {
         let sleep = async {
@@ -670,9 +871,11 @@ async fn capture_loop(
             msg = rx.recv() => {
                 let Some(msg) = msg else { return };
                 let now = Instant::now();
-                c.add(msg, now);
-                while let Ok(m) = rx.try_recv() {
-                    c.add(m, now);
+                for m in std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                    match m {
+                        CaptureMsg::Released(_) => released = true,
+                        m => c.add(m, now),
+                    }
                 }
                 rt.capture_pending.store(c.len().max(1), std::sync::atomic::Ordering::Relaxed);
                 let due = now + quiet;
@@ -700,6 +903,15 @@ async fn capture_loop(
                     match engine.scan_paths(&rt.id, scopes).await {
                         Ok(changes) => tracing::debug!(folder = %rt.id, rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured"),
                         Err(e) => tracing::warn!(folder = %rt.id, error = %e, "scan failed"),
+                    }
+                }
+                // A writer let go: once its path is captured (nothing of it waits here any
+                // more), the remote versions that waited for it are decided again.
+                if std::mem::take(&mut released) || rt.deferred_count() > 0 {
+                    if c.is_empty() {
+                        engine.apply_deferred(&rt);
+                    } else {
+                        released = true;
                     }
                 }
                 rt.capture_pending.store(c.len(), std::sync::atomic::Ordering::Relaxed);

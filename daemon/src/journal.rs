@@ -95,7 +95,7 @@ pub enum JournalError {
         source: rusqlite::Error,
     },
     /// The file exists but is not a meshfs journal.
-    #[error("{} is not a meshfs journal: {reason}; move it aside or point --home elsewhere", path.display())]
+    #[error("{} is not a meshfs journal: {reason}; if it was one, stop the daemon and run `meshfs repair` (it keeps the file aside and the next start rebuilds the journal by a rescan); otherwise point --home elsewhere", path.display())]
     NotAJournal {
         /// The file.
         path: PathBuf,
@@ -113,7 +113,7 @@ pub enum JournalError {
         supported: u32,
     },
     /// SQLite reports the database file damaged.
-    #[error("the journal {} is damaged ({source}); stop the daemon and move the file aside: meshfs rescans the folders into a new journal (their change history is lost)", path.display())]
+    #[error("the journal {} is damaged ({source}); stop the daemon and run `meshfs repair`: it keeps the damaged file aside and the next start rescans the folders into a new journal (their change history is not carried over; no file is touched)", path.display())]
     Damaged {
         /// The database file.
         path: PathBuf,
@@ -137,7 +137,7 @@ pub enum JournalError {
         source: rusqlite::Error,
     },
     /// A stored row does not decode or breaks a record invariant.
-    #[error("journal row is unreadable: {what}; the journal may be damaged: stop the daemon and move it aside to rebuild it by a rescan")]
+    #[error("journal row is unreadable: {what}; the journal may be damaged: stop the daemon and run `meshfs repair` to rebuild it by a rescan")]
     Corrupt {
         /// Which row, and what is wrong with it.
         what: String,
@@ -570,6 +570,29 @@ impl Journal {
             schema_version,
             keys: Default::default(),
             reading: false,
+        })
+    }
+
+    /// Checks the whole database file (`PRAGMA quick_check`): the daemon runs it at start so
+    /// that it never trusts a damaged journal.
+    pub fn check(&self) -> Result<()> {
+        let problems: Vec<String> = self
+            .conn
+            .prepare("PRAGMA quick_check(5)")
+            .and_then(|mut st| {
+                st.query_map([], |r| r.get::<_, String>(0))?
+                    .collect::<std::result::Result<Vec<_>, _>>()
+            })
+            .map_err(|e| classify(&self.path, e.into()))?;
+        if problems.len() == 1 && problems[0] == "ok" {
+            return Ok(());
+        }
+        Err(JournalError::Damaged {
+            path: self.path.clone(),
+            source: rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CORRUPT),
+                Some(problems.join("; ")),
+            ),
         })
     }
 

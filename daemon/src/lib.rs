@@ -16,6 +16,7 @@ pub mod identity;
 pub mod ignore;
 pub mod journal;
 pub mod mapped;
+pub mod mounts;
 pub mod peers;
 pub mod reconcile;
 pub mod scanner;

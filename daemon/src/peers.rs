@@ -31,6 +31,9 @@ const REQUEST_BYTES: u64 = 4 << 20;
 /// Chunk requests in flight per fetch.
 const REQUESTS_IN_FLIGHT: usize = 24;
 
+/// How long a redial (after a failed dial) waits for the handshake before starting over.
+const RETRY_ATTEMPT: Duration = Duration::from_millis(1500);
+
 /// Largest file whose content rides inside the index batch that announces it.
 pub const INLINE_FILE_BYTES: u64 = 64 << 10;
 /// Most inline bytes (as sent, after compression) in one index batch: with the records'
@@ -183,6 +186,7 @@ pub async fn accept_loop(engine: Arc<Engine>, endpoint: quinn::Endpoint) {
 pub async fn dial_loop(engine: Arc<Engine>, peer: DeviceId, addr: String, stop: Arc<Notify>) {
     let mut backoff = Duration::from_millis(100);
     let max = Duration::from_secs(engine.options().max_redial_secs.max(1));
+    let mut retrying = false;
     loop {
         if *engine.stopping.borrow() {
             return;
@@ -194,14 +198,38 @@ pub async fn dial_loop(engine: Arc<Engine>, peer: DeviceId, addr: String, stop: 
             .unwrap_or(false);
         if connected {
             backoff = Duration::from_millis(100);
+            retrying = false;
             tokio::select! {
                 _ = engine.peer_changed.notified() => continue,
                 _ = stop.notified() => return,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
             }
         }
-        match resolve(&addr).await {
-            Some(sa) => match transport::dial_peer(&engine.endpoint, sa, peer).await {
+        // After a failure the peer is likely unreachable for now (an outage, a laptop asleep):
+        // attempts are cut short, so a handshake started into a dead path does not hold the
+        // next one back once the path returns (QUIC backs its Initial retransmissions off).
+        let attempt = async {
+            match resolve(&addr).await {
+                Some(sa) if retrying => {
+                    match tokio::time::timeout(
+                        RETRY_ATTEMPT,
+                        transport::dial_peer(&engine.endpoint, sa, peer),
+                    )
+                    .await
+                    {
+                        Ok(r) => Some(r),
+                        Err(_) => Some(Err(transport::TransportError::Connect {
+                            addr: sa,
+                            reason: "no answer yet".into(),
+                        })),
+                    }
+                }
+                Some(sa) => Some(transport::dial_peer(&engine.endpoint, sa, peer).await),
+                None => None,
+            }
+        };
+        match attempt.await {
+            Some(r) => match r {
                 Ok(est) => {
                     if let Some(link) = register(&engine, est, engine.device) {
                         let e = engine.clone();
@@ -214,11 +242,16 @@ pub async fn dial_loop(engine: Arc<Engine>, peer: DeviceId, addr: String, stop: 
                     tracing::debug!(peer = %peer.short(), %addr, reason = %e, "crossed dial")
                 }
                 Err(e) => {
-                    tracing::info!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
+                    if !retrying {
+                        tracing::info!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
+                    } else {
+                        tracing::debug!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
+                    }
                 }
             },
             None => tracing::warn!(peer = %peer.short(), %addr, "cannot resolve peer address"),
         }
+        retrying = true;
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
             _ = stop.notified() => return,
@@ -325,6 +358,38 @@ async fn run_link(engine: Arc<Engine>, peer: DeviceId, link: PeerLink) {
         tracing::info!(peer = %peer.short(), %reason, "session ended");
     }
     tracing::info!(peer = %peer.short(), "peer disconnected");
+}
+
+/// Whether an apply failed because the disk (or the user's quota) is full.
+fn is_disk_full(error: &str) -> bool {
+    // The store's IO errors carry the OS error; ENOSPC is 28, EDQUOT 122 on Linux.
+    error.contains("(os error 28)") || error.contains("(os error 122)")
+}
+
+/// Free bytes for unprivileged writers on the filesystem holding `path`.
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the
+    // right type, which statvfs fills on success.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statvfs returned 0, so it initialised `st`.
+    (rc == 0).then(|| {
+        let st = unsafe { st.assume_init() };
+        st.f_bavail.saturating_mul(st.f_frsize)
+    })
+}
+
+/// Waits until the filesystem of `path` has more free room than now (checked every second),
+/// or a minute at most.
+async fn wait_for_room(path: &std::path::Path) {
+    let start = free_bytes(path).unwrap_or(0);
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if free_bytes(path).is_some_and(|f| f > start.saturating_add(1 << 20)) {
+            return;
+        }
+    }
 }
 
 fn session_folders(engine: &Engine, peer: &DeviceId) -> Vec<SessionFolder> {
@@ -446,7 +511,22 @@ async fn drive_session(
                         .await
                         {
                             Ok(()) => LinkEvent::Applied(folder, up_to),
-                            Err(e) => LinkEvent::ApplyFailed(folder, e),
+                            Err(e) => {
+                                if let (true, Some(rt)) = (is_disk_full(&e), engine.folder(&folder))
+                                {
+                                    // The failed batch's temp files are gone and no user file
+                                    // was touched. Say it once; the session keeps serving
+                                    // meanwhile, and the batch is received again (at the
+                                    // reconnect this failure causes) once the disk has more
+                                    // room, or after a minute, instead of re-fetching into a
+                                    // full disk over and over.
+                                    if rt.block(format!("disk full: {e}")) {
+                                        tracing::error!(%folder, error = %e, "the disk is full; receiving into this folder stopped until there is room (other folders and peers go on)");
+                                    }
+                                    wait_for_room(rt.store.root()).await;
+                                }
+                                LinkEvent::ApplyFailed(folder, e)
+                            }
                         };
                         let _ = tx.send(ev);
                     });
@@ -487,11 +567,16 @@ async fn drive_session(
                     }
                     LinkEvent::Applied(folder, up_to) => {
                         drop(j);
+                        if engine.folder(&folder).is_some_and(|rt| rt.unblock()) {
+                            tracing::info!(%folder, "the disk has room again; receiving resumed");
+                        }
                         engine.changes_notify(&folder);
                         session.applied(&folder, up_to)
                     }
                     LinkEvent::ApplyFailed(folder, e) => {
-                        tracing::error!(peer = %peer.short(), %folder, error = %e, "applying remote changes failed; will retry after reconnecting");
+                        if !is_disk_full(&e) {
+                            tracing::error!(peer = %peer.short(), %folder, error = %e, "applying remote changes failed; will retry after reconnecting");
+                        }
                         return Err(format!("apply failed: {e}"));
                     }
                     LinkEvent::Closed(reason) => return Err(reason),

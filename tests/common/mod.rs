@@ -28,6 +28,8 @@ pub struct Device {
     pub dir: PathBuf,
     pub addr: String,
     pub id: String,
+    /// The network namespace the daemon runs in, if not the test's own.
+    pub netns: Option<String>,
     child: Option<Child>,
     _tmp: std::sync::Arc<tempfile::TempDir>,
 }
@@ -56,14 +58,42 @@ pub fn ok(home: &Path, args: &[&str]) -> String {
 impl Device {
     /// A new device with folder `work` at `<tmp>/<name>/replica`.
     pub fn new(tmp: &std::sync::Arc<tempfile::TempDir>, name: &str) -> Device {
+        Device::with_replica(tmp, name, tmp.path().join(name).join("replica"))
+    }
+
+    /// A new device whose replica directory is `dir` (for example on a small filesystem).
+    pub fn with_replica(
+        tmp: &std::sync::Arc<tempfile::TempDir>,
+        name: &str,
+        dir: PathBuf,
+    ) -> Device {
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let ip = format!("127.0.{}.{}", 1 + (std::process::id() % 200), 2 + (n % 250));
         let port = free_port(&ip);
+        Device::at(tmp, name, dir, format!("{ip}:{port}"), None)
+    }
+
+    /// A device listening on `addr` whose daemon runs in network namespace `netns`.
+    pub fn in_netns(
+        tmp: &std::sync::Arc<tempfile::TempDir>,
+        name: &str,
+        netns: &str,
+        addr: &str,
+    ) -> Device {
+        let dir = tmp.path().join(name).join("replica");
+        Device::at(tmp, name, dir, addr.to_string(), Some(netns.to_string()))
+    }
+
+    fn at(
+        tmp: &std::sync::Arc<tempfile::TempDir>,
+        name: &str,
+        dir: PathBuf,
+        addr: String,
+        netns: Option<String>,
+    ) -> Device {
         let base = tmp.path().join(name);
         let home = base.join("home");
-        let dir = base.join("replica");
         std::fs::create_dir_all(&dir).unwrap();
-        let addr = format!("{ip}:{port}");
         let id = ok(&home, &["init", "--name", name, "--listen", &addr])
             .trim()
             .to_string();
@@ -77,6 +107,7 @@ impl Device {
             dir,
             addr,
             id,
+            netns,
             child: None,
             _tmp: tmp.clone(),
         }
@@ -104,7 +135,15 @@ impl Device {
     fn spawn(&mut self) {
         assert!(self.child.is_none());
         let log = std::fs::File::create(self.home.join("daemon.log")).unwrap();
-        let child = Command::new(bin())
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin()]);
+                c
+            }
+            None => Command::new(bin()),
+        };
+        let child = cmd
             .arg("--home")
             .arg(&self.home)
             .arg("daemon")
