@@ -35,6 +35,23 @@
 //! engine): the mount holds one descriptor per open handle, the backing root, and at most
 //! 1,024 cached directory descriptors, whatever the size of the tree. Known inodes cost
 //! memory (a table entry), not descriptors.
+//!
+//! ## Decisions worth knowing
+//!
+//! - **Node ids are backing inode numbers** (root and inode 1 swapped), generations are
+//!   birth times: `st_ino` through the mount is the backing's, and a reused inode number
+//!   reaches the kernel as a new inode.
+//! - **Permissions:** without `allow_other` only the mounting user gets in and the backing
+//!   checks its accesses; with it, the kernel checks modes (`default_permissions`), what
+//!   other users create is given to them (when the mount runs as root), and set-id bits
+//!   are cleared on their writes and truncates (`FUSE_HANDLE_KILLPRIV_V2`, which also spares every `write(2)` a
+//!   `security.capability` lookup).
+//! - **Locks** (POSIX and BSD) are the kernel's local ones: they work between processes of
+//!   this machine, which is all a replica directory can offer.
+//! - **Not used:** the writeback cache (a write must reach the backing before the engine
+//!   hears of it), `FUSE_ATOMIC_O_TRUNC` (it let an `O_TRUNC` open reach the backing before
+//!   the kernel's `ETXTBSY` check), `FLUSH` (answered `ENOSYS` once, so `close(2)` costs no
+//!   round trip: nothing is buffered here).
 #![deny(missing_docs)]
 
 mod backing;
