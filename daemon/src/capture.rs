@@ -76,7 +76,12 @@ pub fn watch(
             let _ = tx.send(CaptureMsg::Rescan);
         }
     };
-    let mut w = RecommendedWatcher::new(handler, Config::default().with_event_kinds(WATCHED))?;
+    // Never follow symlinks: a synced `x -> /` would otherwise make the watcher walk and
+    // watch the whole filesystem and use up the user's inotify watches.
+    let config = Config::default()
+        .with_event_kinds(WATCHED)
+        .with_follow_symlinks(false);
+    let mut w = RecommendedWatcher::new(handler, config)?;
     w.watch(root, RecursiveMode::Recursive)?;
     Ok(w)
 }

@@ -362,6 +362,12 @@ impl Engine {
         }
     }
 
+    /// The folder's local ignore file (`CONFIG_DIR/ignore/FOLDER-ID`): rules no peer can
+    /// change, read with the replicated `.meshignore` (`crate::ignore`).
+    pub fn local_ignore(&self, folder: &FolderId) -> std::path::PathBuf {
+        self.home.config_dir.join("ignore").join(folder.as_str())
+    }
+
     /// A running folder.
     pub fn folder(&self, id: &FolderId) -> Option<Arc<FolderRt>> {
         self.folders.read().ok()?.get(id).cloned()
@@ -385,7 +391,7 @@ impl Engine {
         let slot = Arc::new(crate::mounts::MountSlot::default());
         let rt = Arc::new(FolderRt {
             id: id.clone(),
-            ignore: RwLock::new(IgnoreRules::load(&f.path)),
+            ignore: RwLock::new(IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)))),
             store,
             op_lock: Mutex::new(()),
             capture: tx.clone(),
@@ -501,7 +507,7 @@ impl Engine {
                 .any(|p| p.as_str() == crate::ignore::IGNORE_FILE)
         {
             if let Ok(mut ig) = rt.ignore.write() {
-                *ig = IgnoreRules::load(rt.store.root());
+                *ig = IgnoreRules::load(rt.store.root(), Some(&self.local_ignore(&rt.id)));
             }
         }
         let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;

@@ -1,12 +1,25 @@
-//! `.meshignore`: gitignore-syntax patterns at a folder's root. Ignored paths are never
-//! journaled; the `.meshignore` file itself is replicated like any other file.
+//! Ignore rules: gitignore-syntax patterns. Ignored paths are never journaled.
+//!
+//! Two files hold them:
+//! - `.meshignore` at a folder's root, replicated like any other file (so every device of
+//!   the folder shares it — and any of them can change it);
+//! - a **local** file, `CONFIG_DIR/ignore/FOLDER-ID`, that never leaves this device and that
+//!   no peer can change: the place for what must never be sent (keys, secrets).
+//!
+//! A peer controls `.meshignore`'s content and kind, so it is read defensively: opened
+//! without following a symlink (a link to `/dev/zero`, a FIFO or a private key is not
+//! read), only if it is a regular file, and at most [`MAX_IGNORE_BYTES`].
 
 use ignore::gitignore::{Gitignore, GitignoreBuilder};
 use meshfs_protocol::RelPath;
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// The file's name at the folder root.
+/// The replicated file's name at the folder root.
 pub const IGNORE_FILE: &str = ".meshignore";
+/// Largest ignore file read; the rest is ignored with a warning.
+pub const MAX_IGNORE_BYTES: u64 = 1 << 20;
 
 /// A folder's ignore rules.
 #[derive(Debug)]
@@ -14,18 +27,52 @@ pub struct IgnoreRules {
     matcher: Gitignore,
 }
 
+/// The text of an ignore file, read without following a symlink, only from a regular file,
+/// and at most [`MAX_IGNORE_BYTES`]. `None` (with a warning) for anything else.
+fn read_rules(file: &Path) -> Option<String> {
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(file)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!(file = %file.display(), error = %e, "ignore file not read (a symlink or unreadable); its rules are not applied");
+            return None;
+        }
+    };
+    let md = f.metadata().ok()?;
+    if !md.is_file() {
+        tracing::warn!(file = %file.display(), "ignore file is not a regular file; its rules are not applied");
+        return None;
+    }
+    if md.len() > MAX_IGNORE_BYTES {
+        tracing::warn!(file = %file.display(), bytes = md.len(), max = MAX_IGNORE_BYTES, "ignore file too large; only its beginning is read");
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_IGNORE_BYTES).read_to_end(&mut bytes).ok()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 impl IgnoreRules {
-    /// Loads `root/.meshignore` (no file: nothing ignored). Bad lines are skipped with a warning.
-    pub fn load(root: &Path) -> IgnoreRules {
+    /// Loads `root/.meshignore` and the local `local` file (either may be missing: nothing
+    /// ignored). Bad lines are skipped with a warning.
+    pub fn load(root: &Path, local: Option<&Path>) -> IgnoreRules {
         let mut b = GitignoreBuilder::new(root);
-        let file = root.join(IGNORE_FILE);
-        if file.exists() {
-            if let Some(e) = b.add(&file) {
-                tracing::warn!(file = %file.display(), error = %e, "some .meshignore lines were skipped");
+        let shared = root.join(IGNORE_FILE);
+        for file in std::iter::once(shared.as_path()).chain(local) {
+            let Some(text) = read_rules(file) else {
+                continue;
+            };
+            for line in text.lines() {
+                if let Err(e) = b.add_line(Some(file.to_path_buf()), line) {
+                    tracing::warn!(file = %file.display(), error = %e, "an ignore line was skipped");
+                }
             }
         }
         let matcher = b.build().unwrap_or_else(|e| {
-            tracing::warn!(file = %file.display(), error = %e, ".meshignore ignored");
+            tracing::warn!(folder = %root.display(), error = %e, "ignore rules not applied");
             Gitignore::empty()
         });
         IgnoreRules { matcher }
@@ -46,5 +93,57 @@ impl IgnoreRules {
         self.matcher
             .matched_path_or_any_parents(path.as_str(), is_dir)
             .is_ignore()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> RelPath {
+        RelPath::new(s).unwrap()
+    }
+
+    #[test]
+    fn a_symlinked_meshignore_is_never_read_through_the_link() {
+        let d = tempfile::tempdir().unwrap();
+        let secret = d.path().join("secret");
+        std::fs::write(&secret, "*.txt\n").unwrap();
+        let root = d.path().join("root");
+        std::fs::create_dir(&root).unwrap();
+        std::os::unix::fs::symlink(&secret, root.join(IGNORE_FILE)).unwrap();
+        assert!(!IgnoreRules::load(&root, None).is_ignored(&p("a.txt"), false));
+        std::fs::remove_file(root.join(IGNORE_FILE)).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", root.join(IGNORE_FILE)).unwrap();
+        assert!(!IgnoreRules::load(&root, None).is_ignored(&p("a.txt"), false));
+    }
+
+    #[test]
+    fn a_fifo_meshignore_does_not_hang_and_a_huge_one_is_read_only_to_its_cap() {
+        let d = tempfile::tempdir().unwrap();
+        let fifo = std::ffi::CString::new(d.path().join(IGNORE_FILE).to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        assert!(!IgnoreRules::load(d.path(), None).is_ignored(&p("x"), false));
+        std::fs::remove_file(d.path().join(IGNORE_FILE)).unwrap();
+        let mut big = "*.log\n".to_string();
+        big.push_str(&"#".repeat(MAX_IGNORE_BYTES as usize));
+        big.push_str("\n*.txt\n");
+        std::fs::write(d.path().join(IGNORE_FILE), big).unwrap();
+        let rules = IgnoreRules::load(d.path(), None);
+        assert!(rules.is_ignored(&p("a.log"), false));
+        assert!(!rules.is_ignored(&p("a.txt"), false), "read past the cap");
+    }
+
+    #[test]
+    fn the_local_ignore_file_applies_beside_the_shared_one() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join(IGNORE_FILE), "*.tmp\n").unwrap();
+        let local = d.path().join("local-ignore");
+        std::fs::write(&local, "secrets/\n").unwrap();
+        let rules = IgnoreRules::load(d.path(), Some(&local));
+        assert!(rules.is_ignored(&p("x.tmp"), false));
+        assert!(rules.is_ignored(&p("secrets/key"), false));
+        assert!(!rules.is_ignored(&p("notes.md"), false));
     }
 }

@@ -366,27 +366,13 @@ fn is_disk_full(error: &str) -> bool {
     error.contains("(os error 28)") || error.contains("(os error 122)")
 }
 
-/// Free bytes for unprivileged writers on the filesystem holding `path`.
-fn free_bytes(path: &std::path::Path) -> Option<u64> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the
-    // right type, which statvfs fills on success.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    // SAFETY: statvfs returned 0, so it initialised `st`.
-    (rc == 0).then(|| {
-        let st = unsafe { st.assume_init() };
-        st.f_bavail.saturating_mul(st.f_frsize)
-    })
-}
-
 /// Waits until the filesystem of `path` has more free room than now (checked every second),
 /// or a minute at most.
 async fn wait_for_room(path: &std::path::Path) {
-    let start = free_bytes(path).unwrap_or(0);
+    let start = crate::store::free_bytes(path).unwrap_or(0);
     for _ in 0..60 {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        if free_bytes(path).is_some_and(|f| f > start.saturating_add(1 << 20)) {
+        if crate::store::free_bytes(path).is_some_and(|f| f > start.saturating_add(1 << 20)) {
             return;
         }
     }
@@ -908,8 +894,8 @@ pub async fn fetch(
     wanted: Vec<(Hash, u32)>,
     sink: &mut (dyn FnMut(Hash, Vec<u8>) -> Result<(), String> + Send),
 ) -> Result<Vec<Hash>, String> {
-    let mut groups: Vec<Vec<Hash>> = Vec::new();
-    let mut cur: Vec<Hash> = Vec::new();
+    let mut groups: Vec<Vec<(Hash, u32)>> = Vec::new();
+    let mut cur: Vec<(Hash, u32)> = Vec::new();
     let mut bytes = 0u64;
     for (h, len) in wanted {
         if !cur.is_empty() && (cur.len() >= REQUEST_HASHES || bytes + len as u64 > REQUEST_BYTES) {
@@ -917,7 +903,7 @@ pub async fn fetch(
             bytes = 0;
         }
         bytes += len as u64;
-        cur.push(h);
+        cur.push((h, len));
     }
     if !cur.is_empty() {
         groups.push(cur);
@@ -953,10 +939,11 @@ pub async fn fetch(
 async fn request_group(
     conn: &quinn::Connection,
     folder: FolderId,
-    hashes: Vec<Hash>,
+    wanted: Vec<(Hash, u32)>,
     tx: &mpsc::Sender<FetchItem>,
 ) -> Result<(), String> {
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    let hashes: Vec<Hash> = wanted.iter().map(|w| w.0).collect();
     let n = hashes.len();
     transport::write_message(
         &mut send,
@@ -968,7 +955,7 @@ async fn request_group(
     .await
     .map_err(|e| e.to_string())?;
     let _ = send.finish();
-    for want in hashes.iter().take(n) {
+    for (want, want_len) in wanted.iter().take(n) {
         let msg = transport::read_message(&mut recv)
             .await
             .map_err(|e| e.to_string())?;
@@ -986,6 +973,17 @@ async fn request_group(
             Some(d) => Some(open_chunk(&resp.hash, d, resp.compressed)?),
             None => None,
         };
+        // The hash proves the bytes; the record's chunk list also states their length, and a
+        // chunk of another length would shift every byte after it in the file.
+        if let Some(d) = &data {
+            if d.len() != *want_len as usize {
+                return Err(format!(
+                    "chunk {} is {} bytes where its record says {want_len}",
+                    want.short(),
+                    d.len()
+                ));
+            }
+        }
         if tx.send(Ok((resp.hash, data))).await.is_err() {
             return Ok(());
         }

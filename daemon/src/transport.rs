@@ -421,6 +421,11 @@ pub fn endpoint_with(
         .with_single_cert(vec![cert.clone()], key)
         .map_err(tls_err)?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
+    // No session resumption: a resumed session restores the client certificate without
+    // asking the verifier, so a peer removed from the trust store could come back with a
+    // ticket. Every connection does the full handshake and the trust check.
+    tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    tls.send_tls13_tickets = 0;
     let crypto = QuicServerConfig::try_from(tls).map_err(tls_err)?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server.transport_config(transport.clone());
@@ -621,6 +626,7 @@ pub async fn dial_peer(
         .with_client_auth_cert(vec![context.cert.clone()], key)
         .map_err(tls_err)?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
+    tls.resumption = rustls::client::Resumption::disabled();
     let crypto = QuicClientConfig::try_from(tls).map_err(tls_err)?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(context.transport.clone());

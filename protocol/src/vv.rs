@@ -6,6 +6,7 @@
 use crate::ids::ShortId;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::cmp::Ordering;
+use std::fmt;
 
 /// How two versions relate causally.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,13 +34,12 @@ impl VersionVector {
     /// Builds a vector from any (device, counter) pairs; zero counters are dropped and
     /// duplicates keep their largest counter.
     pub fn from_pairs(pairs: impl IntoIterator<Item = (ShortId, u64)>) -> VersionVector {
-        let mut v = VersionVector::new();
-        for (d, c) in pairs {
-            if c > v.get(d) {
-                v.set(d, c);
-            }
-        }
-        v
+        // Sort once, then keep each device's largest counter: O(n log n) whatever the order
+        // (inserting one by one was quadratic for a descending list).
+        let mut all: Vec<(ShortId, u64)> = pairs.into_iter().filter(|p| p.1 > 0).collect();
+        all.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        all.dedup_by_key(|p| p.0);
+        VersionVector(all)
     }
 
     /// The (device, counter) pairs, sorted by device.
@@ -77,7 +77,8 @@ impl VersionVector {
     /// journal was lost and recreated still produces versions that are never *before* the
     /// ones it made earlier (they are concurrent or newer, and so never silently overwritten).
     pub fn increment(&mut self, dev: ShortId, floor: u64) {
-        let next = (self.get(dev) + 1).max(floor);
+        // Saturating: received counters are capped far below (`MAX_VV_COUNTER`).
+        let next = self.get(dev).saturating_add(1).max(floor);
         self.set(dev, next);
     }
 
@@ -184,11 +185,51 @@ impl std::fmt::Display for VersionVector {
     }
 }
 
+/// Most entries a received vector may have. A vector gains an entry per device that edited the
+/// path and per distinct conflict resolution of it; a peer cannot make us hold or compare more.
+pub const MAX_VV_ENTRIES: usize = 4096;
+/// Largest counter a received vector may carry: counters are Unix seconds or small counts,
+/// and a counter near `u64::MAX` would make the next local increment wrap.
+pub const MAX_VV_COUNTER: u64 = 1 << 62;
+
+struct PairsVisitor;
+
+impl<'de> serde::de::Visitor<'de> for PairsVisitor {
+    type Value = VersionVector;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "at most {MAX_VV_ENTRIES} (device, counter) pairs with counters up to {MAX_VV_COUNTER}"
+        )
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+        self,
+        mut seq: A,
+    ) -> Result<VersionVector, A::Error> {
+        let mut pairs: Vec<(ShortId, u64)> =
+            Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        while let Some((dev, counter)) = seq.next_element::<(ShortId, u64)>()? {
+            if pairs.len() == MAX_VV_ENTRIES {
+                return Err(serde::de::Error::invalid_length(MAX_VV_ENTRIES + 1, &self));
+            }
+            if counter > MAX_VV_COUNTER {
+                return Err(serde::de::Error::invalid_value(
+                    serde::de::Unexpected::Unsigned(counter),
+                    &self,
+                ));
+            }
+            pairs.push((dev, counter));
+        }
+        Ok(VersionVector::from_pairs(pairs))
+    }
+}
+
 impl<'de> Deserialize<'de> for VersionVector {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        // Canonicalise whatever arrives: sorted, unique, no zeros.
-        let pairs = Vec::<(ShortId, u64)>::deserialize(d)?;
-        Ok(VersionVector::from_pairs(pairs))
+        // Canonicalise whatever arrives: sorted, unique, no zeros; bounded in size and counters.
+        d.deserialize_seq(PairsVisitor)
     }
 }
 
@@ -250,6 +291,20 @@ mod tests {
         }
 
         #[test]
+        fn decoding_canonicalises_any_order(p in prop::collection::vec((0u64..50, 0u64..6), 0..60)) {
+            let raw: Vec<(ShortId, u64)> = p.iter().map(|(d, c)| (ShortId(*d), *c)).collect();
+            let bytes = postcard::to_allocvec(&raw).unwrap();
+            let v: VersionVector = postcard::from_bytes(&bytes).unwrap();
+            let mut slow = VersionVector::new();
+            for (d, c) in raw {
+                if c > slow.get(d) {
+                    slow.set(d, c);
+                }
+            }
+            prop_assert_eq!(v, slow);
+        }
+
+        #[test]
         fn increment_moves_strictly_forward(a in vv(), d in 0u64..5, floor in 0u64..10) {
             let b = a.incremented(ShortId(d), floor);
             prop_assert_eq!(b.compare(&a), VvOrdering::After);
@@ -264,5 +319,44 @@ mod tests {
         let b = base.incremented(ShortId(2), 0);
         assert_eq!(a.compare(&b), VvOrdering::Concurrent);
         assert_eq!(base.compare(&a), VvOrdering::Before);
+    }
+}
+
+#[cfg(test)]
+mod limits {
+    use super::*;
+
+    #[test]
+    fn a_million_descending_entries_are_refused_at_once() {
+        let raw: Vec<(ShortId, u64)> = (0..1_000_000u64).rev().map(|d| (ShortId(d), 1)).collect();
+        let bytes = postcard::to_allocvec(&raw).unwrap();
+        // Refused at entry MAX_VV_ENTRIES + 1, before the rest is even read.
+        assert!(postcard::from_bytes::<VersionVector>(&bytes).is_err());
+    }
+
+    #[test]
+    fn the_most_entries_allowed_decode_in_any_order() {
+        let raw: Vec<(ShortId, u64)> = (0..MAX_VV_ENTRIES as u64)
+            .rev()
+            .map(|d| (ShortId(d), 1))
+            .collect();
+        let bytes = postcard::to_allocvec(&raw).unwrap();
+        let v: VersionVector = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(v.entries().len(), MAX_VV_ENTRIES);
+        assert!(v.entries().windows(2).all(|w| w[0].0 < w[1].0));
+    }
+
+    #[test]
+    fn a_counter_that_would_wrap_is_refused_and_increments_saturate() {
+        let bytes = postcard::to_allocvec(&vec![(ShortId(1), u64::MAX)]).unwrap();
+        assert!(postcard::from_bytes::<VersionVector>(&bytes).is_err());
+        let ok = postcard::to_allocvec(&vec![(ShortId(1), MAX_VV_COUNTER)]).unwrap();
+        let v: VersionVector = postcard::from_bytes(&ok).unwrap();
+        assert_eq!(
+            v.incremented(ShortId(1), 0).get(ShortId(1)),
+            MAX_VV_COUNTER + 1
+        );
+        let top = VersionVector::from_pairs([(ShortId(2), u64::MAX)]);
+        assert_eq!(top.incremented(ShortId(2), 0).get(ShortId(2)), u64::MAX);
     }
 }

@@ -219,7 +219,9 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        self.kill();
+        // SIGTERM first: a daemon that serves a mount unmounts it on the way out, so a test
+        // leaves no dead mount point behind.
+        self.stop();
     }
 }
 
