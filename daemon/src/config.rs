@@ -70,6 +70,47 @@ impl Home {
     pub fn control_socket(&self) -> PathBuf {
         self.state_dir.join("control.sock")
     }
+
+    /// meshfs's own directory that `path` is, contains or lies inside, if any: a folder
+    /// there would replicate the private key and journal the journal's own writes.
+    /// Compares real paths (symlinks resolved as far as the paths exist).
+    pub fn overlap(&self, path: &Path) -> Option<PathBuf> {
+        let path = real_path(path);
+        [&self.config_dir, &self.state_dir]
+            .into_iter()
+            .map(|d| real_path(d))
+            .find(|d| path.starts_with(d) || d.starts_with(&path))
+    }
+}
+
+/// `path` made absolute with symlinks resolved for the part that exists; the rest (which
+/// cannot hold a symlink) is normalised lexically. Creates nothing.
+pub fn real_path(path: &Path) -> PathBuf {
+    let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = abs.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            let mut out = real;
+            for c in rest.iter().rev() {
+                match c {
+                    std::path::Component::ParentDir => {
+                        out.pop();
+                    }
+                    std::path::Component::Normal(n) => out.push(n),
+                    _ => {}
+                }
+            }
+            return out;
+        }
+        match (existing.parent(), existing.components().next_back()) {
+            (Some(parent), Some(last)) => {
+                rest.push(last);
+                existing = parent;
+            }
+            _ => return abs,
+        }
+    }
 }
 
 /// Why a config could not be used.
@@ -115,11 +156,12 @@ pub struct Config {
     /// Tuning knobs (all optional).
     #[serde(default)]
     pub options: Options,
-    /// Replicated folders.
-    #[serde(default, rename = "folder")]
+    /// Replicated folders. Never written as an empty `folder = []`: a `[[folder]]` table
+    /// appended by hand after it would be a duplicate key.
+    #[serde(default, rename = "folder", skip_serializing_if = "Vec::is_empty")]
     pub folders: Vec<FolderConfig>,
     /// Known peers (the only devices this one talks to).
-    #[serde(default, rename = "peer")]
+    #[serde(default, rename = "peer", skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<PeerConfig>,
 }
 
@@ -129,7 +171,8 @@ pub struct Config {
 pub struct DeviceConfig {
     /// Human name of this device.
     pub name: String,
-    /// UDP address the QUIC endpoint listens on.
+    /// UDP address the QUIC endpoint listens on: `IP:PORT` or `HOST:PORT` (resolved at
+    /// start, see [`Config::listen_addr`]).
     pub listen: String,
 }
 
@@ -226,7 +269,7 @@ impl Config {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        config.validate(&path)?;
+        config.validate(home)?;
         Ok(config)
     }
 
@@ -253,19 +296,27 @@ impl Config {
         Ok(())
     }
 
-    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+    /// Checks every field; the error names the file and the field. Touches no disk except
+    /// to resolve symlinks when comparing folder paths with `home`'s directories.
+    pub fn validate(&self, home: &Home) -> Result<(), ConfigError> {
+        let path = home.config_file();
         let invalid = |field: String, message: String| ConfigError::Invalid {
-            path: path.to_path_buf(),
+            path: path.clone(),
             field,
             message,
         };
         if self.device.name.trim().is_empty() {
             return Err(invalid("device.name".into(), "must not be empty".into()));
         }
-        if self.device.listen.parse::<SocketAddr>().is_err() {
+        if self.device.listen.parse::<SocketAddr>().is_err()
+            && !looks_like_host_port(&self.device.listen)
+        {
             return Err(invalid(
                 "device.listen".into(),
-                format!("{:?} is not an IP:PORT address", self.device.listen),
+                format!(
+                    "{:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)",
+                    self.device.listen
+                ),
             ));
         }
         let mut seen = std::collections::HashSet::new();
@@ -281,6 +332,30 @@ impl Config {
                 return Err(invalid(
                     format!("folder[{i}].path"),
                     "must be an absolute path".into(),
+                ));
+            }
+            if let Some(own) = home.overlap(&f.path) {
+                return Err(invalid(
+                    format!("folder[{i}].path"),
+                    format!(
+                        "{} overlaps meshfs's own directory {} (its keys and journal); choose a folder outside it",
+                        f.path.display(),
+                        own.display()
+                    ),
+                ));
+            }
+            if let Some(other) = self.folders[..i]
+                .iter()
+                .find(|o| o.path.starts_with(&f.path) || f.path.starts_with(&o.path))
+            {
+                return Err(invalid(
+                    format!("folder[{i}].path"),
+                    format!(
+                        "{} overlaps folder {:?} at {}; folders must not nest",
+                        f.path.display(),
+                        other.id,
+                        other.path.display()
+                    ),
                 ));
             }
         }
@@ -332,6 +407,16 @@ impl Config {
             .find(|p| p.id.parse::<DeviceId>().ok().as_ref() == Some(id))
     }
 
+    /// The address to listen on: `device.listen` as an IP address, or its host name resolved
+    /// (the first IPv4 address, else the first one).
+    pub fn listen_addr(&self, home: &Home) -> Result<SocketAddr, ConfigError> {
+        resolve_listen(&self.device.listen).map_err(|message| ConfigError::Invalid {
+            path: home.config_file(),
+            field: "device.listen".into(),
+            message,
+        })
+    }
+
     /// Every configured peer's id (config is validated, so all parse).
     pub fn peer_ids(&self) -> Vec<DeviceId> {
         self.peers
@@ -339,6 +424,29 @@ impl Config {
             .filter_map(|p| p.id.parse().ok())
             .collect()
     }
+}
+
+/// `IP:PORT`, or `HOST:PORT` resolved (IPv4 preferred, so `localhost` binds where peers given
+/// `127.0.0.1` reach it). The error says what failed.
+pub fn resolve_listen(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(sa) = s.parse::<SocketAddr>() {
+        return Ok(sa);
+    }
+    if !looks_like_host_port(s) {
+        return Err(format!(
+            "{s:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)"
+        ));
+    }
+    use std::net::ToSocketAddrs;
+    let all: Vec<SocketAddr> = s
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {s:?}: {e}"))?
+        .collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or(all.first())
+        .copied()
+        .ok_or_else(|| format!("{s:?} resolves to no address"))
 }
 
 /// Whether `s` has the shape `HOST:PORT` (IPv6 in brackets).
@@ -369,5 +477,67 @@ mod tests {
         std::fs::write(home.config_file(), "[device]\nname='a'\nlisten='nope'\n").unwrap();
         let err = Config::load(&home).unwrap_err().to_string();
         assert!(err.contains("device.listen"), "{err}");
+    }
+
+    #[test]
+    fn a_fresh_config_takes_folder_and_peer_tables_appended_by_hand() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        Config::new("a", "127.0.0.1:7788").save(&home).unwrap();
+        let mut text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(!text.contains("folder"), "{text}");
+        text.push_str("\n[[folder]]\nid = \"work\"\npath = \"/srv/work\"\n");
+        std::fs::write(home.config_file(), text).unwrap();
+        let c = Config::load(&home).unwrap();
+        assert_eq!(c.folders[0].path, Path::new("/srv/work"));
+    }
+
+    #[test]
+    fn nested_folders_and_folders_over_the_home_are_refused_by_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(&dir.path().join("home")));
+        let folder = |id: &str, path: PathBuf| FolderConfig {
+            id: id.into(),
+            path,
+            watch: true,
+            mount: None,
+        };
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        c.folders.push(folder("a", dir.path().join("files")));
+        c.folders.push(folder("b", dir.path().join("files/inner")));
+        let err = c.validate(&home).unwrap_err().to_string();
+        assert!(
+            err.contains("folder[1].path") && err.contains("must not nest"),
+            "{err}"
+        );
+        for bad in [
+            dir.path().to_path_buf(),
+            dir.path().join("home"),
+            dir.path().join("home/state/x"),
+        ] {
+            c.folders = vec![folder("a", bad)];
+            let err = c.validate(&home).unwrap_err().to_string();
+            assert!(
+                err.contains("folder[0].path") && err.contains("meshfs's own directory"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn listen_takes_a_host_name_and_names_the_field_when_it_is_malformed() {
+        assert_eq!(
+            resolve_listen("localhost:7900").unwrap(),
+            "127.0.0.1:7900".parse::<SocketAddr>().unwrap()
+        );
+        assert!(resolve_listen("[::1]:7900").unwrap().is_ipv6());
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let c = Config::new("a", "localhost");
+        let err = c.validate(&home).unwrap_err().to_string();
+        assert!(
+            err.contains("device.listen") && err.contains("HOST:PORT"),
+            "{err}"
+        );
     }
 }

@@ -155,7 +155,7 @@ impl Engine {
         let identity = Identity::load(&home.identity_dir())?;
         let journal = Journal::open(&home.journal_file())?;
         journal.check()?;
-        let listen: std::net::SocketAddr = config.device.listen.parse()?;
+        let listen = config.listen_addr(&home)?;
         let trust = TrustStore::new(config.peer_ids());
         let endpoint = transport::endpoint(&identity, listen, trust.clone()).map_err(|e| {
             anyhow::anyhow!(
