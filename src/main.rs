@@ -2,8 +2,10 @@
 //! running daemon over its control socket, reads the journal, and runs the daemon itself.
 //! See `docs/cli.md` for every command and `--json` field.
 
+mod config_check;
 mod demo;
 mod journal_cmd;
+mod status_cmd;
 
 use anyhow::{anyhow, bail, Context as _};
 use clap::{CommandFactory, Parser, Subcommand};
@@ -13,12 +15,18 @@ use meshfs_daemon::identity::Identity;
 use meshfs_protocol::{DeviceId, FolderId};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
 
-/// Exit code: the daemon is not running.
+/// Exit code: an error (the message says what failed and what to do).
+const EXIT_ERROR: u8 = 1;
+// Exit code 2, bad arguments, is clap's: every argument with a shape (device id, HOST:PORT,
+// folder id, log level) is checked by its value parser.
+/// Exit code: the daemon is not running (commands that need one).
 const EXIT_NO_DAEMON: u8 = 3;
 /// Exit code: `--wait-synced` timed out.
 const EXIT_TIMEOUT: u8 = 4;
+
+/// Log levels `--log-level` accepts (a typo would otherwise silence every log line).
+const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
 
 #[derive(Parser)]
 #[command(name = "meshfs", version, about = "Continuously synchronized folders across your devices", long_about = None,
@@ -27,8 +35,8 @@ struct Cli {
     /// Where config, keys and state live (default: XDG config and data dirs).
     #[arg(long, global = true, env = "MESHFS_HOME")]
     home: Option<PathBuf>,
-    /// Log level for the daemon (error, warn, info, debug, trace); RUST_LOG overrides it.
-    #[arg(long, global = true)]
+    /// Log level (default: info for the daemon, warn otherwise); RUST_LOG overrides it.
+    #[arg(long, global = true, value_parser = clap::builder::PossibleValuesParser::new(LOG_LEVELS))]
     log_level: Option<String>,
     #[command(subcommand)]
     command: Command,
@@ -44,8 +52,8 @@ enum Command {
         /// A name for this device.
         #[arg(long)]
         name: Option<String>,
-        /// UDP address for QUIC.
-        #[arg(long, default_value = DEFAULT_LISTEN)]
+        /// UDP address for QUIC: IP:PORT or HOST:PORT.
+        #[arg(long, default_value = DEFAULT_LISTEN, value_parser = parse_host_port)]
         listen: String,
     },
     /// Print this device's id (give it to your other devices' `peer add`).
@@ -60,10 +68,15 @@ enum Command {
     #[command(after_help = "Example: meshfs share work MFZWI3D-BONSGYC-...")]
     Share {
         /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
         folder: String,
         /// The peer's device id.
-        device: String,
+        #[arg(value_parser = parse_device)]
+        device: DeviceId,
     },
+    /// Check the config without starting anything.
+    #[command(subcommand)]
+    Config(ConfigCmd),
     /// Run the engine in the foreground until SIGINT/SIGTERM.
     Daemon,
     /// Mount a folder through the running daemon (an empty directory; the replica stays where it is).
@@ -72,6 +85,7 @@ enum Command {
     )]
     Mount {
         /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
         folder: String,
         /// Where to mount it: an existing empty directory.
         mountpoint: PathBuf,
@@ -82,6 +96,7 @@ enum Command {
     /// Unmount a folder (it keeps syncing).
     Unmount {
         /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
         folder: String,
     },
     /// Rebuild a damaged journal: move it aside (nothing is deleted) so the next daemon start
@@ -93,19 +108,25 @@ enum Command {
     /// Rescan a folder now (the daemon also scans at start and watches for changes).
     Scan {
         /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
         folder: String,
     },
-    /// Folders, peers, connections, pending work, in sync or not.
+    /// Folders, peers, connections, pending work: in sync with every peer, or why not.
     #[command(
-        after_help = "Example: meshfs status --wait-synced --timeout 60   # exit 0 once every folder is in sync\nExit codes: 0 ok/in sync, 3 daemon not running, 4 timed out."
+        after_help = "A folder is in sync when its own changes are recorded and every peer that shares it is\nconnected and caught up both ways. Otherwise status says why, e.g.\n  up to date with 1 of 2 peers; b offline since 10:42\n\nExamples:\n  meshfs status\n  meshfs daemon & meshfs status --wait-synced --timeout 60   # waits for the daemon too\n  meshfs status --json | jq .folders[0].in_sync\nExit codes: 0 ok/in sync, 1 error (e.g. not initialised), 3 no daemon, 4 timed out."
     )]
     Status {
         /// One JSON document (fields in docs/cli.md).
         #[arg(long)]
         json: bool,
-        /// Block until every folder is in sync with every peer that shares it.
+        /// Wait (for the daemon to come up, then) until every folder is in sync with every
+        /// peer that shares it.
         #[arg(long)]
         wait_synced: bool,
+        /// With --wait-synced: only the peers connected now count (a peer that is down is
+        /// not waited for).
+        #[arg(long, requires = "wait_synced")]
+        connected: bool,
         /// Give up waiting after this many seconds.
         #[arg(long, default_value_t = 60.0)]
         timeout: f64,
@@ -118,6 +139,7 @@ enum Command {
     /// Conflict files that still exist.
     Conflicts {
         /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
         folder: String,
         /// JSON output.
         #[arg(long)]
@@ -137,14 +159,25 @@ enum Command {
 }
 
 #[derive(Subcommand)]
+enum ConfigCmd {
+    /// Validate config.toml, the identity, the listen address and every folder path.
+    #[command(
+        after_help = "Example: meshfs config check\nPrints what it checked and exits 0, or names the file and field at fault and exits 1."
+    )]
+    Check,
+}
+
+#[derive(Subcommand)]
 enum FolderCmd {
     /// Replicate the directory PATH (created if missing).
-    #[command(after_help = "Example: meshfs folder add ~/work --id work")]
+    #[command(
+        after_help = "Example: meshfs folder add ~/work --id work   # prints the folder id\nRefused (and nothing is created) when PATH is a file, overlaps another folder, or\ncontains or lies inside meshfs's own config or state directory."
+    )]
     Add {
         /// The directory.
         path: PathBuf,
-        /// The folder id shared with peers (default: random).
-        #[arg(long)]
+        /// The folder id shared with peers (default: random): 1-64 of A-Z a-z 0-9 . _ -
+        #[arg(long, value_parser = parse_folder_id)]
         id: Option<String>,
     },
     /// List folders.
@@ -156,6 +189,7 @@ enum FolderCmd {
     /// Stop replicating a folder (its files stay on disk).
     Remove {
         /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
         id: String,
     },
 }
@@ -168,9 +202,10 @@ enum PeerCmd {
     )]
     Add {
         /// The peer's device id (`meshfs id` on that device).
-        device: String,
+        #[arg(value_parser = parse_device)]
+        device: DeviceId,
         /// Where to reach it (HOST:PORT); omit if only it dials you.
-        #[arg(long)]
+        #[arg(long, value_parser = parse_host_port)]
         addr: Option<String>,
         /// A name for it.
         #[arg(long)]
@@ -188,7 +223,8 @@ enum PeerCmd {
     /// Forget a peer (it is refused from then on).
     Remove {
         /// The peer's device id.
-        device: String,
+        #[arg(value_parser = parse_device)]
+        device: DeviceId,
     },
 }
 
@@ -214,7 +250,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("meshfs: {e:#}");
-            ExitCode::from(1)
+            ExitCode::from(EXIT_ERROR)
         }
     }
 }
@@ -234,9 +270,28 @@ fn reload_if_running(home: &Home) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn parse_device(s: &str) -> anyhow::Result<DeviceId> {
+/// A device id argument (clap reports a bad one as a usage error, exit 2).
+fn parse_device(s: &str) -> Result<DeviceId, String> {
     s.parse::<DeviceId>()
-        .map_err(|e| anyhow!("{s:?} is not a device id: {e}"))
+        .map_err(|e| format!("{s:?} is not a device id: {e}"))
+}
+
+/// A `HOST:PORT` argument.
+fn parse_host_port(s: &str) -> Result<String, String> {
+    if s.parse::<std::net::SocketAddr>().is_ok() || meshfs_daemon::config::looks_like_host_port(s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?} is not HOST:PORT (e.g. 192.168.1.20:7788, [::1]:7788, server.lan:7788)"
+        ))
+    }
+}
+
+/// A folder id argument.
+fn parse_folder_id(s: &str) -> Result<String, String> {
+    FolderId::new(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
 }
 
 fn random_folder_id() -> String {
@@ -251,9 +306,6 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Init { name, listen } => {
             if Identity::exists(&home.identity_dir()) || home.config_file().exists() {
                 bail!("meshfs is already initialised in {} (identity or config exists); refusing to overwrite it. Use another --home to create a second device.", home.config_dir.display());
-            }
-            if listen.parse::<std::net::SocketAddr>().is_err() {
-                bail!("--listen {listen:?} is not an IP:PORT address");
             }
             let name = name.unwrap_or_else(|| {
                 std::fs::read_to_string("/etc/hostname")
@@ -279,37 +331,8 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             Ok(0)
         }
         Command::Folder(FolderCmd::Add { path, id }) => {
-            let mut config = Config::load(home)?;
             let id = id.unwrap_or_else(random_folder_id);
-            FolderId::new(&id)?;
-            std::fs::create_dir_all(&path)
-                .with_context(|| format!("creating {}", path.display()))?;
-            let path = path
-                .canonicalize()
-                .with_context(|| format!("resolving {}", path.display()))?;
-            if config.folder(&id).is_some() {
-                bail!("a folder with id {id:?} already exists (see `meshfs folder list`)");
-            }
-            if let Some(f) = config
-                .folders
-                .iter()
-                .find(|f| f.path == path || path.starts_with(&f.path) || f.path.starts_with(&path))
-            {
-                bail!(
-                    "{} overlaps folder {:?} at {}; folders must not nest",
-                    path.display(),
-                    f.id,
-                    f.path.display()
-                );
-            }
-            config.folders.push(FolderConfig {
-                id: id.clone(),
-                path,
-                watch: true,
-                mount: None,
-            });
-            config.save(home)?;
-            reload_if_running(home)?;
+            folder_add(home, &path, &id)?;
             println!("{id}");
             Ok(0)
         }
@@ -359,16 +382,11 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             name,
             share,
         }) => {
-            let id = parse_device(&device)?;
+            let id = device;
             if Identity::load(&home.identity_dir()).is_ok_and(|me| me.device_id == id) {
                 bail!("{device} is this device's own id; add the id of another device");
             }
             let mut config = Config::load(home)?;
-            if let Some(a) = &addr {
-                if !meshfs_daemon::config::looks_like_host_port(a) {
-                    bail!("--addr {a:?} is not HOST:PORT");
-                }
-            }
             for f in &share {
                 if config.folder(f).is_none() {
                     bail!("no folder {f:?} to share (add it first with `meshfs folder add PATH --id {f}`)");
@@ -421,7 +439,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             Ok(0)
         }
         Command::Peer(PeerCmd::Remove { device }) => {
-            let id = parse_device(&device)?;
+            let id = device;
             let mut config = Config::load(home)?;
             let before = config.peers.len();
             config
@@ -434,8 +452,9 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             reload_if_running(home)?;
             Ok(0)
         }
+        Command::Config(ConfigCmd::Check) => config_check::run(home),
         Command::Share { folder, device } => {
-            let id = parse_device(&device)?;
+            let id = device;
             let mut config = Config::load(home)?;
             if config.folder(&folder).is_none() {
                 bail!("no folder {folder:?} (see `meshfs folder list`)");
@@ -597,8 +616,17 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Status {
             json,
             wait_synced,
+            connected,
             timeout,
-        } => status(home, json, wait_synced, timeout),
+        } => status_cmd::run(
+            home,
+            status_cmd::StatusArgs {
+                json,
+                wait_synced,
+                connected,
+                timeout,
+            },
+        ),
         Command::Journal(args) => journal_cmd::run(home, args),
         Command::Conflicts { folder, json } => {
             let fid = FolderId::new(&folder)?;
@@ -626,126 +654,82 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
     }
 }
 
-fn status(home: &Home, json: bool, wait_synced: bool, timeout: f64) -> anyhow::Result<u8> {
-    let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
-    let mut stable = 0;
-    loop {
-        let Some(st) = control::request(home, &serde_json::json!({"op": "status"}))? else {
-            eprintln!(
-                "meshfs: no daemon is running for {} (start it with `meshfs daemon`)",
-                home.config_dir.display()
-            );
-            return Ok(EXIT_NO_DAEMON);
-        };
-        let synced = st.get("in_sync").and_then(|v| v.as_bool()).unwrap_or(false);
-        // In sync must hold on three polls in a row, so a change captured a moment ago counts.
-        stable = if synced { stable + 1 } else { 0 };
-        if !wait_synced || stable >= 3 || Instant::now() >= deadline {
-            if json {
-                println!("{}", serde_json::to_string_pretty(&st)?);
-            } else {
-                print_status(&st);
-            }
-            if wait_synced && stable < 3 {
-                eprintln!("meshfs: not in sync after {timeout} s");
-                return Ok(EXIT_TIMEOUT);
-            }
-            return Ok(0);
-        }
-        // While syncing, poll gently (each poll reads the journal); once in sync, confirm soon.
-        std::thread::sleep(Duration::from_millis(if synced { 10 } else { 25 }));
+/// `folder add`: every check runs before anything is created, and a refusal (here, when the
+/// config is saved, or by a running daemon) leaves the disk and the config as they were.
+fn folder_add(home: &Home, path: &std::path::Path, id: &str) -> anyhow::Result<()> {
+    let old = Config::load(home)?;
+    if old.folder(id).is_some() {
+        bail!("a folder with id {id:?} already exists (see `meshfs folder list`)");
     }
-}
-
-fn print_status(st: &serde_json::Value) {
-    let s = |v: &serde_json::Value, k: &str| {
-        v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string()
+    let real = meshfs_daemon::config::real_path(path);
+    let existing = real
+        .ancestors()
+        .find(|a| std::fs::symlink_metadata(a).is_ok())
+        .unwrap_or(std::path::Path::new("/"));
+    if !existing.is_dir() {
+        if existing == real {
+            bail!(
+                "{} is a file, not a directory: give the directory to replicate (it is created if missing)",
+                path.display()
+            );
+        }
+        bail!(
+            "cannot create {}: {} is not a directory",
+            path.display(),
+            existing.display()
+        );
+    }
+    if let Some(own) = home.overlap(&real) {
+        bail!(
+            "{} overlaps meshfs's own directory {} (its private key, journal and config must never be replicated); choose a folder outside it",
+            real.display(),
+            own.display()
+        );
+    }
+    if let Some(f) = old
+        .folders
+        .iter()
+        .find(|f| real.starts_with(&f.path) || f.path.starts_with(&real))
+    {
+        bail!(
+            "{} overlaps folder {:?} at {}; folders must not nest",
+            real.display(),
+            f.id,
+            f.path.display()
+        );
+    }
+    let mut new = old.clone();
+    new.folders.push(FolderConfig {
+        id: id.to_string(),
+        path: real.clone(),
+        watch: true,
+        mount: None,
+    });
+    new.validate(home)?;
+    // The directories this command creates, outermost first: removed again on a refusal.
+    let created: Vec<PathBuf> = real
+        .ancestors()
+        .take_while(|a| *a != existing)
+        .map(|a| a.to_path_buf())
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    std::fs::create_dir_all(&real).with_context(|| format!("creating {}", real.display()))?;
+    let undo = || {
+        for d in created.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
     };
-    let u = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
-    let dev = &st["device"];
-    println!(
-        "device  {} ({})  listening on {}",
-        s(dev, "name"),
-        s(dev, "id"),
-        s(dev, "listen")
-    );
-    println!(
-        "sync    {}",
-        if st["in_sync"].as_bool() == Some(true) {
-            "in sync"
-        } else {
-            "syncing"
-        }
-    );
-    for f in st["folders"].as_array().into_iter().flatten() {
-        println!(
-            "folder  {:<12} {}  {} files, {} dirs, {} bytes, {} conflict(s), {}",
-            s(f, "id"),
-            s(f, "path"),
-            u(f, "files"),
-            u(f, "dirs"),
-            u(f, "bytes"),
-            u(f, "conflicts"),
-            if f["in_sync"].as_bool() == Some(true) {
-                "in sync"
-            } else {
-                "syncing"
-            }
-        );
-        let m = &f["mount"];
-        if m.is_object() {
-            println!(
-                "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
-                s(m, "mountpoint"),
-                s(m, "mode"),
-                if m["passthrough"] == true {
-                    "on"
-                } else {
-                    "off"
-                },
-                u(m, "open_handles")
-            );
-        }
-        for p in f["peers"].as_array().into_iter().flatten() {
-            println!(
-                "          with {}: {}{}",
-                &s(p, "device_id")[..7.min(s(p, "device_id").len())],
-                if p["connected"].as_bool() == Some(true) {
-                    "connected"
-                } else {
-                    "disconnected"
-                },
-                if u(p, "pending_records") > 0 {
-                    format!(", {} record(s) to send", u(p, "pending_records"))
-                } else {
-                    String::new()
-                }
-            );
-        }
+    if let Err(e) = new.save(home) {
+        undo();
+        return Err(e.into());
     }
-    for p in st["peers"].as_array().into_iter().flatten() {
-        let rtt = p["rtt_ms"]
-            .as_f64()
-            .map_or("-".into(), |r| format!("{r:.1} ms"));
-        println!(
-            "peer    {} {:<12} {:<22} {}  rtt {rtt}  sent {} B  received {} B",
-            s(p, "short_id"),
-            s(p, "name"),
-            s(p, "addr"),
-            if p["connected"].as_bool() == Some(true) {
-                "connected"
-            } else {
-                "disconnected"
-            },
-            u(p, "bytes_sent"),
-            u(p, "bytes_received")
-        );
+    if let Err(e) = reload_if_running(home) {
+        let _ = old.save(home);
+        let _ = reload_if_running(home);
+        undo();
+        return Err(e);
     }
-    for r in st["refused_devices"].as_array().into_iter().flatten() {
-        println!(
-            "refused unknown device {} (add it with `meshfs peer add {} --addr HOST:PORT`)",
-            r.as_str().unwrap_or(""),
-            r.as_str().unwrap_or("")
-        );
-    }
+    Ok(())
 }

@@ -1,5 +1,6 @@
 //! The CLI contract for a user at a terminal: init/id, refusals that change nothing, clear
-//! errors with meaningful exit codes.
+//! errors with meaningful exit codes (0 ok, 1 error, 2 bad arguments, 3 no daemon, 4 timed
+//! out), and a config that can be edited by hand as docs/config.md shows.
 
 mod common;
 use common::*;
@@ -58,8 +59,9 @@ fn a_mistyped_device_id_is_refused_with_the_position_of_the_typo() {
     let mut typo: Vec<char> = b.id.chars().collect();
     typo[9] = if typo[9] == 'A' { 'B' } else { 'A' };
     let typo: String = typo.into_iter().collect();
+    // A bad argument: exit 2, as docs/cli.md promises.
     let (code, err) = fails(&a.home, &["peer", "add", &typo, "--addr", &b.addr]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 2);
     assert!(
         err.contains("mistyped") && err.contains("characters 1-14"),
         "{err}"
@@ -70,8 +72,9 @@ fn a_mistyped_device_id_is_refused_with_the_position_of_the_typo() {
     );
     let (_, err) = fails(&a.home, &["peer", "add", &a.id, "--addr", &b.addr]);
     assert!(err.contains("own id"), "{err}");
-    let (_, err) = fails(&a.home, &["peer", "add", &b.id, "--addr", "nope"]);
+    let (code, err) = fails(&a.home, &["peer", "add", &b.id, "--addr", "nope"]);
     assert!(err.contains("HOST:PORT"), "{err}");
+    assert_eq!(code, 2);
 }
 
 #[test]
@@ -112,4 +115,253 @@ fn a_port_in_use_is_reported_with_the_field_to_change() {
         err.contains("device.listen") && err.contains("in use"),
         "{err}"
     );
+}
+
+/// Every file and directory under `root`, for proving that a refused command created nothing.
+fn listing(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            }
+            out.push(e.path());
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn folder_add_refuses_meshfs_own_directories_files_and_nesting_and_a_refusal_creates_nothing() {
+    let t = tmp();
+    let home = t.path().join("home");
+    ok(
+        &home,
+        &["init", "--name", "x", "--listen", "127.0.0.1:7788"],
+    );
+    let work = t.path().join("work");
+    ok(
+        &home,
+        &["folder", "add", work.to_str().unwrap(), "--id", "work"],
+    );
+    std::fs::write(t.path().join("notes.txt"), b"a file").unwrap();
+    let config = std::fs::read(home.join("config.toml")).unwrap();
+    let before = listing(t.path());
+    let own = [
+        home.clone(),
+        home.join("state"),
+        home.join("files"),
+        home.join("state/new/deeper"),
+        t.path().to_path_buf(),
+    ];
+    for p in &own {
+        let (code, err) = fails(&home, &["folder", "add", p.to_str().unwrap()]);
+        assert_eq!(code, 1);
+        assert!(err.contains("meshfs's own directory"), "{p:?}: {err}");
+    }
+    // Through a symlink too.
+    std::os::unix::fs::symlink(&home, t.path().join("link")).unwrap();
+    let (_, err) = fails(
+        &home,
+        &["folder", "add", t.path().join("link/sub").to_str().unwrap()],
+    );
+    assert!(err.contains("meshfs's own directory"), "{err}");
+    std::fs::remove_file(t.path().join("link")).unwrap();
+
+    let (code, err) = fails(
+        &home,
+        &["folder", "add", work.join("a/b/c").to_str().unwrap()],
+    );
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("overlaps folder \"work\"") && err.contains("must not nest"),
+        "{err}"
+    );
+    let file = t.path().join("notes.txt");
+    let (code, err) = fails(&home, &["folder", "add", file.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("is a file, not a directory"), "{err}");
+    assert!(!err.contains("os error"), "{err}");
+    let (_, err) = fails(
+        &home,
+        &["folder", "add", file.join("sub").to_str().unwrap()],
+    );
+    assert!(err.contains("is not a directory"), "{err}");
+    let (_, err) = fails(
+        &home,
+        &[
+            "folder",
+            "add",
+            t.path().join("new/dir").to_str().unwrap(),
+            "--id",
+            "work",
+        ],
+    );
+    assert!(err.contains("already exists"), "{err}");
+
+    assert_eq!(
+        listing(t.path()),
+        before,
+        "a refused folder add created nothing"
+    );
+    assert_eq!(std::fs::read(home.join("config.toml")).unwrap(), config);
+    // And an accepted one creates the whole missing path.
+    let fresh = t.path().join("new/dir");
+    assert_eq!(
+        ok(
+            &home,
+            &["folder", "add", fresh.to_str().unwrap(), "--id", "new"]
+        )
+        .trim(),
+        "new"
+    );
+    assert!(fresh.is_dir());
+}
+
+#[test]
+fn bad_arguments_exit_2_and_change_nothing() {
+    let t = tmp();
+    let home = t.path().join("h");
+    let (code, err) = fails(&home, &["init", "--listen", "nope"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("HOST:PORT"), "{err}");
+    assert!(!home.exists(), "a refused init created nothing");
+    ok(
+        &home,
+        &["init", "--name", "h", "--listen", "127.0.0.1:7788"],
+    );
+    let config = std::fs::read(home.join("config.toml")).unwrap();
+    let cases: [&[&str]; 6] = [
+        &["--log-level", "bogus", "id"],
+        &["peer", "remove", "not-a-device-id"],
+        &["share", "work", "ABCDEFG"],
+        &["folder", "add", "/tmp/x", "--id", "no/slash"],
+        &["scan", "bad id"],
+        &["status", "--connected"],
+    ];
+    for args in cases {
+        let (code, err) = fails(&home, args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains("--help"), "{args:?}: {err}");
+    }
+    let (_, err) = fails(&home, &["--log-level", "bogus", "id"]);
+    assert!(
+        err.contains("possible values: error, warn, info, debug, trace"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(home.join("config.toml")).unwrap(), config);
+    // A known level is accepted.
+    ok(&home, &["--log-level", "debug", "id"]);
+}
+
+#[test]
+fn init_writes_a_config_that_takes_the_folder_table_appended_as_docs_config_md_shows() {
+    let t = tmp();
+    let home = t.path().join("h");
+    ok(
+        &home,
+        &["init", "--name", "h", "--listen", "127.0.0.1:7788"],
+    );
+    let dir = t.path().join("work");
+    std::fs::create_dir(&dir).unwrap();
+    let mut text = std::fs::read_to_string(home.join("config.toml")).unwrap();
+    assert!(!text.contains("folder = []"), "{text}");
+    text.push_str(&format!(
+        "\n[[folder]]\nid = \"work\"\npath = \"{}\"\nwatch = true\n",
+        dir.display()
+    ));
+    std::fs::write(home.join("config.toml"), text).unwrap();
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(&home, &["folder", "list", "--json"])).unwrap();
+    assert_eq!(listed[0]["id"], "work");
+    assert_eq!(listed[0]["path"], dir.to_str().unwrap());
+    let checked = ok(&home, &["config", "check"]);
+    assert!(
+        checked.contains("ok") && checked.contains("1 folder(s)"),
+        "{checked}"
+    );
+}
+
+#[test]
+fn config_check_names_the_file_and_field_at_fault() {
+    let t = tmp();
+    let home = t.path().join("h");
+    ok(
+        &home,
+        &["init", "--name", "h", "--listen", "127.0.0.1:7788"],
+    );
+    let dir = t.path().join("work");
+    ok(
+        &home,
+        &["folder", "add", dir.to_str().unwrap(), "--id", "work"],
+    );
+    let good = std::fs::read_to_string(home.join("config.toml")).unwrap();
+    let cfg = home.join("config.toml");
+    let cases = [
+        (good.replace("127.0.0.1:7788", "localhost"), "device.listen"),
+        (
+            good.replace("coalesce_ms", "coalesce"),
+            "unknown field `coalesce`",
+        ),
+        (
+            format!("{good}\n[[folder]]\nid = \"work\"\npath = \"/srv/other\"\n"),
+            "folder[1].id",
+        ),
+        (
+            format!(
+                "{good}\n[[folder]]\nid = \"in\"\npath = \"{}/sub\"\n",
+                dir.display()
+            ),
+            "folder[1].path",
+        ),
+        (
+            format!(
+                "{good}\n[[folder]]\nid = \"own\"\npath = \"{}/x\"\n",
+                home.display()
+            ),
+            "meshfs's own directory",
+        ),
+    ];
+    for (text, field) in cases {
+        std::fs::write(&cfg, &text).unwrap();
+        let (code, err) = fails(&home, &["config", "check"]);
+        assert_eq!(code, 1);
+        assert!(
+            err.contains(cfg.to_str().unwrap()) && err.contains(field),
+            "{field}: {err}"
+        );
+    }
+    std::fs::write(&cfg, &good).unwrap();
+    ok(&home, &["config", "check"]);
+    // A folder path that vanished.
+    std::fs::remove_dir(&dir).unwrap();
+    let (code, err) = fails(&home, &["config", "check"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("folder[0].path") && err.contains("folder remove work"),
+        "{err}"
+    );
+}
+
+#[test]
+fn status_on_a_home_that_was_never_initialised_says_to_run_init() {
+    let t = tmp();
+    let home = t.path().join("never");
+    for args in [
+        &["status"][..],
+        &["status", "--wait-synced", "--timeout", "30"],
+    ] {
+        let started = std::time::Instant::now();
+        let (code, err) = fails(&home, args);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("run `meshfs init`"), "{err}");
+        assert!(!err.contains("start the daemon"), "{err}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "it does not wait"
+        );
+    }
+    assert!(!home.exists());
 }

@@ -139,6 +139,23 @@ pub struct Engine {
     pub shutdown: Notify,
     dialers: Mutex<HashMap<DeviceId, (String, Arc<Notify>)>>,
     started: Instant,
+    /// Bytes moved with each peer over all its connections (taken under the peers lock).
+    traffic: Mutex<crate::traffic::Traffic>,
+}
+
+/// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
+/// and the config file too, whatever modes they had (an older meshfs made them readable).
+fn private_state(home: &Home) {
+    use std::os::unix::fs::PermissionsExt;
+    let set = |p: &std::path::Path, mode: u32| {
+        if p.exists() {
+            if let Err(e) = std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)) {
+                tracing::warn!(path = %p.display(), error = %e, "cannot restrict permissions");
+            }
+        }
+    };
+    set(&home.state_dir, 0o700);
+    set(&home.config_file(), 0o600);
 }
 
 fn now_secs() -> u64 {
@@ -155,6 +172,7 @@ impl Engine {
         let identity = Identity::load(&home.identity_dir())?;
         let journal = Journal::open(&home.journal_file())?;
         journal.check()?;
+        private_state(&home);
         let listen = config.listen_addr(&home)?;
         let trust = TrustStore::new(config.peer_ids());
         let endpoint = transport::endpoint(&identity, listen, trust.clone()).map_err(|e| {
@@ -181,6 +199,7 @@ impl Engine {
             shutdown: Notify::new(),
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
+            traffic: Mutex::default(),
         });
         for f in &config.folders {
             engine.start_folder(f).await?;
@@ -202,6 +221,7 @@ impl Engine {
         }
         tokio::spawn(peers::accept_loop(engine.clone(), endpoint));
         tokio::spawn(retention_loop(engine.clone()));
+        tokio::spawn(traffic_loop(engine.clone()));
         engine.sync_dialers();
         tracing::info!(device = %engine.device, listen = %listen, "meshfs daemon running");
         Ok(engine)
@@ -685,7 +705,19 @@ impl Engine {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
     }
 
+    /// Updates the per-peer traffic counters from the current links.
+    fn observe_traffic(&self) {
+        if let (Ok(peers), Ok(mut t)) = (self.peers.lock(), self.traffic.lock()) {
+            t.observe(&peers);
+        }
+    }
+
     /// The daemon's state as the `status --json` document (see `docs/cli.md`).
+    ///
+    /// A folder is `in_sync` when its own work is done (nothing waits in capture, the first
+    /// scan is over, no remote version waits for a writer, receiving is not blocked) and every
+    /// peer sharing it is connected and caught up both ways; `in_sync_with_connected` asks the
+    /// latter only of the peers that are connected.
     pub fn status(&self) -> serde_json::Value {
         let config = self.config();
         let folders: Vec<Arc<FolderRt>> = self
@@ -709,8 +741,22 @@ impl Engine {
             Err(_) => vec![Default::default(); folders.len()],
         };
         let peers = self.peers.lock().ok();
+        let traffic = self.traffic.lock().ok().map(|mut t| {
+            if let Some(p) = &peers {
+                t.observe(p);
+            }
+            t
+        });
+        let last_seen_unix = |pid: &DeviceId| {
+            peers
+                .as_ref()
+                .and_then(|x| x.last_seen.get(pid).copied())
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| d.as_secs())
+        };
         let mut folders_json = Vec::new();
         let mut all_synced = true;
+        let mut all_synced_connected = true;
         for (rt, (counts, max, conflicts)) in folders.into_iter().zip(journaled) {
             let capture_pending = rt
                 .capture_pending
@@ -719,8 +765,10 @@ impl Engine {
             let scanning = rt.scanning.load(std::sync::atomic::Ordering::Relaxed);
             let waiting_for_writers = rt.deferred_count();
             let blocked = rt.blocked();
-            let mut folder_synced =
+            let local_done =
                 capture_pending == 0 && !scanning && waiting_for_writers == 0 && blocked.is_none();
+            let mut folder_synced = local_done;
+            let mut folder_synced_connected = local_done;
             let mut all_connected = true;
             for p in &config.peers {
                 if !p.folders.iter().any(|f| f == rt.id.as_str()) {
@@ -735,9 +783,11 @@ impl Engine {
                     .and_then(|x| x.sync.get(&(pid, rt.id.clone())).cloned());
                 let in_sync =
                     connected && s.as_ref().is_some_and(|s| s.in_sync && s.our_acked >= max);
-                // DESIGN §1: in sync with every *connected* peer; a peer that is down does not
-                // hold the folder hostage (it shows as `connected: false`).
-                folder_synced &= in_sync || !connected;
+                // In sync means with every peer sharing the folder: a peer that is down (or
+                // never came) has not got our changes. `in_sync_with_connected` is the weaker
+                // claim, for scripts that only care about the peers reachable now.
+                folder_synced &= in_sync;
+                folder_synced_connected &= in_sync || !connected;
                 all_connected &= connected;
                 peer_list.push(serde_json::json!({
                     "device_id": pid.to_string(),
@@ -749,9 +799,11 @@ impl Engine {
                     "their_sequence": s.as_ref().map_or(0, |s| s.their_known_max),
                     "applied_from_peer": s.as_ref().map_or(0, |s| s.their_applied),
                     "pending_records": s.as_ref().map_or(0, |s| max.saturating_sub(s.our_acked)),
+                    "last_seen_unix": last_seen_unix(&pid),
                 }));
             }
             all_synced &= folder_synced;
+            all_synced_connected &= folder_synced_connected;
             folders_json.push(serde_json::json!({
                 "id": rt.id.to_string(),
                 "path": rt.store.root().display().to_string(),
@@ -768,6 +820,7 @@ impl Engine {
                 "blocked": blocked,
                 "mount": rt.mount.lock().ok().and_then(|m| m.as_ref().map(|m| crate::mounts::MountStatus::from(m.info()))),
                 "in_sync": folder_synced,
+                "in_sync_with_connected": folder_synced_connected,
                 "peers_connected": all_connected,
                 "peers": peer_list,
             }));
@@ -778,11 +831,7 @@ impl Engine {
                 continue;
             };
             let stats = peers.as_ref().and_then(|x| x.stats(&pid));
-            let last_seen = peers
-                .as_ref()
-                .and_then(|x| x.last_seen.get(&pid).copied())
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map(|d| d.as_secs());
+            let (bytes_sent, bytes_received) = traffic.as_ref().map_or((0, 0), |t| t.peer(&pid));
             peers_json.push(serde_json::json!({
                 "device_id": pid.to_string(),
                 "short_id": pid.short().display7(),
@@ -791,12 +840,13 @@ impl Engine {
                 "folders": p.folders,
                 "connected": stats.is_some(),
                 "rtt_ms": stats.as_ref().map(|s| s.rtt.as_secs_f64() * 1000.0),
-                "bytes_sent": stats.as_ref().map_or(0, |s| s.bytes_sent),
-                "bytes_received": stats.as_ref().map_or(0, |s| s.bytes_received),
-                "last_seen_unix": last_seen,
+                "bytes_sent": bytes_sent,
+                "bytes_received": bytes_received,
+                "last_seen_unix": last_seen_unix(&pid),
             }));
         }
-        let (sent, received) = peers.as_ref().map(|p| p.totals()).unwrap_or((0, 0));
+        let (sent, received) = traffic.as_ref().map_or((0, 0), |t| t.totals());
+        drop(traffic);
         let refused: Vec<serde_json::Value> = self
             .trust
             .refused()
@@ -810,14 +860,34 @@ impl Engine {
                 "name": config.device.name,
                 "listen": config.device.listen,
                 "uptime_secs": self.started.elapsed().as_secs(),
+                "started_unix": now_secs().saturating_sub(self.started.elapsed().as_secs()),
             },
             "in_sync": all_synced,
+            "in_sync_with_connected": all_synced_connected,
             "folders": folders_json,
             "peers": peers_json,
             "refused_devices": refused,
             "bytes_sent": sent,
             "bytes_received": received,
         })
+    }
+}
+
+/// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
+/// connection (the sessions wake `peer_changed` when a link is registered or ends).
+async fn traffic_loop(engine: Arc<Engine>) {
+    let mut stopping = engine.stopping.subscribe();
+    loop {
+        let changed = engine.peer_changed.notified();
+        tokio::pin!(changed);
+        // Registered before looking, so a link that comes meanwhile wakes the next round.
+        changed.as_mut().enable();
+        engine.observe_traffic();
+        tokio::select! {
+            _ = changed => {}
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = stopping.changed() => return,
+        }
     }
 }
 

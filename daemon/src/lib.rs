@@ -23,4 +23,5 @@ pub mod scanner;
 pub mod session;
 pub mod sim;
 pub mod store;
+pub mod traffic;
 pub mod transport;

@@ -1,0 +1,83 @@
+//! Bytes moved with each peer since the daemon started, over every connection to it: a
+//! reconnect does not reset a peer's count, and the device's totals are the sum of its peers'.
+//!
+//! The engine shows it the peers' current links whenever one comes or goes
+//! ([`Traffic::observe`]); a link that is no longer current is read one last time and
+//! retired. It only reads connection statistics: it never opens, closes or keeps a connection
+//! alive beyond its session (it holds a handle until it has read the final counts).
+
+use crate::peers::Peers;
+use crate::transport;
+use meshfs_protocol::DeviceId;
+use std::collections::HashMap;
+
+/// Per-peer byte counters.
+#[derive(Default)]
+pub struct Traffic {
+    peers: HashMap<DeviceId, PeerTraffic>,
+}
+
+#[derive(Default)]
+struct PeerTraffic {
+    /// Bytes of connections that have ended (or were replaced).
+    retired: (u64, u64),
+    /// The connections seen current, by link serial.
+    live: HashMap<u64, quinn::Connection>,
+}
+
+impl Traffic {
+    /// Takes note of `peers`' current links and retires those that are no longer current.
+    pub fn observe(&mut self, peers: &Peers) {
+        let mut current: HashMap<DeviceId, u64> = HashMap::new();
+        for id in peers.connected() {
+            if let Some(link) = peers.link(&id) {
+                current.insert(id, link.serial);
+                self.peers
+                    .entry(id)
+                    .or_default()
+                    .live
+                    .entry(link.serial)
+                    .or_insert_with(|| link.conn.clone());
+            }
+        }
+        for (id, t) in &mut self.peers {
+            let keep = current.get(id);
+            let ended: Vec<u64> = t
+                .live
+                .keys()
+                .filter(|s| Some(*s) != keep)
+                .copied()
+                .collect();
+            for serial in ended {
+                if let Some(conn) = t.live.remove(&serial) {
+                    let s = transport::link_stats(&conn);
+                    t.retired.0 += s.bytes_sent;
+                    t.retired.1 += s.bytes_received;
+                }
+            }
+        }
+    }
+
+    /// Bytes (sent, received) with `peer` since the daemon started.
+    pub fn peer(&self, peer: &DeviceId) -> (u64, u64) {
+        self.peers.get(peer).map_or((0, 0), PeerTraffic::bytes)
+    }
+
+    /// Bytes (sent, received) with every peer (also peers removed since) since the daemon
+    /// started.
+    pub fn totals(&self) -> (u64, u64) {
+        self.peers
+            .values()
+            .map(PeerTraffic::bytes)
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    }
+}
+
+impl PeerTraffic {
+    fn bytes(&self) -> (u64, u64) {
+        self.live.values().fold(self.retired, |(s, r), conn| {
+            let l = transport::link_stats(conn);
+            (s + l.bytes_sent, r + l.bytes_received)
+        })
+    }
+}

@@ -1,0 +1,319 @@
+//! `meshfs status`: asks the daemon for its state and says in words whether each folder is in
+//! sync with every peer that shares it, and if not, why; `--wait-synced` waits for it (and for
+//! the daemon to come up). The daemon reports facts (`status --json`); the words are made here.
+
+use crate::{EXIT_NO_DAEMON, EXIT_TIMEOUT};
+use meshfs_daemon::config::{Config, ConfigError, Home};
+use meshfs_daemon::control;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// What `meshfs status` was asked.
+pub struct StatusArgs {
+    /// Print the JSON document.
+    pub json: bool,
+    /// Wait until in sync (exit 4 on timeout).
+    pub wait_synced: bool,
+    /// With `wait_synced`: only the connected peers count (the old meaning).
+    pub connected: bool,
+    /// Seconds to wait, for the daemon and for sync.
+    pub timeout: f64,
+}
+
+/// Runs `status`; returns the exit code.
+pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
+    // A home that was never initialised will never have a daemon: say what to do now.
+    if let Err(e @ ConfigError::Missing(_)) = Config::load(home) {
+        return Err(e.into());
+    }
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(a.timeout.max(0.0));
+    let key = if a.connected {
+        "in_sync_with_connected"
+    } else {
+        "in_sync"
+    };
+    let mut stable = 0;
+    let mut waited_for_daemon = false;
+    loop {
+        let Some(st) = control::request(home, &serde_json::json!({"op": "status"}))? else {
+            // Started a moment ago (`meshfs daemon &`), its socket may not be up yet.
+            if a.wait_synced && Instant::now() < deadline {
+                waited_for_daemon = true;
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            if waited_for_daemon {
+                eprintln!(
+                    "meshfs: no daemon came up for {} within {} s (start it with `meshfs daemon`)",
+                    home.config_dir.display(),
+                    a.timeout
+                );
+            } else {
+                eprintln!(
+                    "meshfs: no daemon is running for {} (start it with `meshfs daemon`)",
+                    home.config_dir.display()
+                );
+            }
+            return Ok(EXIT_NO_DAEMON);
+        };
+        let synced = st.get(key).and_then(Value::as_bool).unwrap_or(false);
+        // In sync must hold on three polls in a row, so a change captured a moment ago counts.
+        stable = if synced { stable + 1 } else { 0 };
+        if !a.wait_synced || stable >= 3 || Instant::now() >= deadline {
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&st)?);
+            } else {
+                print!("{}", render(&st));
+            }
+            if a.wait_synced && stable < 3 {
+                eprintln!(
+                    "meshfs: not in sync after {} s: {}",
+                    a.timeout,
+                    not_synced_summary(&st)
+                );
+                return Ok(EXIT_TIMEOUT);
+            }
+            return Ok(0);
+        }
+        // While syncing, poll gently (each poll reads the journal); once in sync, confirm soon.
+        std::thread::sleep(Duration::from_millis(if synced { 10 } else { 25 }));
+    }
+}
+
+fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or("")
+}
+
+fn u(v: &Value, k: &str) -> u64 {
+    v.get(k).and_then(Value::as_u64).unwrap_or(0)
+}
+
+fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// A Unix time as the user's local `HH:MM`, with the date when it is not today.
+pub fn local_time(unix: u64) -> String {
+    let offset = time::UtcOffset::current_local_offset().unwrap_or(time::UtcOffset::UTC);
+    let Ok(t) = time::OffsetDateTime::from_unix_timestamp(unix as i64) else {
+        return "?".into();
+    };
+    let t = t.to_offset(offset);
+    let today = time::OffsetDateTime::now_utc().to_offset(offset).date();
+    let hm = format!("{:02}:{:02}", t.hour(), t.minute());
+    if t.date() == today {
+        hm
+    } else {
+        format!("{} {hm}", t.date())
+    }
+}
+
+/// Peers of the `peers` array by device id.
+fn peers_by_id(st: &Value) -> HashMap<&str, &Value> {
+    st["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| (s(p, "device_id"), p))
+        .collect()
+}
+
+fn peer_name(p: &Value) -> String {
+    match s(p, "name") {
+        "" => s(p, "device_id").chars().take(7).collect(),
+        n => n.to_string(),
+    }
+}
+
+/// Where a folder's peer stands, in words: `up to date`, `syncing (3 records to send)`,
+/// `offline since 10:42`.
+fn peer_state(p: &Value, started_unix: u64) -> String {
+    if p["connected"] != true {
+        return match p["last_seen_unix"].as_u64() {
+            Some(t) => format!("offline since {}", local_time(t)),
+            None => format!(
+                "never connected since the daemon started at {}",
+                local_time(started_unix)
+            ),
+        };
+    }
+    if p["in_sync"] == true {
+        return "up to date".into();
+    }
+    let pending = u(p, "pending_records");
+    if pending > 0 {
+        format!("syncing ({} to send)", plural(pending, "record", "records"))
+    } else {
+        "syncing".into()
+    }
+}
+
+/// One folder's sync state in words: `in sync with every peer that shares it (b)`, or `up to
+/// date with 1 of 2 peers; b offline since 10:42`.
+pub fn folder_summary(f: &Value, started_unix: u64) -> String {
+    let mut why = Vec::new();
+    if f["scanning"] == true {
+        why.push("first scan running".to_string());
+    }
+    let pending = u(f, "capture_pending");
+    if pending > 0 {
+        why.push(format!(
+            "{} being recorded",
+            plural(pending, "local change", "local changes")
+        ));
+    }
+    if let Some(b) = f["blocked"].as_str() {
+        why.push(format!("receiving stopped ({b})"));
+    }
+    let writers = u(f, "waiting_for_writers");
+    if writers > 0 {
+        why.push(format!(
+            "{} {} for files open for writing through the mount",
+            plural(writers, "remote version", "remote versions"),
+            if writers == 1 { "waits" } else { "wait" }
+        ));
+    }
+    let peers: Vec<&Value> = f["peers"].as_array().into_iter().flatten().collect();
+    let up: Vec<String> = peers
+        .iter()
+        .filter(|p| p["connected"] == true && p["in_sync"] == true)
+        .map(|p| peer_name(p))
+        .collect();
+    if why.is_empty() && up.len() == peers.len() {
+        return if peers.is_empty() {
+            "up to date (shared with no peer)".into()
+        } else {
+            format!("in sync with every peer that shares it ({})", up.join(", "))
+        };
+    }
+    if !peers.is_empty() {
+        why.push(format!(
+            "up to date with {} of {}",
+            up.len(),
+            plural(peers.len() as u64, "peer", "peers")
+        ));
+    }
+    for p in peers
+        .iter()
+        .filter(|p| !(p["connected"] == true && p["in_sync"] == true))
+    {
+        why.push(format!("{} {}", peer_name(p), peer_state(p, started_unix)));
+    }
+    why.join("; ")
+}
+
+/// Why the device is not in sync: each folder that is not, with its reasons.
+fn not_synced_summary(st: &Value) -> String {
+    let started = u(&st["device"], "started_unix");
+    let out: Vec<String> = st["folders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["in_sync"] != true)
+        .map(|f| format!("folder {}: {}", s(f, "id"), folder_summary(f, started)))
+        .collect();
+    if out.is_empty() {
+        "it became in sync only just now".into()
+    } else {
+        out.join("; ")
+    }
+}
+
+/// The human status.
+pub fn render(st: &Value) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let dev = &st["device"];
+    let started = u(dev, "started_unix");
+    let _ = writeln!(
+        o,
+        "device  {} ({})  listening on {}",
+        s(dev, "name"),
+        s(dev, "id"),
+        s(dev, "listen")
+    );
+    let folders: Vec<&Value> = st["folders"].as_array().into_iter().flatten().collect();
+    let behind = folders.iter().filter(|f| f["in_sync"] != true).count();
+    let sync = if folders.is_empty() {
+        "no folders (add one with `meshfs folder add PATH`)".to_string()
+    } else if behind == 0 {
+        "in sync: every folder is up to date with every peer that shares it".to_string()
+    } else {
+        format!(
+            "not in sync: {behind} of {} (see below)",
+            plural(folders.len() as u64, "folder", "folders")
+        )
+    };
+    let _ = writeln!(o, "sync    {sync}");
+    let peers = peers_by_id(st);
+    for f in &folders {
+        let _ = writeln!(
+            o,
+            "folder  {:<12} {}  {} files, {} dirs, {} bytes, {}",
+            s(f, "id"),
+            s(f, "path"),
+            u(f, "files"),
+            u(f, "dirs"),
+            u(f, "bytes"),
+            plural(u(f, "conflicts"), "conflict", "conflicts"),
+        );
+        let _ = writeln!(o, "          {}", folder_summary(f, started));
+        let m = &f["mount"];
+        if m.is_object() {
+            let _ = writeln!(
+                o,
+                "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
+                s(m, "mountpoint"),
+                s(m, "mode"),
+                if m["passthrough"] == true {
+                    "on"
+                } else {
+                    "off"
+                },
+                u(m, "open_handles")
+            );
+        }
+        for p in f["peers"].as_array().into_iter().flatten() {
+            let name = peers
+                .get(s(p, "device_id"))
+                .map_or_else(|| peer_name(p), |q| peer_name(q));
+            let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
+        }
+    }
+    for p in st["peers"].as_array().into_iter().flatten() {
+        let state = if p["connected"] == true {
+            let rtt = p["rtt_ms"]
+                .as_f64()
+                .map_or("-".into(), |r| format!("{r:.1} ms"));
+            format!("connected, rtt {rtt}")
+        } else {
+            match p["last_seen_unix"].as_u64() {
+                Some(t) => format!("offline since {}", local_time(t)),
+                None => "never connected".into(),
+            }
+        };
+        let addr = match s(p, "addr") {
+            "" => "(dials us)",
+            a => a,
+        };
+        let _ = writeln!(
+            o,
+            "peer    {} {:<12} {:<22} {state}  sent {} B  received {} B",
+            s(p, "short_id"),
+            s(p, "name"),
+            addr,
+            u(p, "bytes_sent"),
+            u(p, "bytes_received")
+        );
+    }
+    for r in st["refused_devices"].as_array().into_iter().flatten() {
+        let r = r.as_str().unwrap_or("");
+        let _ = writeln!(
+            o,
+            "refused unknown device {r} (add it with `meshfs peer add {r} --addr HOST:PORT`)"
+        );
+    }
+    o
+}

@@ -1,0 +1,266 @@
+//! What `meshfs status` claims, checked against what is true: "in sync" means with every peer
+//! that shares the folder; `--wait-synced` waits for the daemon and for every such peer; byte
+//! counters per peer survive reconnects and add up to the device's; a listen address may be a
+//! host name; a peer that cannot be reached is logged once, not on every retry.
+
+mod common;
+use common::*;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn run(home: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let out = meshfs(home, args);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// A daemon started by hand, killed when dropped.
+struct Daemon(std::process::Child);
+
+impl Daemon {
+    fn spawn(home: &std::path::Path, rust_log: &str) -> Daemon {
+        let log = std::fs::File::create(home.join("daemon.log")).unwrap();
+        Daemon(
+            Command::new(bin())
+                .arg("--home")
+                .arg(home)
+                .arg("daemon")
+                .env("RUST_LOG", rust_log)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        )
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_folder_is_not_in_sync_while_a_peer_sharing_it_never_connected_or_is_offline() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    a.start();
+    write(&a.path("new.txt"), b"only a has it");
+
+    // b never came: not in sync, and status says why in words.
+    let (code, out, err) = run(&a.home, &["status", "--wait-synced", "--timeout", "1"]);
+    assert_eq!(code, 4, "{out}{err}");
+    assert!(
+        out.contains("up to date with 0 of 1 peer; b never connected"),
+        "{out}"
+    );
+    assert!(out.contains("sync    not in sync"), "{out}");
+    assert!(err.contains("not in sync after 1 s: folder work"), "{err}");
+    let st = a.status();
+    assert_eq!(st["in_sync"], false);
+    assert_eq!(st["folders"][0]["in_sync"], false);
+    assert_eq!(st["folders"][0]["peers_connected"], false);
+    // The old meaning, on request: in sync with the peers that are connected (none).
+    assert_eq!(st["in_sync_with_connected"], true);
+    assert_eq!(st["folders"][0]["in_sync_with_connected"], true);
+    let (code, _, err) = run(
+        &a.home,
+        &["status", "--wait-synced", "--connected", "--timeout", "10"],
+    );
+    assert_eq!(code, 0, "{err}");
+
+    b.start();
+    wait_synced(&[&a, &b], 30);
+    let (code, out, _) = run(&a.home, &["status"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("in sync with every peer that shares it (b)"),
+        "{out}"
+    );
+    assert_eq!(a.status()["in_sync"], true);
+
+    // b goes away and a changes something: a is not in sync with b any more.
+    b.stop();
+    write(&a.path("later.txt"), b"b has not got this");
+    let (code, out, _) = run(&a.home, &["status", "--wait-synced", "--timeout", "1"]);
+    assert_eq!(code, 4, "{out}");
+    assert!(
+        out.contains("up to date with 0 of 1 peer; b offline since "),
+        "{out}"
+    );
+    let st = a.status();
+    let seen = st["peers"][0]["last_seen_unix"].as_u64().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(now.abs_diff(seen) < 60, "last seen {seen}, now {now}");
+    assert_eq!(st["folders"][0]["peers"][0]["connected"], false);
+}
+
+#[test]
+fn wait_synced_right_after_starting_the_daemon_waits_for_it_to_come_up() {
+    let t = tmp();
+    let a = Device::new(&t, "a");
+    write(&a.path("f.txt"), b"x");
+    // The README's `meshfs daemon & meshfs status --wait-synced`.
+    let _d = Daemon::spawn(&a.home, "info");
+    let (code, out, err) = run(&a.home, &["status", "--wait-synced", "--timeout", "30"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("up to date (shared with no peer)"), "{out}");
+    assert!(out.contains("1 files"), "{out}");
+
+    // No daemon at all: it waits for the timeout, then says so with exit 3.
+    let b = Device::new(&t, "b");
+    let started = Instant::now();
+    let (code, _, err) = run(&b.home, &["status", "--wait-synced", "--timeout", "0.5"]);
+    assert_eq!(code, 3);
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    assert!(
+        err.contains("no daemon came up") && err.contains("meshfs daemon"),
+        "{err}"
+    );
+    // Without --wait-synced it does not wait.
+    let (code, _, err) = run(&b.home, &["status"]);
+    assert_eq!(code, 3);
+    assert!(err.contains("no daemon is running"), "{err}");
+}
+
+/// (sent, received) of the one peer and of the device.
+fn counters(d: &Device) -> ((u64, u64), (u64, u64)) {
+    let st = d.status();
+    let p = &st["peers"][0];
+    (
+        (
+            p["bytes_sent"].as_u64().unwrap(),
+            p["bytes_received"].as_u64().unwrap(),
+        ),
+        (
+            st["bytes_sent"].as_u64().unwrap(),
+            st["bytes_received"].as_u64().unwrap(),
+        ),
+    )
+}
+
+#[test]
+fn per_peer_byte_counters_add_up_to_the_device_totals_and_survive_a_reconnect() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    a.start();
+    b.start();
+    write(&a.path("big.bin"), &noise(2 << 20, 1));
+    wait_synced(&[&a, &b], 60);
+    let (peer, total) = counters(&a);
+    assert!(peer.0 > 2 << 20, "the file's bytes count for b: {peer:?}");
+    assert_eq!(peer, total);
+
+    // b restarts: a new connection, the count goes on.
+    b.stop();
+    b.start();
+    write(&a.path("second.bin"), &noise(1 << 20, 2));
+    wait_synced(&[&a, &b], 60);
+    let (after, total) = counters(&a);
+    assert!(
+        after.0 > peer.0 + (1 << 20),
+        "not reset by the reconnect: {peer:?} then {after:?}"
+    );
+    assert_eq!(after, total);
+}
+
+#[test]
+fn listen_takes_a_host_name() {
+    let t = tmp();
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let home = t.path().join("named");
+    let dir = t.path().join("named-files");
+    ok(
+        &home,
+        &[
+            "init",
+            "--name",
+            "named",
+            "--listen",
+            &format!("localhost:{port}"),
+        ],
+    );
+    ok(
+        &home,
+        &["folder", "add", dir.to_str().unwrap(), "--id", "work"],
+    );
+    let mut b = Device::new(&t, "b");
+    let id = ok(&home, &["id"]).trim().to_string();
+    ok(
+        &home,
+        &[
+            "peer", "add", &b.id, "--addr", &b.addr, "--name", "b", "--share", "work",
+        ],
+    );
+    // b reaches it at the address localhost resolved to.
+    ok(
+        &b.home,
+        &[
+            "peer",
+            "add",
+            &id,
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--name",
+            "named",
+            "--share",
+            "work",
+        ],
+    );
+    let _d = Daemon::spawn(&home, "info");
+    b.start();
+    write(&b.path("hello.txt"), b"hello");
+    let (code, out, err) = run(&home, &["status", "--wait-synced", "--timeout", "30"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!("listening on localhost:{port}")),
+        "{out}"
+    );
+    assert_eq!(std::fs::read(dir.join("hello.txt")).unwrap(), b"hello");
+}
+
+#[test]
+fn an_unreachable_peer_is_logged_once_at_info_and_its_retries_at_debug() {
+    let t = tmp();
+    let a = Device::new(&t, "a");
+    let b = Device::new(&t, "b");
+    // b is configured but never runs.
+    ok(
+        &a.home,
+        &[
+            "peer", "add", &b.id, "--addr", &b.addr, "--name", "b", "--share", "work",
+        ],
+    );
+    let _d = Daemon::spawn(&a.home, "debug");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let retries = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("DEBUG") && l.contains("dial failed"))
+            .count()
+    };
+    while retries(&a.log()) < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = a.log();
+    assert!(retries(&log) >= 3, "it keeps retrying:\n{log}");
+    let at_info = log
+        .lines()
+        .filter(|l| l.contains(" INFO ") && l.contains("dial failed"))
+        .count();
+    assert_eq!(at_info, 1, "{log}");
+}
