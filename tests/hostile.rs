@@ -138,3 +138,19 @@ fn a_hostile_peer_gets_nothing_unshared_and_cannot_disturb_others() {
     );
     assert!(!b.path("secret.txt").exists());
 }
+
+#[test]
+fn a_homes_state_is_the_owners_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    // Whatever modes an older meshfs (or the user) left.
+    let state = a.home.join("state");
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+    a.start();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&state), 0o700, "state dir");
+    assert_eq!(mode(&state.join("journal.db")), 0o600, "journal");
+    assert_eq!(mode(&a.home.join("config.toml")), 0o600, "config");
+    assert_eq!(mode(&state.join("key.der")), 0o600, "key");
+}

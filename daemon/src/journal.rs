@@ -521,6 +521,12 @@ impl Journal {
     pub fn open(path: &Path) -> Result<Journal> {
         let opened = (|| {
             let mut conn = Connection::open(path)?;
+            // Every path, its history and the peers' ids: the owner's alone (SQLite gives
+            // its WAL and shared-memory files the database's mode).
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+            }
             conn.busy_timeout(BUSY_TIMEOUT)?;
             // Read-only checks first, so that a file that is not ours is left byte for byte
             // as it was (switching to WAL would rewrite its header). The first read of a
