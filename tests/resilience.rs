@@ -481,3 +481,75 @@ fn kill_loop_the_receiver_killed_at_random_moments_twenty_times_never_shows_a_pa
 fn complete(b: &Device, expected: &std::collections::HashMap<String, u64>) -> bool {
     files(&b.dir).len() == expected.len()
 }
+
+#[test]
+fn a_full_journal_disk_stops_capture_clearly_and_loses_no_change() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    // The journal on a small disk of its own.
+    let state = a.home.join("state");
+    let saved = t.path().join("state-copy");
+    std::fs::rename(&state, &saved).unwrap();
+    let _small = SmallDisk::mount(&state, 4);
+    let status = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(format!("{}/.", saved.display()))
+        .arg(&state)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    a.start();
+    // Fill the journal's disk, then make changes the journal has no room for.
+    let filler = state.join("filler");
+    let free = |p: &std::path::Path| {
+        let out = std::process::Command::new("df")
+            .args(["--output=avail", "-B1"])
+            .arg(p)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .nth(1)
+            .unwrap()
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    std::fs::write(&filler, vec![0u8; free(&state) as usize]).unwrap();
+    for i in 0..3000 {
+        write(
+            &a.path(&format!("d{}/file-{i}.txt", i % 30)),
+            format!("{i}").as_bytes(),
+        );
+    }
+    let t0 = Instant::now();
+    let reason = loop {
+        if let Some(r) = a.status()["folders"][0]["blocked"].as_str() {
+            break r.to_string();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "never blocked:\n{}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(reason.contains("journal"), "{reason}");
+    assert_eq!(
+        a.log().matches("the journal's disk is full").count(),
+        1,
+        "{}",
+        a.log()
+    );
+    // Room again: every change is journaled without anyone touching the files.
+    std::fs::remove_file(&filler).unwrap();
+    let t0 = Instant::now();
+    loop {
+        let st = a.status();
+        if st["folders"][0]["blocked"].is_null() && st["folders"][0]["files"] == 3000 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "changes lost: {st}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -935,6 +935,8 @@ async fn capture_loop(
     let mut c = Coalescer::default();
     let mut next: Option<Instant> = None;
     let mut released = false;
+    // Set while scans fail (the journal's disk full): the next success says it is over.
+    let mut scan_failing: Option<Instant> = None;
     let mut stopping = engine.stopping.subscribe();
     loop {
         let sleep = async {
@@ -977,8 +979,29 @@ async fn capture_loop(
                         .then(|| scopes.first().cloned())
                         .flatten();
                     match engine.scan_paths(&rt.id, scopes).await {
-                        Ok(changes) => tracing::debug!(folder = %rt.id, rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured"),
-                        Err(e) => tracing::warn!(folder = %rt.id, error = %e, "scan failed"),
+                        Ok(changes) => {
+                            tracing::debug!(folder = %rt.id, rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured");
+                            if scan_failing.take().is_some() && rt.unblock() {
+                                tracing::info!(folder = %rt.id, "the journal's disk has room again; capture resumed");
+                            }
+                        }
+                        Err(e) => {
+                            // What the scan took from the queue is not journaled: nothing is
+                            // lost as long as a later scan covers it, so the folder is rescanned
+                            // whole after a pause.
+                            let full = e.contains("the disk holding the journal");
+                            if full {
+                                if rt.block(format!("journal disk full: {e}")) {
+                                    tracing::error!(folder = %rt.id, error = %e, "the journal's disk is full; changes are captured again once there is room");
+                                }
+                            } else {
+                                tracing::warn!(folder = %rt.id, error = %e, "scan failed; rescanning the folder shortly");
+                            }
+                            let retry = Instant::now() + RESCAN_AFTER_FAILURE;
+                            scan_failing = Some(retry);
+                            c.add(CaptureMsg::Rescan, retry);
+                            next = Some(next.map_or(retry, |n| n.min(retry)));
+                        }
                     }
                 }
                 // A writer let go: once its path is captured (nothing of it waits here any
@@ -996,6 +1019,9 @@ async fn capture_loop(
         }
     }
 }
+
+/// How long the capture loop waits before rescanning a folder whose scan failed.
+const RESCAN_AFTER_FAILURE: Duration = Duration::from_secs(2);
 
 /// How long starting a folder waits for its first scan before going on while it runs.
 const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);
