@@ -154,3 +154,51 @@ fn a_homes_state_is_the_owners_alone() {
     assert_eq!(mode(&a.home.join("config.toml")), 0o600, "config");
     assert_eq!(mode(&state.join("key.der")), 0o600, "key");
 }
+
+#[test]
+fn a_record_that_cannot_apply_is_skipped_and_shown_while_the_rest_keeps_syncing() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    // On a, `x` is a local file kept out of sync by a local ignore rule; on b, `x` is a
+    // directory. b's `x/y` has nowhere to go on a.
+    let local_ignore = a.home.join("ignore").join("work");
+    write(&local_ignore, b"x\n");
+    write(&a.path("x"), b"a's private file");
+    write(&b.path("x/y"), b"b's file");
+    write(&b.path("z.txt"), b"arrives anyway");
+    a.start();
+    b.start();
+    let t0 = std::time::Instant::now();
+    loop {
+        let st = a.status();
+        let skipped = st["folders"][0]["skipped"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if a.path("z.txt").exists() && !skipped.is_empty() {
+            assert!(
+                skipped
+                    .iter()
+                    .any(|s| s["path"].as_str().unwrap().starts_with('x')),
+                "{skipped:?}"
+            );
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "status: {st}\n{}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(std::fs::read(a.path("x")).unwrap(), b"a's private file");
+    // Later changes from b still arrive.
+    write(&b.path("later.txt"), b"still syncing");
+    let t0 = std::time::Instant::now();
+    while std::fs::read(a.path("later.txt")).ok().as_deref() != Some(b"still syncing".as_slice()) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -656,10 +656,13 @@ fn decide_each(
                     })
                 }
                 Step::ReviveDir { record } => {
-                    let local = rt
-                        .store
-                        .make_dir(&record.path, record.mode)
-                        .map_err(|e| e.to_string())?;
+                    let local = match rt.store.make_dir(&record.path, record.mode) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            skip_or_fail(rt, &remote, e)?;
+                            break;
+                        }
+                    };
                     Some(Change {
                         record,
                         op: Op::Create,
@@ -688,7 +691,10 @@ fn decide_each(
                             redo.push(remote.clone());
                             break;
                         }
-                        Err(e) => return Err(e.to_string()),
+                        Err(e) => {
+                            skip_or_fail(rt, &remote, e)?;
+                            break;
+                        }
                     }
                 }
                 Step::PreserveRemote { record } if record.kind != FileKind::File => {
@@ -716,7 +722,10 @@ fn decide_each(
                             redo.push(remote.clone());
                             break;
                         }
-                        Err(e) => return Err(e.to_string()),
+                        Err(e) => {
+                            skip_or_fail(rt, &remote, e)?;
+                            break;
+                        }
                     }
                 }
                 Step::PreserveRemote { record } => {
@@ -845,11 +854,15 @@ fn decide_each(
                             redo.push(remote.clone());
                             None
                         }
-                        Err(e) => return Err(e.to_string()),
+                        Err(e) => {
+                            skip_or_fail(rt, &remote, e)?;
+                            break;
+                        }
                     }
                 }
             };
             if let Some(c) = change {
+                rt.unskip(&c.record.path);
                 rt.invalidator.invalidate(&c.record.path);
                 match preserve_remote_at {
                     Some(i) => transfers[i].then.push(c),
@@ -1182,6 +1195,7 @@ fn install(
     for (t, r) in meta.into_iter().zip(results) {
         match r {
             Ok(local) => {
+                rt.unskip(&t.record.path);
                 rt.invalidator.invalidate(&t.record.path);
                 changes.push(Change {
                     record: t.record,
@@ -1196,7 +1210,10 @@ fn install(
                 cleared.push(t.record.path.clone());
                 redo.push(t.remote);
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => {
+                cleared.push(t.record.path.clone());
+                skip_or_fail(rt, &t.remote, e)?;
+            }
         }
     }
     journal
@@ -1211,6 +1228,22 @@ fn install(
             commit_ms = (t0.elapsed() - renamed_at).as_millis() as u64, "batch installed");
     }
     Ok(redo)
+}
+
+/// A record that cannot be applied here (its parent is a symlink or not a directory, a
+/// directory refuses entries, a name the filesystem rejects…) is skipped and reported
+/// (`FolderRt::skipped`, in `status`) so that the rest of its batch, and every later one,
+/// still applies; only a full disk fails the batch, to be received again once there is room.
+fn skip_or_fail(rt: &FolderRt, remote: &FileRecord, e: StoreError) -> Result<(), String> {
+    let full = matches!(&e, StoreError::Io { source, .. }
+        if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)));
+    if full {
+        return Err(e.to_string());
+    }
+    if rt.skip(remote.path.clone(), e.to_string()) {
+        tracing::warn!(folder = %rt.id, path = %remote.path, error = %e, "a remote version cannot be applied here; skipped (see status)");
+    }
+    Ok(())
 }
 
 /// Captures local edits at `paths` (they beat an apply to the disk).

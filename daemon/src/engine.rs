@@ -56,6 +56,9 @@ pub struct FolderRt {
     deferred: Mutex<HashMap<RelPath, (FileRecord, DeviceId)>>,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
     blocked: Mutex<Option<String>>,
+    /// Remote versions that cannot be applied here, by path, with the error: skipped so the
+    /// rest of the folder keeps syncing, until a later version of the path applies.
+    skipped: Mutex<std::collections::BTreeMap<RelPath, String>>,
     /// What apply just did to paths, so the watcher's events for it are not rescanned.
     pub echoes: crate::capture::Echoes,
     watcher: Mutex<Option<notify::RecommendedWatcher>>,
@@ -89,6 +92,32 @@ impl FolderRt {
     /// Why receiving is stopped, if it is.
     pub fn blocked(&self) -> Option<String> {
         self.blocked.lock().ok().and_then(|b| b.clone())
+    }
+
+    /// Records that a remote version of `path` cannot be applied. Returns whether this is new
+    /// (so the log says it once).
+    pub fn skip(&self, path: RelPath, error: String) -> bool {
+        self.skipped
+            .lock()
+            .map(|mut s| s.insert(path, error).is_none())
+            .unwrap_or(false)
+    }
+
+    /// A version of `path` applied: it is no longer skipped.
+    pub fn unskip(&self, path: &RelPath) {
+        if let Ok(mut s) = self.skipped.lock() {
+            if !s.is_empty() {
+                s.remove(path);
+            }
+        }
+    }
+
+    /// The skipped remote versions: (path, error).
+    pub fn skipped(&self) -> Vec<(RelPath, String)> {
+        self.skipped
+            .lock()
+            .map(|s| s.iter().map(|(p, e)| (p.clone(), e.clone())).collect())
+            .unwrap_or_default()
     }
 
     /// Remote versions waiting for a writer to let go.
@@ -425,6 +454,7 @@ impl Engine {
             mount: Mutex::new(None),
             deferred: Mutex::new(HashMap::new()),
             blocked: Mutex::new(None),
+            skipped: Mutex::new(Default::default()),
             echoes: Default::default(),
             watcher: Mutex::new(None),
         });
@@ -817,6 +847,7 @@ impl Engine {
                 "scanning": scanning,
                 "conflicts": conflicts,
                 "waiting_for_writers": waiting_for_writers,
+                "skipped": rt.skipped().into_iter().map(|(p, e)| serde_json::json!({"path": p.as_str(), "error": e})).collect::<Vec<_>>(),
                 "blocked": blocked,
                 "mount": rt.mount.lock().ok().and_then(|m| m.as_ref().map(|m| crate::mounts::MountStatus::from(m.info()))),
                 "in_sync": folder_synced,
