@@ -202,3 +202,150 @@ fn a_record_that_cannot_apply_is_skipped_and_shown_while_the_rest_keeps_syncing(
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn a_hostile_peer_cannot_exhaust_memory_or_threads_and_an_honest_peer_keeps_syncing() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    for i in 0..40 {
+        write(&a.path(&format!("data/{i}.bin")), &noise(1 << 20, i));
+    }
+    let mallory = Identity::generate("mallory").unwrap();
+    ok(
+        &a.home,
+        &[
+            "peer",
+            "add",
+            &mallory.device_id.to_string(),
+            "--share",
+            "work",
+        ],
+    );
+    a.start();
+    b.start();
+    wait_synced_connected(&[&a, &b]);
+    let rss_before = a.rss_kib();
+    let a_id: DeviceId = a.id.parse().unwrap();
+    let a_addr: std::net::SocketAddr = a.addr.parse().unwrap();
+    let hashes: Vec<Hash> = (0..40).map(|i| Hash::of(&noise(1 << 20, i))).collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (closed_for_flood, served_past_limit) = rt.block_on(async {
+        let ep = transport::endpoint(
+            &mallory,
+            "127.0.0.1:0".parse().unwrap(),
+            TrustStore::new([a_id]),
+        )
+        .unwrap();
+        let conn = transport::dial(&ep, a_addr, a_id).await.unwrap();
+        let (mut ctl, _ctl_recv) = conn.open_bi().await.unwrap();
+        transport::write_message(&mut ctl, &hello("work"))
+            .await
+            .unwrap();
+        // 1. Hundreds of streams announcing 16 MiB frames that never come.
+        let mut held = Vec::new();
+        for _ in 0..500 {
+            let Ok((mut s, r)) = conn.open_bi().await else {
+                break;
+            };
+            let _ = s
+                .write_all(&((MAX_FRAME_LEN as u32) - 1).to_be_bytes())
+                .await;
+            held.push((s, r));
+        }
+        // 2. Chunk requests for real content, never read: each would hold a reader thread.
+        let mut stalled = 0;
+        for _ in 0..300 {
+            let Ok((mut s, r)) = conn.open_bi().await else {
+                break;
+            };
+            let req = Message::Request(ChunkRequest {
+                folder: FolderId::new("work").unwrap(),
+                hashes: hashes.clone(),
+            });
+            if transport::write_message(&mut s, &req).await.is_ok() {
+                stalled += 1;
+            }
+            let _ = s.finish();
+            held.push((s, r));
+        }
+        // 3. Index batches beyond the window, without waiting for acknowledgements.
+        for i in 0..20u64 {
+            let rec = FileRecord {
+                path: RelPath::new(&format!("flood-{i}")).unwrap(),
+                kind: FileKind::File,
+                deleted: false,
+                mode: 0o644,
+                mtime_ns: 0,
+                size: 0,
+                hash: Hash::of_chunks(&[]),
+                chunks: vec![],
+                target: String::new(),
+                version: VersionVector::from_pairs([(mallory.device_id.short(), i + 1)]),
+                modified_by: mallory.device_id.short(),
+                sequence: i + 1,
+            };
+            let m = Message::Index(IndexBatch {
+                folder: FolderId::new("work").unwrap(),
+                records: vec![rec],
+                up_to: i + 1,
+                inline: Vec::new(),
+            });
+            if transport::write_message(&mut ctl, &m).await.is_err() {
+                break;
+            }
+        }
+        let closed = tokio::time::timeout(Duration::from_secs(10), conn.closed())
+            .await
+            .is_ok();
+        drop(held);
+        (closed, stalled)
+    });
+    assert!(served_past_limit > 0);
+    assert!(
+        closed_for_flood,
+        "the session of a peer ignoring the batch window is closed"
+    );
+    let rss_after = a.rss_kib();
+    eprintln!("victim RSS: {rss_before} KiB before, {rss_after} KiB after the attack");
+    assert!(
+        rss_after < rss_before + 200 * 1024,
+        "RSS grew from {rss_before} to {rss_after} KiB"
+    );
+    // The daemon still answers and the honest peer still syncs.
+    write(&b.path("after-attack.txt"), b"still syncing");
+    let t0 = std::time::Instant::now();
+    while std::fs::read(a.path("after-attack.txt")).ok().as_deref()
+        != Some(b"still syncing".as_slice())
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{}", a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        a.log().contains("unacknowledged index batches"),
+        "{}",
+        a.log()
+    );
+}
+
+/// Waits until `devs` are in sync with every *connected* peer (mallory is configured but not
+/// connected yet).
+fn wait_synced_connected(devs: &[&Device]) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let done = devs.iter().all(|d| {
+            meshfs(
+                &d.home,
+                &["status", "--wait-synced", "--connected", "--timeout", "0.5"],
+            )
+            .status
+            .success()
+        }) && tree(&devs[0].dir) == tree(&devs[1].dir);
+        if done {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "never in sync");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -31,6 +31,13 @@ const REQUEST_BYTES: u64 = 4 << 20;
 /// Chunk requests in flight per fetch.
 const REQUESTS_IN_FLIGHT: usize = 24;
 
+/// Chunk requests served to one peer at once (each holds a blocking reader thread).
+const SERVED_AT_ONCE: usize = 32;
+/// Most hashes a peer may ask for in one chunk request (honest peers ask for 64).
+const MAX_REQUEST_HASHES: usize = 256;
+/// How long one response may wait for the requester to take it.
+const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How long a redial (after a failed dial) waits for the handshake before starting over.
 const RETRY_ATTEMPT: Duration = Duration::from_millis(1500);
 
@@ -447,9 +454,17 @@ async fn drive_session(
         let engine = engine.clone();
         let conn = conn.clone();
         tokio::spawn(async move {
+            // A peer gets at most this many requests served at once, each with one blocking
+            // reader: one that opens streams and stops reading cannot hold the blocking pool
+            // that every apply, scan and status shares.
+            let serving = Arc::new(tokio::sync::Semaphore::new(SERVED_AT_ONCE));
             while let Ok((s, r)) = conn.accept_bi().await {
                 let engine = engine.clone();
+                let Ok(permit) = serving.clone().acquire_owned().await else {
+                    return;
+                };
                 tokio::spawn(async move {
+                    let _permit = permit;
                     if let Err(e) = serve_request(&engine, peer, s, r).await {
                         tracing::warn!(peer = %peer.short(), error = %e, "refused a chunk request");
                     }
@@ -752,6 +767,24 @@ async fn serve_request(
     let Some(rt) = engine.folder(&req.folder) else {
         return Err(format!("folder {} not running", req.folder));
     };
+    if req.hashes.len() > MAX_REQUEST_HASHES {
+        let _ = transport::write_message(
+            &mut send,
+            &Message::Error {
+                code: ErrorCode::BadFrame,
+                message: format!(
+                    "{} hashes in one request; at most {MAX_REQUEST_HASHES}",
+                    req.hashes.len()
+                ),
+            },
+        )
+        .await;
+        return Err(format!(
+            "peer {} asked for {} chunks in one request",
+            peer.short(),
+            req.hashes.len()
+        ));
+    }
     // Reading is blocking work (journal, files, zstd): a blocking thread reads the chunks in
     // order and hands each response to this task, at most a few ahead of the stream.
     let (tx, mut rx) = mpsc::channel::<ChunkResponse>(4);
@@ -793,9 +826,15 @@ async fn serve_request(
         }
     });
     while let Some(resp) = rx.recv().await {
-        transport::write_message(&mut send, &Message::Response(resp))
-            .await
-            .map_err(|e| e.to_string())?;
+        // A requester that stops reading frees its reader after a while (dropping `rx`
+        // ends the blocking thread's sends).
+        tokio::time::timeout(
+            RESPONSE_WRITE_TIMEOUT,
+            transport::write_message(&mut send, &Message::Response(resp)),
+        )
+        .await
+        .map_err(|_| "the requester stopped reading".to_string())?
+        .map_err(|e| e.to_string())?;
     }
     reader.await.map_err(|e| e.to_string())?;
     let _ = send.finish();

@@ -458,6 +458,16 @@ impl Session {
             );
             return self.fail(ErrorCode::BadFrame, &msg);
         }
+        // The sender may have MAX_IN_FLIGHT batches unacknowledged; every batch here is
+        // unacknowledged until applied. More is a peer ignoring the window: refused rather
+        // than queued without bound.
+        if f.queued.len() + f.receiving.len() >= MAX_IN_FLIGHT {
+            let msg = format!(
+                "more than {MAX_IN_FLIGHT} unacknowledged index batches of folder {}",
+                batch.folder
+            );
+            return self.fail(ErrorCode::BadFrame, &msg);
+        }
         f.their_received = batch.up_to;
         f.their_known_max = f.their_known_max.max(batch.up_to);
         f.queued.push_back(batch);
@@ -1139,14 +1149,12 @@ mod tests {
             .session
             .handle(batch(vec![record("w", 2, 5)], 6), &mut a.journal);
         assert!(matches!(&r3[..], [Action::Receive { up_to: 6, .. }]));
-        // ... an empty batch and a fourth wait, and nothing is acknowledged yet.
+        // ... an empty batch waits, and nothing is acknowledged yet. That is the sender's
+        // whole window (MAX_IN_FLIGHT = 4): one more would be refused.
+        assert_eq!(MAX_IN_FLIGHT, 4);
         assert!(a
             .session
             .handle(batch(vec![], 7), &mut a.journal)
-            .is_empty());
-        assert!(a
-            .session
-            .handle(batch(vec![record("z", 2, 8)], 9), &mut a.journal)
             .is_empty());
         assert!(!status(&a, "f").in_sync);
         // Partial progress keeps the first Receive outstanding.
@@ -1164,6 +1172,10 @@ mod tests {
             })
             .collect();
         assert_eq!(acked, vec![2]);
+        // The sender's window has room again: its next batch is handed out at once.
+        let next = a
+            .session
+            .handle(batch(vec![record("z", 2, 8)], 9), &mut a.journal);
         assert!(
             matches!(next.last(), Some(Action::Receive { up_to: 9, .. })),
             "{next:?}"
@@ -1188,6 +1200,38 @@ mod tests {
             a.session.handle(old, &mut a.journal).last(),
             Some(Action::Close { .. })
         ));
+    }
+
+    #[test]
+    fn a_peer_that_ignores_the_batch_window_is_refused_not_queued() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let hello = Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            device_name: "b".into(),
+            folders: vec![HelloFolder {
+                folder: fid("f"),
+                index_id: 22,
+                your_index_id: 11,
+                your_sequence: 0,
+                max_sequence: 100,
+                scanning: false,
+            }],
+        });
+        a.session.handle(hello, &mut a.journal);
+        let mut last = Vec::new();
+        for i in 0..MAX_IN_FLIGHT as u64 + 1 {
+            let b = Message::Index(IndexBatch {
+                folder: fid("f"),
+                records: vec![record(&format!("r{i}"), 2, i + 1)],
+                up_to: i + 1,
+                inline: Vec::new(),
+            });
+            last = a.session.handle(b, &mut a.journal);
+        }
+        assert!(
+            matches!(last.last(), Some(Action::Close { .. })),
+            "{last:?}"
+        );
     }
 
     #[test]
