@@ -117,6 +117,21 @@ fn to_json(folder: &FolderId, e: &HistoryEntry) -> serde_json::Value {
     })
 }
 
+/// A peer-chosen name for a terminal: control characters (which could move the cursor,
+/// recolour or retitle the user's terminal) shown as escapes. JSON output escapes them itself.
+fn printable(name: &str) -> String {
+    name.chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
+}
+
 fn print(folder: &FolderId, entries: &[HistoryEntry], json: bool) {
     for e in entries {
         if json {
@@ -133,7 +148,7 @@ fn print(folder: &FolderId, entries: &[HistoryEntry], json: bool) {
                 time_str(e.time_ns),
                 e.modified_by.display7(),
                 e.op.as_str(),
-                e.path.to_string(),
+                printable(e.path.as_str()),
                 e.size,
                 hash,
                 e.version
@@ -209,5 +224,16 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
         print(&folder, &more, a.json);
         use std::io::Write;
         let _ = std::io::stdout().flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    #[test]
+    fn control_characters_in_names_are_shown_escaped() {
+        assert_eq!(printable("a\u{1b}[2Jb\tc"), "a\\u{1b}[2Jb\\tc");
+        assert_eq!(printable("plain é name"), "plain é name");
     }
 }

@@ -15,7 +15,7 @@ pub mod engine;
 pub mod identity;
 pub mod ignore;
 pub mod journal;
-pub mod mapped;
+pub(crate) mod mapped;
 pub mod mounts;
 pub mod peers;
 pub mod reconcile;
