@@ -349,3 +349,36 @@ fn wait_synced_connected(devs: &[&Device]) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn a_removed_peer_is_refused_even_after_a_session_it_could_resume() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mallory = Identity::generate("mallory").unwrap();
+    let m_id = mallory.device_id.to_string();
+    ok(&a.home, &["peer", "add", &m_id, "--share", "work"]);
+    a.start();
+    let a_id: DeviceId = a.id.parse().unwrap();
+    let a_addr: std::net::SocketAddr = a.addr.parse().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ep = rt.block_on(async {
+        transport::endpoint(
+            &mallory,
+            "127.0.0.1:0".parse().unwrap(),
+            TrustStore::new([a_id]),
+        )
+        .unwrap()
+    });
+    // A full session first: with resumption on, the server would now hold a ticket for it.
+    rt.block_on(async {
+        let conn = transport::dial(&ep, a_addr, a_id).await.expect("trusted");
+        conn.close(0u32.into(), b"bye");
+    });
+    ok(&a.home, &["peer", "remove", &m_id]);
+    let again = rt.block_on(async { transport::dial(&ep, a_addr, a_id).await });
+    assert!(
+        matches!(again, Err(transport::TransportError::Refused { .. })),
+        "a removed peer got back in: {:?}",
+        again.map(|_| ())
+    );
+}
