@@ -261,14 +261,19 @@ pub fn tmp() -> std::sync::Arc<tempfile::TempDir> {
     std::sync::Arc::new(tempfile::tempdir().unwrap())
 }
 
-/// Waits until every device reports in sync (three times in a row) and their trees are equal.
+/// Waits until every device reports in sync with its connected peers (three times in a row)
+/// and their trees are equal. `--connected`: a peer configured but not among `devs` (one that
+/// never runs, or is stopped) is not waited for; the trees compared prove convergence.
 pub fn wait_synced(devs: &[&Device], secs: u64) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
         let all = devs.iter().all(|d| {
-            meshfs(&d.home, &["status", "--wait-synced", "--timeout", "0.5"])
-                .status
-                .success()
+            meshfs(
+                &d.home,
+                &["status", "--wait-synced", "--connected", "--timeout", "0.5"],
+            )
+            .status
+            .success()
         });
         if all {
             let first = tree(&devs[0].dir);
