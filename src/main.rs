@@ -5,6 +5,7 @@
 mod config_check;
 mod demo;
 mod journal_cmd;
+mod package_assets;
 mod status_cmd;
 
 use anyhow::{anyhow, bail, Context as _};
@@ -155,6 +156,12 @@ enum Command {
     Completions {
         /// bash, zsh, fish, elvish or powershell.
         shell: clap_complete::Shell,
+    },
+    /// Write the man pages and shell completions the package installs (for packagers).
+    #[command(hide = true)]
+    PackageAssets {
+        /// Where to write `man/` and `completions/`.
+        out: PathBuf,
     },
 }
 
@@ -647,6 +654,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             Ok(0)
         }
         Command::Demo { keep } => demo::run_demo(keep),
+        Command::PackageAssets { out } => package_assets::run(Cli::command(), &out),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "meshfs", &mut std::io::stdout());
             Ok(0)

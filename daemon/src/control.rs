@@ -177,19 +177,23 @@ pub fn request(home: &Home, req: &serde_json::Value) -> anyhow::Result<Option<se
     Ok(Some(serde_json::from_str(&line)?))
 }
 
-/// Runs the daemon for `home` until SIGINT/SIGTERM or a `stop` request.
+/// Runs the daemon for `home` until SIGINT/SIGTERM or a `stop` request. Under systemd
+/// (`Type=notify`) it says `READY=1` once the folders are started, the endpoint listens and the
+/// control socket answers, and `STOPPING=1` when it begins to stop.
 pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     let listener = bind(&home)?;
     let engine = Engine::start(home.clone()).await?;
     let stop = Arc::new(tokio::sync::Notify::new());
     tokio::spawn(serve(engine.clone(), listener, stop.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    sd_notify("READY=1\nSTATUS=running");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
         _ = stop.notified() => {}
     }
     tracing::info!("stopping");
+    sd_notify("STOPPING=1");
     engine.stop().await;
     let _ = std::fs::remove_file(home.control_socket());
     Ok(())
@@ -199,4 +203,26 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
 pub fn is_running(home: &Home) -> bool {
     Path::new(&home.control_socket()).exists()
         && std::os::unix::net::UnixStream::connect(home.control_socket()).is_ok()
+}
+
+/// Sends `state` to the service manager's `$NOTIFY_SOCKET` (sd_notify(3)), if there is one. A
+/// failure is logged, never fatal: the daemon works the same without a service manager.
+fn sd_notify(state: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let bytes = path.as_encoded_bytes();
+    // A leading '@' names a socket in the abstract namespace.
+    let addr = match bytes.strip_prefix(b"@") {
+        Some(name) => std::os::unix::net::SocketAddr::from_abstract_name(name),
+        None => std::os::unix::net::SocketAddr::from_pathname(&path),
+    };
+    let sent = addr.and_then(|addr| {
+        let sock = std::os::unix::net::UnixDatagram::unbound()?;
+        sock.send_to_addr(state.as_bytes(), &addr)
+    });
+    if let Err(e) = sent {
+        tracing::warn!(socket = ?path, error = %e, "cannot notify the service manager");
+    }
 }
