@@ -414,7 +414,9 @@ fn diff(
     };
     let mut creates: Vec<Change> = Vec::new();
     let mut jobs: Vec<HashJob> = Vec::new();
-    let mut new_files: Vec<(RelPath, LocalStat)> = Vec::new();
+    // New files, with the tombstone at their path if there is one: a version made there must
+    // dominate it, or peers that hold the tombstone take the new file for an older version.
+    let mut new_files: Vec<(RelPath, LocalStat, Option<Known>)> = Vec::new();
     for s in seen {
         let prev = known.remove(&s.path);
         let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
@@ -457,7 +459,7 @@ fn diff(
                             prev,
                         });
                     }
-                    _ => new_files.push((s.path, s.local)),
+                    _ => new_files.push((s.path, s.local, prev)),
                 }
             }
             FileKind::Dir => {
@@ -532,7 +534,7 @@ fn diff(
             by_inode.insert((l.inode, l.size, l.mtime_ns), i);
         }
     }
-    for (path, local) in new_files {
+    for (path, local, tombstone) in new_files {
         let renamed_from = by_inode
             .get(&(local.inode, local.size, local.mtime_ns))
             .and_then(|&i| lk.full(&vanished[i]));
@@ -542,7 +544,7 @@ fn diff(
             r.mode = local.mode;
             creates.push(version(
                 &ctx,
-                None,
+                lk.full_of(tombstone.as_ref()).as_ref(),
                 r,
                 Op::Rename,
                 local,
@@ -553,7 +555,7 @@ fn diff(
         jobs.push(HashJob {
             path,
             local,
-            prev: None,
+            prev: tombstone,
         });
     }
     // Hash what must be hashed, on every core. Streamed, a slice at a time after what needs no

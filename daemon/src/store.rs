@@ -1295,6 +1295,34 @@ fn set_mtime_fd(fd: RawFd, mtime_ns: i64) -> io::Result<()> {
     cvt(unsafe { libc::futimens(fd, times.as_ptr()) }).map(|_| ())
 }
 
+/// Free bytes for unprivileged writers on the filesystem holding `path`.
+pub fn free_bytes(path: &Path) -> Option<u64> {
+    space(path).map(|(free, _)| free)
+}
+
+/// Room a receive must leave free on the folder's filesystem beyond the file it writes: 1 %
+/// of the filesystem, at most 64 MiB.
+pub fn free_space_margin(path: &Path) -> u64 {
+    space(path).map_or(0, |(_, total)| (total / 100).min(64 << 20))
+}
+
+/// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`.
+fn space(path: &Path) -> Option<(u64, u64)> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the
+    // right type, which statvfs fills on success.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statvfs returned 0, so it initialised `st`.
+    (rc == 0).then(|| {
+        let st = unsafe { st.assume_init() };
+        (
+            st.f_bavail.saturating_mul(st.f_frsize),
+            st.f_blocks.saturating_mul(st.f_frsize),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1633,32 +1661,4 @@ mod tests {
         drop(t);
         assert_eq!(store.remove_temps(), 1);
     }
-}
-
-/// Free bytes for unprivileged writers on the filesystem holding `path`.
-pub fn free_bytes(path: &Path) -> Option<u64> {
-    space(path).map(|(free, _)| free)
-}
-
-/// Room a receive must leave free on the folder's filesystem beyond the file it writes: 1 %
-/// of the filesystem, at most 64 MiB.
-pub fn free_space_margin(path: &Path) -> u64 {
-    space(path).map_or(0, |(_, total)| (total / 100).min(64 << 20))
-}
-
-/// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`.
-fn space(path: &Path) -> Option<(u64, u64)> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the
-    // right type, which statvfs fills on success.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    // SAFETY: statvfs returned 0, so it initialised `st`.
-    (rc == 0).then(|| {
-        let st = unsafe { st.assume_init() };
-        (
-            st.f_bavail.saturating_mul(st.f_frsize),
-            st.f_blocks.saturating_mul(st.f_frsize),
-        )
-    })
 }
