@@ -1,0 +1,277 @@
+//! Two devices, each working in its folder's mount while the folders sync (real FUSE, real
+//! daemons on 127.0.x.y): what is written in one mount is what the other mount shows.
+
+mod common;
+use common::*;
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+struct Mounted {
+    dev: Device,
+    mnt: PathBuf,
+}
+
+fn mounted(t: &std::sync::Arc<tempfile::TempDir>, name: &str) -> Mounted {
+    let dev = Device::new(t, name);
+    let mnt = t.path().join(format!("mnt-{name}"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    Mounted { dev, mnt }
+}
+
+fn two_mounts(t: &std::sync::Arc<tempfile::TempDir>) -> (Mounted, Mounted) {
+    let mut a = mounted(t, "a");
+    let mut b = mounted(t, "b");
+    pair(&a.dev, &b.dev);
+    Device::start_together(&mut [&mut a.dev, &mut b.dev]);
+    for m in [&a, &b] {
+        ok(&m.dev.home, &["mount", "work", m.mnt.to_str().unwrap()]);
+    }
+    (a, b)
+}
+
+fn until(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn read(p: &Path) -> Option<Vec<u8>> {
+    std::fs::read(p).ok()
+}
+
+#[test]
+fn a_file_written_in_mount_a_is_read_stat_and_listed_in_mount_b() {
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    write(&a.mnt.join("notes/today.txt"), b"first");
+    until("b's mount shows the file", 10, || {
+        read(&b.mnt.join("notes/today.txt")).as_deref() == Some(b"first".as_slice())
+    });
+    // A longer version: after wait-synced, stat in b's mount shows the new size and mtime.
+    let longer = b"a much longer second version of today's notes".to_vec();
+    write(&a.mnt.join("notes/today.txt"), &longer);
+    let mtime_a = std::fs::metadata(a.mnt.join("notes/today.txt"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    wait_synced(&[&a.dev, &b.dev], 30);
+    until("b's stat shows the new size", 5, || {
+        std::fs::metadata(b.mnt.join("notes/today.txt"))
+            .map(|m| m.len())
+            .ok()
+            == Some(longer.len() as u64)
+    });
+    let md = std::fs::metadata(b.mnt.join("notes/today.txt")).unwrap();
+    assert_eq!(md.modified().unwrap(), mtime_a);
+    assert_eq!(read(&b.mnt.join("notes/today.txt")).unwrap(), longer);
+    let names: Vec<String> = std::fs::read_dir(b.mnt.join("notes"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["today.txt"]);
+}
+
+#[test]
+fn a_directory_renamed_in_mount_a_is_renamed_in_mount_b_with_no_data_on_the_wire() {
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    for i in 0..50 {
+        write(
+            &a.mnt.join(format!("project/src/f{i}.rs")),
+            &noise(64 << 10, i),
+        );
+    }
+    wait_synced(&[&a.dev, &b.dev], 60);
+    let before = a.dev.wire_bytes();
+    std::fs::rename(a.mnt.join("project"), a.mnt.join("renamed")).unwrap();
+    until("b's mount shows the rename", 20, || {
+        b.mnt.join("renamed/src/f49.rs").exists() && !b.mnt.join("project").exists()
+    });
+    wait_synced(&[&a.dev, &b.dev], 30);
+    let moved = a.dev.wire_bytes() - before;
+    assert!(
+        moved < 200 << 10,
+        "{moved} bytes moved for a rename of 3.2 MiB"
+    );
+    assert_eq!(
+        read(&b.mnt.join("renamed/src/f7.rs")).unwrap(),
+        noise(64 << 10, 7)
+    );
+}
+
+#[test]
+fn a_reader_in_mount_b_keeps_consistent_data_and_sees_the_new_version_on_reopen() {
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    let v1 = noise(256 << 10, 1);
+    let v2 = noise(256 << 10, 2);
+    write(&a.mnt.join("data.bin"), &v1);
+    until("v1 in b", 10, || {
+        read(&b.mnt.join("data.bin")).as_deref() == Some(v1.as_slice())
+    });
+    let mut held = std::fs::File::open(b.mnt.join("data.bin")).unwrap();
+    let mut first = vec![0u8; 1000];
+    held.read_exact(&mut first).unwrap();
+    write(&a.mnt.join("data.bin"), &v2);
+    until("v2 in b", 10, || {
+        read(&b.mnt.join("data.bin")).as_deref() == Some(v2.as_slice())
+    });
+    // The open handle reads the version it opened, whole.
+    held.rewind().unwrap();
+    let mut all = Vec::new();
+    held.read_to_end(&mut all).unwrap();
+    assert!(all == v1, "the open handle saw a mix of versions");
+}
+
+#[test]
+fn a_file_open_for_writing_in_mount_b_while_a_changes_it_keeps_both_versions() {
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    write(&a.mnt.join("draft.txt"), b"base");
+    until("base in b", 10, || {
+        read(&b.mnt.join("draft.txt")).as_deref() == Some(b"base".as_slice())
+    });
+    let mut held = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(b.mnt.join("draft.txt"))
+        .unwrap();
+    held.write_all(b"b's words").unwrap();
+    write(&a.mnt.join("draft.txt"), b"a's words");
+    std::thread::sleep(Duration::from_millis(500));
+    drop(held);
+    wait_synced(&[&a.dev, &b.dev], 30);
+    for m in [&a, &b] {
+        let mut versions: Vec<Vec<u8>> = std::fs::read_dir(&m.mnt)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("draft")
+            })
+            .map(|p| std::fs::read(p).unwrap())
+            .collect();
+        versions.sort();
+        assert_eq!(versions, [b"a's words".to_vec(), b"b's words".to_vec()]);
+    }
+}
+
+#[test]
+fn a_git_repository_committed_in_mount_a_is_clean_in_mount_b() {
+    if std::process::Command::new("git")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        panic!("git is needed (CI installs it)");
+    }
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    let git = |dir: &Path, args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .args(["-c", "user.name=t", "-c", "user.email=t@example.invalid"])
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let repo_a = a.mnt.join("repo");
+    std::fs::create_dir(&repo_a).unwrap();
+    git(&repo_a, &["init", "-q"]);
+    for i in 0..30 {
+        write(
+            &repo_a.join(format!("src/m{i}.txt")),
+            format!("module {i}\n").as_bytes(),
+        );
+    }
+    git(&repo_a, &["add", "-A"]);
+    git(&repo_a, &["commit", "-q", "-m", "first"]);
+    let log_a = git(&repo_a, &["log", "--format=%H %s"]);
+    wait_synced(&[&a.dev, &b.dev], 60);
+    let repo_b = b.mnt.join("repo");
+    until("b's repository has a's commit", 20, || {
+        std::process::Command::new("git")
+            .args(["log", "--format=%H %s"])
+            .current_dir(&repo_b)
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout) == log_a)
+    });
+    assert_eq!(git(&repo_b, &["status", "--porcelain"]), "");
+}
+
+#[test]
+fn one_mount_writing_and_renaming_while_the_other_is_read_for_a_while_never_hangs_or_fails() {
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    let secs = 30;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (mnt, stop) = (b.mnt.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for e in walk(&mnt) {
+                    match std::fs::read(&e) {
+                        Ok(_) => reads += 1,
+                        // Renamed or replaced between the listing and the read: fine.
+                        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(err) => panic!("reading {} in mount b: {err}", e.display()),
+                    }
+                }
+            }
+            reads
+        })
+    };
+    let t0 = Instant::now();
+    let mut i = 0u64;
+    while t0.elapsed() < Duration::from_secs(secs) {
+        let d = a.mnt.join(format!("d{}", i % 7));
+        write(
+            &d.join(format!("f{}.txt", i % 23)),
+            format!("write {i}").as_bytes(),
+        );
+        if i.is_multiple_of(5) {
+            let _ = std::fs::rename(
+                d.join(format!("f{}.txt", i % 23)),
+                d.join(format!("g{}.txt", i % 11)),
+            );
+        }
+        i += 1;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads = reader.join().expect("the reader of mount b failed");
+    eprintln!("{i} writes in mount a, {reads} reads in mount b");
+    wait_synced(&[&a.dev, &b.dev], 60);
+    assert_eq!(tree(&a.mnt), tree(&b.mnt));
+}
+
+fn walk(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(p),
+                Ok(t) if t.is_file() => out.push(p),
+                _ => {}
+            }
+        }
+    }
+    out
+}
