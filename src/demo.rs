@@ -1,7 +1,9 @@
 //! `meshfs demo`: a self-contained tour on one machine. It starts two devices on loopback in a
-//! temporary directory (each a real `meshfs daemon` process with its own home), edits files on
-//! one and shows them arrive on the other, provokes a conflict while one device is offline and
-//! shows how it resolves, prints the journal, and cleans up.
+//! temporary directory (each a real `meshfs daemon` process with its own home), mounts each
+//! folder where FUSE is usable (else it says so in one line and works in the replica
+//! directories), edits files in one and shows them arrive in the other, commits a git
+//! repository in one mount and shows it clean in the other, provokes a conflict while one
+//! device is offline and shows how it resolves, prints the journal, and cleans up.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -13,6 +15,8 @@ struct DemoDevice {
     files: PathBuf,
     addr: String,
     child: Option<Child>,
+    /// Where the folder is mounted while the daemon runs (`None`: no FUSE here).
+    mnt: Option<PathBuf>,
 }
 
 fn exe() -> anyhow::Result<PathBuf> {
@@ -56,6 +60,12 @@ impl DemoDevice {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             if run(&self.home, &["status", "--json"]).is_ok() {
+                if let Some(m) = &self.mnt {
+                    run(
+                        &self.home,
+                        &["mount", "demo", m.to_str().unwrap_or_default()],
+                    )?;
+                }
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -65,6 +75,32 @@ impl DemoDevice {
             self.name,
             self.home.join("daemon.log").display()
         )
+    }
+
+    /// Where the user works: the mount, or the replica directory without FUSE.
+    fn work(&self) -> &Path {
+        self.mnt.as_deref().unwrap_or(&self.files)
+    }
+
+    /// Mounts the folder; on failure, says why in one line and works without mounts.
+    fn try_mount(&mut self, root: &Path) -> bool {
+        let m = root.join(format!("{}-mount", self.name));
+        let made = std::fs::create_dir_all(&m).map_err(anyhow::Error::from);
+        match made.and_then(|_| {
+            run(
+                &self.home,
+                &["mount", "demo", m.to_str().unwrap_or_default()],
+            )
+        }) {
+            Ok(_) => {
+                self.mnt = Some(m);
+                true
+            }
+            Err(e) => {
+                println!("no FUSE mount here ({e}); the tour works in the replica directories");
+                false
+            }
+        }
     }
 
     fn stop(&mut self) {
@@ -145,6 +181,7 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
                 files,
                 addr,
                 child: None,
+                mnt: None,
             },
             id,
         ));
@@ -173,14 +210,24 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
     a.start()?;
     b.start()?;
     println!("both daemons running; they found each other over QUIC with pinned ids");
+    if a.try_mount(root) && b.try_mount(root) {
+        println!(
+            "each folder is mounted (FUSE, served by its daemon): laptop {}, server {}; changes made there are journaled from the operations themselves",
+            a.work().display(),
+            b.work().display()
+        );
+    } else {
+        a.mnt = None;
+        b.mnt = None;
+    }
 
     step("a file saved on the laptop appears on the server");
     let mut samples = Vec::new();
     for i in 0..10 {
         let content = format!("note {i}: written on the laptop\n");
-        std::fs::write(a.files.join(format!("note-{i}.txt")), &content)?;
+        std::fs::write(a.work().join(format!("note-{i}.txt")), &content)?;
         samples.push(wait_for(
-            &b.files.join(format!("note-{i}.txt")),
+            &b.work().join(format!("note-{i}.txt")),
             content.as_bytes(),
         )?);
     }
@@ -194,7 +241,7 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
     step("a directory of 1,000 small files, then renamed (a rename moves no data)");
     let t = Instant::now();
     for i in 0..1000 {
-        let d = a.files.join(format!("project/src{}", i % 10));
+        let d = a.work().join(format!("project/src{}", i % 10));
         std::fs::create_dir_all(&d)?;
         std::fs::write(
             d.join(format!("file{i}.rs")),
@@ -207,20 +254,68 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
         t.elapsed().as_secs_f64()
     );
     let before: serde_json::Value = serde_json::from_str(&run(&a.home, &["status", "--json"])?)?;
-    std::fs::rename(a.files.join("project"), a.files.join("renamed-project"))?;
+    std::fs::rename(a.work().join("project"), a.work().join("renamed-project"))?;
     run(&a.home, &["status", "--wait-synced", "--timeout", "60"])?;
     let after: serde_json::Value = serde_json::from_str(&run(&a.home, &["status", "--json"])?)?;
     let moved = after["bytes_sent"]
         .as_u64()
         .unwrap_or(0)
         .saturating_sub(before["bytes_sent"].as_u64().unwrap_or(0));
-    println!("renamed on the laptop; the server has renamed-project/ with {} files; {moved} bytes sent (index records only)", count_files(&b.files.join("renamed-project")));
+    println!("renamed on the laptop; the server has renamed-project/ with {} files; {moved} bytes sent (index records only)", count_files(&b.work().join("renamed-project")));
+
+    if a.mnt.is_some() && Command::new("git").arg("--version").output().is_ok() {
+        step("git in the laptop's mount; the server's mount has the same clean repository");
+        let repo = a.work().join("repo");
+        std::fs::create_dir_all(repo.join("src"))?;
+        std::fs::write(repo.join("src/main.rs"), "fn main() {}\n")?;
+        std::fs::write(repo.join("README"), "demo repository\n")?;
+        let git = |dir: &Path, args: &[&str]| -> anyhow::Result<String> {
+            let out = Command::new("git")
+                .args([
+                    "-c",
+                    "user.name=laptop",
+                    "-c",
+                    "user.email=laptop@demo.invalid",
+                ])
+                .args(args)
+                .current_dir(dir)
+                .output()?;
+            anyhow::ensure!(
+                out.status.success(),
+                "git {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        };
+        git(&repo, &["init", "-q"])?;
+        git(&repo, &["add", "-A"])?;
+        git(
+            &repo,
+            &["commit", "-q", "-m", "first commit, made on the laptop"],
+        )?;
+        run(&a.home, &["status", "--wait-synced", "--timeout", "60"])?;
+        let theirs = b.work().join("repo");
+        println!(
+            "server: git log = {:?}",
+            git(&theirs, &["log", "--format=%s"])?
+        );
+        let status = git(&theirs, &["status", "--porcelain"])?;
+        println!(
+            "server: git status = {}",
+            if status.is_empty() {
+                "clean".to_string()
+            } else {
+                status
+            }
+        );
+    }
 
     step("a conflict: both devices edit report.txt while the server is offline");
-    std::fs::write(a.files.join("report.txt"), "draft\n")?;
-    wait_for(&b.files.join("report.txt"), b"draft\n")?;
+    std::fs::write(a.work().join("report.txt"), "draft\n")?;
+    wait_for(&b.work().join("report.txt"), b"draft\n")?;
     b.stop();
-    std::fs::write(a.files.join("report.txt"), "laptop's version\n")?;
+    std::fs::write(a.work().join("report.txt"), "laptop's version\n")?;
     std::thread::sleep(Duration::from_millis(1100));
     std::fs::write(
         b.files.join("report.txt"),
@@ -231,9 +326,9 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
     run(&b.home, &["status", "--wait-synced", "--timeout", "60"])?;
     println!(
         "back online; on the laptop:\n  report.txt = {:?}",
-        std::fs::read_to_string(a.files.join("report.txt"))?.trim()
+        std::fs::read_to_string(a.work().join("report.txt"))?.trim()
     );
-    for e in std::fs::read_dir(&a.files)?.flatten() {
+    for e in std::fs::read_dir(a.work())?.flatten() {
         let n = e.file_name().to_string_lossy().to_string();
         if n.contains(".sync-conflict-") {
             println!("  {n} = {:?}", std::fs::read_to_string(e.path())?.trim());

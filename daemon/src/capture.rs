@@ -122,6 +122,16 @@ impl Coalescer {
         }
     }
 
+    /// The last writer of `p` let go (the mount knows it exactly): its content is final, so
+    /// it is captured at the next pass instead of after the quiet time.
+    pub fn finalize(&mut self, p: &RelPath, now: Instant, quiet: Duration) {
+        if let Some(e) = self.waiting.get_mut(p) {
+            if !e.1 {
+                e.0 = now.checked_sub(quiet).unwrap_or(e.0.min(now));
+            }
+        }
+    }
+
     /// Whether anything is waiting.
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty() && !self.rescan

@@ -980,14 +980,21 @@ async fn capture_loop(
             msg = rx.recv() => {
                 let Some(msg) = msg else { return };
                 let now = Instant::now();
+                let mut final_now = false;
                 for m in std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
                     match m {
-                        CaptureMsg::Released(_) => released = true,
+                        CaptureMsg::Released(p) => {
+                            released = true;
+                            c.finalize(&p, now, quiet);
+                            final_now = true;
+                        }
                         m => c.add(m, now),
                     }
                 }
                 rt.capture_pending.store(c.len().max(1), std::sync::atomic::Ordering::Relaxed);
-                let due = now + quiet;
+                // A file whose last writer let go through the mount is captured at once:
+                // the quiet time only guesses when a burst of inotify events is over.
+                let due = if final_now { now } else { now + quiet };
                 next = Some(next.map_or(due, |n| n.min(due)));
             }
             _ = sleep => {
