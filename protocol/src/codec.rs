@@ -1,6 +1,7 @@
 //! The frame codec: `u32` big-endian payload length, then the payload (a postcard-encoded
 //! [`Message`]). Decoding checks the length against [`MAX_FRAME_LEN`] before allocating, never
-//! panics, and validates every record it carries.
+//! panics, refuses any list over its cap before reading it, and checks every limit
+//! ([`Message::check_limits`]) and every record it carries ([`crate::FileRecord::validate`]).
 
 use crate::message::Message;
 
@@ -56,14 +57,23 @@ pub fn decode_payload(payload: &[u8]) -> Result<Message, CodecError> {
     if payload.len() > MAX_FRAME_LEN {
         return Err(CodecError::TooLarge(payload.len()));
     }
-    let (msg, rest): (Message, &[u8]) =
-        postcard::take_from_bytes(payload).map_err(|e| CodecError::Malformed(e.to_string()))?;
+    let (msg, rest): (Message, &[u8]) = postcard::take_from_bytes(payload).map_err(|e| {
+        CodecError::Malformed(match e {
+            // postcard drops the text of errors raised by the types themselves.
+            postcard::Error::SerdeDeCustom => format!(
+                "{e}: an invalid path or folder id, or a list or version vector over its limit"
+            ),
+            e => e.to_string(),
+        })
+    })?;
     if !rest.is_empty() {
         return Err(CodecError::Malformed(format!(
             "{} trailing bytes after the message",
             rest.len()
         )));
     }
+    msg.check_limits()
+        .map_err(|e| CodecError::Malformed(e.to_string()))?;
     if let Message::Index(batch) = &msg {
         for r in &batch.records {
             r.validate()
@@ -173,8 +183,10 @@ mod tests {
                     },
                     hash: if live_file {
                         Hash::of_chunks(&chunks)
+                    } else if kind == FileKind::Symlink && !deleted {
+                        Hash::of(b"../t")
                     } else {
-                        Hash::of(&mtime_ns.to_le_bytes())
+                        Hash::ZERO
                     },
                     chunks: if live_file { chunks } else { vec![] },
                     target: if kind == FileKind::Symlink && !deleted {
@@ -241,16 +253,18 @@ mod tests {
                 .prop_map(|(folder, records, up_to, inline)| Message::Index(
                     IndexBatch {
                         folder,
-                        records,
                         up_to,
+                        // At most one inline chunk per record.
                         inline: inline
                             .into_iter()
+                            .take(records.len())
                             .map(|(hash, data, compressed)| ChunkResponse {
                                 hash,
                                 data,
                                 compressed
                             })
                             .collect(),
+                        records,
                     }
                 )),
             (folder.clone(), any::<u64>())
@@ -353,6 +367,36 @@ mod tests {
             decode_frame(&frame),
             Err(CodecError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn a_setuid_mode_from_a_peer_is_malformed() {
+        let batch = |mode| {
+            Message::Index(IndexBatch {
+                folder: FolderId::new("f").unwrap(),
+                records: vec![FileRecord {
+                    path: RelPath::new("bin").unwrap(),
+                    kind: FileKind::Dir,
+                    deleted: false,
+                    mode,
+                    mtime_ns: 0,
+                    size: 0,
+                    hash: Hash::ZERO,
+                    chunks: vec![],
+                    target: String::new(),
+                    version: VersionVector::from_pairs([(ShortId(1), 1)]),
+                    modified_by: ShortId(1),
+                    sequence: 1,
+                }],
+                up_to: 1,
+                inline: Vec::new(),
+            })
+        };
+        assert!(decode_frame(&encode_frame(&batch(0o1777)).unwrap()).is_ok());
+        match decode_frame(&encode_frame(&batch(0o4755)).unwrap()) {
+            Err(CodecError::Malformed(m)) => assert!(m.contains("mode 0o4755"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! decoded from the wire), so a function that receives one never re-checks it.
 #![deny(missing_docs)]
 
+mod capped;
 pub mod cdc;
 mod codec;
 mod ids;
@@ -26,12 +27,13 @@ pub use codec::{
 };
 pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
 pub use message::{
-    ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch, Message,
-    PROTOCOL_VERSION,
+    ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch, LimitError,
+    Message, MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN, MAX_FOLDERS_PER_HELLO,
+    MAX_HASHES_PER_REQUEST, MAX_RECORDS_PER_BATCH, PROTOCOL_VERSION,
 };
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
 pub use record::{
-    Chunk, FileKind, FileRecord, Hash, RecordError, FILE_HASH_CONTEXT, MAX_CHUNK_LEN,
-    MODE_SYNC_MASK,
+    Chunk, FileKind, FileRecord, Hash, RecordError, FILE_HASH_CONTEXT, MAX_CHUNKS_PER_RECORD,
+    MAX_CHUNK_LEN, MAX_FILE_SIZE, MAX_LINK_TARGET, MODE_SYNC_MASK,
 };
-pub use vv::{VersionVector, VvOrdering};
+pub use vv::{VersionVector, VvOrdering, MAX_VV_COUNTER, MAX_VV_ENTRIES};

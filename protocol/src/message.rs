@@ -4,13 +4,64 @@
 //! dialing side) with [`Message::Hello`], [`Message::Index`] and [`Message::IndexAck`], and any
 //! number of *request streams* (bidirectional, opened by whichever side needs data), each
 //! carrying one [`Message::Request`] answered by one [`Message::Response`] per requested chunk.
+//!
+//! Every list and text a peer sends is bounded ([`Message::check_limits`], `docs/protocol.md`
+//! "Limits"): the decoder refuses a list over its cap as soon as its count is read, so what a
+//! peer makes us allocate per frame stays near the frame's own size.
 
 use crate::ids::FolderId;
-use crate::record::{FileRecord, Hash};
+use crate::record::{FileRecord, Hash, MAX_CHUNK_LEN};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
 pub const PROTOCOL_VERSION: u32 = 4;
+
+/// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
+pub const MAX_RECORDS_PER_BATCH: usize = 1000;
+/// Most hashes in one [`ChunkRequest`]: each makes the server find, read and send a chunk of
+/// up to [`MAX_CHUNK_LEN`] bytes.
+pub const MAX_HASHES_PER_REQUEST: usize = 64;
+/// Most folders one [`Hello`] may list.
+pub const MAX_FOLDERS_PER_HELLO: usize = 4096;
+/// Longest [`Hello::device_name`], in bytes: it is kept for the session and shown in status.
+pub const MAX_DEVICE_NAME_LEN: usize = 1024;
+/// Longest [`Message::Error`] message, in bytes: it is logged.
+pub const MAX_ERROR_MESSAGE_LEN: usize = 8192;
+
+/// A message over one of the limits a receiver enforces (`docs/protocol.md`, "Limits").
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    /// An index batch with more than [`MAX_RECORDS_PER_BATCH`] records.
+    #[error("index batch for folder {0} has {1} records, more than {MAX_RECORDS_PER_BATCH}")]
+    Records(FolderId, usize),
+    /// An index batch with more inline chunks than records.
+    #[error("index batch for folder {folder} attaches {inline} inline chunks to {records} records; at most one per record")]
+    Inline {
+        /// The batch's folder.
+        folder: FolderId,
+        /// Inline chunks attached.
+        inline: usize,
+        /// Records in the batch.
+        records: usize,
+    },
+    /// A chunk request with more than [`MAX_HASHES_PER_REQUEST`] hashes.
+    #[error(
+        "chunk request for folder {0} asks for {1} chunks, more than {MAX_HASHES_PER_REQUEST}"
+    )]
+    Hashes(FolderId, usize),
+    /// A chunk (a response or an inline chunk) of more than [`MAX_CHUNK_LEN`] bytes.
+    #[error("chunk {} carries {} bytes, more than {MAX_CHUNK_LEN}", .0.short(), .1)]
+    ChunkData(Hash, usize),
+    /// A hello listing more than [`MAX_FOLDERS_PER_HELLO`] folders.
+    #[error("hello lists {0} folders, more than {MAX_FOLDERS_PER_HELLO}")]
+    Folders(usize),
+    /// A device name longer than [`MAX_DEVICE_NAME_LEN`] bytes.
+    #[error("hello gives a device name of {0} bytes, more than {MAX_DEVICE_NAME_LEN}")]
+    DeviceName(usize),
+    /// An error message longer than [`MAX_ERROR_MESSAGE_LEN`] bytes.
+    #[error("error message of {0} bytes, more than {MAX_ERROR_MESSAGE_LEN}")]
+    ErrorMessage(usize),
+}
 
 /// A frame's payload.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,7 +93,9 @@ pub struct Hello {
     pub protocol_version: u32,
     /// The sender's human name for itself.
     pub device_name: String,
-    /// The folders the sender shares with the receiver, with its resume points.
+    /// The folders the sender shares with the receiver, with its resume points (at most
+    /// [`MAX_FOLDERS_PER_HELLO`]).
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_FOLDERS_PER_HELLO>")]
     pub folders: Vec<HelloFolder>,
 }
 
@@ -69,14 +122,17 @@ pub struct HelloFolder {
 pub struct IndexBatch {
     /// The folder.
     pub folder: FolderId,
-    /// Records with increasing `sequence` (the sender's journal sequence).
+    /// Records with increasing `sequence` (the sender's journal sequence); at most
+    /// [`MAX_RECORDS_PER_BATCH`].
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_RECORDS_PER_BATCH>")]
     pub records: Vec<FileRecord>,
     /// The sender's sequence this batch brings the receiver up to (≥ every record's sequence;
     /// records the receiver already has are skipped, so this may be larger).
     pub up_to: u64,
     /// Chunks the sender attaches so the receiver need not request them: the only chunk of
     /// small files among `records`. Unverified hints: the receiver checks each against its
-    /// hash before use and requests anything missing or wrong as usual.
+    /// hash before use and requests anything missing or wrong as usual. At most one per record.
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_RECORDS_PER_BATCH>")]
     pub inline: Vec<ChunkResponse>,
 }
 
@@ -94,7 +150,8 @@ pub struct IndexAck {
 pub struct ChunkRequest {
     /// The folder whose files hold the chunks (must be shared with the requester).
     pub folder: FolderId,
-    /// The chunks wanted, answered in this order.
+    /// The chunks wanted, answered in this order (at most [`MAX_HASHES_PER_REQUEST`]).
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_HASHES_PER_REQUEST>")]
     pub hashes: Vec<Hash>,
 }
 
@@ -103,7 +160,8 @@ pub struct ChunkRequest {
 pub struct ChunkResponse {
     /// Which chunk.
     pub hash: Hash,
-    /// The bytes (possibly zstd-compressed), or `None` when the sender no longer has them.
+    /// The bytes (possibly zstd-compressed), or `None` when the sender no longer has them; at
+    /// most [`MAX_CHUNK_LEN`] (compression is used only when it saves).
     #[serde(with = "opt_bytes")]
     pub data: Option<Vec<u8>>,
     /// `data` is a zstd frame of the chunk.
@@ -125,6 +183,56 @@ pub enum ErrorCode {
     Internal,
 }
 
+impl Message {
+    /// Checks every count and length a receiver bounds (`docs/protocol.md`, "Limits"), except
+    /// those of records, which [`FileRecord::validate`] checks. The decoder runs it on every
+    /// message; a sender may run it on what it is about to send.
+    pub fn check_limits(&self) -> Result<(), LimitError> {
+        let chunk = |c: &ChunkResponse| match &c.data {
+            Some(d) if d.len() > MAX_CHUNK_LEN as usize => {
+                Err(LimitError::ChunkData(c.hash, d.len()))
+            }
+            _ => Ok(()),
+        };
+        match self {
+            Message::Hello(h) => {
+                if h.folders.len() > MAX_FOLDERS_PER_HELLO {
+                    return Err(LimitError::Folders(h.folders.len()));
+                }
+                if h.device_name.len() > MAX_DEVICE_NAME_LEN {
+                    return Err(LimitError::DeviceName(h.device_name.len()));
+                }
+            }
+            Message::Index(b) => {
+                if b.records.len() > MAX_RECORDS_PER_BATCH {
+                    return Err(LimitError::Records(b.folder.clone(), b.records.len()));
+                }
+                if b.inline.len() > b.records.len() {
+                    return Err(LimitError::Inline {
+                        folder: b.folder.clone(),
+                        inline: b.inline.len(),
+                        records: b.records.len(),
+                    });
+                }
+                b.inline.iter().try_for_each(chunk)?;
+            }
+            Message::IndexAck(_) => {}
+            Message::Request(r) => {
+                if r.hashes.len() > MAX_HASHES_PER_REQUEST {
+                    return Err(LimitError::Hashes(r.folder.clone(), r.hashes.len()));
+                }
+            }
+            Message::Response(c) => chunk(c)?,
+            Message::Error { message, .. } => {
+                if message.len() > MAX_ERROR_MESSAGE_LEN {
+                    return Err(LimitError::ErrorMessage(message.len()));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 mod opt_bytes {
     use serde::{Deserialize, Deserializer, Serializer};
 
@@ -137,5 +245,193 @@ mod opt_bytes {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
         Ok(Option::<serde_bytes::ByteBuf>::deserialize(d)?.map(|b| b.into_vec()))
+    }
+}
+
+#[cfg(test)]
+mod limits {
+    use super::*;
+    use crate::{decode_payload, encode_frame, CodecError, FileKind, RelPath, ShortId};
+    use crate::{VersionVector, FRAME_HEADER_LEN};
+
+    fn folder() -> FolderId {
+        FolderId::new("f").unwrap()
+    }
+
+    fn dir(i: usize) -> FileRecord {
+        FileRecord {
+            path: RelPath::new(&format!("d{i}")).unwrap(),
+            kind: FileKind::Dir,
+            deleted: false,
+            mode: 0o755,
+            mtime_ns: 0,
+            size: 0,
+            hash: Hash::ZERO,
+            chunks: Vec::new(),
+            target: String::new(),
+            version: VersionVector::from_pairs([(ShortId(1), 1)]),
+            modified_by: ShortId(1),
+            sequence: i as u64 + 1,
+        }
+    }
+
+    fn batch(records: usize, inline: usize) -> Message {
+        Message::Index(IndexBatch {
+            folder: folder(),
+            records: (0..records).map(dir).collect(),
+            up_to: records as u64,
+            inline: (0..inline)
+                .map(|i| ChunkResponse {
+                    hash: Hash::of(&i.to_le_bytes()),
+                    data: None,
+                    compressed: false,
+                })
+                .collect(),
+        })
+    }
+
+    fn request(hashes: usize) -> Message {
+        Message::Request(ChunkRequest {
+            folder: folder(),
+            hashes: (0..hashes).map(|i| Hash::of(&i.to_le_bytes())).collect(),
+        })
+    }
+
+    fn response(len: usize) -> Message {
+        Message::Response(ChunkResponse {
+            hash: Hash::ZERO,
+            data: Some(vec![7; len]),
+            compressed: false,
+        })
+    }
+
+    fn hello(folders: usize, name_len: usize) -> Message {
+        Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            device_name: "n".repeat(name_len),
+            folders: (0..folders)
+                .map(|i| HelloFolder {
+                    folder: FolderId::new(&format!("f{i}")).unwrap(),
+                    index_id: 1,
+                    your_index_id: 0,
+                    your_sequence: 0,
+                    max_sequence: 0,
+                    scanning: false,
+                })
+                .collect(),
+        })
+    }
+
+    fn error(len: usize) -> Message {
+        Message::Error {
+            code: ErrorCode::Internal,
+            message: "e".repeat(len),
+        }
+    }
+
+    /// What a receiver makes of `msg` on the wire.
+    fn received(msg: &Message) -> Result<Message, CodecError> {
+        decode_payload(&encode_frame(msg).unwrap()[FRAME_HEADER_LEN..])
+    }
+
+    /// `at` is accepted (checked and received), one more is refused both ways.
+    fn bounded(at: Message, over: Message, want: LimitError) {
+        assert_eq!(at.check_limits(), Ok(()));
+        assert_eq!(received(&at).as_ref(), Ok(&at));
+        assert_eq!(over.check_limits(), Err(want));
+        assert!(matches!(received(&over), Err(CodecError::Malformed(_))));
+    }
+
+    #[test]
+    fn a_batch_holds_at_most_max_records_per_batch_records() {
+        bounded(
+            batch(MAX_RECORDS_PER_BATCH, 0),
+            batch(MAX_RECORDS_PER_BATCH + 1, 0),
+            LimitError::Records(folder(), MAX_RECORDS_PER_BATCH + 1),
+        );
+    }
+
+    #[test]
+    fn a_batch_attaches_at_most_one_inline_chunk_per_record() {
+        bounded(
+            batch(3, 3),
+            batch(3, 4),
+            LimitError::Inline {
+                folder: folder(),
+                inline: 4,
+                records: 3,
+            },
+        );
+    }
+
+    #[test]
+    fn a_request_asks_for_at_most_max_hashes_per_request_chunks() {
+        bounded(
+            request(MAX_HASHES_PER_REQUEST),
+            request(MAX_HASHES_PER_REQUEST + 1),
+            LimitError::Hashes(folder(), MAX_HASHES_PER_REQUEST + 1),
+        );
+    }
+
+    #[test]
+    fn a_chunk_carries_at_most_max_chunk_len_bytes() {
+        let len = MAX_CHUNK_LEN as usize;
+        bounded(
+            response(len),
+            response(len + 1),
+            LimitError::ChunkData(Hash::ZERO, len + 1),
+        );
+        // Inline chunks too.
+        let Message::Index(mut b) = batch(1, 0) else {
+            unreachable!()
+        };
+        b.inline.push(ChunkResponse {
+            hash: Hash::ZERO,
+            data: Some(vec![0; len + 1]),
+            compressed: true,
+        });
+        assert_eq!(
+            Message::Index(b).check_limits(),
+            Err(LimitError::ChunkData(Hash::ZERO, len + 1))
+        );
+    }
+
+    #[test]
+    fn a_hello_lists_at_most_max_folders_per_hello_folders() {
+        bounded(
+            hello(MAX_FOLDERS_PER_HELLO, 1),
+            hello(MAX_FOLDERS_PER_HELLO + 1, 1),
+            LimitError::Folders(MAX_FOLDERS_PER_HELLO + 1),
+        );
+    }
+
+    #[test]
+    fn a_device_name_is_at_most_max_device_name_len_bytes() {
+        bounded(
+            hello(1, MAX_DEVICE_NAME_LEN),
+            hello(1, MAX_DEVICE_NAME_LEN + 1),
+            LimitError::DeviceName(MAX_DEVICE_NAME_LEN + 1),
+        );
+    }
+
+    #[test]
+    fn an_error_message_is_at_most_max_error_message_len_bytes() {
+        bounded(
+            error(MAX_ERROR_MESSAGE_LEN),
+            error(MAX_ERROR_MESSAGE_LEN + 1),
+            LimitError::ErrorMessage(MAX_ERROR_MESSAGE_LEN + 1),
+        );
+    }
+
+    #[test]
+    fn a_list_declared_over_its_cap_is_refused_by_its_count() {
+        // Request "f" declaring a million hashes, followed by a million bytes: refused for its
+        // count, not read until the bytes run out.
+        let mut payload = vec![3, 1, b'f', 0xc0, 0x84, 0x3d]; // varint 1,000,000
+        payload.resize(payload.len() + 1_000_000, 0);
+        match decode_payload(&payload) {
+            Err(CodecError::Malformed(m)) => assert!(m.contains("over its limit"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

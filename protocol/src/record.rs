@@ -1,5 +1,10 @@
 //! [`FileRecord`]: what a device knows about one path, and the chunk list of its content.
+//!
+//! [`FileRecord::validate`] holds every rule a record from a peer or the journal must keep
+//! beyond its field types, including the bounds on what it may declare
+//! ([`MAX_CHUNKS_PER_RECORD`], [`MAX_FILE_SIZE`]).
 
+use crate::codec::MAX_FRAME_LEN;
 use crate::ids::ShortId;
 use crate::path::RelPath;
 use crate::vv::VersionVector;
@@ -12,6 +17,14 @@ pub const MODE_SYNC_MASK: u32 = 0o1777;
 pub const MAX_LINK_TARGET: usize = 4095;
 /// Largest chunk accepted on the wire, in bytes.
 pub const MAX_CHUNK_LEN: u32 = 4 << 20;
+/// Most chunks one record may list (524,288). No frame can carry more, since each chunk takes
+/// at least its 32-byte hash; the bound is stated so that a record is refused for it on its
+/// own, before its chunks are held, hashed or planned as transfers, wherever it came from.
+pub const MAX_CHUNKS_PER_RECORD: usize = MAX_FRAME_LEN / 32;
+/// Largest size a file record may declare (2 TiB): [`MAX_CHUNKS_PER_RECORD`] chunks of
+/// [`MAX_CHUNK_LEN`]. Files chunk to about 1 MiB on average above 16 GiB, so in practice a
+/// record describes files up to about 450 GiB before its chunk list outgrows a frame.
+pub const MAX_FILE_SIZE: u64 = MAX_CHUNKS_PER_RECORD as u64 * MAX_CHUNK_LEN as u64;
 /// The blake3 derive-key context of a multi-chunk file's content hash ([`Hash::of_chunks`]).
 pub const FILE_HASH_CONTEXT: &str = "meshfs 2026-11-23 file content hash from its chunk list";
 
@@ -123,11 +136,23 @@ pub enum RecordError {
     /// The chunk lengths do not add up to the size, or a chunk is empty or too large.
     #[error("record for {0}: chunk list does not describe {1} bytes")]
     Chunks(RelPath, u64),
+    /// The chunk list is longer than [`MAX_CHUNKS_PER_RECORD`].
+    #[error("record for {0}: {1} chunks, more than the {MAX_CHUNKS_PER_RECORD} a record may list")]
+    TooManyChunks(RelPath, usize),
+    /// A file declares more than [`MAX_FILE_SIZE`] bytes.
+    #[error(
+        "record for {0}: declares {1} bytes, more than the {MAX_FILE_SIZE} a record may describe"
+    )]
+    TooLarge(RelPath, u64),
+    /// Mode bits outside [`MODE_SYNC_MASK`] (setuid, setgid, file type bits).
+    #[error("record for {0}: mode {1:#o} has bits outside {MODE_SYNC_MASK:#o}")]
+    Mode(RelPath, u32),
     /// A symlink target is empty, too long or contains NUL; or a non-symlink has a target.
     #[error("record for {0}: invalid symlink target")]
     Target(RelPath),
-    /// A file's hash is not the one its chunk list gives ([`Hash::of_chunks`]).
-    #[error("record for {0}: hash does not match its chunk list")]
+    /// A file's hash is not the one its chunk list gives ([`Hash::of_chunks`]), or a
+    /// symlink's is not blake3 of its target.
+    #[error("record for {0}: hash does not match its chunk list or symlink target")]
     Hash(RelPath),
     /// The version vector is empty (every version has at least one edit).
     #[error("record for {0}: empty version vector")]
@@ -152,7 +177,8 @@ pub struct FileRecord {
     /// The content hash ([`Hash::of_chunks`]) of a file, blake3 of a symlink's target; zero
     /// otherwise.
     pub hash: Hash,
-    /// Content-defined chunks of a file (empty otherwise).
+    /// Content-defined chunks of a file (empty otherwise); at most [`MAX_CHUNKS_PER_RECORD`].
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_CHUNKS_PER_RECORD>")]
     pub chunks: Vec<Chunk>,
     /// A symlink's target (empty otherwise).
     pub target: String,
@@ -184,10 +210,14 @@ impl FileRecord {
                     && (self.kind != FileKind::File || self.mtime_ns == other.mtime_ns)))
     }
 
-    /// Checks the rules a record must satisfy beyond its field types.
+    /// Checks the rules a record must satisfy beyond its field types. Linear in the chunk
+    /// list, which is at most [`MAX_CHUNKS_PER_RECORD`] long.
     pub fn validate(&self) -> Result<(), RecordError> {
         if self.version.is_empty() {
             return Err(RecordError::NoVersion(self.path.clone()));
+        }
+        if self.mode & !MODE_SYNC_MASK != 0 {
+            return Err(RecordError::Mode(self.path.clone(), self.mode));
         }
         let is_link = self.kind == FileKind::Symlink && !self.deleted;
         if is_link
@@ -200,7 +230,19 @@ impl FileRecord {
         if !is_link && !self.target.is_empty() {
             return Err(RecordError::Target(self.path.clone()));
         }
+        if is_link && self.hash != Hash::of(self.target.as_bytes()) {
+            return Err(RecordError::Hash(self.path.clone()));
+        }
         if self.kind == FileKind::File && !self.deleted {
+            if self.chunks.len() > MAX_CHUNKS_PER_RECORD {
+                return Err(RecordError::TooManyChunks(
+                    self.path.clone(),
+                    self.chunks.len(),
+                ));
+            }
+            if self.size > MAX_FILE_SIZE {
+                return Err(RecordError::TooLarge(self.path.clone(), self.size));
+            }
             let mut total: u64 = 0;
             for c in &self.chunks {
                 if c.len == 0 || c.len > MAX_CHUNK_LEN {
@@ -234,6 +276,7 @@ impl FileRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vv::VersionVector;
 
     fn chunk(data: &[u8]) -> Chunk {
         Chunk {
@@ -257,5 +300,140 @@ mod tests {
         let longer = Chunk { len: 4, ..b };
         assert_ne!(ab, Hash::of_chunks(&[a, longer]));
         assert_eq!(ab, Hash::of_chunks(&[chunk(b"one"), chunk(b"two")]));
+    }
+
+    fn file(chunks: Vec<Chunk>) -> FileRecord {
+        FileRecord {
+            path: RelPath::new("f").unwrap(),
+            kind: FileKind::File,
+            deleted: false,
+            mode: 0o644,
+            mtime_ns: 0,
+            size: chunks.iter().map(|c| c.len as u64).sum(),
+            hash: Hash::of_chunks(&chunks),
+            chunks,
+            target: String::new(),
+            version: VersionVector::from_pairs([(ShortId(1), 1)]),
+            modified_by: ShortId(1),
+            sequence: 1,
+        }
+    }
+
+    fn link(target: &str) -> FileRecord {
+        FileRecord {
+            kind: FileKind::Symlink,
+            mode: 0o777,
+            size: 0,
+            hash: Hash::of(target.as_bytes()),
+            chunks: Vec::new(),
+            target: target.into(),
+            ..file(Vec::new())
+        }
+    }
+
+    #[test]
+    fn mode_bits_outside_the_sync_mask_are_refused() {
+        for mode in [0o644, 0o1777, 0o000] {
+            assert_eq!(
+                FileRecord {
+                    mode,
+                    ..file(vec![])
+                }
+                .validate(),
+                Ok(())
+            );
+        }
+        let path = RelPath::new("f").unwrap();
+        // setuid, setgid, and a file type that a stat mode would carry.
+        for mode in [0o4755, 0o2755, 0o100644, u32::MAX] {
+            assert_eq!(
+                FileRecord {
+                    mode,
+                    ..file(vec![])
+                }
+                .validate(),
+                Err(RecordError::Mode(path.clone(), mode))
+            );
+        }
+    }
+
+    #[test]
+    fn a_record_lists_at_most_max_chunks_per_record_chunks() {
+        let c = chunk(b"x");
+        assert_eq!(file(vec![c; MAX_CHUNKS_PER_RECORD]).validate(), Ok(()));
+        assert_eq!(
+            file(vec![c; MAX_CHUNKS_PER_RECORD + 1]).validate(),
+            Err(RecordError::TooManyChunks(
+                RelPath::new("f").unwrap(),
+                MAX_CHUNKS_PER_RECORD + 1
+            ))
+        );
+    }
+
+    #[test]
+    fn a_chunk_count_over_the_cap_is_refused_when_decoded() {
+        // Encode a record with no chunks and patch its chunk count (the first byte that
+        // differs from the same record with a chunk) to the cap plus one, with as many
+        // chunks' worth of bytes after it: refused for the count, before reading them.
+        let empty = postcard::to_allocvec(&file(vec![])).unwrap();
+        let one = postcard::to_allocvec(&FileRecord {
+            chunks: vec![chunk(b"x")],
+            ..file(vec![])
+        })
+        .unwrap();
+        let at = empty.iter().zip(&one).position(|(a, b)| a != b).unwrap();
+        let mut bytes = empty[..at].to_vec();
+        bytes.extend_from_slice(&[0x81, 0x80, 0x20]); // varint 524,289
+        bytes.resize(bytes.len() + 33 * (MAX_CHUNKS_PER_RECORD + 1), 1);
+        assert_eq!(
+            postcard::from_bytes::<FileRecord>(&bytes),
+            Err(postcard::Error::SerdeDeCustom)
+        );
+    }
+
+    #[test]
+    fn a_file_declares_at_most_max_file_size_bytes() {
+        let max = file(vec![
+            Chunk {
+                len: MAX_CHUNK_LEN,
+                hash: Hash::ZERO,
+            };
+            MAX_CHUNKS_PER_RECORD
+        ]);
+        assert_eq!(max.size, MAX_FILE_SIZE);
+        assert_eq!(max.validate(), Ok(()));
+        let over = FileRecord {
+            size: MAX_FILE_SIZE + 1,
+            ..file(vec![chunk(b"x")])
+        };
+        assert_eq!(
+            over.validate(),
+            Err(RecordError::TooLarge(
+                RelPath::new("f").unwrap(),
+                MAX_FILE_SIZE + 1
+            ))
+        );
+    }
+
+    #[test]
+    fn a_symlinks_hash_is_blake3_of_its_target() {
+        assert_eq!(link("../t").validate(), Ok(()));
+        let wrong = FileRecord {
+            hash: Hash::of(b"elsewhere"),
+            ..link("../t")
+        };
+        assert_eq!(
+            wrong.validate(),
+            Err(RecordError::Hash(RelPath::new("f").unwrap()))
+        );
+    }
+
+    #[test]
+    fn a_symlink_target_is_at_most_max_link_target_bytes() {
+        assert_eq!(link(&"t".repeat(MAX_LINK_TARGET)).validate(), Ok(()));
+        assert_eq!(
+            link(&"t".repeat(MAX_LINK_TARGET + 1)).validate(),
+            Err(RecordError::Target(RelPath::new("f").unwrap()))
+        );
     }
 }

@@ -208,6 +208,11 @@ impl<'de> serde::de::Visitor<'de> for PairsVisitor {
         self,
         mut seq: A,
     ) -> Result<VersionVector, A::Error> {
+        // Refused on the declared count when the format states one (postcard does), before
+        // any entry is read.
+        if let Some(n) = seq.size_hint().filter(|&n| n > MAX_VV_ENTRIES) {
+            return Err(serde::de::Error::invalid_length(n, &self));
+        }
         let mut pairs: Vec<(ShortId, u64)> =
             Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
         while let Some((dev, counter)) = seq.next_element::<(ShortId, u64)>()? {
