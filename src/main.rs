@@ -569,7 +569,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
             let mut moved = Vec::new();
-            for suffix in ["", "-wal", "-shm"] {
+            for suffix in ["", "-wal", "-shm", "-meshfs-wal"] {
                 let from = PathBuf::from(format!("{}{suffix}", db.display()));
                 if from.exists() {
                     let to = PathBuf::from(format!("{}.damaged-{stamp}{suffix}", db.display()));

@@ -272,18 +272,40 @@ fn five_devices_settle_a_three_way_conflict_with_one_entry_per_resolution_even_a
         write(&d.path("doc.txt"), format!("edit {i}").as_bytes());
         link(d, "link", &format!("target-edit-{i}"));
     }
+    let back = std::time::Instant::now();
     Device::start_together(&mut devs[..3].iter_mut().collect::<Vec<_>>());
+    eprintln!("three devices up {:?} after their start", back.elapsed());
+    let back = std::time::Instant::now();
     // One of them dies in the middle of resolving and comes back.
     std::thread::sleep(std::time::Duration::from_millis(30));
     devs[2].kill();
     devs[2].start();
     let all: Vec<&Device> = devs.iter().collect();
+    // From the last change (the restarted device is up) until all five trees hold the same
+    // settled state: one winner and two siblings for each path.
     let t0 = std::time::Instant::now();
-    wait_synced(&all, 60);
+    let settled = |d: &Device| {
+        let tr = tree(&d.dir);
+        tr.keys().filter(|k| k.starts_with("doc")).count() == 3
+            && tr.keys().filter(|k| k.starts_with("link")).count() == 3
+    };
+    loop {
+        let first = tree(&all[0].dir);
+        if all.iter().all(|d| settled(d) && tree(&d.dir) == first) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "never settled"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     eprintln!(
-        "quiet and identical {:?} after the last restart",
-        t0.elapsed()
+        "five devices identical {:?} after the last restart, {:?} after the three edited devices were up",
+        t0.elapsed(),
+        back.elapsed()
     );
+    wait_synced(&all, 60);
     let tr = tree(&devs[0].dir);
     let doc: Vec<_> = tr.keys().filter(|k| k.starts_with("doc")).collect();
     let links: Vec<_> = tr.iter().filter(|(k, _)| k.starts_with("link")).collect();

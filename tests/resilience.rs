@@ -553,3 +553,45 @@ fn a_full_journal_disk_stops_capture_clearly_and_loses_no_change() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn a_write_ahead_log_from_another_journal_is_refused_and_repair_loses_nothing() {
+    let t = tmp();
+    let (a, mut b, must) = diverged(&t);
+    // Another device's journal, killed mid-work so that its WAL is left behind.
+    let mut other = Device::new(&t, "other");
+    for i in 0..50 {
+        write(&other.path(&format!("o{i}.txt")), b"not b's");
+    }
+    other.start();
+    let t0 = Instant::now();
+    while other.status()["folders"][0]["files"] != 50 {
+        assert!(t0.elapsed() < Duration::from_secs(20));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    other.kill();
+    let foreign = format!("{}-wal", journal(&other).display());
+    assert!(
+        std::path::Path::new(&foreign).exists(),
+        "no WAL left behind"
+    );
+    std::fs::copy(&foreign, format!("{}-wal", journal(&b).display())).unwrap();
+    let out = std::process::Command::new(bin())
+        .arg("--home")
+        .arg(&b.home)
+        .arg("daemon")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the daemon started on another journal's WAL"
+    );
+    assert!(
+        err.contains("belongs to another database") && err.contains("meshfs repair"),
+        "{err}"
+    );
+    ok(&b.home, &["repair"]);
+    b.start();
+    nothing_lost(&a, &b, &must);
+}

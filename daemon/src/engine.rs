@@ -199,7 +199,7 @@ impl Engine {
     pub async fn start(home: Home) -> anyhow::Result<Arc<Engine>> {
         let config = Config::load(&home)?;
         let identity = Identity::load(&home.identity_dir())?;
-        let journal = Journal::open(&home.journal_file())?;
+        let mut journal = Journal::open(&home.journal_file())?;
         journal.check()?;
         private_state(&home);
         let listen = config.listen_addr(&home)?;

@@ -387,6 +387,54 @@ pub struct Journal {
     keys: std::cell::RefCell<std::collections::HashMap<FolderId, i64>>,
     /// A read transaction is held open ([`Journal::begin_reads`]).
     reading: bool,
+    /// The salts of the write-ahead log last recorded beside the database ([`wal_salts`]).
+    wal_seen: Option<[u8; 8]>,
+}
+
+/// The salts of `db`'s write-ahead log (bytes 16–23 of its header), if it has one. SQLite
+/// replays any WAL file found under the database's name; the salts are what tie it to this
+/// database: salt-1 goes up by one and salt-2 is drawn anew each time the log restarts.
+fn wal_salts(db: &Path) -> Option<[u8; 8]> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(format!("{}-wal", db.display())).ok()?;
+    let mut h = [0u8; 32];
+    f.read_exact(&mut h).ok()?;
+    let magic = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
+    if magic & !1 != 0x377f_0682 {
+        return None;
+    }
+    let mut salts = [0u8; 8];
+    salts.copy_from_slice(&h[16..24]);
+    Some(salts)
+}
+
+/// Where the WAL salts last seen are kept, beside the database.
+fn wal_note_path(db: &Path) -> PathBuf {
+    PathBuf::from(format!("{}-meshfs-wal", db.display()))
+}
+
+/// Refuses a write-ahead log that is not this database's (copied from another journal, or
+/// left by one that was replaced): SQLite would replay its pages into ours. A log one restart
+/// ahead of the recorded salts is ours (a crash between a restart and its note).
+fn check_wal_belongs(db: &Path) -> Result<()> {
+    let (Some(wal), Ok(note)) = (wal_salts(db), std::fs::read(wal_note_path(db))) else {
+        return Ok(());
+    };
+    let Ok(note) = <[u8; 8]>::try_from(note.as_slice()) else {
+        return Ok(());
+    };
+    let s1 = u32::from_be_bytes([note[0], note[1], note[2], note[3]]);
+    let w1 = u32::from_be_bytes([wal[0], wal[1], wal[2], wal[3]]);
+    if wal == note || w1 == s1.wrapping_add(1) {
+        return Ok(());
+    }
+    Err(JournalError::NotAJournal {
+        path: db.to_path_buf(),
+        reason: format!(
+            "its write-ahead log {}-wal belongs to another database",
+            db.display()
+        ),
+    })
 }
 
 impl fmt::Debug for Journal {
@@ -519,6 +567,7 @@ impl Journal {
     /// schema. A file that is not a meshfs journal, is damaged, or was written by a newer
     /// meshfs gives an error naming the path.
     pub fn open(path: &Path) -> Result<Journal> {
+        check_wal_belongs(path)?;
         let opened = (|| {
             let mut conn = Connection::open(path)?;
             // Every path, its history and the peers' ids: the owner's alone (SQLite gives
@@ -576,12 +625,14 @@ impl Journal {
             schema_version,
             keys: Default::default(),
             reading: false,
+            wal_seen: None,
         })
     }
 
     /// Checks the whole database file (`PRAGMA quick_check`): the daemon runs it at start so
     /// that it never trusts a damaged journal.
-    pub fn check(&self) -> Result<()> {
+    pub fn check(&mut self) -> Result<()> {
+        self.note_wal();
         let problems: Vec<String> = self
             .conn
             .prepare("PRAGMA quick_check(5)")
@@ -677,7 +728,29 @@ impl Journal {
             tx.commit()?;
             Ok(v)
         })();
+        if r.is_ok() {
+            self.note_wal();
+        }
         r.map_err(|e| classify(&self.path, e))
+    }
+
+    /// Records the WAL's salts beside the database when they changed (the log restarted), so
+    /// the next open can tell this database's log from another's ([`check_wal_belongs`]).
+    fn note_wal(&mut self) {
+        let Some(salts) = wal_salts(&self.path) else {
+            return;
+        };
+        if self.wal_seen == Some(salts) {
+            return;
+        }
+        let note = wal_note_path(&self.path);
+        let tmp = PathBuf::from(format!("{}.tmp", note.display()));
+        if std::fs::write(&tmp, salts)
+            .and_then(|_| std::fs::rename(&tmp, &note))
+            .is_ok()
+        {
+            self.wal_seen = Some(salts);
+        }
     }
 
     /// The folder's state, creating the folder (random non-zero index id, sequence 0) if it
