@@ -14,7 +14,7 @@ use crate::record::{FileRecord, Hash, MAX_CHUNK_LEN};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
 pub const MAX_RECORDS_PER_BATCH: usize = 1000;
