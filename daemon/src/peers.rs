@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Notify};
 
 /// Most hashes in one chunk request.
-const REQUEST_HASHES: usize = 64;
+const REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// Most bytes asked for in one chunk request.
 const REQUEST_BYTES: u64 = 4 << 20;
 /// Chunk requests in flight per fetch.
@@ -33,8 +33,8 @@ const REQUESTS_IN_FLIGHT: usize = 24;
 
 /// Chunk requests served to one peer at once (each holds a blocking reader thread).
 const SERVED_AT_ONCE: usize = 32;
-/// Most hashes a peer may ask for in one chunk request (honest peers ask for 64).
-const MAX_REQUEST_HASHES: usize = 256;
+/// Most hashes a peer may ask for in one chunk request (the decoder refuses more already).
+const MAX_REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// How long one response may wait for the requester to take it.
 const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, VecDeque};
 pub const RECEIVE_DEPTH: usize = 3;
 
 /// Most records in one index batch.
-pub const MAX_BATCH_RECORDS: usize = 1000;
+pub const MAX_BATCH_RECORDS: usize = meshfs_protocol::MAX_RECORDS_PER_BATCH;
 /// Target upper bound of one batch's encoded records (well under [`MAX_FRAME_LEN`]).
 pub const MAX_BATCH_BYTES: usize = MAX_FRAME_LEN / 8;
 /// Most unacknowledged batches in flight per folder.
