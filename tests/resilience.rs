@@ -148,6 +148,17 @@ fn journal(d: &Device) -> std::path::PathBuf {
     d.home.join("state").join("journal.db")
 }
 
+/// Runs `meshfs daemon` on `d`'s home; the error it printed if it refused to start.
+fn refused_start(d: &Device) -> Option<String> {
+    let out = std::process::Command::new(bin())
+        .arg("--home")
+        .arg(&d.home)
+        .arg("daemon")
+        .output()
+        .unwrap();
+    (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 fn remove_journal(d: &Device) {
     for s in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{s}", journal(d).display()));
@@ -253,17 +264,7 @@ fn a_damaged_journal_is_refused_with_the_command_that_rebuilds_it_and_nothing_is
         let (a, mut b, must) = diverged(&t);
         // A stopped daemon has checkpointed its WAL into the file.
         damage(&journal(&b));
-        let out = std::process::Command::new(bin())
-            .arg("--home")
-            .arg(&b.home)
-            .arg("daemon")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success(),
-            "{what}: the daemon started on a damaged journal"
-        );
+        let err = refused_start(&b).unwrap_or_else(|| panic!("{what}: the daemon started"));
         assert!(
             err.contains(&journal(&b).display().to_string()) && err.contains("meshfs repair"),
             "{what}: {err}"
@@ -576,17 +577,7 @@ fn a_write_ahead_log_from_another_journal_is_refused_and_repair_loses_nothing() 
         "no WAL left behind"
     );
     std::fs::copy(&foreign, format!("{}-wal", journal(&b).display())).unwrap();
-    let out = std::process::Command::new(bin())
-        .arg("--home")
-        .arg(&b.home)
-        .arg("daemon")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the daemon started on another journal's WAL"
-    );
+    let err = refused_start(&b).expect("the daemon started on another journal's WAL");
     assert!(
         err.contains("belongs to another database") && err.contains("meshfs repair"),
         "{err}"

@@ -344,12 +344,9 @@ impl Engine {
         Ok(point)
     }
 
-    /// Decides again, and applies, the remote versions that waited for a writer through the
-    /// mount which has since let go (its own version is captured by then, so a concurrent
-    /// edit becomes an ordinary conflict with both versions kept).
-    pub fn apply_deferred(self: &Arc<Self>, rt: &Arc<FolderRt>) {
-        let links: HashMap<DeviceId, quinn::Connection> = self
-            .peers
+    /// The connection to each connected peer.
+    fn links(&self) -> Vec<(DeviceId, quinn::Connection)> {
+        self.peers
             .lock()
             .map(|p| {
                 p.connected()
@@ -357,7 +354,14 @@ impl Engine {
                     .filter_map(|d| p.link(&d).map(|l| (d, l.conn.clone())))
                     .collect()
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// Decides again, and applies, the remote versions that waited for a writer through the
+    /// mount which has since let go (its own version is captured by then, so a concurrent
+    /// edit becomes an ordinary conflict with both versions kept).
+    pub fn apply_deferred(self: &Arc<Self>, rt: &Arc<FolderRt>) {
+        let links: HashMap<DeviceId, quinn::Connection> = self.links().into_iter().collect();
         let connected: HashSet<DeviceId> = links.keys().copied().collect();
         for (record, peer) in rt.take_ready_deferred(&connected) {
             let Some(conn) = links.get(&peer).cloned() else {
@@ -699,16 +703,7 @@ impl Engine {
                 keep
             });
         }
-        let links: Vec<(DeviceId, quinn::Connection)> = self
-            .peers
-            .lock()
-            .map(|p| {
-                p.connected()
-                    .into_iter()
-                    .filter_map(|d| p.link(&d).map(|l| (d, l.conn.clone())))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let links = self.links();
         for (id, conn) in links {
             let before = old.peer(&id).map(|p| p.folders.clone());
             let after = new.peer(&id).map(|p| p.folders.clone());
