@@ -1461,3 +1461,15 @@ fn a_running_executable_cannot_be_truncated_through_the_mount() {
         child.wait().unwrap();
     }
 }
+
+#[test]
+fn a_file_in_the_mount_is_not_a_terminal_as_on_ext4() {
+    use std::os::fd::AsRawFd;
+    let fx = Fixture::new();
+    std::fs::write(fx.mnt.join("f"), b"x").unwrap();
+    let f = std::fs::File::open(fx.mnt.join("f")).unwrap();
+    // SAFETY: a valid open descriptor.
+    let tty = unsafe { libc::isatty(f.as_raw_fd()) };
+    let errno = std::io::Error::last_os_error().raw_os_error();
+    assert_eq!((tty, errno), (0, Some(libc::ENOTTY)));
+}
