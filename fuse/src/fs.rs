@@ -347,8 +347,11 @@ impl Filesystem for Passthrough {
         })();
         match res {
             Ok(st) => {
+                // The path as it is now: once the kernel has its answer, a link or rename
+                // may give the inode another name before the event is sent.
+                let path = self.sh.path_of(ino);
                 reply.attr(&self.sh.ttl, &self.sh.attr(&st));
-                self.sh.emit(self.sh.path_of(ino), ChangeKind::Metadata);
+                self.sh.emit(path, ChangeKind::Metadata);
             }
             Err(e) => reply.error(err(e)),
         }
@@ -890,8 +893,9 @@ impl Filesystem for Passthrough {
             .and_then(|n| self.with_xattr(ino.0, |at| sys::setxattr(at, &n, value, flags)));
         match res {
             Ok(()) => {
+                let path = self.sh.path_of(ino.0);
                 reply.ok();
-                self.sh.emit(self.sh.path_of(ino.0), ChangeKind::Metadata);
+                self.sh.emit(path, ChangeKind::Metadata);
             }
             Err(e) => reply.error(e),
         }
@@ -925,8 +929,9 @@ impl Filesystem for Passthrough {
             .and_then(|n| self.with_xattr(ino.0, |at| sys::removexattr(at, &n)));
         match res {
             Ok(()) => {
+                let path = self.sh.path_of(ino.0);
                 reply.ok();
-                self.sh.emit(self.sh.path_of(ino.0), ChangeKind::Metadata);
+                self.sh.emit(path, ChangeKind::Metadata);
             }
             Err(e) => reply.error(e),
         }
