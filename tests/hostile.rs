@@ -24,6 +24,14 @@ fn hello(folder: &str) -> Message {
     })
 }
 
+/// A new identity that `a` trusts with folder `work`.
+fn trusted_mallory(a: &Device) -> Identity {
+    let mallory = Identity::generate("mallory").unwrap();
+    let id = mallory.device_id.to_string();
+    ok(&a.home, &["peer", "add", &id, "--share", "work"]);
+    mallory
+}
+
 #[test]
 fn a_hostile_peer_gets_nothing_unshared_and_cannot_disturb_others() {
     let t = tmp();
@@ -43,17 +51,7 @@ fn a_hostile_peer_gets_nothing_unshared_and_cannot_disturb_others() {
     );
     write(&private_dir.join("secret.txt"), b"top secret");
     write(&a.path("public.txt"), b"public");
-    let mallory = Identity::generate("mallory").unwrap();
-    ok(
-        &a.home,
-        &[
-            "peer",
-            "add",
-            &mallory.device_id.to_string(),
-            "--share",
-            "work",
-        ],
-    );
+    let mallory = trusted_mallory(&a);
     a.start();
     b.start();
     wait_synced(&[&a, &b], 30);
@@ -212,17 +210,7 @@ fn a_hostile_peer_cannot_exhaust_memory_or_threads_and_an_honest_peer_keeps_sync
     for i in 0..40 {
         write(&a.path(&format!("data/{i}.bin")), &noise(1 << 20, i));
     }
-    let mallory = Identity::generate("mallory").unwrap();
-    ok(
-        &a.home,
-        &[
-            "peer",
-            "add",
-            &mallory.device_id.to_string(),
-            "--share",
-            "work",
-        ],
-    );
+    let mallory = trusted_mallory(&a);
     a.start();
     b.start();
     wait_synced_connected(&[&a, &b]);

@@ -154,14 +154,11 @@ fn prepare(
 ) -> Result<Transfer, String> {
     // A record declares its size (a peer can declare terabytes in a few bytes, one chunk
     // listed many times): nothing is written that would leave the disk less than a margin.
-    if let Some(free) = crate::store::free_bytes(rt.store.root()) {
-        let margin = crate::store::free_space_margin(rt.store.root());
-        if record.size.saturating_add(margin) > free {
-            return Err(format!(
-                "{}: No space left on device (os error 28): the version is {} bytes, {} are free",
-                record.path, record.size, free
-            ));
-        }
+    if let Err(free) = crate::store::room_for(rt.store.root(), record.size) {
+        return Err(format!(
+            "{}: No space left on device (os error 28): the version is {} bytes, {} are free",
+            record.path, record.size, free
+        ));
     }
     let mut temp: Option<TempFile> = None;
     let mut missing = Vec::new();

@@ -1300,10 +1300,14 @@ pub fn free_bytes(path: &Path) -> Option<u64> {
     space(path).map(|(free, _)| free)
 }
 
-/// Room a receive must leave free on the folder's filesystem beyond the file it writes: 1 %
-/// of the filesystem, at most 64 MiB.
-pub fn free_space_margin(path: &Path) -> u64 {
-    space(path).map_or(0, |(_, total)| (total / 100).min(64 << 20))
+/// Whether `size` more bytes fit on the filesystem holding `path` while leaving 1 % of it
+/// (at most 64 MiB) free: `Err(free)` when they do not. One `statvfs`; an unknown filesystem
+/// is given the benefit of the doubt.
+pub fn room_for(path: &Path, size: u64) -> Result<(), u64> {
+    match space(path) {
+        Some((free, total)) if size.saturating_add((total / 100).min(64 << 20)) > free => Err(free),
+        _ => Ok(()),
+    }
 }
 
 /// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`.
