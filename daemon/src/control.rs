@@ -90,7 +90,7 @@ async fn handle(
                         Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
                         Ok(f) => match engine.scan_paths(&f, Vec::new()).await {
                             Ok(n) => serde_json::json!({"ok": true, "changes": n}),
-                            Err(e) => serde_json::json!({"ok": false, "error": e}),
+                            Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
                         },
                     }
                 }

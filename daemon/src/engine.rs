@@ -1,5 +1,6 @@
-//! The engine: owns the journal, the folders (store, watcher, capture loop), the QUIC endpoint
-//! and the peer connections, and answers the control socket. `meshfs daemon` runs one.
+//! The engine: wires the folders ([`Folders`]), the peers ([`Net`]) and the mounts together,
+//! runs each folder's capture loop, and answers the control socket. `meshfs daemon` runs one.
+//! Nothing below it imports it.
 //!
 //! Start-up order: open the journal → for each folder: remove leftover temp files, complete
 //! interrupted applies ([`crate::apply::recover_pending`]), scan the whole folder (changes made
@@ -7,138 +8,18 @@
 
 use crate::capture::{self, CaptureMsg, Coalescer};
 use crate::config::{Config, Home, Options};
+use crate::folder::{FolderError, FolderRt, Folders};
 use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
-use crate::journal::{Change, FolderCounts, Journal};
-use crate::peers::{self, Peers};
-use crate::scanner::{self, ScanTarget};
+use crate::journal::{FolderCounts, Journal};
+use crate::peers::{self, Net, Peers};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
-use meshfs_protocol::{DeviceId, FileRecord, FolderId, RelPath, ShortId};
+use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
-use tokio::sync::{broadcast, mpsc, watch, Notify};
-
-/// Records committed per journal transaction by a scan.
-const SCAN_COMMIT_BATCH: usize = 4096;
-
-/// A running folder.
-pub struct FolderRt {
-    /// The folder id.
-    pub id: FolderId,
-    /// The replica store.
-    pub store: Store,
-    /// `.meshignore` rules (reloaded when the file changes).
-    pub ignore: RwLock<IgnoreRules>,
-    /// Serializes capture and apply on this folder, so the engine never captures its own
-    /// applies as local edits and never applies over an edit it has not captured.
-    pub op_lock: Mutex<()>,
-    /// Feeds the capture loop (the watcher and, later, the FUSE layer send here).
-    pub capture: mpsc::UnboundedSender<CaptureMsg>,
-    /// Paths waiting in the capture loop.
-    pub capture_pending: std::sync::atomic::AtomicUsize,
-    /// The folder's first scan is still running (the folder is not in sync meanwhile).
-    pub scanning: std::sync::atomic::AtomicBool,
-    /// Notified when the first scan has walked the tree and found more than a slice of files
-    /// to hash: starting the folder stops waiting for the scan to end.
-    pub scan_is_long: tokio::sync::Notify,
-    /// Which paths are open for writing through a mount (never replaced under their writer).
-    pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
-    /// Invalidates a mount's kernel caches after the engine changed a path.
-    pub invalidator: Arc<dyn meshfs_fuse::Invalidator>,
-    /// The folder's mount while it has one (both of the above forward to it).
-    pub mount_slot: Arc<crate::mounts::MountSlot>,
-    /// The running mount, if any.
-    mount: Mutex<Option<meshfs_fuse::Mount>>,
-    /// Remote versions waiting for a path's writer through the mount to let go, with the
-    /// peer each came from (the newest per path).
-    deferred: Mutex<HashMap<RelPath, (FileRecord, DeviceId)>>,
-    /// Why receiving into this folder is stopped (the disk is full), if it is.
-    blocked: Mutex<Option<String>>,
-    /// Remote versions that cannot be applied here, by path, with the error: skipped so the
-    /// rest of the folder keeps syncing, until a later version of the path applies.
-    skipped: Mutex<std::collections::BTreeMap<RelPath, String>>,
-    /// What apply just did to paths, so the watcher's events for it are not rescanned.
-    pub echoes: crate::capture::Echoes,
-    watcher: Mutex<Option<notify::RecommendedWatcher>>,
-}
-
-impl FolderRt {
-    /// Holds `remote` (from `peer`) until `remote.path` has no writer through the mount.
-    pub fn defer(&self, remote: FileRecord, peer: DeviceId) {
-        if let Ok(mut d) = self.deferred.lock() {
-            d.insert(remote.path.clone(), (remote, peer));
-        }
-    }
-
-    /// Receiving stopped for `reason` (the disk is full). Returns whether it was not already
-    /// stopped, so the caller tells the user once, not per batch.
-    pub fn block(&self, reason: String) -> bool {
-        self.blocked
-            .lock()
-            .map(|mut b| b.replace(reason).is_none())
-            .unwrap_or(false)
-    }
-
-    /// Receiving works again. Returns whether it had been stopped.
-    pub fn unblock(&self) -> bool {
-        self.blocked
-            .lock()
-            .map(|mut b| b.take().is_some())
-            .unwrap_or(false)
-    }
-
-    /// Why receiving is stopped, if it is.
-    pub fn blocked(&self) -> Option<String> {
-        self.blocked.lock().ok().and_then(|b| b.clone())
-    }
-
-    /// Records that a remote version of `path` cannot be applied. Returns whether this is new
-    /// (so the log says it once).
-    pub fn skip(&self, path: RelPath, error: String) -> bool {
-        self.skipped
-            .lock()
-            .map(|mut s| s.insert(path, error).is_none())
-            .unwrap_or(false)
-    }
-
-    /// A version of `path` applied: it is no longer skipped.
-    pub fn unskip(&self, path: &RelPath) {
-        if let Ok(mut s) = self.skipped.lock() {
-            if !s.is_empty() {
-                s.remove(path);
-            }
-        }
-    }
-
-    /// The skipped remote versions: (path, error).
-    pub fn skipped(&self) -> Vec<(RelPath, String)> {
-        self.skipped
-            .lock()
-            .map(|s| s.iter().map(|(p, e)| (p.clone(), e.clone())).collect())
-            .unwrap_or_default()
-    }
-
-    /// Remote versions waiting for a writer to let go.
-    pub fn deferred_count(&self) -> usize {
-        self.deferred.lock().map_or(0, |d| d.len())
-    }
-
-    /// Takes the deferred versions whose paths no longer have a writer and whose peer is
-    /// connected (the content may have to be fetched from it).
-    fn take_ready_deferred(&self, connected: &HashSet<DeviceId>) -> Vec<(FileRecord, DeviceId)> {
-        let Ok(mut d) = self.deferred.lock() else {
-            return Vec::new();
-        };
-        let ready: Vec<RelPath> = d
-            .iter()
-            .filter(|(p, (_, peer))| connected.contains(peer) && !self.writers.has_writer(p))
-            .map(|(p, _)| p.clone())
-            .collect();
-        ready.into_iter().filter_map(|p| d.remove(&p)).collect()
-    }
-}
+use tokio::sync::{mpsc, watch, Notify};
 
 /// The engine of one device.
 pub struct Engine {
@@ -148,24 +29,13 @@ pub struct Engine {
     pub device: DeviceId,
     /// Its short id (version-vector key).
     pub short: ShortId,
-    config: RwLock<Config>,
-    /// The journal (blocking calls; never held across an await).
-    pub journal: Mutex<Journal>,
-    folders: RwLock<HashMap<FolderId, Arc<FolderRt>>>,
-    /// Connected peers and their sync status.
-    pub peers: Mutex<Peers>,
-    /// Woken when a peer connects, disconnects or reports progress.
-    pub peer_changed: Notify,
-    /// A folder's journal gained entries (local or applied remote changes).
-    pub changes: broadcast::Sender<FolderId>,
-    /// The QUIC endpoint.
-    pub endpoint: quinn::Endpoint,
+    config: Arc<RwLock<Config>>,
+    /// The journal and the running folders.
+    pub folders: Arc<Folders>,
+    /// The peers: connections, sessions, the endpoint.
+    pub net: Arc<Net>,
     /// Devices allowed to connect.
     pub trust: TrustStore,
-    /// Set to true when the daemon stops.
-    pub stopping: watch::Sender<bool>,
-    /// Woken at shutdown (sessions say goodbye).
-    pub shutdown: Notify,
     dialers: Mutex<HashMap<DeviceId, (String, Arc<Notify>)>>,
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
@@ -187,13 +57,6 @@ fn private_state(home: &Home) {
     set(&home.config_file(), 0o600);
 }
 
-fn now_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 impl Engine {
     /// Opens everything and starts the background work. Must run inside a tokio runtime.
     pub async fn start(home: Home) -> anyhow::Result<Arc<Engine>> {
@@ -210,30 +73,39 @@ impl Engine {
                 home.config_file().display()
             )
         })?;
-        let (changes, _) = broadcast::channel(4096);
         let (stopping, _) = watch::channel(false);
+        let folders = Arc::new(Folders::new(
+            identity.device_id,
+            journal,
+            home.config_dir.join("ignore"),
+        ));
+        let first = config.clone();
+        let config = Arc::new(RwLock::new(config));
+        let net = Arc::new(Net {
+            folders: folders.clone(),
+            config: config.clone(),
+            peers: Mutex::new(Peers::default()),
+            peer_changed: Notify::new(),
+            endpoint: endpoint.clone(),
+            stopping,
+            shutdown: Notify::new(),
+        });
         let engine = Arc::new(Engine {
             device: identity.device_id,
             short: identity.device_id.short(),
             home,
-            config: RwLock::new(config.clone()),
-            journal: Mutex::new(journal),
-            folders: RwLock::new(HashMap::new()),
-            peers: Mutex::new(Peers::default()),
-            peer_changed: Notify::new(),
-            changes,
-            endpoint: endpoint.clone(),
+            config,
+            folders,
+            net,
             trust,
-            stopping,
-            shutdown: Notify::new(),
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
             traffic: Mutex::default(),
         });
-        for f in &config.folders {
+        for f in &first.folders {
             engine.start_folder(f).await?;
         }
-        for f in &config.folders {
+        for f in &first.folders {
             if let (Some(point), Ok(id)) = (&f.mount, FolderId::new(&f.id)) {
                 let (e, point) = (engine.clone(), point.clone());
                 let mounted =
@@ -248,7 +120,7 @@ impl Engine {
                 }
             }
         }
-        tokio::spawn(peers::accept_loop(engine.clone(), endpoint));
+        tokio::spawn(peers::accept_loop(engine.net.clone(), endpoint));
         tokio::spawn(retention_loop(engine.clone()));
         tokio::spawn(traffic_loop(engine.clone()));
         engine.sync_dialers();
@@ -258,18 +130,12 @@ impl Engine {
 
     /// This device's name.
     pub fn name(&self) -> String {
-        self.config
-            .read()
-            .map(|c| c.device.name.clone())
-            .unwrap_or_default()
+        self.net.name()
     }
 
     /// The options in force.
     pub fn options(&self) -> Options {
-        self.config
-            .read()
-            .map(|c| c.options.clone())
-            .unwrap_or_default()
+        self.net.options()
     }
 
     /// A copy of the config in force.
@@ -282,20 +148,7 @@ impl Engine {
 
     /// The folders this device shares with `peer` (and runs).
     pub fn shared_with(&self, peer: &DeviceId) -> Vec<FolderId> {
-        let running: HashSet<FolderId> = self
-            .folders
-            .read()
-            .map(|f| f.keys().cloned().collect())
-            .unwrap_or_default();
-        self.config
-            .read()
-            .ok()
-            .and_then(|c| c.peer(peer).map(|p| p.folders.clone()))
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|f| FolderId::new(&f).ok())
-            .filter(|f| running.contains(f))
-            .collect()
+        self.net.shared_with(peer)
     }
 
     /// Mounts `folder` at `mountpoint`, served by this daemon. Blocking (the kernel's mount
@@ -344,24 +197,11 @@ impl Engine {
         Ok(point)
     }
 
-    /// The connection to each connected peer.
-    fn links(&self) -> Vec<(DeviceId, quinn::Connection)> {
-        self.peers
-            .lock()
-            .map(|p| {
-                p.connected()
-                    .into_iter()
-                    .filter_map(|d| p.link(&d).map(|l| (d, l.conn.clone())))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
     /// Decides again, and applies, the remote versions that waited for a writer through the
     /// mount which has since let go (its own version is captured by then, so a concurrent
     /// edit becomes an ordinary conflict with both versions kept).
     pub fn apply_deferred(self: &Arc<Self>, rt: &Arc<FolderRt>) {
-        let links: HashMap<DeviceId, quinn::Connection> = self.links().into_iter().collect();
+        let links: HashMap<DeviceId, quinn::Connection> = self.net.links().into_iter().collect();
         let connected: HashSet<DeviceId> = links.keys().copied().collect();
         for (record, peer) in rt.take_ready_deferred(&connected) {
             let Some(conn) = links.get(&peer).cloned() else {
@@ -371,7 +211,7 @@ impl Engine {
             tokio::spawn(async move {
                 let (turn, _) = crate::apply::Turn::after(None);
                 let r = crate::apply::receive(
-                    &engine,
+                    &engine.folders,
                     &folder,
                     peer,
                     &conn,
@@ -395,12 +235,7 @@ impl Engine {
 
     /// Unmounts every mounted folder (the daemon is stopping).
     pub fn unmount_all(&self) {
-        let folders: Vec<Arc<FolderRt>> = self
-            .folders
-            .read()
-            .map(|f| f.values().cloned().collect())
-            .unwrap_or_default();
-        for rt in folders {
+        for rt in self.folders.all() {
             let m = rt.mount.lock().ok().and_then(|mut s| s.take());
             if let Some(m) = m {
                 rt.mount_slot.detach();
@@ -418,17 +253,26 @@ impl Engine {
     /// The folder's local ignore file (`CONFIG_DIR/ignore/FOLDER-ID`): rules no peer can
     /// change, read with the replicated `.meshignore` (`crate::ignore`).
     pub fn local_ignore(&self, folder: &FolderId) -> std::path::PathBuf {
-        self.home.config_dir.join("ignore").join(folder.as_str())
+        self.folders.local_ignore(folder)
     }
 
     /// A running folder.
     pub fn folder(&self, id: &FolderId) -> Option<Arc<FolderRt>> {
-        self.folders.read().ok()?.get(id).cloned()
+        self.folders.get(id)
     }
 
     /// Tells sessions that `folder`'s journal gained entries.
     pub fn changes_notify(&self, folder: &FolderId) {
-        let _ = self.changes.send(folder.clone());
+        self.folders.changes_notify(folder);
+    }
+
+    /// Scans `paths` of `folder` (empty: all of it) and journals what changed.
+    pub async fn scan_paths(
+        &self,
+        folder: &FolderId,
+        paths: Vec<RelPath>,
+    ) -> Result<usize, FolderError> {
+        self.folders.scan_paths(folder, paths).await
     }
 
     async fn start_folder(self: &Arc<Self>, f: &crate::config::FolderConfig) -> anyhow::Result<()> {
@@ -463,13 +307,9 @@ impl Engine {
             watcher: Mutex::new(None),
         });
         {
-            let mut j = self
-                .journal
-                .lock()
-                .map_err(|_| anyhow::anyhow!("journal lock poisoned"))?;
+            let mut j = self.folders.journal()?;
             fresh = j.folder(&id)?.max_sequence == 0;
-            let done =
-                crate::apply::recover_pending(&mut j, &rt, &id).map_err(|e| anyhow::anyhow!(e))?;
+            let done = crate::apply::recover_pending(&mut j, &rt, &id)?;
             if done > 0 {
                 tracing::info!(folder = %id, done, "completed applies interrupted by a crash");
             }
@@ -486,9 +326,7 @@ impl Engine {
                 }
             }
         }
-        if let Ok(mut m) = self.folders.write() {
-            m.insert(id.clone(), rt.clone());
-        }
+        self.folders.insert(rt.clone());
         let started = Instant::now();
         let path = f.path.clone();
         if fresh {
@@ -527,112 +365,10 @@ impl Engine {
             }
             return Ok(());
         }
-        let n = self
-            .scan_paths(&id, Vec::new())
-            .await
-            .map_err(|e| anyhow::anyhow!(e))?;
+        let n = self.scan_paths(&id, Vec::new()).await?;
         tracing::info!(folder = %id, path = %path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned");
         tokio::spawn(capture_loop(self.clone(), rt, rx));
         Ok(())
-    }
-
-    /// Scans `paths` (empty: the whole folder) and journals what changed. Returns the number of
-    /// new versions. The first scan of a folder journals and announces its changes in slices as
-    /// it goes ([`scanner::scan_new`]).
-    pub async fn scan_paths(
-        self: &Arc<Self>,
-        folder: &FolderId,
-        paths: Vec<RelPath>,
-    ) -> Result<usize, String> {
-        let engine = self.clone();
-        let folder = folder.clone();
-        tokio::task::spawn_blocking(move || engine.scan_blocking(&folder, &paths))
-            .await
-            .map_err(|e| e.to_string())?
-    }
-
-    fn scan_blocking(&self, folder: &FolderId, paths: &[RelPath]) -> Result<usize, String> {
-        let rt = self
-            .folder(folder)
-            .ok_or_else(|| format!("no folder {folder} on this device"))?;
-        if paths.is_empty()
-            || paths
-                .iter()
-                .any(|p| p.as_str() == crate::ignore::IGNORE_FILE)
-        {
-            if let Ok(mut ig) = rt.ignore.write() {
-                *ig = IgnoreRules::load(rt.store.root(), Some(&self.local_ignore(&rt.id)));
-            }
-        }
-        let _guard = rt.op_lock.lock().map_err(|_| "folder lock poisoned")?;
-        let ignore = rt.ignore.read().map_err(|_| "ignore lock poisoned")?;
-        let target = ScanTarget {
-            folder,
-            store: &rt.store,
-            ignore: &ignore,
-            local: self.short,
-            now_secs: now_secs(),
-        };
-        let t0 = Instant::now();
-        let mut streamed = 0;
-        let report = {
-            let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
-            // Only a whole-folder scan asks (a capture of a few paths is the hot path).
-            let fresh =
-                paths.is_empty() && j.folder(folder).map_err(|e| e.to_string())?.max_sequence == 0;
-            if fresh {
-                // Nothing journaled yet: everything is new. Journal and announce it as it is
-                // hashed, without holding the journal, so peers get the first files while the
-                // rest are still being read.
-                drop(j);
-                let mut emit = |changes: Vec<Change>, to_hash: usize| -> Result<(), String> {
-                    // Known once the tree is walked: peers need not wait for a long scan.
-                    if to_hash >= scanner::FIRST_SCAN_SLICE {
-                        rt.scan_is_long.notify_one();
-                    }
-                    if changes.is_empty() {
-                        return Ok(());
-                    }
-                    streamed += changes.len();
-                    tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");
-                    let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
-                    commit_in_batches(&mut j, folder, changes)?;
-                    drop(j);
-                    self.changes_notify(folder);
-                    Ok(())
-                };
-                scanner::scan_new(&target, &mut emit).map_err(|e| e.to_string())?
-            } else {
-                scanner::scan(&target, &j, paths).map_err(|e| e.to_string())?
-            }
-        };
-        let scanned = t0.elapsed();
-        let n = report.changes.len() + streamed;
-        let mut j = self.journal.lock().map_err(|_| "journal lock poisoned")?;
-        if !report.restat.is_empty() {
-            j.set_local_stats(folder, &report.restat)
-                .map_err(|e| e.to_string())?;
-        }
-        commit_in_batches(&mut j, folder, report.changes)?;
-        if report.entries > 10_000 {
-            j.release_memory();
-        }
-        drop(j);
-        if report.entries > 10_000 {
-            // A big scan's transient maps (and the journal's page cache, above) are freed now;
-            // give the pages back to the system so the resident size of an idle daemon stays
-            // small.
-            #[cfg(target_env = "gnu")]
-            unsafe {
-                libc::malloc_trim(0);
-            }
-            tracing::info!(%folder, entries = report.entries, hashed_files = report.hashed_files, hashed_bytes = report.hashed_bytes,
-                scan_ms = scanned.as_millis() as u64, journal_ms = (t0.elapsed() - scanned).as_millis() as u64, "scan finished");
-        }
-        if n > 0 {
-            self.changes_notify(folder);
-        }
-        Ok(n)
     }
 
     /// Starts/stops dial loops so that every configured peer with an address has one.
@@ -658,7 +394,7 @@ impl Engine {
             if let std::collections::hash_map::Entry::Vacant(slot) = dialers.entry(id) {
                 let stop = Arc::new(Notify::new());
                 slot.insert((addr.clone(), stop.clone()));
-                tokio::spawn(peers::dial_loop(self.clone(), id, addr, stop));
+                tokio::spawn(peers::dial_loop(self.net.clone(), id, addr, stop));
             }
         }
     }
@@ -681,29 +417,19 @@ impl Engine {
         for id in &new_ids {
             self.trust.add(*id);
         }
-        let running: HashSet<String> = self
-            .folders
-            .read()
-            .map(|f| f.keys().map(|k| k.to_string()).collect())
-            .unwrap_or_default();
+        let running: HashSet<String> = self.folders.ids().iter().map(|k| k.to_string()).collect();
         for f in &new.folders {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
             }
         }
         let wanted: HashSet<String> = new.folders.iter().map(|f| f.id.clone()).collect();
-        if let Ok(mut m) = self.folders.write() {
-            m.retain(|id, rt| {
-                let keep = wanted.contains(id.as_str());
-                if !keep {
-                    if let Ok(mut w) = rt.watcher.lock() {
-                        *w = None;
-                    }
-                }
-                keep
-            });
+        for rt in self.folders.retain(|id| wanted.contains(id.as_str())) {
+            if let Ok(mut w) = rt.watcher.lock() {
+                *w = None;
+            }
         }
-        let links = self.links();
+        let links = self.net.links();
         for (id, conn) in links {
             let before = old.peer(&id).map(|p| p.folders.clone());
             let after = new.peer(&id).map(|p| p.folders.clone());
@@ -717,22 +443,22 @@ impl Engine {
 
     /// Stops sessions and the endpoint.
     pub async fn stop(&self) {
-        let _ = self.stopping.send(true);
+        let _ = self.net.stopping.send(true);
         self.unmount_all();
-        self.shutdown.notify_waiters();
+        self.net.shutdown.notify_waiters();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        self.endpoint.close(0u32.into(), b"daemon stopping");
+        self.net.endpoint.close(0u32.into(), b"daemon stopping");
         if let Ok(d) = self.dialers.lock() {
             for (_, stop) in d.values() {
                 stop.notify_one();
             }
         }
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.net.endpoint.wait_idle()).await;
     }
 
     /// Updates the per-peer traffic counters from the current links.
     fn observe_traffic(&self) {
-        if let (Ok(peers), Ok(mut t)) = (self.peers.lock(), self.traffic.lock()) {
+        if let (Ok(peers), Ok(mut t)) = (self.net.peers.lock(), self.traffic.lock()) {
             t.observe(&peers);
         }
     }
@@ -745,14 +471,10 @@ impl Engine {
     /// latter only of the peers that are connected.
     pub fn status(&self) -> serde_json::Value {
         let config = self.config();
-        let folders: Vec<Arc<FolderRt>> = self
-            .folders
-            .read()
-            .map(|f| f.values().cloned().collect())
-            .unwrap_or_default();
+        let folders: Vec<Arc<FolderRt>> = self.folders.all();
         // The journal first, in one hold, and not under the peers lock: an install can hold
         // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        let journaled: Vec<(FolderCounts, u64, usize)> = match self.journal.lock() {
+        let journaled: Vec<(FolderCounts, u64, usize)> = match self.folders.journal.lock() {
             Ok(mut j) => folders
                 .iter()
                 .map(|rt| {
@@ -765,7 +487,7 @@ impl Engine {
                 .collect(),
             Err(_) => vec![Default::default(); folders.len()],
         };
-        let peers = self.peers.lock().ok();
+        let peers = self.net.peers.lock().ok();
         let traffic = self.traffic.lock().ok().map(|mut t| {
             if let Some(p) = &peers {
                 t.observe(p);
@@ -886,7 +608,7 @@ impl Engine {
                 "name": config.device.name,
                 "listen": config.device.listen,
                 "uptime_secs": self.started.elapsed().as_secs(),
-                "started_unix": now_secs().saturating_sub(self.started.elapsed().as_secs()),
+                "started_unix": crate::folder::now_secs().saturating_sub(self.started.elapsed().as_secs()),
             },
             "in_sync": all_synced,
             "in_sync_with_connected": all_synced_connected,
@@ -902,9 +624,9 @@ impl Engine {
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
 /// connection (the sessions wake `peer_changed` when a link is registered or ends).
 async fn traffic_loop(engine: Arc<Engine>) {
-    let mut stopping = engine.stopping.subscribe();
+    let mut stopping = engine.net.stopping.subscribe();
     loop {
-        let changed = engine.peer_changed.notified();
+        let changed = engine.net.peer_changed.notified();
         tokio::pin!(changed);
         // Registered before looking, so a link that comes meanwhile wakes the next round.
         changed.as_mut().enable();
@@ -919,7 +641,7 @@ async fn traffic_loop(engine: Arc<Engine>) {
 
 /// Applies the history and tombstone retention of `[options]` once an hour.
 async fn retention_loop(engine: Arc<Engine>) {
-    let mut stopping = engine.stopping.subscribe();
+    let mut stopping = engine.net.stopping.subscribe();
     loop {
         let o = engine.options();
         let now_ns = std::time::SystemTime::now()
@@ -927,12 +649,8 @@ async fn retention_loop(engine: Arc<Engine>) {
             .map(|d| d.as_nanos() as i64)
             .unwrap_or(0);
         let day_ns: i64 = 86_400 * 1_000_000_000;
-        let folders: Vec<FolderId> = engine
-            .folders
-            .read()
-            .map(|f| f.keys().cloned().collect())
-            .unwrap_or_default();
-        if let Ok(mut j) = engine.journal.lock() {
+        let folders = engine.folders.ids();
+        if let Ok(mut j) = engine.folders.journal.lock() {
             for f in &folders {
                 if o.history_retention_days > 0 {
                     let _ = j.prune_history(f, now_ns - o.history_retention_days as i64 * day_ns);
@@ -963,7 +681,7 @@ async fn capture_loop(
     let mut released = false;
     // Set while scans fail (the journal's disk full): the next success says it is over.
     let mut scan_failing: Option<Instant> = None;
-    let mut stopping = engine.stopping.subscribe();
+    let mut stopping = engine.net.stopping.subscribe();
     loop {
         let sleep = async {
             match next {
@@ -1022,7 +740,7 @@ async fn capture_loop(
                             // What the scan took from the queue is not journaled: nothing is
                             // lost as long as a later scan covers it, so the folder is rescanned
                             // whole after a pause.
-                            let full = e.contains("the disk holding the journal");
+                            let full = e.is_disk_full();
                             if full {
                                 if rt.block(format!("journal disk full: {e}")) {
                                     tracing::error!(folder = %rt.id, error = %e, "the journal's disk is full; changes are captured again once there is room");
@@ -1058,17 +776,3 @@ const RESCAN_AFTER_FAILURE: Duration = Duration::from_secs(2);
 
 /// How long starting a folder waits for its first scan before going on while it runs.
 const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);
-
-/// Commits scanned changes, [`SCAN_COMMIT_BATCH`] per transaction.
-fn commit_in_batches(
-    j: &mut Journal,
-    folder: &FolderId,
-    mut changes: Vec<Change>,
-) -> Result<(), String> {
-    while !changes.is_empty() {
-        let rest = changes.split_off(changes.len().min(SCAN_COMMIT_BATCH));
-        j.commit(folder, changes).map_err(|e| e.to_string())?;
-        changes = rest;
-    }
-    Ok(())
-}

@@ -170,61 +170,8 @@ pub struct LocalStat {
     pub mode: u32,
 }
 
-/// The operation a history row records.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// A path came into existence.
-    Create,
-    /// A file's content changed.
-    Modify,
-    /// A path was deleted (the record is a tombstone).
-    Delete,
-    /// A path appeared as the destination of a rename.
-    Rename,
-    /// Only metadata (mode, mtime) changed.
-    Metadata,
-    /// The result of resolving a conflict.
-    Conflict,
-    /// Bookkeeping: only the version vector changed (two devices' versions of the same
-    /// state met and merged). Nobody changed content, mode or mtime, so `meshfs journal`
-    /// hides these rows unless asked for them.
-    Merged,
-}
-
-impl Op {
-    /// Lower-case name, as stored and shown.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Op::Create => "create",
-            Op::Modify => "modify",
-            Op::Delete => "delete",
-            Op::Rename => "rename",
-            Op::Metadata => "metadata",
-            Op::Conflict => "conflict",
-            Op::Merged => "merged",
-        }
-    }
-
-    /// Inverse of [`Op::as_str`].
-    pub fn parse(s: &str) -> Option<Op> {
-        Some(match s {
-            "create" => Op::Create,
-            "modify" => Op::Modify,
-            "delete" => Op::Delete,
-            "rename" => Op::Rename,
-            "metadata" => Op::Metadata,
-            "conflict" => Op::Conflict,
-            "merged" => Op::Merged,
-            _ => return None,
-        })
-    }
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// The operation a history row records: the planner's ([`meshfs_sync::plan::Op`]).
+pub use meshfs_sync::plan::Op;
 
 /// One new version to journal.
 #[derive(Clone, Debug, PartialEq)]

@@ -11,9 +11,9 @@
 use crate::chunker;
 use crate::ignore::IgnoreRules;
 use crate::journal::{Change, Journal, JournalError, LocalStat, Op, RecordSummary};
-use crate::reconcile::{new_local_version, Context};
 use crate::store::{stat_of, DirCache, Store};
 use meshfs_protocol::{FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, INTERNAL_PREFIX};
+use meshfs_sync::reconcile::{new_local_version, Context};
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::os::unix::ffi::OsStrExt;
@@ -57,7 +57,7 @@ pub enum ScanError {
     Journal(#[from] JournalError),
     /// A slice of a streamed scan could not be journaled.
     #[error("journaling scanned changes: {0}")]
-    Commit(String),
+    Commit(JournalError),
     /// The folder root is missing or unreadable.
     #[error("{path}: {source}")]
     Root {
@@ -192,7 +192,7 @@ pub const FIRST_SCAN_SLICE: usize = 1000;
 /// directory before anything below it), and how many files are still to be hashed after them.
 /// The first call comes as soon as the tree is walked, before any file is read (its changes
 /// may be none).
-pub type Emit<'a> = dyn FnMut(Vec<Change>, usize) -> Result<(), String> + 'a;
+pub type Emit<'a> = dyn FnMut(Vec<Change>, usize) -> Result<(), JournalError> + 'a;
 
 /// The first scan of a folder the journal has nothing of: the whole tree is new, so nothing can
 /// have been deleted or renamed, and no journal is read. Changes are handed to `emit` as they

@@ -89,6 +89,14 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// The disk (or the user's quota) is full.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self, StoreError::Io { source, .. }
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
+    }
+}
+
 fn io_err(path: impl ToString, source: io::Error) -> StoreError {
     StoreError::Io {
         path: path.to_string(),

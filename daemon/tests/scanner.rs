@@ -209,7 +209,9 @@ fn a_first_scan_says_how_much_is_to_hash_before_reading_and_streams_every_file_o
     let err = meshfs_daemon::scanner::scan_new(&t, &mut |_, _| {
         n += 1;
         if n == 2 {
-            Err("disk full".into())
+            Err(meshfs_daemon::journal::JournalError::Corrupt {
+                what: "disk full".into(),
+            })
         } else {
             Ok(())
         }

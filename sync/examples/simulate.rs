@@ -1,12 +1,12 @@
 //! Runs the deterministic simulation.
 //!
 //! ```text
-//! cargo run --release -p meshfs-daemon --example simulate -- --seeds 100000
-//! cargo run -p meshfs-daemon --example simulate -- --seed 1234          # one run, with a trace
-//! cargo run -p meshfs-daemon --example simulate -- --seeds 1000 --replicas 5 --ops 40
+//! cargo run --release -p meshfs-sync --example simulate -- --seeds 100000
+//! cargo run -p meshfs-sync --example simulate -- --seed 1234          # one run, with a trace
+//! cargo run -p meshfs-sync --example simulate -- --seeds 1000 --replicas 5 --ops 40
 //! ```
 
-use meshfs_daemon::sim::{run, SimConfig};
+use meshfs_sync::sim::{run, SimConfig};
 use std::process::ExitCode;
 use std::time::Instant;
 

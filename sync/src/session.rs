@@ -21,6 +21,7 @@
 //!   them: the receiver decides and assembles one batch while the one before it installs;
 //! - progress (sequences applied, acknowledged, known) never moves backwards.
 
+use crate::error::ReadError;
 use meshfs_protocol::{
     ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder, IndexAck,
     IndexBatch, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
@@ -52,9 +53,52 @@ pub trait IndexSource {
         peer: &DeviceId,
         after: u64,
         limit: usize,
-    ) -> (Vec<FileRecord>, u64);
+    ) -> Result<(Vec<FileRecord>, u64), ReadError>;
     /// The highest local journal sequence of `folder`.
-    fn max_sequence(&mut self, folder: &FolderId) -> u64;
+    fn max_sequence(&mut self, folder: &FolderId) -> Result<u64, ReadError>;
+}
+
+/// The source as the session reads it. A read error is kept (the first one) and every read
+/// after it returns nothing new, so no progress is made on it; the public method that met it
+/// ends the session with it ([`Session::settle`]): a journal that cannot be read is never
+/// taken for "nothing to send", which would let both sides say in sync.
+struct Reader<'a> {
+    src: &'a mut dyn IndexSource,
+    failed: Option<ReadError>,
+}
+
+impl<'a> Reader<'a> {
+    fn new(src: &'a mut dyn IndexSource) -> Reader<'a> {
+        Reader { src, failed: None }
+    }
+
+    fn max_sequence(&mut self, folder: &FolderId) -> u64 {
+        if self.failed.is_some() {
+            return 0;
+        }
+        self.src.max_sequence(folder).unwrap_or_else(|e| {
+            self.failed = Some(e);
+            0
+        })
+    }
+
+    fn records_since(
+        &mut self,
+        folder: &FolderId,
+        peer: &DeviceId,
+        after: u64,
+        limit: usize,
+    ) -> (Vec<FileRecord>, u64) {
+        if self.failed.is_some() {
+            return (Vec::new(), after);
+        }
+        self.src
+            .records_since(folder, peer, after, limit)
+            .unwrap_or_else(|e| {
+                self.failed = Some(e);
+                (Vec::new(), after)
+            })
+    }
 }
 
 /// A folder shared with this peer, with the resume points stored in the journal.
@@ -192,6 +236,26 @@ impl Session {
 
     /// Opens the session: our Hello, listing our shared folders with resume points.
     pub fn start(&mut self, src: &mut dyn IndexSource) -> Vec<Action> {
+        let mut src = Reader::new(src);
+        let out = self.open(&mut src);
+        self.settle(out, src)
+    }
+
+    /// What a step produced, unless reading the source failed during it: then the session
+    /// ends with that error instead (what the step built from the failed read is dropped).
+    fn settle(&mut self, out: Vec<Action>, src: Reader<'_>) -> Vec<Action> {
+        match src.failed {
+            None => out,
+            Some(e) => {
+                self.closed = true;
+                vec![Action::Close {
+                    reason: e.to_string(),
+                }]
+            }
+        }
+    }
+
+    fn open(&mut self, src: &mut Reader<'_>) -> Vec<Action> {
         if self.closed || self.hello_sent {
             return Vec::new();
         }
@@ -224,12 +288,18 @@ impl Session {
 
     /// A message from the peer's control stream.
     pub fn handle(&mut self, msg: Message, src: &mut dyn IndexSource) -> Vec<Action> {
+        let mut src = Reader::new(src);
+        let out = self.handle_with(msg, &mut src);
+        self.settle(out, src)
+    }
+
+    fn handle_with(&mut self, msg: Message, src: &mut Reader<'_>) -> Vec<Action> {
         if self.closed {
             return Vec::new();
         }
         let mut out = Vec::new();
         if !self.hello_sent {
-            out = self.start(src);
+            out = self.open(src);
         }
         match msg {
             Message::Hello(h) => out.extend(self.on_hello(h, src)),
@@ -255,16 +325,18 @@ impl Session {
         if self.closed {
             return Vec::new();
         }
+        let mut src = Reader::new(src);
         let established = self.is_established();
         let peer = self.peer;
-        match self.folders.get_mut(folder) {
-            Some(f) if established && f.shared => f.pump(&peer, src),
+        let out = match self.folders.get_mut(folder) {
+            Some(f) if established && f.shared => f.pump(&peer, &mut src),
             Some(f) => {
                 f.our_max = f.our_max.max(src.max_sequence(folder));
                 Vec::new()
             }
             None => Vec::new(),
-        }
+        };
+        self.settle(out, src)
     }
 
     /// The outstanding Receive of `folder` is applied up to `up_to` (all of the peer's records
@@ -289,49 +361,9 @@ impl Session {
         out
     }
 
-    /// Starts sharing a folder with this peer. Before the hello it simply joins the list;
-    /// afterwards the peer cannot learn of it within this session, so the session ends and the
-    /// driver reconnects with a new hello.
-    pub fn add_folder(&mut self, f: SessionFolder, src: &mut dyn IndexSource) -> Vec<Action> {
-        if self.closed || self.folders.contains_key(&f.folder) {
-            return Vec::new();
-        }
-        let id = f.folder.clone();
-        let mut state = FolderState::new(f);
-        state.our_max = src.max_sequence(&id);
-        self.folders.insert(id.clone(), state);
-        if self.hello_sent {
-            self.closed = true;
-            return vec![Action::Close {
-                reason: format!("folder {id} is now shared; reconnecting"),
-            }];
-        }
-        Vec::new()
-    }
-
-    /// Stops sharing a folder with this peer. Before the hello it leaves the list; afterwards
-    /// the session ends (the peer still believes it is shared) and the driver reconnects.
-    pub fn remove_folder(&mut self, folder: &FolderId) -> Vec<Action> {
-        if self.closed || self.folders.remove(folder).is_none() {
-            return Vec::new();
-        }
-        if self.hello_sent {
-            self.closed = true;
-            return vec![Action::Close {
-                reason: format!("folder {folder} is no longer shared; reconnecting"),
-            }];
-        }
-        Vec::new()
-    }
-
     /// Both hellos exchanged and the session not ended.
     pub fn is_established(&self) -> bool {
         self.hello_sent && self.peer_name.is_some() && !self.closed
-    }
-
-    /// Whether the peer's hello listed `folder` as shared with us (and we share it too).
-    pub fn is_shared(&self, folder: &FolderId) -> bool {
-        self.folders.get(folder).is_some_and(|f| f.shared)
     }
 
     /// The peer's name for itself, once its hello arrived.
@@ -373,7 +405,7 @@ impl Session {
         })
     }
 
-    fn on_hello(&mut self, h: Hello, src: &mut dyn IndexSource) -> Vec<Action> {
+    fn on_hello(&mut self, h: Hello, src: &mut Reader<'_>) -> Vec<Action> {
         if self.peer_name.is_some() {
             return self.fail(ErrorCode::BadFrame, "second hello");
         }
@@ -474,7 +506,7 @@ impl Session {
         f.deliver()
     }
 
-    fn on_ack(&mut self, ack: IndexAck, src: &mut dyn IndexSource) -> Vec<Action> {
+    fn on_ack(&mut self, ack: IndexAck, src: &mut Reader<'_>) -> Vec<Action> {
         if self.peer_name.is_none() {
             return self.fail(ErrorCode::BadFrame, "ack before hello");
         }
@@ -502,7 +534,7 @@ impl Session {
         out
     }
 
-    fn pump_all(&mut self, src: &mut dyn IndexSource) -> Vec<Action> {
+    fn pump_all(&mut self, src: &mut Reader<'_>) -> Vec<Action> {
         if !self.is_established() {
             return Vec::new();
         }
@@ -547,7 +579,7 @@ impl FolderState {
     }
 
     /// Sends batches while the window allows and records remain.
-    fn pump(&mut self, peer: &DeviceId, src: &mut dyn IndexSource) -> Vec<Action> {
+    fn pump(&mut self, peer: &DeviceId, src: &mut Reader<'_>) -> Vec<Action> {
         let mut out = Vec::new();
         self.our_max = self.our_max.max(src.max_sequence(&self.cfg.folder));
         while self.in_flight.len() < MAX_IN_FLIGHT && self.sent_up_to < self.our_max {
@@ -664,7 +696,7 @@ mod tests {
             peer: &DeviceId,
             after: u64,
             limit: usize,
-        ) -> (Vec<FileRecord>, u64) {
+        ) -> Result<(Vec<FileRecord>, u64), ReadError> {
             let mut out = Vec::new();
             let mut scanned = after;
             for (r, source) in self.records.iter().filter(|(r, _)| r.sequence > after) {
@@ -676,10 +708,10 @@ mod tests {
                     out.push(r.clone());
                 }
             }
-            (out, scanned)
+            Ok((out, scanned))
         }
-        fn max_sequence(&mut self, _f: &FolderId) -> u64 {
-            self.records.len() as u64
+        fn max_sequence(&mut self, _f: &FolderId) -> Result<u64, ReadError> {
+            Ok(self.records.len() as u64)
         }
     }
 

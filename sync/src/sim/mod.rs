@@ -27,7 +27,8 @@ mod ops;
 mod replica;
 mod truth;
 
-use crate::reconcile::{decide, new_local_version, Context, Decision, Outcome, Step};
+use crate::plan::{plan, unavailable, Disk, Plan, Planned, Unavailable};
+use crate::reconcile::{new_local_version, Context, Outcome, Step};
 use crate::session::{Action, Session, SessionFolder, RECEIVE_DEPTH};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, Message, ShortId};
 use rand::rngs::StdRng;
@@ -134,7 +135,7 @@ impl fmt::Display for SimFailure {
 /// The command that replays `cfg`'s run verbosely.
 pub fn replay_command(cfg: &SimConfig) -> String {
     let mut s = format!(
-        "cargo run -p meshfs-daemon --example simulate -- --seed {}",
+        "cargo run -p meshfs-sync --example simulate -- --seed {}",
         cfg.seed
     );
     if let Some(k) = cfg.replicas {
@@ -828,7 +829,7 @@ impl Sim {
         let mut grew = false;
         let mut progress = None;
         while let Some(remote) = pr.records.front().cloned() {
-            let decision = decide(&self.replicas[r].journal, &remote);
+            let decision = plan(&self.replicas[r].journal, &remote).map_err(|e| e.to_string())?;
             if let Some(local) = self.replicas[r].journal.record(&remote.path).cloned() {
                 self.truth
                     .check_order(&local, &remote, local.version.compare(&remote.version))?;
@@ -873,14 +874,11 @@ impl Sim {
 
     /// The remote contents a decision needs, from this replica's own files (the chunk index)
     /// or any connected peer; verified by hash, as the store does.
-    fn fetch(&mut self, r: usize, sender: usize, d: &Decision) -> Res<Fetch> {
+    fn fetch(&mut self, r: usize, sender: usize, d: &Plan) -> Res<Fetch> {
         let mut blobs = HashMap::new();
-        for step in &d.steps {
-            let rec = match step {
-                Step::ApplyRemote { record } | Step::PreserveRemote { record } => record,
-                _ => continue,
-            };
-            if rec.deleted || rec.kind != FileKind::File || blobs.contains_key(&rec.hash) {
+        for step in d.steps.iter().filter(|s| s.disk == Disk::Content) {
+            let rec = step.record();
+            if blobs.contains_key(&rec.hash) {
                 continue;
             }
             if rec.size == 0 {
@@ -903,10 +901,9 @@ impl Sim {
                 // Nobody connected has it. If the sender itself no longer has it, the version
                 // was superseded there and its successor follows in the sender's index.
                 let at_sender = self.replicas[sender].fs.find_content(&rec.hash).is_some();
-                return Ok(if at_sender {
-                    Fetch::Retry
-                } else {
-                    Fetch::Superseded
+                return Ok(match unavailable(at_sender) {
+                    Unavailable::Retry => Fetch::Retry,
+                    Unavailable::Superseded => Fetch::Superseded,
                 });
             }
             let from = holders[self.rng.gen_range(0..holders.len())];
@@ -934,7 +931,7 @@ impl Sim {
         r: usize,
         sender: usize,
         remote: &FileRecord,
-        d: &Decision,
+        d: &Plan,
         blobs: &HashMap<Hash, Vec<u8>>,
     ) -> Res<bool> {
         if d.steps.is_empty() {
@@ -979,7 +976,7 @@ impl Sim {
         r: usize,
         local: &FileRecord,
         remote: &FileRecord,
-        d: &Decision,
+        d: &Plan,
     ) -> Res<()> {
         let resolves = matches!(
             d.outcome,
@@ -990,7 +987,7 @@ impl Sim {
         let Some(last) = d.steps.last().filter(|_| resolves) else {
             return Ok(());
         };
-        let result = match last {
+        let result = match &last.step {
             Step::ApplyRemote { record } | Step::UpdateLocal { record } => record,
             _ => return Ok(()),
         };
@@ -1019,20 +1016,16 @@ impl Sim {
         r: usize,
         sender: usize,
         remote: &FileRecord,
-        d: &Decision,
+        d: &Plan,
     ) -> Res<Vec<Pending>> {
         let tr = self.truth.of(Some(remote))?;
         let local = self.replicas[r].journal.record(&remote.path).cloned();
         let mut out = Vec::new();
-        for step in &d.steps {
+        for planned in &d.steps {
+            let step = &planned.step;
             let j = &self.replicas[r].journal;
-            let (record, old) = match step {
-                Step::PreserveLocal { record, .. }
-                | Step::PreserveRemote { record }
-                | Step::ApplyRemote { record }
-                | Step::UpdateLocal { record }
-                | Step::ReviveDir { record } => (record.clone(), j.record(&record.path).cloned()),
-            };
+            let record = planned.record().clone();
+            let old = j.record(&record.path).cloned();
             let told = self.truth.of(old.as_ref())?;
             let on_path = record.path == remote.path;
             let expected = old
@@ -1061,7 +1054,7 @@ impl Sim {
                         content: BTreeSet::new(),
                     }
                 }
-                Step::ApplyRemote { record } if on_path && record.version == remote.version => {
+                Step::ApplyRemote { .. } if on_path && planned.from_peer => {
                     source = Some(self.replicas[sender].dev);
                     tr.clone()
                 }
@@ -1121,10 +1114,7 @@ impl Sim {
         }
         // A loser already preserved under its sibling name (same content) is taken over by it.
         if let Outcome::Conflict { winner_is_local } = d.outcome {
-            let preserved = d
-                .steps
-                .iter()
-                .any(|s| matches!(s, Step::PreserveLocal { .. } | Step::PreserveRemote { .. }));
+            let preserved = d.conflict.is_some();
             let loser = if winner_is_local {
                 Some(remote)
             } else {
@@ -1173,76 +1163,85 @@ impl Sim {
         Ok(())
     }
 
-    /// One step's file write, as the store does it: content verified by hash before the
-    /// atomic rename, never replacing something the decision did not expect.
-    fn write(&mut self, r: usize, step: &Step, blobs: &HashMap<Hash, Vec<u8>>) -> Res<()> {
+    /// One planned step's disk work, as the store does it: content verified by hash before
+    /// the atomic rename, never replacing something the plan did not expect.
+    fn write(&mut self, r: usize, planned: &Planned, blobs: &HashMap<Hash, Vec<u8>>) -> Res<()> {
         let fs = &mut self.replicas[r].fs;
-        let rec = match step {
-            Step::PreserveLocal { from, record } => {
+        let rec = planned.record();
+        match &planned.disk {
+            Disk::CopyLocal { from } => {
                 let Some(node) = fs.nodes.get(from).cloned() else {
                     return Err(format!("r{r}: preserve of missing {from}"));
                 };
-                if !node.same_content(record) {
+                if !node.same_content(rec) {
                     return Err(format!(
                         "(e) r{r}: {from} does not hold the content to preserve"
                     ));
                 }
-                if fs.nodes.contains_key(&record.path) || !fs.parent_is_dir(&record.path) {
+                if fs.nodes.contains_key(&rec.path) || !fs.parent_is_dir(&rec.path) {
                     return Err(format!(
                         "r{r}: conflict sibling {} is taken or has no directory",
-                        record.path
+                        rec.path
                     ));
                 }
                 fs.nodes.insert(
-                    record.path.clone(),
+                    rec.path.clone(),
                     Node {
-                        mode: record.mode,
-                        mtime_ns: record.mtime_ns,
+                        mode: rec.mode,
+                        mtime_ns: rec.mtime_ns,
                         ..node
                     },
                 );
                 return Ok(());
             }
-            Step::PreserveRemote { record } => {
-                if fs.nodes.contains_key(&record.path) {
-                    return Err(format!("r{r}: conflict sibling {} is taken", record.path));
-                }
-                record
-            }
-            Step::UpdateLocal { record } if record.deleted => {
-                if fs.nodes.contains_key(&record.path) {
+            Disk::Nothing if rec.deleted => {
+                if fs.nodes.contains_key(&rec.path) {
                     return Err(format!(
-                        "r{r}: UpdateLocal of a tombstone over live {}",
-                        record.path
+                        "r{r}: {} stays on disk under a tombstone",
+                        rec.path
                     ));
                 }
                 return Ok(());
             }
-            Step::UpdateLocal { record } => {
-                let Some(node) = fs.nodes.get_mut(&record.path) else {
-                    return Err(format!("r{r}: UpdateLocal of missing {}", record.path));
+            Disk::Nothing => {
+                return match fs.nodes.get(&rec.path) {
+                    Some(node) if node.matches(rec) => Ok(()),
+                    other => Err(format!(
+                        "r{r}: nothing to do on disk for {}, but it is {other:?}",
+                        rec.path
+                    )),
                 };
-                if !node.same_content(record) {
+            }
+            Disk::SetMeta { mtime, .. } => {
+                let Some(node) = fs.nodes.get_mut(&rec.path) else {
+                    return Err(format!("r{r}: metadata of missing {}", rec.path));
+                };
+                if !node.same_content(rec) {
                     return Err(format!(
-                        "r{r}: UpdateLocal of {} over different content",
-                        record.path
+                        "r{r}: metadata of {} over different content",
+                        rec.path
                     ));
                 }
-                node.mode = record.mode;
-                node.mtime_ns = record.mtime_ns;
+                node.mode = rec.mode;
+                if *mtime {
+                    node.mtime_ns = rec.mtime_ns;
+                }
                 return Ok(());
             }
-            Step::ApplyRemote { record } | Step::ReviveDir { record } => record,
-        };
-        if rec.deleted {
-            if fs.has_children(&rec.path) {
-                return Err(format!(
-                    "r{r}: deleting {} would delete what is below it",
-                    rec.path
-                ));
+            Disk::RemoveDir | Disk::RemoveFile => {
+                if fs.has_children(&rec.path) {
+                    return Err(format!(
+                        "r{r}: deleting {} would delete what is below it",
+                        rec.path
+                    ));
+                }
+                fs.nodes.remove(&rec.path);
+                return Ok(());
             }
-            fs.nodes.remove(&rec.path);
-            return Ok(());
+            Disk::MakeDir { .. } | Disk::MakeSymlink | Disk::Content => {}
+        }
+        if matches!(planned.step, Step::PreserveRemote { .. }) && fs.nodes.contains_key(&rec.path) {
+            return Err(format!("r{r}: conflict sibling {} is taken", rec.path));
         }
         if !fs.parent_is_dir(&rec.path) {
             return Err(format!(
@@ -1250,8 +1249,8 @@ impl Sim {
                 rec.path
             ));
         }
-        let bytes = match rec.kind {
-            FileKind::File => {
+        let bytes = match planned.disk {
+            Disk::Content => {
                 let b = blobs.get(&rec.hash).cloned().unwrap_or_default();
                 if Hash::of(&b) != rec.hash {
                     return Err(format!(

@@ -38,12 +38,14 @@
 use meshfs_protocol::{FileKind, FileRecord, Hash, RelPath, ShortId, VersionVector, VvOrdering};
 use meshfs_protocol::{MAX_NAME_LEN, MAX_PATH_LEN};
 
+pub use crate::error::ReadError;
+
 /// Read access to this replica's current records (journal), for decisions that look around a path.
 pub trait ReplicaView {
     /// The current record of `path` (tombstones included).
-    fn get(&self, path: &RelPath) -> Option<FileRecord>;
+    fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError>;
     /// Whether any non-deleted record lies strictly below `dir`.
-    fn has_live_below(&self, dir: &RelPath) -> bool;
+    fn has_live_below(&self, dir: &RelPath) -> Result<bool, ReadError>;
 }
 
 /// One thing the driver must do to carry out a [`Decision`].
@@ -142,16 +144,17 @@ pub fn new_local_version(prev: Option<&FileRecord>, ctx: &Context) -> VersionVec
         .incremented(ctx.local_device, ctx.now_secs)
 }
 
-/// Decides what to do with `remote`, a peer's record, given this replica's records.
-pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Decision {
-    let Some(local) = view.get(&remote.path) else {
+/// Decides what to do with `remote`, a peer's record, given this replica's records. Fails
+/// only when the view cannot be read: no decision is made on a guess.
+pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
+    let Some(local) = view.get(&remote.path)? else {
         let plan = Plan::new(Outcome::ApplyRemote, remote.clone(), false);
         return plan.finish(view, None);
     };
     match local.version.compare(&remote.version) {
         // Equal vectors name the same version; content cannot differ between honest peers.
-        VvOrdering::Equal => none(Outcome::Nothing),
-        VvOrdering::After => none(Outcome::LocalNewer),
+        VvOrdering::Equal => Ok(none(Outcome::Nothing)),
+        VvOrdering::After => Ok(none(Outcome::LocalNewer)),
         VvOrdering::Before => {
             Plan::new(Outcome::ApplyRemote, remote.clone(), false).finish(view, Some(&local))
         }
@@ -183,7 +186,11 @@ fn none(outcome: Outcome) -> Decision {
 /// again (with an increment per device, n devices made O(n²) bookkeeping versions of one
 /// conflict). Different inputs give different ids, which keeps the seed-2 rule: equal
 /// vectors still name one state.
-fn concurrent(view: &dyn ReplicaView, local: &FileRecord, remote: &FileRecord) -> Decision {
+fn concurrent(
+    view: &dyn ReplicaView,
+    local: &FileRecord,
+    remote: &FileRecord,
+) -> Result<Decision, ReadError> {
     let merged = local.version.merge(&remote.version);
     let local_wins = precedence(local) > precedence(remote);
     let (winner, loser) = if local_wins {
@@ -212,7 +219,7 @@ fn concurrent(view: &dyn ReplicaView, local: &FileRecord, remote: &FileRecord) -
     };
     let mut plan = Plan::new(outcome, result, local_wins);
     if !loser.deleted {
-        plan.preserve(view, loser, !local_wins);
+        plan.preserve(view, loser, !local_wins)?;
     }
     plan.finish(view, Some(local))
 }
@@ -280,23 +287,33 @@ impl Plan {
     }
 
     /// Keeps `loser` (live) as a conflict sibling, unless that content is already there.
-    fn preserve(&mut self, view: &dyn ReplicaView, loser: &FileRecord, local: bool) {
+    fn preserve(
+        &mut self,
+        view: &dyn ReplicaView,
+        loser: &FileRecord,
+        local: bool,
+    ) -> Result<(), ReadError> {
         debug_assert!(!loser.deleted);
-        if let Some(step) = preserve_step(view, &loser.path, loser, local) {
+        if let Some(step) = preserve_step(view, &loser.path, loser, local)? {
             self.preserves.push(step);
         }
+        Ok(())
     }
 
-    fn finish(mut self, view: &dyn ReplicaView, local: Option<&FileRecord>) -> Decision {
+    fn finish(
+        mut self,
+        view: &dyn ReplicaView,
+        local: Option<&FileRecord>,
+    ) -> Result<Decision, ReadError> {
         let path = self.result.path.clone();
         let is_live_dir = !self.result.deleted && self.result.kind == FileKind::Dir;
         let mut last = None;
-        if !is_live_dir && view.has_live_below(&path) {
+        if !is_live_dir && view.has_live_below(&path)? {
             // Deleting or replacing this directory would lose the live entries below it: keep a
             // directory, as a new local version that dominates what it replaces.
             if !self.result.deleted {
                 let content = self.result.clone();
-                self.preserve(view, &content, self.result_is_local);
+                self.preserve(view, &content, self.result_is_local)?;
             }
             let local_dir = local.filter(|l| !l.deleted && l.kind == FileKind::Dir);
             let mut base = self.result.version.clone();
@@ -320,7 +337,7 @@ impl Plan {
         }
         let mut steps = Vec::new();
         if !self.result.deleted {
-            ancestors(view, self.result.modified_by, &path, &mut steps);
+            ancestors(view, self.result.modified_by, &path, &mut steps)?;
         }
         steps.append(&mut self.preserves);
         steps.push(match last {
@@ -332,10 +349,10 @@ impl Plan {
                 record: self.result,
             },
         });
-        Decision {
+        Ok(Decision {
             outcome: self.outcome,
             steps,
-        }
+        })
     }
 }
 
@@ -351,16 +368,21 @@ fn step_record(step: &Step) -> &FileRecord {
 
 /// Steps that make every ancestor of `path` a live directory, outermost first; `by` is the
 /// author of the entry that needs them.
-fn ancestors(view: &dyn ReplicaView, by: ShortId, path: &RelPath, steps: &mut Vec<Step>) {
+fn ancestors(
+    view: &dyn ReplicaView,
+    by: ShortId,
+    path: &RelPath,
+    steps: &mut Vec<Step>,
+) -> Result<(), ReadError> {
     let mut ancestors = path.ancestors();
     ancestors.reverse();
     for anc in ancestors {
-        let prev = view.get(&anc);
+        let prev = view.get(&anc)?;
         match &prev {
             Some(p) if !p.deleted && p.kind == FileKind::Dir => continue,
             Some(p) if !p.deleted => {
                 // A file or symlink stands where a directory must be: move it aside first.
-                if let Some(step) = preserve_step(view, &anc, p, true) {
+                if let Some(step) = preserve_step(view, &anc, p, true)? {
                     steps.push(step);
                 }
             }
@@ -371,6 +393,7 @@ fn ancestors(view: &dyn ReplicaView, by: ShortId, path: &RelPath, steps: &mut Ve
             record: dir_record(&anc, prev.as_ref(), &base, by),
         });
     }
+    Ok(())
 }
 
 /// A live directory record at `path` replacing `prev`, as a version that dominates `base`.
@@ -421,9 +444,11 @@ fn preserve_step(
     path: &RelPath,
     content: &FileRecord,
     local: bool,
-) -> Option<Step> {
-    let sibling = free_sibling(view, path, content)?;
-    let prev = view.get(&sibling);
+) -> Result<Option<Step>, ReadError> {
+    let Some(sibling) = free_sibling(view, path, content)? else {
+        return Ok(None);
+    };
+    let prev = view.get(&sibling)?;
     let mut record = FileRecord {
         path: sibling,
         kind: content.kind,
@@ -444,19 +469,23 @@ fn preserve_step(
     // conflicts with itself. It dominates whatever this replica had at the name.
     let base = prev.map(|p| p.version).unwrap_or_default();
     record.version = resolved(&base, &record);
-    Some(if local {
+    Ok(Some(if local {
         Step::PreserveLocal {
             from: path.clone(),
             record,
         }
     } else {
         Step::PreserveRemote { record }
-    })
+    }))
 }
 
 /// The first free conflict name for `loser`: [`conflict_name`], then with `-HASH8`, then with
 /// a counter. `None` if a candidate already holds the same content live.
-fn free_sibling(view: &dyn ReplicaView, path: &RelPath, loser: &FileRecord) -> Option<RelPath> {
+fn free_sibling(
+    view: &dyn ReplicaView,
+    path: &RelPath,
+    loser: &FileRecord,
+) -> Result<Option<RelPath>, ReadError> {
     let mut n = 0u32;
     loop {
         let candidate = match n {
@@ -464,10 +493,10 @@ fn free_sibling(view: &dyn ReplicaView, path: &RelPath, loser: &FileRecord) -> O
             1 => sibling_name(path, loser, Some(&loser.hash.short())),
             _ => sibling_name(path, loser, Some(&format!("{}-{n}", loser.hash.short()))),
         };
-        match view.get(&candidate) {
-            Some(r) if !r.deleted && r.same_content(loser) => return None,
+        match view.get(&candidate)? {
+            Some(r) if !r.deleted && r.same_content(loser) => return Ok(None),
             Some(r) if !r.deleted => n += 1,
-            _ => return Some(candidate),
+            _ => return Ok(Some(candidate)),
         }
     }
 }
@@ -579,6 +608,11 @@ mod tests {
     use super::*;
     use meshfs_protocol::Chunk;
     use proptest::prelude::*;
+
+    /// The view in these tests is a map: it cannot fail.
+    fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Decision {
+        super::decide(view, remote).expect("an in-memory view cannot fail")
+    }
     use std::collections::BTreeMap;
 
     const A: ShortId = ShortId(0xA000_0000_0000_0000);
@@ -589,13 +623,14 @@ mod tests {
     struct View(BTreeMap<RelPath, FileRecord>);
 
     impl ReplicaView for View {
-        fn get(&self, path: &RelPath) -> Option<FileRecord> {
-            self.0.get(path).cloned()
+        fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError> {
+            Ok(self.0.get(path).cloned())
         }
-        fn has_live_below(&self, dir: &RelPath) -> bool {
-            self.0
+        fn has_live_below(&self, dir: &RelPath) -> Result<bool, ReadError> {
+            Ok(self
+                .0
                 .values()
-                .any(|r| !r.deleted && r.path != *dir && r.path.is_within(dir))
+                .any(|r| !r.deleted && r.path != *dir && r.path.is_within(dir)))
         }
     }
 
@@ -852,7 +887,7 @@ mod tests {
         let mut views = [(View::with(&[&chmod]), A), (View::with(&[&del]), B)];
         sync(&mut views);
         same_everywhere(&views);
-        assert!(!views[0].0.get(&base.path).unwrap().deleted);
+        assert!(!views[0].0.get(&base.path).unwrap().unwrap().deleted);
     }
 
     #[test]
@@ -1080,7 +1115,10 @@ mod tests {
         at_t.apply(&decide(&at_t, &x));
         let mut at_m = View::with(&[&x]);
         at_m.apply(&decide(&at_m, &dk));
-        let (pt, pm) = (at_t.get(&r1.path).unwrap(), at_m.get(&r1.path).unwrap());
+        let (pt, pm) = (
+            at_t.get(&r1.path).unwrap().unwrap(),
+            at_m.get(&r1.path).unwrap().unwrap(),
+        );
         assert!(
             pt.version != pm.version || pt.same_state(&pm),
             "{pt:?}\n{pm:?}"
@@ -1215,7 +1253,7 @@ mod tests {
                 let d = decide(&two, r);
                 two.apply(&d);
             }
-            let (a, b) = (one.get(&x.path).unwrap(), two.get(&x.path).unwrap());
+            let (a, b) = (one.get(&x.path).unwrap().unwrap(), two.get(&x.path).unwrap().unwrap());
             prop_assert!(a.same_state(&b) && a.modified_by == b.modified_by, "{:?}\n{:?}", a, b);
             // The same live contents survive (two versions with equal content that lose in
             // different rounds may each get their own sibling: a duplicate, never a loss).

@@ -4,7 +4,7 @@
 //!
 //! A failure names its seed and the command that replays it with a trace.
 
-use meshfs_daemon::sim::{run, SimConfig};
+use meshfs_sync::sim::{run, SimConfig};
 use std::time::Instant;
 
 fn must_pass(cfg: &SimConfig) {

@@ -5,7 +5,7 @@
 //! per-peer progress a session resumes from, and the pending/applied bracket of DESIGN §6.
 
 use super::truth::{EventInfo, RecTruth};
-use crate::reconcile::ReplicaView;
+use crate::reconcile::{ReadError, ReplicaView};
 use crate::session::IndexSource;
 use meshfs_protocol::{
     Chunk, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath, VersionVector,
@@ -211,12 +211,12 @@ impl Journal {
 }
 
 impl ReplicaView for Journal {
-    fn get(&self, path: &RelPath) -> Option<FileRecord> {
-        self.record(path).cloned()
+    fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError> {
+        Ok(self.record(path).cloned())
     }
 
-    fn has_live_below(&self, dir: &RelPath) -> bool {
-        below(&self.current, dir).any(|(_, e)| !e.record.deleted)
+    fn has_live_below(&self, dir: &RelPath) -> Result<bool, ReadError> {
+        Ok(below(&self.current, dir).any(|(_, e)| !e.record.deleted))
     }
 }
 
@@ -227,7 +227,7 @@ impl IndexSource for Journal {
         peer: &DeviceId,
         after: u64,
         limit: usize,
-    ) -> (Vec<FileRecord>, u64) {
+    ) -> Result<(Vec<FileRecord>, u64), ReadError> {
         let mut out = Vec::new();
         for (&seq, path) in self.by_seq.range(after + 1..) {
             let Some(e) = self.current.get(path) else {
@@ -236,15 +236,15 @@ impl IndexSource for Journal {
             if e.source.as_ref() != Some(peer) {
                 out.push(e.record.clone());
                 if out.len() == limit {
-                    return (out, seq);
+                    return Ok((out, seq));
                 }
             }
         }
-        (out, self.max_seq().max(after))
+        Ok((out, self.max_seq().max(after)))
     }
 
-    fn max_sequence(&mut self, _folder: &FolderId) -> u64 {
-        self.max_seq()
+    fn max_sequence(&mut self, _folder: &FolderId) -> Result<u64, ReadError> {
+        Ok(self.max_seq())
     }
 }
 

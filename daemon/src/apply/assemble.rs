@@ -1,0 +1,155 @@
+//! Steps 2 and 3: file contents assembled in temp files from the chunks this device has and
+//! those fetched from the peer (each verified by its hash and length), then checked to be
+//! covered exactly and made durable together. No lock is held: local edits go on, and the
+//! batch before this one installs meanwhile.
+
+use super::transfer::{ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
+use crate::chunks;
+use crate::folder::FolderRt;
+use crate::store::{DirCache, StoreError, TempFile};
+use meshfs_protocol::{ChunkResponse, Hash};
+use std::collections::HashMap;
+
+/// Chunks wanted by a batch: each hash's length and where it goes (file index, offset).
+pub(super) type Wanted = HashMap<Hash, (u32, Vec<(usize, u64)>)>;
+
+/// What [`assemble`] leaves for the network.
+pub(super) struct Assembled {
+    /// One temp file per transfer (`None` once skipped).
+    pub(super) temps: Vec<Option<TempFile>>,
+    pub(super) metas: Vec<Meta>,
+    pub(super) missing: Wanted,
+    /// The chunks to ask the peer for.
+    pub(super) wanted: Vec<(Hash, u32)>,
+    pub(super) dirs: DirCache,
+}
+
+/// Step 2 without the network: a temp file for each transfer (files with no chunk here get
+/// theirs now, outside the folder lock), and the chunks the peer attached written into them.
+pub(super) fn assemble(
+    rt: &FolderRt,
+    mut dirs: DirCache,
+    work: Vec<Transfer>,
+    missing: Wanted,
+    mut attached: HashMap<Hash, ChunkResponse>,
+) -> Result<Assembled, ApplyError> {
+    let mut temps: Vec<Option<TempFile>> = Vec::with_capacity(work.len());
+    let mut metas = Vec::with_capacity(work.len());
+    let mut work = work.into_iter();
+    while let Some(t) = work.next() {
+        let Transfer {
+            record,
+            op,
+            source,
+            expect,
+            basis,
+            detail,
+            remote,
+            temp,
+            then,
+            ..
+        } = t;
+        let kept = temps.len() < MAX_OPEN_TEMPS;
+        let made = temp.map_or_else(
+            || rt.store.create_temp_in(&mut dirs, &record.path, kept),
+            Ok,
+        );
+        let mut temp = match made {
+            Ok(t) => t,
+            Err(e) => {
+                let rest = work.filter_map(|t| t.temp);
+                discard_all(rt, temps.into_iter().flatten().chain(rest));
+                return Err(e.into());
+            }
+        };
+        if !kept {
+            rt.store.close_temp(&mut temp);
+        }
+        temps.push(Some(temp));
+        metas.push(Meta {
+            record,
+            op,
+            source,
+            expect,
+            basis,
+            detail,
+            remote,
+            then,
+        });
+    }
+    // Chunks the peer attached to the index need no request; a bad one is asked for.
+    let mut wanted: Vec<(Hash, u32)> = Vec::new();
+    for (h, (len, _)) in &missing {
+        let data = attached.remove(h).and_then(|c| {
+            let data = c.data?;
+            chunks::open_chunk(h, data, c.compressed).ok()
+        });
+        match data {
+            Some(data) if data.len() == *len as usize => {
+                if let Err(e) = write_chunk(&rt.store, &missing, &mut temps, *h, &data) {
+                    discard_all(rt, temps.into_iter().flatten());
+                    return Err(e.into());
+                }
+            }
+            _ => wanted.push((*h, *len)),
+        }
+    }
+    Ok(Assembled {
+        temps,
+        metas,
+        missing,
+        wanted,
+        dirs,
+    })
+}
+
+/// Drops a failed batch's temp files.
+pub(super) fn discard_all(rt: &FolderRt, temps: impl IntoIterator<Item = TempFile>) {
+    for t in temps {
+        rt.store.discard_temp(t);
+    }
+}
+
+/// Writes a verified chunk everywhere a batch wants it.
+pub(super) fn write_chunk(
+    store: &crate::store::Store,
+    missing: &Wanted,
+    temps: &mut [Option<TempFile>],
+    hash: Hash,
+    data: &[u8],
+) -> Result<(), StoreError> {
+    if let Some((_, places)) = missing.get(&hash) {
+        for (i, off) in places {
+            if let Some(Some(t)) = temps.get_mut(*i) {
+                store.write_temp(t, *off, data)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Step 3: checks every file is covered by its verified chunks and makes the batch durable.
+pub(super) fn finish_all(
+    rt: &FolderRt,
+    metas: Vec<Meta>,
+    temps: Vec<Option<TempFile>>,
+) -> Result<Vec<(Meta, TempFile)>, ApplyError> {
+    let mut ready: Vec<(Meta, TempFile)> = Vec::with_capacity(metas.len());
+    for (t, temp) in metas.into_iter().zip(temps) {
+        let Some(mut temp) = temp else { continue };
+        match rt
+            .store
+            .finish_temp(&mut temp, t.record.size, t.record.mode, t.record.mtime_ns)
+        {
+            Ok(()) => ready.push((t, temp)),
+            Err(e) => {
+                let rest = ready.into_iter().map(|(_, t)| t);
+                discard_all(rt, std::iter::once(temp).chain(rest));
+                return Err(e.into());
+            }
+        }
+    }
+    let temps: Vec<&TempFile> = ready.iter().map(|(_, t)| t).collect();
+    rt.store.sync_temps(&temps);
+    Ok(ready)
+}

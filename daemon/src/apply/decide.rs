@@ -1,0 +1,481 @@
+//! Step 1: plan every record of a batch against the journal and do the steps that need no
+//! content (metadata, directories, symlinks, deletions, copies of local losers), journaling
+//! them as they are done. File contents become [`Transfer`]s for step 2.
+
+use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Transfer, MAX_OPEN_TEMPS};
+use crate::folder::{FolderError, FolderRt, Folders};
+use crate::journal::{Change, Journal, LocalStat, StoredRecord};
+use crate::store::{DirCache, Expect, StoreError};
+use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
+use meshfs_sync::plan::{self, Disk, Op, Planned};
+use meshfs_sync::reconcile::{ReadError, ReplicaView, Step};
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// The journal records read while deciding one batch, so that the parent directory shared by a
+/// thousand records is read once, not a thousand times. Lives only inside [`decide_all`] (which
+/// holds the journal), and forgets a path whenever a change to it is committed.
+#[derive(Default)]
+struct Memo(RefCell<HashMap<RelPath, Option<StoredRecord>>>);
+
+impl Memo {
+    fn get(
+        &self,
+        journal: &Journal,
+        folder: &FolderId,
+        path: &RelPath,
+    ) -> Result<Option<StoredRecord>, ReadError> {
+        if let Some(v) = self.0.borrow().get(path) {
+            return Ok(v.clone());
+        }
+        let v = journal.get(folder, path).map_err(ReadError::from_display)?;
+        self.0.borrow_mut().insert(path.clone(), v.clone());
+        Ok(v)
+    }
+
+    /// `change` is decided and done on disk but not committed yet: later reads see it.
+    fn put(&self, change: &Change) {
+        self.0.borrow_mut().insert(
+            change.record.path.clone(),
+            Some(StoredRecord {
+                record: change.record.clone(),
+                local: change.local,
+                source: change.source,
+            }),
+        );
+    }
+}
+
+/// The journal as the planner reads it. A read error fails the plan (and the batch): it is
+/// never taken for "no record here" or "nothing below".
+struct View<'a> {
+    journal: &'a Journal,
+    folder: &'a FolderId,
+    memo: &'a Memo,
+}
+
+impl ReplicaView for View<'_> {
+    fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError> {
+        Ok(self
+            .memo
+            .get(self.journal, self.folder, path)?
+            .map(|s| s.record))
+    }
+    fn has_live_below(&self, dir: &RelPath) -> Result<bool, ReadError> {
+        self.journal
+            .has_live_below(self.folder, dir)
+            .map_err(ReadError::from_display)
+    }
+}
+
+/// What step 1 leaves to do.
+pub(super) struct Decided {
+    /// File contents to assemble.
+    pub transfers: Vec<Transfer>,
+    /// Remote records whose local target changed under us: rescan, then decide again.
+    pub redo: Vec<FileRecord>,
+    /// The directories the temp files were created in, reused to install them.
+    pub dirs: DirCache,
+}
+
+/// Step 1 for a batch, under the folder's lock and holding the journal.
+pub(super) fn decide_all(
+    folders: &Folders,
+    rt: &FolderRt,
+    folder: &FolderId,
+    peer: DeviceId,
+    records: Vec<FileRecord>,
+) -> Result<Decided, ApplyError> {
+    let _guard = rt
+        .op_lock
+        .lock()
+        .map_err(|_| FolderError::Poisoned("folder"))?;
+    let mut journal = folders.journal()?;
+    let mut d = Deciding {
+        journal: &mut journal,
+        rt,
+        folder,
+        peer,
+        memo: Memo::default(),
+        dirs: DirCache::default(),
+        done: Vec::new(),
+        transfers: Vec::new(),
+        redo: Vec::new(),
+    };
+    d.journal.begin_reads();
+    let result = records.into_iter().try_for_each(|r| d.record(r));
+    d.journal.end_reads();
+    // Changes done on disk are committed even when deciding fails.
+    let flushed = match d.done.is_empty() {
+        true => Ok(()),
+        false => d
+            .journal
+            .commit(folder, std::mem::take(&mut d.done))
+            .map(|_| ()),
+    };
+    result?;
+    flushed?;
+    Ok(Decided {
+        transfers: d.transfers,
+        redo: d.redo,
+        dirs: d.dirs,
+    })
+}
+
+/// Whether the rest of a plan goes on after a step.
+enum Flow {
+    Next,
+    Stop,
+}
+
+/// One batch being decided: the journal held, and what the steps done so far left.
+struct Deciding<'a> {
+    journal: &'a mut Journal,
+    rt: &'a FolderRt,
+    folder: &'a FolderId,
+    peer: DeviceId,
+    memo: Memo,
+    dirs: DirCache,
+    /// Changes done on disk, committed together: one transaction per thousand records rather
+    /// than one per record (two devices starting from the same tree exchange every record
+    /// and each becomes a metadata-only change).
+    done: Vec<Change>,
+    transfers: Vec<Transfer>,
+    redo: Vec<FileRecord>,
+}
+
+impl Deciding<'_> {
+    /// Plans one remote record and does its steps.
+    fn record(&mut self, remote: FileRecord) -> Result<(), ApplyError> {
+        // Tombstones come after every live record (children first) and ask SQLite whether
+        // live entries remain below them: commit what this batch did so far first.
+        if (remote.deleted || self.done.len() >= 1000) && !self.done.is_empty() {
+            self.journal
+                .commit(self.folder, std::mem::take(&mut self.done))?;
+        }
+        let local_before = self
+            .memo
+            .get(self.journal, self.folder, &remote.path)?
+            .map(|s| s.record);
+        let view = View {
+            journal: self.journal,
+            folder: self.folder,
+            memo: &self.memo,
+        };
+        let plan = plan::plan(&view, &remote)?;
+        // Objects made without a temp file are journaled pending first: a crash after the
+        // link or symlink is made and before its commit leaves a pending row that start-up
+        // recognises (`recover_pending`), never an object the scan would take for an edit.
+        let made_here: Vec<(FileRecord, Option<DeviceId>)> = plan
+            .steps
+            .iter()
+            .filter(|s| s.pending_first)
+            .map(|s| (s.record().clone(), None))
+            .collect();
+        if !made_here.is_empty() {
+            self.journal.put_pending(self.folder, &made_here)?;
+        }
+        let conflict = plan.conflict.map(|winner_is_local| {
+            conflict_detail(local_before.as_ref(), &remote, winner_is_local)
+        });
+        if let Some(d) = &conflict {
+            tracing::info!(folder = %self.folder, path = %remote.path, detail = %d, "conflict resolved");
+        }
+        // Where each step's transfer went (a later step's change may wait for its install).
+        let mut transfer_of: Vec<Option<usize>> = Vec::with_capacity(plan.steps.len());
+        for planned in plan.steps {
+            let waits = planned
+                .after
+                .and_then(|i| transfer_of.get(i).copied().flatten());
+            transfer_of.push(None);
+            let (change, flow) = match planned.disk {
+                Disk::Content => {
+                    if let Some(i) = self.content(planned, &remote, conflict.clone())? {
+                        if let Some(slot) = transfer_of.last_mut() {
+                            *slot = Some(i);
+                        }
+                    }
+                    (None, Flow::Next)
+                }
+                _ => self.step(planned, &remote, conflict.clone())?,
+            };
+            if let Some(c) = change {
+                self.rt.unskip(&c.record.path);
+                self.rt.invalidator.invalidate(&c.record.path);
+                match waits {
+                    Some(i) => self.transfers[i].then.push(c),
+                    None => {
+                        self.memo.put(&c);
+                        self.done.push(c);
+                    }
+                }
+            }
+            if let Flow::Stop = flow {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The journal's record at `path` (read through the batch's memo).
+    fn stored(&self, path: &RelPath) -> Result<Option<StoredRecord>, ApplyError> {
+        Ok(self.memo.get(self.journal, self.folder, path)?)
+    }
+
+    /// A step whose content comes from chunks: starts its transfer. Returns the transfer's
+    /// index, or `None` when the path is open for writing through the mount (deferred).
+    fn content(
+        &mut self,
+        planned: Planned,
+        remote: &FileRecord,
+        detail: Option<String>,
+    ) -> Result<Option<usize>, ApplyError> {
+        if self.deferred(&planned, remote) {
+            return Ok(None);
+        }
+        let stored = self.stored(&planned.record().path)?;
+        let source = planned.from_peer.then_some(self.peer);
+        let keep_open = self.transfers.len() < MAX_OPEN_TEMPS;
+        let record = planned.record().clone();
+        let t = prepare(
+            self.journal,
+            self.rt,
+            self.folder,
+            record,
+            planned.op,
+            source,
+            seen_of(stored.as_ref()),
+            detail,
+            remote.clone(),
+            keep_open,
+            &mut self.dirs,
+        )?;
+        self.transfers.push(t);
+        Ok(Some(self.transfers.len() - 1))
+    }
+
+    /// A remote version of a path open for writing through the mount is never replaced,
+    /// renamed away or deleted under its writer. The rest of the batch goes on; the path is
+    /// decided again after the last writing handle is released (`Engine::apply_deferred`).
+    fn deferred(&self, planned: &Planned, remote: &FileRecord) -> bool {
+        let path = &planned.record().path;
+        if !matches!(planned.step, Step::ApplyRemote { .. }) || !self.rt.writers.has_writer(path) {
+            return false;
+        }
+        tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
+        self.rt.defer(remote.clone(), self.peer);
+        true
+    }
+
+    /// A step without content: does its disk work and returns its journal change.
+    fn step(
+        &mut self,
+        planned: Planned,
+        remote: &FileRecord,
+        conflict: Option<String>,
+    ) -> Result<(Option<Change>, Flow), ApplyError> {
+        if self.deferred(&planned, remote) {
+            return Ok((None, Flow::Next));
+        }
+        let stored = self.stored(&planned.record().path)?;
+        let (expect, _) = seen_of(stored.as_ref());
+        let prev_local = stored.as_ref().and_then(|s| s.local);
+        let Planned {
+            step,
+            disk,
+            op,
+            from_peer,
+            ..
+        } = planned;
+        let source = from_peer.then_some(self.peer);
+        let store = &self.rt.store;
+        match step {
+            Step::UpdateLocal { record } => {
+                // The local content stays; only its metadata may change on disk, and a failure
+                // there is left to the next scan.
+                let mut local = prev_local;
+                if let Disk::SetMeta { mtime, .. } = disk {
+                    let mtime = mtime.then_some(record.mtime_ns);
+                    match store.set_meta(&record.path, record.mode, mtime, expect) {
+                        Ok(l) => local = Some(l),
+                        Err(e) => {
+                            tracing::warn!(path = %record.path, error = %e, "cannot set metadata; the next scan will reconcile it")
+                        }
+                    }
+                }
+                let change = Change {
+                    record,
+                    op,
+                    local,
+                    source: None,
+                    detail: conflict,
+                };
+                Ok((Some(change), Flow::Next))
+            }
+            Step::ReviveDir { record } => match store.make_dir(&record.path, record.mode) {
+                Ok(local) => Ok((
+                    Some(Change {
+                        record,
+                        op,
+                        local: Some(local),
+                        source: None,
+                        detail: Some("directory kept: a live entry below it".into()),
+                    }),
+                    Flow::Next,
+                )),
+                Err(e) => {
+                    skip_or_fail(self.rt, remote, e)?;
+                    Ok((None, Flow::Stop))
+                }
+            },
+            Step::PreserveLocal { from, record } => {
+                let expect = match self.stored(&from)?.and_then(|s| s.local) {
+                    Some(l) => Expect::Matches(l),
+                    None => Expect::Anything,
+                };
+                let made = store.preserve_as(&from, &record.path, expect);
+                let detail = conflict.or(Some(format!("conflict copy of {from}")));
+                self.made(made, record, op, detail, remote)
+            }
+            Step::PreserveRemote { record } => {
+                // A losing symlink (or directory) is made as what it is: only a regular
+                // file's content is assembled from chunks.
+                let made = match record.kind {
+                    FileKind::Symlink => {
+                        store.make_symlink(&record.path, &record.target, record.mtime_ns, expect)
+                    }
+                    _ => store.make_dir(&record.path, record.mode),
+                };
+                self.made(made, record, op, conflict, remote)
+            }
+            Step::ApplyRemote { record } => {
+                let result: Result<Option<LocalStat>, StoreError> = match disk {
+                    Disk::Nothing => Ok(None),
+                    Disk::RemoveDir => store.remove_dir(&record.path).map(|_| None),
+                    Disk::RemoveFile => store.remove_file(&record.path, expect).map(|_| None),
+                    Disk::MakeDir { replace_file } => {
+                        let cleared = match replace_file {
+                            true => store.remove_file(&record.path, expect),
+                            false => Ok(()),
+                        };
+                        cleared
+                            .and_then(|_| store.make_dir(&record.path, record.mode))
+                            .map(Some)
+                    }
+                    Disk::MakeSymlink => store
+                        .make_symlink(&record.path, &record.target, record.mtime_ns, expect)
+                        .map(Some),
+                    Disk::SetMeta { mtime, .. } => store
+                        .set_meta(
+                            &record.path,
+                            record.mode,
+                            mtime.then_some(record.mtime_ns),
+                            expect,
+                        )
+                        .map(Some),
+                    Disk::Content | Disk::CopyLocal { .. } => {
+                        unreachable!("the plan gives a remote version content or metadata")
+                    }
+                };
+                if let Ok(local) = &result {
+                    if record.kind != FileKind::Dir {
+                        self.rt.echoes.expect(record.path.clone(), *local);
+                    }
+                }
+                match result {
+                    Ok(local) => Ok((
+                        Some(Change {
+                            record,
+                            op,
+                            local,
+                            source,
+                            detail: conflict,
+                        }),
+                        Flow::Next,
+                    )),
+                    Err(StoreError::NotEmpty(p)) => {
+                        tracing::info!(path = %p, "directory still holds untracked entries; kept on disk");
+                        Ok((
+                            Some(Change {
+                                record,
+                                op,
+                                local: None,
+                                source,
+                                detail: Some(
+                                    "directory kept on disk: untracked entries inside".into(),
+                                ),
+                            }),
+                            Flow::Next,
+                        ))
+                    }
+                    Err(StoreError::Changed(p)) => {
+                        tracing::debug!(path = %p, "changed under apply; rescanning and deciding again");
+                        self.redo.push(remote.clone());
+                        Ok((None, Flow::Next))
+                    }
+                    Err(e) => {
+                        skip_or_fail(self.rt, remote, e)?;
+                        Ok((None, Flow::Stop))
+                    }
+                }
+            }
+        }
+    }
+
+    /// The journal change of a kept copy just made (or why the plan stops here).
+    fn made(
+        &mut self,
+        made: Result<LocalStat, StoreError>,
+        record: FileRecord,
+        op: Op,
+        detail: Option<String>,
+        remote: &FileRecord,
+    ) -> Result<(Option<Change>, Flow), ApplyError> {
+        match made {
+            Ok(local) => Ok((
+                Some(Change {
+                    record,
+                    op,
+                    local: Some(local),
+                    source: None,
+                    detail,
+                }),
+                Flow::Next,
+            )),
+            Err(StoreError::Changed(_)) => {
+                // The local file changed since it was scanned: capture that edit, then decide
+                // again.
+                self.redo.push(remote.clone());
+                Ok((None, Flow::Stop))
+            }
+            Err(e) => {
+                skip_or_fail(self.rt, remote, e)?;
+                Ok((None, Flow::Stop))
+            }
+        }
+    }
+}
+
+/// The journal's detail of a resolved conflict (shown by `meshfs journal`).
+fn conflict_detail(
+    local: Option<&FileRecord>,
+    remote: &FileRecord,
+    winner_is_local: bool,
+) -> String {
+    let side = |r: &FileRecord| {
+        serde_json::json!({
+            "modified_by": r.modified_by.display7(),
+            "mtime_ns": r.mtime_ns,
+            "size": r.size,
+            "hash": r.hash.to_string(),
+            "deleted": r.deleted,
+            "version": r.version.to_string(),
+        })
+    };
+    serde_json::json!({
+        "winner": if winner_is_local { "local" } else { "remote" },
+        "local": local.map(side),
+        "remote": side(remote),
+    })
+    .to_string()
+}

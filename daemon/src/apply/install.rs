@@ -1,0 +1,150 @@
+//! Steps 4–6: under the folder's lock, journal the assembled versions as pending, rename
+//! each temp file over a target that still holds what the journal expects, fsync the touched
+//! directories once, and commit. And the start-up half: completing installs a crash
+//! interrupted ([`recover_pending`]).
+
+use super::transfer::{seen_of, skip_or_fail, ApplyError, Meta};
+use crate::folder::{FolderError, FolderRt, Folders};
+use crate::journal::{Change, Journal, LocalStat, Op};
+use crate::store::{DirCache, Expect, StoreError, TempFile};
+use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId};
+
+pub(super) fn install(
+    folders: &Folders,
+    rt: &FolderRt,
+    folder: &FolderId,
+    dirs: &mut DirCache,
+    ready: Vec<(Meta, TempFile)>,
+) -> Result<Vec<FileRecord>, ApplyError> {
+    let _guard = rt
+        .op_lock
+        .lock()
+        .map_err(|_| FolderError::Poisoned("folder"))?;
+    let mut journal = folders.journal()?;
+    let t0 = std::time::Instant::now();
+    let pending: Vec<(FileRecord, Option<DeviceId>)> = ready
+        .iter()
+        .map(|(t, _)| (t.record.clone(), t.source))
+        .collect();
+    journal.put_pending(folder, &pending)?;
+    let pending_at = t0.elapsed();
+    // Re-read expectations now that the lock is held again: a scan may have run meanwhile. An
+    // expectation that moved is turned into one no file can meet, so that path is redone.
+    journal.begin_reads();
+    let (meta, batch): (Vec<Meta>, Vec<(TempFile, Expect)>) = ready
+        .into_iter()
+        .map(|(t, temp)| {
+            let stored = journal.get(folder, &t.record.path).ok().flatten();
+            let (expect, basis) = seen_of(stored.as_ref());
+            let same = expect == t.expect && basis == t.basis;
+            // A file open for writing through the mount is never replaced under its writer:
+            // the remote version waits (it is decided again after the writer's release).
+            let e = if same && !rt.writers.has_writer(&t.record.path) {
+                t.expect
+            } else {
+                Expect::Matches(LocalStat {
+                    inode: u64::MAX,
+                    ..Default::default()
+                })
+            };
+            (t, (temp, e))
+        })
+        .unzip();
+    journal.end_reads();
+    // The links and directory syncs need the folder lock, not the journal: others (a
+    // session acknowledging, reading its next batch, `status`) use it meanwhile.
+    drop(journal);
+    let reread_at = t0.elapsed();
+    // The watcher's event for a file can come as soon as it is in place: its echo is
+    // expected from then on, not after the whole batch (else the event, seen first, is
+    // rescanned, waiting for this lock).
+    let results = rt.store.install_synced_in(dirs, batch, &|path, local| {
+        rt.echoes.expect(path.clone(), Some(*local))
+    });
+    let renamed_at = t0.elapsed();
+    let mut journal = folders.journal()?;
+    let mut changes = Vec::new();
+    let mut redo = Vec::new();
+    let mut cleared = Vec::new();
+    for (t, r) in meta.into_iter().zip(results) {
+        match r {
+            Ok(local) => {
+                rt.unskip(&t.record.path);
+                rt.invalidator.invalidate(&t.record.path);
+                changes.push(Change {
+                    record: t.record,
+                    op: t.op,
+                    local: Some(local),
+                    source: t.source,
+                    detail: t.detail,
+                });
+                changes.extend(t.then);
+            }
+            Err(StoreError::Changed(_)) => {
+                cleared.push(t.record.path.clone());
+                redo.push(t.remote);
+            }
+            Err(e) => {
+                cleared.push(t.record.path.clone());
+                skip_or_fail(rt, &t.remote, e)?;
+            }
+        }
+    }
+    journal.clear_pending(folder, &cleared)?;
+    let files = changes.len();
+    journal.commit(folder, changes)?;
+    if files >= 100 {
+        tracing::debug!(%folder, files, pending_ms = pending_at.as_millis() as u64,
+            reread_ms = (reread_at - pending_at).as_millis() as u64,
+            rename_ms = (renamed_at - reread_at).as_millis() as u64,
+            commit_ms = (t0.elapsed() - renamed_at).as_millis() as u64, "batch installed");
+    }
+    Ok(redo)
+}
+
+/// Completes applies interrupted between steps 4 and 6: a file that already holds the pending
+/// content becomes that remote version; any other pending row is dropped (the peer sends the
+/// record again, since it was never acknowledged).
+pub fn recover_pending(
+    journal: &mut Journal,
+    rt: &FolderRt,
+    folder: &FolderId,
+) -> Result<usize, ApplyError> {
+    let pending = journal.pending(folder)?;
+    let mut done = Vec::new();
+    let mut dropped = Vec::new();
+    for (record, source) in pending {
+        let ok = match rt.store.stat(&record.path) {
+            Ok(Some(st)) if record.deleted || st.kind != Some(record.kind) => None,
+            Ok(Some(st)) if record.kind == FileKind::Dir => Some(st.local),
+            Ok(Some(st)) if record.kind == FileKind::Symlink => rt
+                .store
+                .read_link(&record.path)
+                .ok()
+                .filter(|t| *t == record.target)
+                .map(|_| st.local),
+            Ok(Some(st)) if st.local.size == record.size => rt
+                .store
+                .open_file(&record.path)
+                .ok()
+                .and_then(|f| crate::chunker::chunk_file(f, record.size).ok())
+                .filter(|c| c.hash == record.hash)
+                .map(|_| st.local),
+            _ => None,
+        };
+        match ok {
+            Some(local) => done.push(Change {
+                op: Op::Modify,
+                local: Some(local),
+                source,
+                detail: Some("completed after restart".into()),
+                record,
+            }),
+            None => dropped.push(record.path),
+        }
+    }
+    let n = done.len();
+    journal.clear_pending(folder, &dropped)?;
+    journal.commit(folder, done)?;
+    Ok(n)
+}

@@ -1,0 +1,530 @@
+//! Chunks between peers: serving a peer's chunk requests from this device's files, fetching
+//! the chunks a batch needs from a peer (many requests in flight, each chunk verified by its
+//! hash and length), and attaching small new files' content to the index batch that
+//! announces them. zstd where it pays ([`Packer`]).
+//!
+//! **Architecture invariant:** a chunk is written nowhere before its hash and length are
+//! checked ([`open_chunk`]); a request is served only for a folder shared with the requester,
+//! checked on every request.
+
+use crate::folder::Folders;
+use crate::journal::Op;
+use crate::store::{DirCache, StoreError};
+use crate::transport;
+use meshfs_protocol::{
+    ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileKind, FileRecord, FolderId, Hash,
+    IndexBatch, Message,
+};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Most hashes in one chunk request.
+const REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
+/// Most bytes asked for in one chunk request.
+const REQUEST_BYTES: u64 = 4 << 20;
+/// Chunk requests in flight per fetch.
+const REQUESTS_IN_FLIGHT: usize = 24;
+
+/// Chunk requests served to one peer at once (each holds a blocking reader thread).
+pub(crate) const SERVED_AT_ONCE: usize = 32;
+/// Most hashes a peer may ask for in one chunk request (the decoder refuses more already).
+const MAX_REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
+/// How long one response may wait for the requester to take it.
+const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Largest file whose content rides inside the index batch that announces it.
+pub const INLINE_FILE_BYTES: u64 = 64 << 10;
+/// Most inline bytes (as sent, after compression) in one index batch: with the records'
+/// 2 MiB this stays well under the frame limit.
+pub const INLINE_BATCH_BYTES: usize = 8 << 20;
+
+/// Why fetching chunks from a peer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    /// The connection or a stream failed (the peer went away, the network broke).
+    #[error("chunk transfer failed: {0}")]
+    Link(String),
+    /// The peer answered a request with an error.
+    #[error("the peer refused a chunk request: {0}")]
+    Refused(String),
+    /// The peer broke the protocol: an answer out of order, a chunk that fails its hash or
+    /// its length (a faulty or hostile peer).
+    #[error("the peer sent a bad chunk response: {0}")]
+    Protocol(String),
+    /// A verified chunk could not be written here.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Why serving a peer's chunk request stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The stream failed or the requester stopped reading.
+    #[error("chunk request stream failed: {0}")]
+    Link(String),
+    /// The request was refused (not shared, too many hashes, not a request).
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
+/// Answers one chunk request stream, checking on every request that the folder is shared with
+/// the requester.
+/// `shared`: the folders shared with `peer` now.
+pub async fn serve_request(
+    folders: &Arc<Folders>,
+    peer: DeviceId,
+    shared: &[FolderId],
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+) -> Result<(), ServeError> {
+    let req = match transport::read_message(&mut recv)
+        .await
+        .map_err(|e| ServeError::Link(e.to_string()))?
+    {
+        Some(Message::Request(r)) => r,
+        Some(_) | None => {
+            let _ = transport::write_message(
+                &mut send,
+                &Message::Error {
+                    code: ErrorCode::BadFrame,
+                    message: "expected a chunk request".into(),
+                },
+            )
+            .await;
+            return Err(ServeError::Refused(
+                "request stream without a request".into(),
+            ));
+        }
+    };
+    if !shared.contains(&req.folder) {
+        let _ = transport::write_message(
+            &mut send,
+            &Message::Error {
+                code: ErrorCode::NotShared,
+                message: format!("folder {} is not shared with you", req.folder),
+            },
+        )
+        .await;
+        return Err(ServeError::Refused(format!(
+            "peer {} asked for unshared folder {}",
+            peer.short(),
+            req.folder
+        )));
+    }
+    let Some(rt) = folders.get(&req.folder) else {
+        return Err(ServeError::Refused(format!(
+            "folder {} not running",
+            req.folder
+        )));
+    };
+    if req.hashes.len() > MAX_REQUEST_HASHES {
+        let _ = transport::write_message(
+            &mut send,
+            &Message::Error {
+                code: ErrorCode::BadFrame,
+                message: format!(
+                    "{} hashes in one request; at most {MAX_REQUEST_HASHES}",
+                    req.hashes.len()
+                ),
+            },
+        )
+        .await;
+        return Err(ServeError::Refused(format!(
+            "peer {} asked for {} chunks in one request",
+            peer.short(),
+            req.hashes.len()
+        )));
+    }
+    // Reading is blocking work (journal, files, zstd): a blocking thread reads the chunks in
+    // order and hands each response to this task, at most a few ahead of the stream.
+    let (tx, mut rx) = mpsc::channel::<ChunkResponse>(4);
+    let folder = req.folder.clone();
+    let folders = folders.clone();
+    let reader = tokio::task::spawn_blocking(move || {
+        let journal = &folders.journal;
+        let mut dirs = DirCache::default();
+        let mut packer = Packer::default();
+        for hash in req.hashes {
+            let locs = journal
+                .lock()
+                .ok()
+                .and_then(|j| j.find_chunk(&folder, &hash).ok())
+                .unwrap_or_default();
+            let data = locs.into_iter().find_map(|l| {
+                rt.store
+                    .read_chunk_in(&mut dirs, &l.path, l.offset, l.len, &hash)
+                    .ok()
+            });
+            let resp = match data {
+                Some(d) => {
+                    let (data, compressed) = packer.pack(d);
+                    ChunkResponse {
+                        hash,
+                        data: Some(data),
+                        compressed,
+                    }
+                }
+                None => ChunkResponse {
+                    hash,
+                    data: None,
+                    compressed: false,
+                },
+            };
+            if tx.blocking_send(resp).is_err() {
+                return;
+            }
+        }
+    });
+    while let Some(resp) = rx.recv().await {
+        // A requester that stops reading frees its reader after a while (dropping `rx`
+        // ends the blocking thread's sends).
+        tokio::time::timeout(
+            RESPONSE_WRITE_TIMEOUT,
+            transport::write_message(&mut send, &Message::Response(resp)),
+        )
+        .await
+        .map_err(|_| ServeError::Link("the requester stopped reading".into()))?
+        .map_err(|e| ServeError::Link(e.to_string()))?;
+    }
+    reader.await.map_err(|e| ServeError::Link(e.to_string()))?;
+    let _ = send.finish();
+    Ok(())
+}
+
+/// One fetched chunk (or its absence), or why the request failed.
+type FetchItem = Result<(Hash, Option<Vec<u8>>), FetchError>;
+
+/// zstd when it saves at least an eighth; raw otherwise. A chunk over 16 KiB is first judged
+/// by compressing 4 KiB from its middle: zstd gives up on incompressible input without
+/// finding matches, but it still reads, histograms and copies every block, which was a tenth
+/// of a sending daemon's CPU on already-compressed data (`perf`, 1.9 GB of mixed files).
+/// Compression over one stream of chunks (a batch's inline contents, a request's responses)
+/// that stops trying where it does not pay: after [`Packer::GIVE_UP`] chunks in a row that
+/// zstd could not shrink (a tree of photos, archives, random data), only every
+/// [`Packer::PROBE`]th chunk is tried, and one that pays turns it back on. For 4 KiB files zstd
+/// cost a fifth of a sending daemon's CPU, to find out there was nothing to save.
+#[derive(Default)]
+pub(crate) struct Packer {
+    misses: u32,
+    skipped: u32,
+}
+
+impl Packer {
+    const GIVE_UP: u32 = 8;
+    const PROBE: u32 = 16;
+
+    pub(crate) fn pack(&mut self, d: Vec<u8>) -> (Vec<u8>, bool) {
+        if self.misses >= Self::GIVE_UP && self.skipped + 1 < Self::PROBE {
+            self.skipped += 1;
+            return (d, false);
+        }
+        self.skipped = 0;
+        let (out, packed) = compress(d);
+        if packed {
+            self.misses = 0;
+        } else {
+            self.misses += 1;
+        }
+        (out, packed)
+    }
+}
+
+fn compress(d: Vec<u8>) -> (Vec<u8>, bool) {
+    thread_local! {
+        // A compression context per thread: creating one per chunk cost more than
+        // compressing a 4 KiB chunk.
+        static ZSTD: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
+            std::cell::RefCell::new(zstd::bulk::Compressor::new(1).ok());
+    }
+    const SAMPLE: usize = 4096;
+    let pays = |data: &[u8], need: usize| {
+        ZSTD.with(|z| {
+            let mut z = z.borrow_mut();
+            let c = z.as_mut()?.compress(data).ok()?;
+            (c.len() + need <= data.len()).then_some(c)
+        })
+    };
+    if d.len() > 4 * SAMPLE {
+        let mid = d.len() / 2 - SAMPLE / 2;
+        // The sample must save a sixteenth: looser than the whole chunk's eighth, so a chunk
+        // that would just pay is not turned away by its sample.
+        if pays(&d[mid..mid + SAMPLE], SAMPLE / 16).is_none() {
+            return (d, false);
+        }
+    }
+    if d.len() >= 512 {
+        if let Some(c) = pays(&d, d.len() / 8) {
+            return (c, true);
+        }
+    }
+    (d, false)
+}
+
+/// A chunk as it came from a peer (`compressed`: a zstd frame), decompressed and verified
+/// against `hash`.
+pub(crate) fn open_chunk(
+    hash: &Hash,
+    data: Vec<u8>,
+    compressed: bool,
+) -> Result<Vec<u8>, FetchError> {
+    let data = if compressed {
+        zstd::bulk::decompress(&data, meshfs_protocol::MAX_CHUNK_LEN as usize)
+            .map_err(|e| FetchError::Protocol(format!("bad zstd chunk: {e}")))?
+    } else {
+        data
+    };
+    if &Hash::of(&data) != hash {
+        return Err(FetchError::Protocol(format!(
+            "chunk {} failed verification",
+            hash.short()
+        )));
+    }
+    Ok(data)
+}
+
+/// Fetches chunks of `folder` from `conn`, many requests in flight; calls `sink` with each
+/// verified chunk. Returns the hashes the peer did not have.
+pub async fn fetch(
+    conn: &quinn::Connection,
+    folder: &FolderId,
+    wanted: Vec<(Hash, u32)>,
+    sink: &mut (dyn FnMut(Hash, Vec<u8>) -> Result<(), StoreError> + Send),
+) -> Result<Vec<Hash>, FetchError> {
+    let mut groups: Vec<Vec<(Hash, u32)>> = Vec::new();
+    let mut cur: Vec<(Hash, u32)> = Vec::new();
+    let mut bytes = 0u64;
+    for (h, len) in wanted {
+        if !cur.is_empty() && (cur.len() >= REQUEST_HASHES || bytes + len as u64 > REQUEST_BYTES) {
+            groups.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+        bytes += len as u64;
+        cur.push((h, len));
+    }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    let (tx, mut rx) = mpsc::channel::<FetchItem>(256);
+    let sem = Arc::new(tokio::sync::Semaphore::new(REQUESTS_IN_FLIGHT));
+    for g in groups {
+        let conn = conn.clone();
+        let folder = folder.clone();
+        let tx = tx.clone();
+        let sem = sem.clone();
+        tokio::spawn(async move {
+            let Ok(_permit) = sem.acquire_owned().await else {
+                return;
+            };
+            if let Err(e) = request_group(&conn, folder, g, &tx).await {
+                let _ = tx.send(Err(e)).await;
+            }
+        });
+    }
+    drop(tx);
+    let mut missing = Vec::new();
+    while let Some(item) = rx.recv().await {
+        let (hash, data) = item?;
+        match data {
+            Some(d) => sink(hash, d)?,
+            None => missing.push(hash),
+        }
+    }
+    Ok(missing)
+}
+
+async fn request_group(
+    conn: &quinn::Connection,
+    folder: FolderId,
+    wanted: Vec<(Hash, u32)>,
+    tx: &mpsc::Sender<FetchItem>,
+) -> Result<(), FetchError> {
+    let link = |e: &dyn std::fmt::Display| FetchError::Link(e.to_string());
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| link(&e))?;
+    let hashes: Vec<Hash> = wanted.iter().map(|w| w.0).collect();
+    let n = hashes.len();
+    transport::write_message(
+        &mut send,
+        &Message::Request(ChunkRequest {
+            folder,
+            hashes: hashes.clone(),
+        }),
+    )
+    .await
+    .map_err(|e| link(&e))?;
+    let _ = send.finish();
+    for (want, want_len) in wanted.iter().take(n) {
+        let msg = transport::read_message(&mut recv)
+            .await
+            .map_err(|e| link(&e))?;
+        let resp = match msg {
+            Some(Message::Response(r)) => r,
+            Some(Message::Error { message, .. }) => return Err(FetchError::Refused(message)),
+            Some(_) => {
+                return Err(FetchError::Protocol(
+                    "a message other than a response on a chunk stream".into(),
+                ))
+            }
+            None => return Err(FetchError::Link("chunk stream ended early".into())),
+        };
+        if &resp.hash != want {
+            return Err(FetchError::Protocol("chunk responses out of order".into()));
+        }
+        let data = match resp.data {
+            Some(d) => Some(open_chunk(&resp.hash, d, resp.compressed)?),
+            None => None,
+        };
+        // The hash proves the bytes; the record's chunk list also states their length, and a
+        // chunk of another length would shift every byte after it in the file.
+        if let Some(d) = &data {
+            if d.len() != *want_len as usize {
+                return Err(FetchError::Protocol(format!(
+                    "chunk {} is {} bytes where its record says {want_len}",
+                    want.short(),
+                    d.len()
+                )));
+            }
+        }
+        if tx.send(Ok((resp.hash, data))).await.is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Attaches to `batch` the content of its small files journaled after sequence `after`: files
+/// of one chunk whose hash is the file's, up to [`INLINE_FILE_BYTES`] each and
+/// [`INLINE_BATCH_BYTES`] in all, compressed as in responses, if journaled as a creation or a
+/// modification.
+/// Read as of now: a file changed since it was journaled fails its hash and is left out (the
+/// receiver asks, as for any chunk).
+pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, after: u64) {
+    let Some(rt) = folders.get(&batch.folder) else {
+        return;
+    };
+    let candidates: Vec<&FileRecord> = batch
+        .records
+        .iter()
+        .filter(|r| {
+            r.sequence > after
+                && !r.deleted
+                && r.kind == FileKind::File
+                && r.size <= INLINE_FILE_BYTES
+                && r.chunks.len() == 1
+        })
+        .collect();
+    if candidates.is_empty() {
+        return;
+    }
+    let sequences: Vec<u64> = candidates.iter().map(|r| r.sequence).collect();
+    // Only content that is new at its path: a rename's content is on the peer under the old
+    // name, a metadata change or a resolution (e.g. two devices that scanned the same tree
+    // merging their versions) keeps content the peer sent or has. No history left (pruned):
+    // an old file, attached like a creation.
+    let ops = match folders.journal.lock() {
+        Ok(j) => j.ops_of(&batch.folder, &sequences).unwrap_or_default(),
+        Err(_) => return,
+    };
+    let mut dirs = DirCache::default();
+    let mut seen = HashSet::new();
+    let mut bytes = 0usize;
+    let mut packer = Packer::default();
+    for r in candidates {
+        let fresh = ops
+            .get(&r.sequence)
+            .is_none_or(|op| matches!(op, Op::Create | Op::Modify));
+        if !fresh || !seen.insert(r.hash) {
+            continue;
+        }
+        let Ok(d) = rt
+            .store
+            .read_chunk_in(&mut dirs, &r.path, 0, r.size as u32, &r.hash)
+        else {
+            continue;
+        };
+        let (data, compressed) = packer.pack(d);
+        bytes += data.len();
+        if bytes > INLINE_BATCH_BYTES {
+            break;
+        }
+        batch.inline.push(ChunkResponse {
+            hash: r.hash,
+            data: Some(data),
+            compressed,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn noise(n: usize) -> Vec<u8> {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_stream_of_incompressible_chunks_stops_trying_until_one_pays() {
+        let text = b"meshfs keeps a folder identical on every device. ".repeat(100);
+        let mut p = Packer::default();
+        let packed: Vec<bool> = (0..64).map(|_| p.pack(noise(4096)).1).collect();
+        assert!(!packed.iter().any(|&b| b));
+        assert_eq!(
+            p.misses,
+            Packer::GIVE_UP + 56 / Packer::PROBE,
+            "tried only every 16th"
+        );
+        // Compressible content again: found at the next probe, then every chunk is tried.
+        let mut first = None;
+        for i in 0..Packer::PROBE {
+            let (sent, packed) = p.pack(text.clone());
+            if packed {
+                assert_eq!(open_chunk(&Hash::of(&text), sent, true).unwrap(), text);
+                first = Some(i);
+                break;
+            }
+        }
+        assert!(first.is_some(), "a probe within 16 chunks");
+        assert!((0..4).all(|_| p.pack(text.clone()).1));
+    }
+
+    #[test]
+    fn compression_is_used_only_where_it_pays_and_round_trips() {
+        let text: Vec<u8> = b"meshfs keeps a folder identical on every device. "
+            .iter()
+            .copied()
+            .cycle()
+            .take(1 << 20)
+            .collect();
+        for (data, want_packed) in [
+            (text.clone(), true),
+            (text[..4096].to_vec(), true),
+            (noise(1 << 20), false),
+            (noise(4096), false),
+            (b"tiny".to_vec(), false),
+        ] {
+            let hash = Hash::of(&data);
+            let (sent, packed) = compress(data.clone());
+            assert_eq!(packed, want_packed, "{} bytes", data.len());
+            assert_eq!(open_chunk(&hash, sent, packed).unwrap(), data);
+        }
+    }
+
+    #[test]
+    fn an_attached_chunk_that_does_not_match_its_hash_is_refused() {
+        let data = b"the real content".to_vec();
+        let hash = Hash::of(&data);
+        assert!(open_chunk(&hash, b"something else".to_vec(), false).is_err());
+        assert!(open_chunk(&hash, b"not zstd".to_vec(), true).is_err());
+        assert_eq!(open_chunk(&hash, data.clone(), false).unwrap(), data);
+    }
+}

@@ -1,0 +1,397 @@
+//! The folder runtime: what one running folder is (its store, capture channel, mount slot,
+//! deferred and skipped remote versions) and [`Folders`], the journal handle with every
+//! running folder — the narrow API that both drivers of a folder use. The peers apply
+//! batches, serve chunks and read the index through it; the mount reports local changes
+//! into a folder's capture channel and takes invalidations from its slot.
+//!
+//! **Architecture invariant:** nothing here knows of peers, sessions or the engine. A scan
+//! runs on a blocking thread under the folder's lock, never on an async worker.
+
+use crate::capture::CaptureMsg;
+use crate::ignore::IgnoreRules;
+use crate::journal::{Change, Journal, JournalError};
+use crate::scanner::{self, ScanError, ScanTarget};
+use crate::store::Store;
+use meshfs_protocol::{DeviceId, FileRecord, FolderId, RelPath, ShortId};
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
+use tokio::sync::{broadcast, mpsc};
+
+/// Records committed per journal transaction by a scan.
+const SCAN_COMMIT_BATCH: usize = 4096;
+
+/// Why a folder operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FolderError {
+    /// No such folder runs on this device.
+    #[error("folder {0} is not running here")]
+    NotRunning(FolderId),
+    /// The journal failed (its disk is full, it is damaged…).
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    /// A scan failed.
+    #[error(transparent)]
+    Scan(#[from] ScanError),
+    /// A thread panicked while holding this lock.
+    #[error("the {0} lock is poisoned: a thread panicked holding it")]
+    Poisoned(&'static str),
+    /// The blocking task running the work failed.
+    #[error("a blocking task failed: {0}")]
+    Task(String),
+}
+
+impl FolderError {
+    /// The disk holding the journal is full: the folder waits for room instead of failing.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(
+            self,
+            FolderError::Journal(JournalError::DiskFull { .. })
+                | FolderError::Scan(ScanError::Journal(JournalError::DiskFull { .. }))
+                | FolderError::Scan(ScanError::Commit(JournalError::DiskFull { .. }))
+        )
+    }
+}
+
+/// A running folder.
+pub struct FolderRt {
+    /// The folder id.
+    pub id: FolderId,
+    /// The replica store.
+    pub store: Store,
+    /// `.meshignore` rules (reloaded when the file changes).
+    pub ignore: RwLock<IgnoreRules>,
+    /// Serializes capture and apply on this folder, so the engine never captures its own
+    /// applies as local edits and never applies over an edit it has not captured.
+    pub op_lock: Mutex<()>,
+    /// Feeds the capture loop (the watcher and, later, the FUSE layer send here).
+    pub capture: mpsc::UnboundedSender<CaptureMsg>,
+    /// Paths waiting in the capture loop.
+    pub capture_pending: std::sync::atomic::AtomicUsize,
+    /// The folder's first scan is still running (the folder is not in sync meanwhile).
+    pub scanning: std::sync::atomic::AtomicBool,
+    /// Notified when the first scan has walked the tree and found more than a slice of files
+    /// to hash: starting the folder stops waiting for the scan to end.
+    pub scan_is_long: tokio::sync::Notify,
+    /// Which paths are open for writing through a mount (never replaced under their writer).
+    pub writers: Arc<dyn meshfs_fuse::WriterRegistry>,
+    /// Invalidates a mount's kernel caches after the engine changed a path.
+    pub invalidator: Arc<dyn meshfs_fuse::Invalidator>,
+    /// The folder's mount while it has one (both of the above forward to it).
+    pub mount_slot: Arc<crate::mounts::MountSlot>,
+    /// The running mount, if any.
+    pub(crate) mount: Mutex<Option<meshfs_fuse::Mount>>,
+    /// Remote versions waiting for a path's writer through the mount to let go, with the
+    /// peer each came from (the newest per path).
+    pub(crate) deferred: Mutex<HashMap<RelPath, (FileRecord, DeviceId)>>,
+    /// Why receiving into this folder is stopped (the disk is full), if it is.
+    pub(crate) blocked: Mutex<Option<String>>,
+    /// Remote versions that cannot be applied here, by path, with the error: skipped so the
+    /// rest of the folder keeps syncing, until a later version of the path applies.
+    pub(crate) skipped: Mutex<std::collections::BTreeMap<RelPath, String>>,
+    /// What apply just did to paths, so the watcher's events for it are not rescanned.
+    pub echoes: crate::capture::Echoes,
+    pub(crate) watcher: Mutex<Option<notify::RecommendedWatcher>>,
+}
+
+impl FolderRt {
+    /// Holds `remote` (from `peer`) until `remote.path` has no writer through the mount.
+    pub fn defer(&self, remote: FileRecord, peer: DeviceId) {
+        if let Ok(mut d) = self.deferred.lock() {
+            d.insert(remote.path.clone(), (remote, peer));
+        }
+    }
+
+    /// Receiving stopped for `reason` (the disk is full). Returns whether it was not already
+    /// stopped, so the caller tells the user once, not per batch.
+    pub fn block(&self, reason: String) -> bool {
+        self.blocked
+            .lock()
+            .map(|mut b| b.replace(reason).is_none())
+            .unwrap_or(false)
+    }
+
+    /// Receiving works again. Returns whether it had been stopped.
+    pub fn unblock(&self) -> bool {
+        self.blocked
+            .lock()
+            .map(|mut b| b.take().is_some())
+            .unwrap_or(false)
+    }
+
+    /// Why receiving is stopped, if it is.
+    pub fn blocked(&self) -> Option<String> {
+        self.blocked.lock().ok().and_then(|b| b.clone())
+    }
+
+    /// Records that a remote version of `path` cannot be applied. Returns whether this is new
+    /// (so the log says it once).
+    pub fn skip(&self, path: RelPath, error: String) -> bool {
+        self.skipped
+            .lock()
+            .map(|mut s| s.insert(path, error).is_none())
+            .unwrap_or(false)
+    }
+
+    /// A version of `path` applied: it is no longer skipped.
+    pub fn unskip(&self, path: &RelPath) {
+        if let Ok(mut s) = self.skipped.lock() {
+            if !s.is_empty() {
+                s.remove(path);
+            }
+        }
+    }
+
+    /// The skipped remote versions: (path, error).
+    pub fn skipped(&self) -> Vec<(RelPath, String)> {
+        self.skipped
+            .lock()
+            .map(|s| s.iter().map(|(p, e)| (p.clone(), e.clone())).collect())
+            .unwrap_or_default()
+    }
+
+    /// Remote versions waiting for a writer to let go.
+    pub fn deferred_count(&self) -> usize {
+        self.deferred.lock().map_or(0, |d| d.len())
+    }
+
+    /// Takes the deferred versions whose paths no longer have a writer and whose peer is
+    /// connected (the content may have to be fetched from it).
+    pub(crate) fn take_ready_deferred(
+        &self,
+        connected: &HashSet<DeviceId>,
+    ) -> Vec<(FileRecord, DeviceId)> {
+        let Ok(mut d) = self.deferred.lock() else {
+            return Vec::new();
+        };
+        let ready: Vec<RelPath> = d
+            .iter()
+            .filter(|(p, (_, peer))| connected.contains(peer) && !self.writers.has_writer(p))
+            .map(|(p, _)| p.clone())
+            .collect();
+        ready.into_iter().filter_map(|p| d.remove(&p)).collect()
+    }
+}
+
+/// The journal and the running folders of one device: what the peers and the mounts share.
+pub struct Folders {
+    /// This device.
+    pub device: DeviceId,
+    /// Its short id (version-vector key).
+    pub short: ShortId,
+    /// The journal (blocking calls; never held across an await).
+    pub journal: Mutex<Journal>,
+    map: RwLock<HashMap<FolderId, Arc<FolderRt>>>,
+    /// A folder's journal gained entries (local or applied remote changes).
+    pub changes: broadcast::Sender<FolderId>,
+    /// Where local ignore files live (`CONFIG_DIR/ignore`).
+    ignore_dir: PathBuf,
+}
+
+impl Folders {
+    /// The folders of `device`, none running yet.
+    pub fn new(device: DeviceId, journal: Journal, ignore_dir: PathBuf) -> Folders {
+        let (changes, _) = broadcast::channel(4096);
+        Folders {
+            device,
+            short: device.short(),
+            journal: Mutex::new(journal),
+            map: RwLock::new(HashMap::new()),
+            changes,
+            ignore_dir,
+        }
+    }
+
+    /// The journal, held (never across an await).
+    pub fn journal(&self) -> Result<MutexGuard<'_, Journal>, FolderError> {
+        self.journal
+            .lock()
+            .map_err(|_| FolderError::Poisoned("journal"))
+    }
+
+    /// A running folder.
+    pub fn get(&self, id: &FolderId) -> Option<Arc<FolderRt>> {
+        self.map.read().ok()?.get(id).cloned()
+    }
+
+    /// A running folder, or why not.
+    pub fn running(&self, id: &FolderId) -> Result<Arc<FolderRt>, FolderError> {
+        self.get(id)
+            .ok_or_else(|| FolderError::NotRunning(id.clone()))
+    }
+
+    /// Every running folder.
+    pub fn all(&self) -> Vec<Arc<FolderRt>> {
+        self.map
+            .read()
+            .map(|f| f.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The ids of the running folders.
+    pub fn ids(&self) -> HashSet<FolderId> {
+        self.map
+            .read()
+            .map(|f| f.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Starts tracking a running folder.
+    pub fn insert(&self, rt: Arc<FolderRt>) {
+        if let Ok(mut m) = self.map.write() {
+            m.insert(rt.id.clone(), rt);
+        }
+    }
+
+    /// Stops tracking the folders `keep` says no to; returns them.
+    pub fn retain(&self, mut keep: impl FnMut(&FolderId) -> bool) -> Vec<Arc<FolderRt>> {
+        let mut gone = Vec::new();
+        if let Ok(mut m) = self.map.write() {
+            m.retain(|id, rt| {
+                let k = keep(id);
+                if !k {
+                    gone.push(rt.clone());
+                }
+                k
+            });
+        }
+        gone
+    }
+
+    /// The folder's local ignore file (`CONFIG_DIR/ignore/FOLDER-ID`): rules no peer can
+    /// change, read with the replicated `.meshignore` (`crate::ignore`).
+    pub fn local_ignore(&self, folder: &FolderId) -> PathBuf {
+        self.ignore_dir.join(folder.as_str())
+    }
+
+    /// Tells sessions that `folder`'s journal gained entries.
+    pub fn changes_notify(&self, folder: &FolderId) {
+        let _ = self.changes.send(folder.clone());
+    }
+
+    /// Scans `paths` (empty: the whole folder) and journals what changed. Returns the number of
+    /// new versions. The first scan of a folder journals and announces its changes in slices as
+    /// it goes ([`scanner::scan_new`]).
+    pub async fn scan_paths(
+        self: &Arc<Self>,
+        folder: &FolderId,
+        paths: Vec<RelPath>,
+    ) -> Result<usize, FolderError> {
+        let folders = self.clone();
+        let folder = folder.clone();
+        tokio::task::spawn_blocking(move || folders.scan_blocking(&folder, &paths))
+            .await
+            .map_err(|e| FolderError::Task(e.to_string()))?
+    }
+
+    fn scan_blocking(&self, folder: &FolderId, paths: &[RelPath]) -> Result<usize, FolderError> {
+        let rt = self.running(folder)?;
+        if paths.is_empty()
+            || paths
+                .iter()
+                .any(|p| p.as_str() == crate::ignore::IGNORE_FILE)
+        {
+            if let Ok(mut ig) = rt.ignore.write() {
+                *ig = IgnoreRules::load(rt.store.root(), Some(&self.local_ignore(&rt.id)));
+            }
+        }
+        let _guard = rt
+            .op_lock
+            .lock()
+            .map_err(|_| FolderError::Poisoned("folder"))?;
+        let ignore = rt
+            .ignore
+            .read()
+            .map_err(|_| FolderError::Poisoned("ignore"))?;
+        let target = ScanTarget {
+            folder,
+            store: &rt.store,
+            ignore: &ignore,
+            local: self.short,
+            now_secs: now_secs(),
+        };
+        let t0 = Instant::now();
+        let mut streamed = 0;
+        let report = {
+            let mut j = self.journal()?;
+            // Only a whole-folder scan asks (a capture of a few paths is the hot path).
+            let fresh = paths.is_empty() && j.folder(folder)?.max_sequence == 0;
+            if fresh {
+                // Nothing journaled yet: everything is new. Journal and announce it as it is
+                // hashed, without holding the journal, so peers get the first files while the
+                // rest are still being read.
+                drop(j);
+                let mut emit = |changes: Vec<Change>, to_hash: usize| -> Result<(), JournalError> {
+                    // Known once the tree is walked: peers need not wait for a long scan.
+                    if to_hash >= scanner::FIRST_SCAN_SLICE {
+                        rt.scan_is_long.notify_one();
+                    }
+                    if changes.is_empty() {
+                        return Ok(());
+                    }
+                    streamed += changes.len();
+                    tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");
+                    let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+                    commit_in_batches(&mut j, folder, changes)?;
+                    drop(j);
+                    self.changes_notify(folder);
+                    Ok(())
+                };
+                scanner::scan_new(&target, &mut emit)?
+            } else {
+                scanner::scan(&target, &j, paths)?
+            }
+        };
+        let scanned = t0.elapsed();
+        let n = report.changes.len() + streamed;
+        let mut j = self.journal()?;
+        if !report.restat.is_empty() {
+            j.set_local_stats(folder, &report.restat)?;
+        }
+        commit_in_batches(&mut j, folder, report.changes)?;
+        if report.entries > 10_000 {
+            j.release_memory();
+        }
+        drop(j);
+        if report.entries > 10_000 {
+            // A big scan's transient maps (and the journal's page cache, above) are freed now;
+            // give the pages back to the system so the resident size of an idle daemon stays
+            // small.
+            #[cfg(target_env = "gnu")]
+            // SAFETY: malloc_trim takes no pointers and only returns free heap pages to the
+            // system; glibc makes it safe to call from any thread at any time.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+            tracing::info!(%folder, entries = report.entries, hashed_files = report.hashed_files, hashed_bytes = report.hashed_bytes,
+                scan_ms = scanned.as_millis() as u64, journal_ms = (t0.elapsed() - scanned).as_millis() as u64, "scan finished");
+        }
+        if n > 0 {
+            self.changes_notify(folder);
+        }
+        Ok(n)
+    }
+}
+
+/// Seconds since the Unix epoch (a new local version's clock).
+pub(crate) fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Commits scanned changes, [`SCAN_COMMIT_BATCH`] per transaction.
+fn commit_in_batches(
+    j: &mut Journal,
+    folder: &FolderId,
+    mut changes: Vec<Change>,
+) -> Result<(), JournalError> {
+    while !changes.is_empty() {
+        let rest = changes.split_off(changes.len().min(SCAN_COMMIT_BATCH));
+        j.commit(folder, changes)?;
+        changes = rest;
+    }
+    Ok(())
+}
