@@ -450,57 +450,11 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
         conn.accept_bi().await.map_err(|e| e.to_string())?
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<LinkEvent>();
-    // Control stream reader.
-    {
-        let tx = tx.clone();
-        let mut recv = recv;
-        tokio::spawn(async move {
-            loop {
-                match transport::read_message(&mut recv).await {
-                    Ok(Some(m)) => {
-                        if tx.send(LinkEvent::Message(m)).is_err() {
-                            return;
-                        }
-                    }
-                    Ok(None) => {
-                        let _ = tx.send(LinkEvent::Closed("control stream ended".into()));
-                        return;
-                    }
-                    Err(e) => {
-                        let _ = tx.send(LinkEvent::Closed(e.to_string()));
-                        return;
-                    }
-                }
-            }
-        });
-    }
+    tokio::spawn(control_reader(recv, tx.clone()));
     // Control stream writer: messages leave in order; an index batch first gets its small new
     // files' content attached, read on a blocking thread so this loop goes on meanwhile.
     let (out, writer) = control_writer(net.clone(), send, tx.clone());
-    // Request streams from the peer.
-    {
-        let net = net.clone();
-        let conn = conn.clone();
-        tokio::spawn(async move {
-            // A peer gets at most this many requests served at once, each with one blocking
-            // reader: one that opens streams and stops reading cannot hold the blocking pool
-            // that every apply, scan and status shares.
-            let serving = Arc::new(tokio::sync::Semaphore::new(SERVED_AT_ONCE));
-            while let Ok((s, r)) = conn.accept_bi().await {
-                let net = net.clone();
-                let Ok(permit) = serving.clone().acquire_owned().await else {
-                    return;
-                };
-                tokio::spawn(async move {
-                    let _permit = permit;
-                    let shared = net.shared_with(&peer);
-                    if let Err(e) = chunks::serve_request(&net.folders, peer, &shared, s, r).await {
-                        tracing::warn!(peer = %peer.short(), error = %e, "refused a chunk request");
-                    }
-                });
-            }
-        });
-    }
+    tokio::spawn(serve_requests(net.clone(), peer, conn.clone()));
     let mut session = Session::new(net.name(), peer, session_folders(net, &peer));
     let mut changes = net.folders.changes.subscribe();
     let first = {
@@ -531,46 +485,22 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
                     up_to,
                     inline,
                 } => {
-                    tracing::debug!(%folder, records = records.len(), inline = inline.len(), up_to, "index batch received");
-                    let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
                     let (turn, next) = apply::Turn::after(pipeline.remove(&folder));
                     pipeline.insert(folder.clone(), next);
-                    let net = net.clone();
-                    let tx = tx.clone();
-                    let conn = conn.clone();
-                    tokio::spawn(async move {
-                        let ev = match apply::receive(
-                            &net.folders,
-                            &folder,
-                            peer,
-                            &conn,
-                            records,
-                            inline,
-                            turn,
-                        )
-                        .await
-                        {
-                            Ok(()) => LinkEvent::Applied(folder, up_to),
-                            Err(e) => {
-                                if let (true, Some(rt)) =
-                                    (e.is_disk_full(), net.folders.get(&folder))
-                                {
-                                    // The failed batch's temp files are gone and no user file
-                                    // was touched. Say it once; the session keeps serving
-                                    // meanwhile, and the batch is received again (at the
-                                    // reconnect this failure causes) once the disk has more
-                                    // room, or after a minute, instead of re-fetching into a
-                                    // full disk over and over.
-                                    if rt.block(format!("disk full: {e}")) {
-                                        tracing::error!(%folder, error = %e, "the disk is full; receiving into this folder stopped until there is room (other folders and peers go on)");
-                                    }
-                                    wait_for_room(rt.store.root()).await;
-                                }
-                                LinkEvent::ApplyFailed(folder, e)
-                            }
-                        };
-                        let _ = tx.send(ev);
-                    });
+                    let batch = Received {
+                        folder,
+                        records,
+                        up_to,
+                        inline,
+                    };
+                    tokio::spawn(receive(
+                        net.clone(),
+                        peer,
+                        conn.clone(),
+                        batch,
+                        turn,
+                        tx.clone(),
+                    ));
                 }
                 Action::SaveTheirSequence {
                     folder,
@@ -643,6 +573,87 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
             }
         }
     }
+}
+
+/// Reads the control stream into the session's events until it ends.
+async fn control_reader(mut recv: quinn::RecvStream, tx: mpsc::UnboundedSender<LinkEvent>) {
+    loop {
+        let ev = match transport::read_message(&mut recv).await {
+            Ok(Some(m)) => LinkEvent::Message(m),
+            Ok(None) => LinkEvent::Closed("control stream ended".into()),
+            Err(e) => LinkEvent::Closed(e.to_string()),
+        };
+        let last = !matches!(ev, LinkEvent::Message(_));
+        if tx.send(ev).is_err() || last {
+            return;
+        }
+    }
+}
+
+/// Serves the peer's chunk request streams until the connection ends.
+async fn serve_requests(net: Arc<Net>, peer: DeviceId, conn: quinn::Connection) {
+    // A peer gets at most this many requests served at once, each with one blocking
+    // reader: one that opens streams and stops reading cannot hold the blocking pool
+    // that every apply, scan and status shares.
+    let serving = Arc::new(tokio::sync::Semaphore::new(SERVED_AT_ONCE));
+    while let Ok((s, r)) = conn.accept_bi().await {
+        let net = net.clone();
+        let Ok(permit) = serving.clone().acquire_owned().await else {
+            return;
+        };
+        tokio::spawn(async move {
+            let _permit = permit;
+            let shared = net.shared_with(&peer);
+            if let Err(e) = chunks::serve_request(&net.folders, peer, &shared, s, r).await {
+                tracing::warn!(peer = %peer.short(), error = %e, "refused a chunk request");
+            }
+        });
+    }
+}
+
+/// An index batch the session hands to apply.
+struct Received {
+    folder: FolderId,
+    records: Vec<FileRecord>,
+    up_to: u64,
+    inline: Vec<meshfs_protocol::ChunkResponse>,
+}
+
+/// Applies one received batch in its turn and reports the result to the session.
+async fn receive(
+    net: Arc<Net>,
+    peer: DeviceId,
+    conn: quinn::Connection,
+    batch: Received,
+    turn: apply::Turn,
+    tx: mpsc::UnboundedSender<LinkEvent>,
+) {
+    let Received {
+        folder,
+        records,
+        up_to,
+        inline,
+    } = batch;
+    tracing::debug!(%folder, records = records.len(), inline = inline.len(), up_to, "index batch received");
+    let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
+    let result = apply::receive(&net.folders, &folder, peer, &conn, records, inline, turn).await;
+    let ev = match result {
+        Ok(()) => LinkEvent::Applied(folder, up_to),
+        Err(e) => {
+            if let (true, Some(rt)) = (e.is_disk_full(), net.folders.get(&folder)) {
+                // The failed batch's temp files are gone and no user file was touched. Say it
+                // once; the session keeps serving meanwhile, and the batch is received again
+                // (at the reconnect this failure causes) once the disk has more room, or after
+                // a minute, instead of re-fetching into a full disk over and over.
+                if rt.block(format!("disk full: {e}")) {
+                    tracing::error!(%folder, error = %e, "the disk is full; receiving into this folder stopped until there is room (other folders and peers go on)");
+                }
+                wait_for_room(rt.store.root()).await;
+            }
+            LinkEvent::ApplyFailed(folder, e)
+        }
+    };
+    let _ = tx.send(ev);
 }
 
 /// Messages for the control stream, each with the sequence above which its records may carry

@@ -14,8 +14,8 @@
 //! | After | — | nothing: the peer will get ours |
 //! | Before | — | apply R |
 //! | Concurrent | identical state | merge the vectors |
-//! | Concurrent | same content | keep the content, metadata of the precedence winner, as a new version (merged vector + this device) |
-//! | Concurrent | differ | the precedence winner keeps the name, as a new version (merged vector + this device); a live loser is preserved as a conflict sibling |
+//! | Concurrent | same content | keep the content, metadata of the precedence winner, as a new version (merged vector + the resolver id) |
+//! | Concurrent | differ | the precedence winner keeps the name, as a new version (merged vector + the resolver id); a live loser is preserved as a conflict sibling |
 //!
 //! *Precedence* is one total order over every kind of record — a live directory beats a live
 //! file or symlink, which beats a tombstone (so delete-vs-modify keeps the modification and
@@ -23,9 +23,10 @@
 //! larger hash, and finally the remaining state. Because it is a total order, resolving a
 //! set of concurrent versions pairwise in any order on any device ends in the same state.
 //!
-//! A resolution that changes either side's state is a new version made here (the merged
-//! vector incremented by this device), never a bare merged vector: see `concurrent` for the
-//! divergence the bare merge caused. Only identical states merge without a new version.
+//! A resolution that changes either side's state is a new version (the merged vector
+//! incremented by a [`resolver_id`] of the merge and its result, the same on every device),
+//! never a bare merged vector: see `concurrent` for the divergence the bare merge caused.
+//! Only identical states merge without a new version.
 //!
 //! Two rules look around the path, through the view:
 //! - a result that is not a live directory while live entries remain below the path keeps a
