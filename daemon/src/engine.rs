@@ -234,8 +234,8 @@ impl Engine {
             engine.start_folder(f).await?;
         }
         for f in &config.folders {
-            if let (Some(point), Ok(id)) = (&f.mount, FolderId::new(&f.id)) {
-                let (e, point) = (engine.clone(), point.clone());
+            if let Some(point) = &f.mount {
+                let (e, id, point) = (engine.clone(), f.id.clone(), point.clone());
                 let mounted =
                     tokio::task::spawn_blocking(move || e.mount(&id, &point, false)).await?;
                 match mounted {
@@ -293,7 +293,6 @@ impl Engine {
             .and_then(|c| c.peer(peer).map(|p| p.folders.clone()))
             .unwrap_or_default()
             .into_iter()
-            .filter_map(|f| FolderId::new(&f).ok())
             .filter(|f| running.contains(f))
             .collect()
     }
@@ -432,7 +431,7 @@ impl Engine {
     }
 
     async fn start_folder(self: &Arc<Self>, f: &crate::config::FolderConfig) -> anyhow::Result<()> {
-        let id = FolderId::new(&f.id)?;
+        let id = f.id.clone();
         let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
         let removed = store.remove_temps();
@@ -643,8 +642,8 @@ impl Engine {
         };
         let mut wanted: HashMap<DeviceId, String> = HashMap::new();
         for p in &config.peers {
-            if let (Ok(id), false) = (p.id.parse::<DeviceId>(), p.addr.is_empty()) {
-                wanted.insert(id, p.addr.clone());
+            if !p.addr.is_empty() {
+                wanted.insert(p.id, p.addr.clone());
             }
         }
         dialers.retain(|id, (addr, stop)| {
@@ -681,20 +680,20 @@ impl Engine {
         for id in &new_ids {
             self.trust.add(*id);
         }
-        let running: HashSet<String> = self
+        let running: HashSet<FolderId> = self
             .folders
             .read()
-            .map(|f| f.keys().map(|k| k.to_string()).collect())
+            .map(|f| f.keys().cloned().collect())
             .unwrap_or_default();
         for f in &new.folders {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
             }
         }
-        let wanted: HashSet<String> = new.folders.iter().map(|f| f.id.clone()).collect();
+        let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
         if let Ok(mut m) = self.folders.write() {
             m.retain(|id, rt| {
-                let keep = wanted.contains(id.as_str());
+                let keep = wanted.contains(id);
                 if !keep {
                     if let Ok(mut w) = rt.watcher.lock() {
                         *w = None;
@@ -796,12 +795,10 @@ impl Engine {
             let mut folder_synced_connected = local_done;
             let mut all_connected = true;
             for p in &config.peers {
-                if !p.folders.iter().any(|f| f == rt.id.as_str()) {
+                if !p.folders.contains(&rt.id) {
                     continue;
                 }
-                let Ok(pid) = p.id.parse::<DeviceId>() else {
-                    continue;
-                };
+                let pid = p.id;
                 let connected = peers.as_ref().is_some_and(|x| x.link(&pid).is_some());
                 let s = peers
                     .as_ref()
@@ -853,9 +850,7 @@ impl Engine {
         }
         let mut peers_json = Vec::new();
         for p in &config.peers {
-            let Ok(pid) = p.id.parse::<DeviceId>() else {
-                continue;
-            };
+            let pid = p.id;
             let stats = peers.as_ref().and_then(|x| x.stats(&pid));
             let (bytes_sent, bytes_received) = traffic.as_ref().map_or((0, 0), |t| t.peer(&pid));
             peers_json.push(serde_json::json!({
