@@ -74,8 +74,10 @@ async fn handle(
                 // worker waiting on it would stall the connections it drives.
                 "status" => {
                     let engine = engine.clone();
-                    tokio::task::spawn_blocking(move || engine.status())
+                    tokio::task::spawn_blocking(move || serde_json::to_value(engine.status()))
                         .await
+                        .map_err(|e| e.to_string())
+                        .and_then(|v| v.map_err(|e| e.to_string()))
                         .unwrap_or_else(
                             |e| serde_json::json!({"ok": false, "error": e.to_string()}),
                         )

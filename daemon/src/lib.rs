@@ -22,6 +22,7 @@ pub mod reconcile;
 pub mod scanner;
 pub mod session;
 pub mod sim;
+pub mod status;
 pub mod store;
 pub mod traffic;
 pub mod transport;
