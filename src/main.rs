@@ -11,7 +11,7 @@ mod status_cmd;
 use anyhow::{anyhow, bail, Context as _};
 use clap::{CommandFactory, Parser, Subcommand};
 use meshfs_daemon::config::{Config, FolderConfig, Home, PeerConfig, DEFAULT_LISTEN};
-use meshfs_daemon::control;
+use meshfs_daemon::control::{self, Request};
 use meshfs_daemon::identity::Identity;
 use meshfs_protocol::{DeviceId, FolderId};
 use std::path::PathBuf;
@@ -263,7 +263,7 @@ fn main() -> ExitCode {
 }
 
 fn reload_if_running(home: &Home) -> anyhow::Result<()> {
-    if let Some(reply) = control::request(home, &serde_json::json!({"op": "reload"}))? {
+    if let Some(reply) = control::request(home, &Request::Reload)? {
         if reply.get("ok").and_then(|v| v.as_bool()) != Some(true) {
             bail!(
                 "the daemon refused the new config: {}",
@@ -511,7 +511,11 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             })?;
             let point = std::path::absolute(&mountpoint)
                 .map_err(|e| anyhow!("mount point {}: {e}", mountpoint.display()))?;
-            let req = serde_json::json!({"op": "mount", "folder": folder, "mountpoint": point, "read_only": read_only});
+            let req = Request::Mount {
+                folder: folder.clone(),
+                mountpoint: point.clone(),
+                read_only,
+            };
             match control::request(home, &req)? {
                 None => {
                     eprintln!("meshfs: the daemon is not running; the mount is served by it (`meshfs daemon`)");
@@ -545,7 +549,9 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             })?;
             match control::request(
                 home,
-                &serde_json::json!({"op": "unmount", "folder": folder}),
+                &Request::Unmount {
+                    folder: folder.clone(),
+                },
             )? {
                 None => {
                     eprintln!("meshfs: the daemon is not running, so nothing of it is mounted");
@@ -607,7 +613,12 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             Config::load(home)?.folder(&folder).ok_or_else(|| {
                 anyhow!("no folder {:?} (see `meshfs folder list`)", folder.as_str())
             })?;
-            match control::request(home, &serde_json::json!({"op": "scan", "folder": folder}))? {
+            match control::request(
+                home,
+                &Request::Scan {
+                    folder: folder.clone(),
+                },
+            )? {
                 None => {
                     eprintln!("meshfs: the daemon is not running; changes are picked up when it starts (`meshfs daemon`)");
                     Ok(EXIT_NO_DAEMON)
