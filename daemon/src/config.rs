@@ -127,13 +127,30 @@ pub enum ConfigError {
         /// What happened.
         source: std::io::Error,
     },
-    /// The file is not valid TOML for a meshfs config.
-    #[error("{path}: {message}")]
+    /// The file is not valid TOML for a meshfs config (this includes a malformed folder or
+    /// device id).
+    #[error("{path}: {source}")]
     Parse {
         /// Which file.
         path: PathBuf,
-        /// The parser's explanation, naming the field.
-        message: String,
+        /// The parser's explanation, with the line and the value at fault.
+        source: toml::de::Error,
+    },
+    /// The config could not be written as TOML.
+    #[error("cannot write the config {path}: {source}")]
+    Encode {
+        /// Which file.
+        path: PathBuf,
+        /// What the encoder refused.
+        source: toml::ser::Error,
+    },
+    /// `device.listen` is not an address this device can listen on.
+    #[error("{path}: field `device.listen`: {source}")]
+    Listen {
+        /// Which file.
+        path: PathBuf,
+        /// What is wrong with the address.
+        source: ListenError,
     },
     /// A field has a value meshfs cannot use.
     #[error("{path}: field `{field}`: {message}")]
@@ -284,9 +301,9 @@ impl Config {
             }
             Err(source) => return Err(ConfigError::Io { path, source }),
         };
-        let config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        let config: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse {
             path: path.clone(),
-            message: e.to_string(),
+            source,
         })?;
         config.validate(home)?;
         Ok(config)
@@ -300,9 +317,9 @@ impl Config {
             source,
         };
         std::fs::create_dir_all(&home.config_dir).map_err(io)?;
-        let text = toml::to_string_pretty(self).map_err(|e| ConfigError::Parse {
+        let text = toml::to_string_pretty(self).map_err(|source| ConfigError::Encode {
             path: path.clone(),
-            message: e.to_string(),
+            source,
         })?;
         let tmp = home.config_dir.join(".config.toml.tmp");
         {
@@ -330,13 +347,10 @@ impl Config {
         if self.device.listen.parse::<SocketAddr>().is_err()
             && !looks_like_host_port(&self.device.listen)
         {
-            return Err(invalid(
-                "device.listen".into(),
-                format!(
-                    "{:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)",
-                    self.device.listen
-                ),
-            ));
+            return Err(ConfigError::Listen {
+                path: path.clone(),
+                source: ListenError::NotHostPort(self.device.listen.clone()),
+            });
         }
         let mut seen = std::collections::HashSet::new();
         for (i, f) in self.folders.iter().enumerate() {
@@ -424,10 +438,9 @@ impl Config {
     /// The address to listen on: `device.listen` as an IP address, or its host name resolved
     /// (the first IPv4 address, else the first one).
     pub fn listen_addr(&self, home: &Home) -> Result<SocketAddr, ConfigError> {
-        resolve_listen(&self.device.listen).map_err(|message| ConfigError::Invalid {
+        resolve_listen(&self.device.listen).map_err(|source| ConfigError::Listen {
             path: home.config_file(),
-            field: "device.listen".into(),
-            message,
+            source,
         })
     }
 
@@ -437,27 +450,47 @@ impl Config {
     }
 }
 
+/// Why a listen address cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    /// Not of the form `HOST:PORT`.
+    #[error("{0:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)")]
+    NotHostPort(String),
+    /// The host name could not be resolved.
+    #[error("cannot resolve {addr:?}: {source}")]
+    Resolve {
+        /// The address as given.
+        addr: String,
+        /// The resolver's error.
+        source: std::io::Error,
+    },
+    /// The host name resolves to nothing.
+    #[error("{0:?} resolves to no address")]
+    NoAddress(String),
+}
+
 /// `IP:PORT`, or `HOST:PORT` resolved (IPv4 preferred, so `localhost` binds where peers given
-/// `127.0.0.1` reach it). The error says what failed.
-pub fn resolve_listen(s: &str) -> Result<SocketAddr, String> {
+/// `127.0.0.1` reach it).
+pub fn resolve_listen(s: &str) -> Result<SocketAddr, ListenError> {
     if let Ok(sa) = s.parse::<SocketAddr>() {
         return Ok(sa);
     }
     if !looks_like_host_port(s) {
-        return Err(format!(
-            "{s:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)"
-        ));
+        return Err(ListenError::NotHostPort(s.to_string()));
     }
     use std::net::ToSocketAddrs;
     let all: Vec<SocketAddr> = s
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {s:?}: {e}"))?
+        .map_err(|source| ListenError::Resolve {
+            addr: s.to_string(),
+            source,
+        })?
         .collect();
     all.iter()
         .find(|a| a.is_ipv4())
         .or(all.first())
         .copied()
-        .ok_or_else(|| format!("{s:?} resolves to no address"))
+        .ok_or_else(|| ListenError::NoAddress(s.to_string()))
 }
 
 /// Whether `s` has the shape `HOST:PORT` (IPv6 in brackets).
@@ -620,6 +653,17 @@ mod tests {
         assert!(
             err.contains("device.listen") && err.contains("HOST:PORT"),
             "{err}"
+        );
+        let err = c.listen_addr(&home).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Listen { source: ListenError::NotHostPort(a), .. } if a == "localhost"),
+            "{err:?}"
+        );
+        let shown = err.to_string();
+        assert!(
+            shown.contains(home.config_file().to_str().unwrap())
+                && shown.contains("field `device.listen`: \"localhost\" is not HOST:PORT"),
+            "{shown}"
         );
     }
 }
