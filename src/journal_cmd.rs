@@ -49,11 +49,7 @@ fn parse_device(home: &Home, config: &Config, s: &str) -> anyhow::Result<ShortId
     }
     for p in &config.peers {
         if p.name == s {
-            return Ok(p
-                .id
-                .parse::<DeviceId>()
-                .map_err(|e| anyhow!("{e}"))?
-                .short());
+            return Ok(p.id.short());
         }
     }
     let up = s.to_ascii_uppercase();
@@ -162,7 +158,7 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
     let config = Config::load(home)?;
     let folder = FolderId::new(&a.folder)?;
     config
-        .folder(&a.folder)
+        .folder(&folder)
         .ok_or_else(|| anyhow!("no folder {:?} (see `meshfs folder list`)", a.folder))?;
     let path = a
         .path

@@ -11,7 +11,7 @@ mod status_cmd;
 use anyhow::{anyhow, bail, Context as _};
 use clap::{CommandFactory, Parser, Subcommand};
 use meshfs_daemon::config::{Config, FolderConfig, Home, PeerConfig, DEFAULT_LISTEN};
-use meshfs_daemon::control;
+use meshfs_daemon::control::{self, Request};
 use meshfs_daemon::identity::Identity;
 use meshfs_protocol::{DeviceId, FolderId};
 use std::path::PathBuf;
@@ -70,7 +70,7 @@ enum Command {
     Share {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
-        folder: String,
+        folder: FolderId,
         /// The peer's device id.
         #[arg(value_parser = parse_device)]
         device: DeviceId,
@@ -87,7 +87,7 @@ enum Command {
     Mount {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
-        folder: String,
+        folder: FolderId,
         /// Where to mount it: an existing empty directory.
         mountpoint: PathBuf,
         /// Refuse every change through the mount.
@@ -98,7 +98,7 @@ enum Command {
     Unmount {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
-        folder: String,
+        folder: FolderId,
     },
     /// Rebuild a damaged journal: move it aside (nothing is deleted) so the next daemon start
     /// rescans every folder and reconciles with its peers; differences become conflicts.
@@ -110,7 +110,7 @@ enum Command {
     Scan {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
-        folder: String,
+        folder: FolderId,
     },
     /// Folders, peers, connections, pending work: in sync with every peer, or why not.
     #[command(
@@ -141,7 +141,7 @@ enum Command {
     Conflicts {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
-        folder: String,
+        folder: FolderId,
         /// JSON output.
         #[arg(long)]
         json: bool,
@@ -185,7 +185,7 @@ enum FolderCmd {
         path: PathBuf,
         /// The folder id shared with peers (default: random): 1-64 of A-Z a-z 0-9 . _ -
         #[arg(long, value_parser = parse_folder_id)]
-        id: Option<String>,
+        id: Option<FolderId>,
     },
     /// List folders.
     List {
@@ -197,7 +197,7 @@ enum FolderCmd {
     Remove {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
-        id: String,
+        id: FolderId,
     },
 }
 
@@ -263,7 +263,7 @@ fn main() -> ExitCode {
 }
 
 fn reload_if_running(home: &Home) -> anyhow::Result<()> {
-    if let Some(reply) = control::request(home, &serde_json::json!({"op": "reload"}))? {
+    if let Some(reply) = control::request(home, &Request::Reload)? {
         if reply.get("ok").and_then(|v| v.as_bool()) != Some(true) {
             bail!(
                 "the daemon refused the new config: {}",
@@ -295,17 +295,16 @@ fn parse_host_port(s: &str) -> Result<String, String> {
 }
 
 /// A folder id argument.
-fn parse_folder_id(s: &str) -> Result<String, String> {
-    FolderId::new(s)
-        .map(|_| s.to_string())
-        .map_err(|e| e.to_string())
+fn parse_folder_id(s: &str) -> Result<FolderId, String> {
+    FolderId::new(s).map_err(|e| e.to_string())
 }
 
-fn random_folder_id() -> String {
+fn random_folder_id() -> anyhow::Result<FolderId> {
     const ALPHA: &[u8] = b"abcdefghijkmnpqrstuvwxyz23456789";
-    (0..10)
+    let id: String = (0..10)
         .map(|_| ALPHA[rand::random::<usize>() % ALPHA.len()] as char)
-        .collect()
+        .collect();
+    Ok(FolderId::new(&id)?)
 }
 
 fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
@@ -338,7 +337,10 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             Ok(0)
         }
         Command::Folder(FolderCmd::Add { path, id }) => {
-            let id = id.unwrap_or_else(random_folder_id);
+            let id = match id {
+                Some(id) => id,
+                None => random_folder_id()?,
+            };
             folder_add(home, &path, &id)?;
             println!("{id}");
             Ok(0)
@@ -347,7 +349,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             let config = Config::load(home)?;
             if json {
                 let v: Vec<_> = config.folders.iter().map(|f| serde_json::json!({"id": f.id, "path": f.path, "watch": f.watch,
-                    "shared_with": config.peers.iter().filter(|p| p.folders.contains(&f.id)).map(|p| p.id.clone()).collect::<Vec<_>>()})).collect();
+                    "shared_with": config.peers.iter().filter(|p| p.folders.contains(&f.id)).map(|p| p.id.to_string()).collect::<Vec<_>>()})).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 for f in &config.folders {
@@ -358,7 +360,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
                         .count();
                     println!(
                         "{:<16} {}  (shared with {n} peer{})",
-                        f.id,
+                        f.id.as_str(),
                         f.path.display(),
                         if n == 1 { "" } else { "s" }
                     );
@@ -369,7 +371,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Folder(FolderCmd::Remove { id }) => {
             let mut config = Config::load(home)?;
             if config.folder(&id).is_none() {
-                bail!("no folder {id:?} (see `meshfs folder list`)");
+                bail!("no folder {:?} (see `meshfs folder list`)", id.as_str());
             }
             config.folders.retain(|f| f.id != id);
             for p in &mut config.peers {
@@ -378,9 +380,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             config.save(home)?;
             reload_if_running(home)?;
             // Only temp files of an interrupted apply can be left here.
-            if let Ok(fid) = FolderId::new(&id) {
-                let _ = std::fs::remove_dir_all(home.staging_dir(&fid));
-            }
+            let _ = std::fs::remove_dir_all(home.staging_dir(&id));
             Ok(0)
         }
         Command::Peer(PeerCmd::Add {
@@ -394,11 +394,16 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
                 bail!("{device} is this device's own id; add the id of another device");
             }
             let mut config = Config::load(home)?;
-            for f in &share {
-                if config.folder(f).is_none() {
-                    bail!("no folder {f:?} to share (add it first with `meshfs folder add PATH --id {f}`)");
-                }
-            }
+            // A malformed id names no folder either: the same answer.
+            let share = share
+                .iter()
+                .map(|f| {
+                    FolderId::new(f)
+                        .ok()
+                        .filter(|id| config.folder(id).is_some())
+                        .ok_or_else(|| anyhow!("no folder {f:?} to share (add it first with `meshfs folder add PATH --id {f}`)"))
+                })
+                .collect::<anyhow::Result<Vec<FolderId>>>()?;
             match config.peer_mut(&id) {
                 Some(p) => {
                     if let Some(a) = addr {
@@ -414,7 +419,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
                     }
                 }
                 None => config.peers.push(PeerConfig {
-                    id: id.to_string(),
+                    id,
                     name: name.unwrap_or_default(),
                     addr: addr.unwrap_or_default(),
                     folders: share,
@@ -427,7 +432,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Peer(PeerCmd::List { json }) => {
             let config = Config::load(home)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&config.peers.iter().map(|p| serde_json::json!({"device_id": p.id, "name": p.name, "addr": p.addr, "folders": p.folders})).collect::<Vec<_>>())?);
+                println!("{}", serde_json::to_string_pretty(&config.peers.iter().map(|p| serde_json::json!({"device_id": p.id.to_string(), "name": p.name, "addr": p.addr, "folders": p.folders})).collect::<Vec<_>>())?);
             } else {
                 for p in &config.peers {
                     println!(
@@ -439,7 +444,11 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
                         } else {
                             &p.addr
                         },
-                        p.folders.join(",")
+                        p.folders
+                            .iter()
+                            .map(FolderId::as_str)
+                            .collect::<Vec<_>>()
+                            .join(",")
                     );
                 }
             }
@@ -449,9 +458,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             let id = device;
             let mut config = Config::load(home)?;
             let before = config.peers.len();
-            config
-                .peers
-                .retain(|p| p.id.parse::<DeviceId>().ok() != Some(id));
+            config.peers.retain(|p| p.id != id);
             if config.peers.len() == before {
                 bail!("no peer {device} (see `meshfs peer list`)");
             }
@@ -464,7 +471,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             let id = device;
             let mut config = Config::load(home)?;
             if config.folder(&folder).is_none() {
-                bail!("no folder {folder:?} (see `meshfs folder list`)");
+                bail!("no folder {:?} (see `meshfs folder list`)", folder.as_str());
             }
             let p = config.peer_mut(&id).ok_or_else(|| anyhow!("unknown peer {device}: add it first with `meshfs peer add {device} --addr HOST:PORT`"))?;
             if !p.folders.contains(&folder) {
@@ -499,12 +506,16 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             mountpoint,
             read_only,
         } => {
-            Config::load(home)?
-                .folder(&folder)
-                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
+            Config::load(home)?.folder(&folder).ok_or_else(|| {
+                anyhow!("no folder {:?} (see `meshfs folder list`)", folder.as_str())
+            })?;
             let point = std::path::absolute(&mountpoint)
                 .map_err(|e| anyhow!("mount point {}: {e}", mountpoint.display()))?;
-            let req = serde_json::json!({"op": "mount", "folder": folder, "mountpoint": point, "read_only": read_only});
+            let req = Request::Mount {
+                folder: folder.clone(),
+                mountpoint: point.clone(),
+                read_only,
+            };
             match control::request(home, &req)? {
                 None => {
                     eprintln!("meshfs: the daemon is not running; the mount is served by it (`meshfs daemon`)");
@@ -533,12 +544,14 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             }
         }
         Command::Unmount { folder } => {
-            Config::load(home)?
-                .folder(&folder)
-                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
+            Config::load(home)?.folder(&folder).ok_or_else(|| {
+                anyhow!("no folder {:?} (see `meshfs folder list`)", folder.as_str())
+            })?;
             match control::request(
                 home,
-                &serde_json::json!({"op": "unmount", "folder": folder}),
+                &Request::Unmount {
+                    folder: folder.clone(),
+                },
             )? {
                 None => {
                     eprintln!("meshfs: the daemon is not running, so nothing of it is mounted");
@@ -597,10 +610,15 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             Ok(0)
         }
         Command::Scan { folder } => {
-            Config::load(home)?
-                .folder(&folder)
-                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
-            match control::request(home, &serde_json::json!({"op": "scan", "folder": folder}))? {
+            Config::load(home)?.folder(&folder).ok_or_else(|| {
+                anyhow!("no folder {:?} (see `meshfs folder list`)", folder.as_str())
+            })?;
+            match control::request(
+                home,
+                &Request::Scan {
+                    folder: folder.clone(),
+                },
+            )? {
                 None => {
                     eprintln!("meshfs: the daemon is not running; changes are picked up when it starts (`meshfs daemon`)");
                     Ok(EXIT_NO_DAEMON)
@@ -636,12 +654,11 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         ),
         Command::Journal(args) => journal_cmd::run(home, args),
         Command::Conflicts { folder, json } => {
-            let fid = FolderId::new(&folder)?;
-            Config::load(home)?
-                .folder(&folder)
-                .ok_or_else(|| anyhow!("no folder {folder:?} (see `meshfs folder list`)"))?;
+            Config::load(home)?.folder(&folder).ok_or_else(|| {
+                anyhow!("no folder {:?} (see `meshfs folder list`)", folder.as_str())
+            })?;
             let j = meshfs_daemon::journal::Journal::open(&home.journal_file())?;
-            let list = meshfs_daemon::conflicts::list(&j, &fid);
+            let list = meshfs_daemon::conflicts::list(&j, &folder);
             if json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
             } else if list.is_empty() {
@@ -664,10 +681,13 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
 
 /// `folder add`: every check runs before anything is created, and a refusal (here, when the
 /// config is saved, or by a running daemon) leaves the disk and the config as they were.
-fn folder_add(home: &Home, path: &std::path::Path, id: &str) -> anyhow::Result<()> {
+fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Result<()> {
     let old = Config::load(home)?;
     if old.folder(id).is_some() {
-        bail!("a folder with id {id:?} already exists (see `meshfs folder list`)");
+        bail!(
+            "a folder with id {:?} already exists (see `meshfs folder list`)",
+            id.as_str()
+        );
     }
     let real = meshfs_daemon::config::real_path(path);
     let existing = real
@@ -702,13 +722,13 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &str) -> anyhow::Result<(
         bail!(
             "{} overlaps folder {:?} at {}; folders must not nest",
             real.display(),
-            f.id,
+            f.id.as_str(),
             f.path.display()
         );
     }
     let mut new = old.clone();
     new.folders.push(FolderConfig {
-        id: id.to_string(),
+        id: id.clone(),
         path: real.clone(),
         watch: true,
         mount: None,

@@ -4,7 +4,7 @@
 
 use crate::{EXIT_NO_DAEMON, EXIT_TIMEOUT};
 use meshfs_daemon::config::{Config, ConfigError, Home};
-use meshfs_daemon::control;
+use meshfs_daemon::control::{self, Request};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -37,7 +37,7 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
     let mut stable = 0;
     let mut waited_for_daemon = false;
     loop {
-        let Some(st) = control::request(home, &serde_json::json!({"op": "status"}))? else {
+        let Some(st) = control::request(home, &Request::Status)? else {
             // Started a moment ago (`meshfs daemon &`), its socket may not be up yet.
             if a.wait_synced && Instant::now() < deadline {
                 waited_for_daemon = true;

@@ -365,3 +365,33 @@ fn status_on_a_home_that_was_never_initialised_says_to_run_init() {
     }
     assert!(!home.exists());
 }
+
+#[test]
+fn the_daemon_answers_an_unknown_control_op_with_an_error_and_keeps_serving() {
+    use std::io::{BufRead, BufReader, Write};
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    a.start();
+    let sock = std::os::unix::net::UnixStream::connect(a.home.join("state/control.sock")).unwrap();
+    let mut w = sock.try_clone().unwrap();
+    let mut r = BufReader::new(sock);
+    let mut ask = |line: &str| -> serde_json::Value {
+        w.write_all(format!("{line}\n").as_bytes()).unwrap();
+        let mut reply = String::new();
+        r.read_line(&mut reply).unwrap();
+        serde_json::from_str(&reply).unwrap()
+    };
+    let reply = ask(r#"{"op":"frobnicate"}"#);
+    assert_eq!(reply["ok"], false);
+    assert!(
+        reply["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown op \"frobnicate\""),
+        "{reply}"
+    );
+    // The same connection still answers.
+    let status = ask(r#"{"op":"status"}"#);
+    assert_eq!(status["folders"][0]["id"], "work", "{status}");
+    a.stop();
+}

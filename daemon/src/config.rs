@@ -127,13 +127,30 @@ pub enum ConfigError {
         /// What happened.
         source: std::io::Error,
     },
-    /// The file is not valid TOML for a meshfs config.
-    #[error("{path}: {message}")]
+    /// The file is not valid TOML for a meshfs config (this includes a malformed folder or
+    /// device id).
+    #[error("{path}: {source}")]
     Parse {
         /// Which file.
         path: PathBuf,
-        /// The parser's explanation, naming the field.
-        message: String,
+        /// The parser's explanation, with the line and the value at fault.
+        source: toml::de::Error,
+    },
+    /// The config could not be written as TOML.
+    #[error("cannot write the config {path}: {source}")]
+    Encode {
+        /// Which file.
+        path: PathBuf,
+        /// What the encoder refused.
+        source: toml::ser::Error,
+    },
+    /// `device.listen` is not an address this device can listen on.
+    #[error("{path}: field `device.listen`: {source}")]
+    Listen {
+        /// Which file.
+        path: PathBuf,
+        /// What is wrong with the address.
+        source: ListenError,
     },
     /// A field has a value meshfs cannot use.
     #[error("{path}: field `{field}`: {message}")]
@@ -206,8 +223,8 @@ impl Default for Options {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct FolderConfig {
-    /// The folder id shared with peers.
-    pub id: String,
+    /// The folder id shared with peers (a malformed one is refused when the file is read).
+    pub id: FolderId,
     /// The replica directory.
     pub path: PathBuf,
     /// Watch the directory with inotify (on by default). The mount reports its own changes;
@@ -228,8 +245,9 @@ fn yes() -> bool {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PeerConfig {
-    /// The peer's device id (as `meshfs id` prints it on that device).
-    pub id: String,
+    /// The peer's device id, written as `meshfs id` prints it on that device.
+    #[serde(with = "device_id_text")]
+    pub id: DeviceId,
     /// A name for people.
     #[serde(default)]
     pub name: String,
@@ -238,7 +256,25 @@ pub struct PeerConfig {
     pub addr: String,
     /// Folder ids shared with it.
     #[serde(default)]
-    pub folders: Vec<String>,
+    pub folders: Vec<FolderId>,
+}
+
+/// A [`DeviceId`] in the config is the text `meshfs id` prints, not the bytes the wire
+/// carries; a malformed one fails the parse with the value quoted (the parser adds the file's
+/// line).
+mod device_id_text {
+    use meshfs_protocol::DeviceId;
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &DeviceId, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(id)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DeviceId, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse()
+            .map_err(|e| D::Error::custom(format!("{text:?} is not a device id: {e}")))
+    }
 }
 
 impl Config {
@@ -265,9 +301,9 @@ impl Config {
             }
             Err(source) => return Err(ConfigError::Io { path, source }),
         };
-        let config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        let config: Config = toml::from_str(&text).map_err(|source| ConfigError::Parse {
             path: path.clone(),
-            message: e.to_string(),
+            source,
         })?;
         config.validate(home)?;
         Ok(config)
@@ -281,9 +317,9 @@ impl Config {
             source,
         };
         std::fs::create_dir_all(&home.config_dir).map_err(io)?;
-        let text = toml::to_string_pretty(self).map_err(|e| ConfigError::Parse {
+        let text = toml::to_string_pretty(self).map_err(|source| ConfigError::Encode {
             path: path.clone(),
-            message: e.to_string(),
+            source,
         })?;
         let tmp = home.config_dir.join(".config.toml.tmp");
         {
@@ -311,21 +347,17 @@ impl Config {
         if self.device.listen.parse::<SocketAddr>().is_err()
             && !looks_like_host_port(&self.device.listen)
         {
-            return Err(invalid(
-                "device.listen".into(),
-                format!(
-                    "{:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)",
-                    self.device.listen
-                ),
-            ));
+            return Err(ConfigError::Listen {
+                path: path.clone(),
+                source: ListenError::NotHostPort(self.device.listen.clone()),
+            });
         }
         let mut seen = std::collections::HashSet::new();
         for (i, f) in self.folders.iter().enumerate() {
-            FolderId::new(&f.id).map_err(|e| invalid(format!("folder[{i}].id"), e.to_string()))?;
-            if !seen.insert(f.id.clone()) {
+            if !seen.insert(&f.id) {
                 return Err(invalid(
                     format!("folder[{i}].id"),
-                    format!("folder {:?} is listed twice", f.id),
+                    format!("folder {:?} is listed twice", f.id.as_str()),
                 ));
             }
             if !f.path.is_absolute() {
@@ -353,7 +385,7 @@ impl Config {
                     format!(
                         "{} overlaps folder {:?} at {}; folders must not nest",
                         f.path.display(),
-                        other.id,
+                        other.id.as_str(),
                         other.path.display()
                     ),
                 ));
@@ -361,10 +393,7 @@ impl Config {
         }
         let mut seen = std::collections::HashSet::new();
         for (i, p) in self.peers.iter().enumerate() {
-            let id: DeviceId = p.id.parse().map_err(|e: meshfs_protocol::DeviceIdError| {
-                invalid(format!("peer[{i}].id"), e.to_string())
-            })?;
-            if !seen.insert(id) {
+            if !seen.insert(p.id) {
                 return Err(invalid(
                     format!("peer[{i}].id"),
                     "this peer is listed twice".into(),
@@ -377,10 +406,13 @@ impl Config {
                 ));
             }
             for (j, f) in p.folders.iter().enumerate() {
-                if !self.folders.iter().any(|x| &x.id == f) {
+                if self.folder(f).is_none() {
                     return Err(invalid(
                         format!("peer[{i}].folders[{j}]"),
-                        format!("no folder {f:?} in this config (add it with `meshfs folder add`)"),
+                        format!(
+                            "no folder {:?} in this config (add it with `meshfs folder add`)",
+                            f.as_str()
+                        ),
                     ));
                 }
             }
@@ -389,64 +421,76 @@ impl Config {
     }
 
     /// The folder with this id.
-    pub fn folder(&self, id: &str) -> Option<&FolderConfig> {
-        self.folders.iter().find(|f| f.id == id)
+    pub fn folder(&self, id: &FolderId) -> Option<&FolderConfig> {
+        self.folders.iter().find(|f| &f.id == id)
     }
 
     /// The peer with this device id.
     pub fn peer(&self, id: &DeviceId) -> Option<&PeerConfig> {
-        self.peers
-            .iter()
-            .find(|p| p.id.parse::<DeviceId>().ok().as_ref() == Some(id))
+        self.peers.iter().find(|p| &p.id == id)
     }
 
     /// Mutable access to the peer with this device id.
     pub fn peer_mut(&mut self, id: &DeviceId) -> Option<&mut PeerConfig> {
-        self.peers
-            .iter_mut()
-            .find(|p| p.id.parse::<DeviceId>().ok().as_ref() == Some(id))
+        self.peers.iter_mut().find(|p| &p.id == id)
     }
 
     /// The address to listen on: `device.listen` as an IP address, or its host name resolved
     /// (the first IPv4 address, else the first one).
     pub fn listen_addr(&self, home: &Home) -> Result<SocketAddr, ConfigError> {
-        resolve_listen(&self.device.listen).map_err(|message| ConfigError::Invalid {
+        resolve_listen(&self.device.listen).map_err(|source| ConfigError::Listen {
             path: home.config_file(),
-            field: "device.listen".into(),
-            message,
+            source,
         })
     }
 
-    /// Every configured peer's id (config is validated, so all parse).
+    /// Every configured peer's id.
     pub fn peer_ids(&self) -> Vec<DeviceId> {
-        self.peers
-            .iter()
-            .filter_map(|p| p.id.parse().ok())
-            .collect()
+        self.peers.iter().map(|p| p.id).collect()
     }
 }
 
+/// Why a listen address cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    /// Not of the form `HOST:PORT`.
+    #[error("{0:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)")]
+    NotHostPort(String),
+    /// The host name could not be resolved.
+    #[error("cannot resolve {addr:?}: {source}")]
+    Resolve {
+        /// The address as given.
+        addr: String,
+        /// The resolver's error.
+        source: std::io::Error,
+    },
+    /// The host name resolves to nothing.
+    #[error("{0:?} resolves to no address")]
+    NoAddress(String),
+}
+
 /// `IP:PORT`, or `HOST:PORT` resolved (IPv4 preferred, so `localhost` binds where peers given
-/// `127.0.0.1` reach it). The error says what failed.
-pub fn resolve_listen(s: &str) -> Result<SocketAddr, String> {
+/// `127.0.0.1` reach it).
+pub fn resolve_listen(s: &str) -> Result<SocketAddr, ListenError> {
     if let Ok(sa) = s.parse::<SocketAddr>() {
         return Ok(sa);
     }
     if !looks_like_host_port(s) {
-        return Err(format!(
-            "{s:?} is not HOST:PORT (e.g. 0.0.0.0:7788, [::]:7788 or localhost:7900)"
-        ));
+        return Err(ListenError::NotHostPort(s.to_string()));
     }
     use std::net::ToSocketAddrs;
     let all: Vec<SocketAddr> = s
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {s:?}: {e}"))?
+        .map_err(|source| ListenError::Resolve {
+            addr: s.to_string(),
+            source,
+        })?
         .collect();
     all.iter()
         .find(|a| a.is_ipv4())
         .or(all.first())
         .copied()
-        .ok_or_else(|| format!("{s:?} resolves to no address"))
+        .ok_or_else(|| ListenError::NoAddress(s.to_string()))
 }
 
 /// Whether `s` has the shape `HOST:PORT` (IPv6 in brackets).
@@ -467,7 +511,7 @@ mod tests {
         let home = Home::resolve(Some(dir.path()));
         let mut c = Config::new("a", "127.0.0.1:7788");
         c.folders.push(FolderConfig {
-            id: "work".into(),
+            id: FolderId::new("work").unwrap(),
             path: "/tmp/w".into(),
             watch: true,
             mount: None,
@@ -477,6 +521,77 @@ mod tests {
         std::fs::write(home.config_file(), "[device]\nname='a'\nlisten='nope'\n").unwrap();
         let err = Config::load(&home).unwrap_err().to_string();
         assert!(err.contains("device.listen"), "{err}");
+    }
+
+    #[test]
+    fn ids_are_written_as_text_and_read_back_typed() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let peer = DeviceId::from_bytes([9; 32]);
+        let work = FolderId::new("work").unwrap();
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        c.folders.push(FolderConfig {
+            id: work.clone(),
+            path: "/tmp/w".into(),
+            watch: true,
+            mount: None,
+        });
+        c.peers.push(PeerConfig {
+            id: peer,
+            name: "b".into(),
+            addr: String::new(),
+            folders: vec![work.clone()],
+        });
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(text.contains(&format!("id = \"{peer}\"")), "{text}");
+        assert!(
+            text.contains("id = \"work\"") && text.contains("folders = [\"work\"]"),
+            "{text}"
+        );
+        let back = Config::load(&home).unwrap();
+        assert_eq!(
+            back.peer(&peer).map(|p| &p.folders),
+            Some(&vec![work.clone()])
+        );
+        assert!(back.folder(&work).is_some());
+        assert_eq!(back.peer_ids(), vec![peer]);
+    }
+
+    #[test]
+    fn a_malformed_id_in_the_file_is_refused_naming_the_file_and_the_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        Config::new("a", "127.0.0.1:7788").save(&home).unwrap();
+        let good = std::fs::read_to_string(home.config_file()).unwrap();
+        let peer = DeviceId::from_bytes([9; 32]).to_string();
+        let typo = format!("{}B{}", &peer[..3], &peer[4..]);
+        assert_ne!(typo, peer);
+        let cases = [
+            (
+                "[[folder]]\nid = \"no/slash\"\npath = \"/srv/w\"\n".to_string(),
+                "\"no/slash\"",
+            ),
+            (format!("[[peer]]\nid = \"{typo}\"\n"), typo.as_str()),
+            (
+                "[[peer]]\nid = \"ABC\"\n".to_string(),
+                "\"ABC\" is not a device id",
+            ),
+            (
+                format!("[[peer]]\nid = \"{peer}\"\nfolders = [\".hidden\"]\n"),
+                "\".hidden\"",
+            ),
+        ];
+        for (table, value) in cases {
+            std::fs::write(home.config_file(), format!("{good}\n{table}")).unwrap();
+            let err = Config::load(&home).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{err:?}");
+            let shown = err.to_string();
+            assert!(
+                shown.contains(home.config_file().to_str().unwrap()) && shown.contains(value),
+                "{shown}"
+            );
+        }
     }
 
     #[test]
@@ -497,7 +612,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let home = Home::resolve(Some(&dir.path().join("home")));
         let folder = |id: &str, path: PathBuf| FolderConfig {
-            id: id.into(),
+            id: FolderId::new(id).unwrap(),
             path,
             watch: true,
             mount: None,
@@ -538,6 +653,17 @@ mod tests {
         assert!(
             err.contains("device.listen") && err.contains("HOST:PORT"),
             "{err}"
+        );
+        let err = c.listen_addr(&home).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Listen { source: ListenError::NotHostPort(a), .. } if a == "localhost"),
+            "{err:?}"
+        );
+        let shown = err.to_string();
+        assert!(
+            shown.contains(home.config_file().to_str().unwrap())
+                && shown.contains("field `device.listen`: \"localhost\" is not HOST:PORT"),
+            "{shown}"
         );
     }
 }

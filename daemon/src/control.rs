@@ -1,35 +1,218 @@
 //! The control socket: a Unix socket in the state directory (mode 0600, owner only) through
 //! which the CLI talks to the running daemon. Nothing else listens except the QUIC port.
 //!
-//! Protocol: the client sends one JSON object on one line (`{"op": "status"}`, `{"op": "scan",
-//! "folder": "ID"}`, `{"op": "reload"}`, `{"op": "stop"}`) and reads one JSON object line back.
-//! Errors come back as `{"ok": false, "error": "…"}`.
+//! Protocol: the client sends one [`Request`] as one JSON object on one line (`{"op":
+//! "status"}`, `{"op": "scan", "folder": "ID"}`, `{"op": "reload"}`, `{"op": "stop"}`, …) and
+//! reads one [`Reply`] line back. Errors come back as `{"ok": false, "error": "…"}`. Both
+//! ends use these types, so the CLI and the daemon cannot disagree on the wire form.
 
 use crate::config::Home;
 use crate::engine::Engine;
+use crate::mounts::MountStatus;
+use crate::status::Status;
 use meshfs_protocol::FolderId;
+use serde::{Deserialize, Serialize, Serializer};
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
+/// One request to the daemon: `{"op": "<name>", …fields}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// The `status --json` document.
+    Status,
+    /// Re-read the config.
+    Reload,
+    /// Rescan a folder now.
+    Scan {
+        /// The folder.
+        folder: FolderId,
+    },
+    /// Mount a folder, served by the daemon.
+    Mount {
+        /// The folder.
+        folder: FolderId,
+        /// Where: an existing empty directory.
+        mountpoint: PathBuf,
+        /// Refuse every change through the mount.
+        #[serde(default)]
+        read_only: bool,
+    },
+    /// End a folder's mount (it keeps syncing).
+    Unmount {
+        /// The folder.
+        folder: FolderId,
+    },
+    /// Stop the daemon.
+    Stop,
+}
+
+impl Request {
+    /// Every `op` a daemon of this version answers.
+    pub const OPS: &'static [&'static str] =
+        &["status", "reload", "scan", "mount", "unmount", "stop"];
+
+    /// Reads one request line; the error says what is wrong with it.
+    pub fn parse(line: &str) -> Result<Request, RequestError> {
+        serde_json::from_str(line).map_err(|error| {
+            let value = match serde_json::from_str::<serde_json::Value>(line) {
+                Ok(v) => v,
+                Err(_) => return RequestError::NotJson(error),
+            };
+            match value.get("op").and_then(|op| op.as_str()) {
+                None => RequestError::NoOp,
+                Some(op) if !Request::OPS.contains(&op) => RequestError::UnknownOp(op.to_string()),
+                Some(op) => RequestError::Fields {
+                    op: op.to_string(),
+                    error,
+                },
+            }
+        })
+    }
+}
+
+/// Why a request line was not understood.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// Not a JSON object.
+    #[error("bad request: {0}")]
+    NotJson(serde_json::Error),
+    /// No `op` field, or one that is not a string.
+    #[error("bad request: \"op\" must name one of {}", Request::OPS.join(", "))]
+    NoOp,
+    /// An `op` this daemon does not know: the CLI is probably newer than the daemon.
+    #[error("unknown op {0:?}: this daemon answers {ops}; if `meshfs` was upgraded, restart the daemon", ops = Request::OPS.join(", "))]
+    UnknownOp(String),
+    /// A known `op` with missing or malformed fields.
+    #[error("bad {op} request: {error}")]
+    Fields {
+        /// The op.
+        op: String,
+        /// What is wrong with its fields.
+        error: serde_json::Error,
+    },
+}
+
+/// The daemon's answer to a [`Request`].
+#[derive(Clone, Debug)]
+pub enum Reply {
+    /// To `status`: the document itself (no `ok` field).
+    Status(Box<Status>),
+    /// `{"ok": true}`.
+    Done,
+    /// To `scan`: `{"ok": true, "changes": N}`, the new versions journaled.
+    Scanned(usize),
+    /// To `mount`: `{"ok": true, "mount": {…}}`.
+    Mounted(MountStatus),
+    /// To `unmount`: `{"ok": true, "mountpoint": "…"}`, where it was mounted.
+    Unmounted(PathBuf),
+    /// `{"ok": false, "error": "…"}`.
+    Failed(String),
+}
+
+impl Reply {
+    /// A failure, with the error's message.
+    pub fn failed(error: impl std::fmt::Display) -> Reply {
+        Reply::Failed(error.to_string())
+    }
+}
+
+impl Serialize for Reply {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        if let Reply::Status(st) = self {
+            return st.serialize(s);
+        }
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("ok", &!matches!(self, Reply::Failed(_)))?;
+        match self {
+            Reply::Status(_) | Reply::Done => {}
+            Reply::Scanned(changes) => m.serialize_entry("changes", changes)?,
+            Reply::Mounted(mount) => m.serialize_entry("mount", mount)?,
+            Reply::Unmounted(point) => m.serialize_entry("mountpoint", point)?,
+            Reply::Failed(error) => m.serialize_entry("error", error)?,
+        }
+        m.end()
+    }
+}
+
+/// Why the control socket could not be opened or a daemon could not be asked.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// Another daemon answers on this home's socket.
+    #[error("a meshfs daemon is already running for {home} (control socket {socket})")]
+    AlreadyRunning {
+        /// The config directory.
+        home: PathBuf,
+        /// Its control socket.
+        socket: PathBuf,
+    },
+    /// Creating the socket (or removing a stale one) failed.
+    #[error("cannot open the control socket {path}: {source}")]
+    Bind {
+        /// The socket or its directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A socket is there but connecting to it failed.
+    #[error("cannot reach the daemon at {path}: {source}")]
+    Unreachable {
+        /// The socket.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Sending the request or reading the reply failed.
+    #[error("talking to the daemon at {path} failed: {source}")]
+    Io {
+        /// The socket.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The daemon hung up without a reply.
+    #[error("the daemon closed the control connection without answering (socket {path})")]
+    NoAnswer {
+        /// The socket.
+        path: PathBuf,
+    },
+    /// The request cannot be written as JSON (a mount point that is not UTF-8).
+    #[error("cannot send the request to the daemon: {0}")]
+    Encode(serde_json::Error),
+    /// The reply is not JSON.
+    #[error("the daemon at {path} sent a reply that is not JSON: {source}")]
+    BadReply {
+        /// The socket.
+        path: PathBuf,
+        /// The parser's explanation.
+        source: serde_json::Error,
+    },
+}
+
 /// Binds the control socket (replacing a stale one) with mode 0600.
-pub fn bind(home: &Home) -> anyhow::Result<UnixListener> {
+pub fn bind(home: &Home) -> Result<UnixListener, ControlError> {
     let path = home.control_socket();
+    let failed = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ControlError::Bind { path, source }
+    };
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(&path).is_ok() {
-            anyhow::bail!(
-                "a meshfs daemon is already running for {} (control socket {})",
-                home.config_dir.display(),
-                path.display()
-            );
+            return Err(ControlError::AlreadyRunning {
+                home: home.config_dir.clone(),
+                socket: path,
+            });
         }
-        std::fs::remove_file(&path)?;
+        std::fs::remove_file(&path).map_err(failed(&path))?;
     }
-    std::fs::create_dir_all(&home.state_dir)?;
-    let listener = UnixListener::bind(&path)?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    std::fs::create_dir_all(&home.state_dir).map_err(failed(&home.state_dir))?;
+    let listener = UnixListener::bind(&path).map_err(failed(&path))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .map_err(failed(&path))?;
     Ok(listener)
 }
 
@@ -66,88 +249,75 @@ async fn handle(
     let (r, mut w) = stream.into_split();
     let mut lines = BufReader::new(r).lines();
     while let Some(line) = lines.next_line().await? {
-        let reply = match serde_json::from_str::<serde_json::Value>(&line) {
-            Err(e) => serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
-            Ok(req) => match req.get("op").and_then(|v| v.as_str()).unwrap_or("") {
-                // On a blocking thread: status reads the journal, whose lock an install holds
-                // for tens of milliseconds, and `--wait-synced` asks every 10–25 ms; a runtime
-                // worker waiting on it would stall the connections it drives.
-                "status" => {
-                    let engine = engine.clone();
-                    tokio::task::spawn_blocking(move || engine.status())
-                        .await
-                        .unwrap_or_else(
-                            |e| serde_json::json!({"ok": false, "error": e.to_string()}),
-                        )
-                }
-                "reload" => match engine.reload().await {
-                    Ok(()) => serde_json::json!({"ok": true}),
-                    Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
-                },
-                "scan" => {
-                    let folder = req.get("folder").and_then(|v| v.as_str()).unwrap_or("");
-                    match FolderId::new(folder) {
-                        Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
-                        Ok(f) => match engine.scan_paths(&f, Vec::new()).await {
-                            Ok(n) => serde_json::json!({"ok": true, "changes": n}),
-                            Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
-                        },
-                    }
-                }
-                "mount" | "unmount" => mount_op(&engine, &req).await,
-                "stop" => {
-                    stop.notify_one();
-                    serde_json::json!({"ok": true})
-                }
-                other => serde_json::json!({"ok": false, "error": format!("unknown op {other:?}")}),
-            },
+        let reply = match Request::parse(&line) {
+            Err(e) => Reply::failed(e),
+            Ok(req) => answer(&engine, req, &stop).await,
         };
-        let mut out = reply.to_string();
+        let mut out = serde_json::to_string(&reply).unwrap_or_else(|e| {
+            serde_json::json!({"ok": false, "error": e.to_string()}).to_string()
+        });
         out.push('\n');
         w.write_all(out.as_bytes()).await?;
     }
     Ok(())
 }
 
-/// `mount` (`folder`, `mountpoint`, `read_only`) and `unmount` (`folder`), on a blocking
-/// thread: mounting and unmounting wait for the kernel.
-async fn mount_op(engine: &Arc<Engine>, req: &serde_json::Value) -> serde_json::Value {
-    let folder = req.get("folder").and_then(|v| v.as_str()).unwrap_or("");
-    let folder = match FolderId::new(folder) {
-        Ok(f) => f,
-        Err(e) => return serde_json::json!({"ok": false, "error": e.to_string()}),
-    };
-    let engine = engine.clone();
-    let op = req
-        .get("op")
-        .and_then(|v| v.as_str())
-        .unwrap_or("")
-        .to_string();
-    let point = req
-        .get("mountpoint")
-        .and_then(|v| v.as_str())
-        .map(std::path::PathBuf::from);
-    let read_only = req.get("read_only").and_then(|v| v.as_bool()) == Some(true);
-    let done = tokio::task::spawn_blocking(move || match (op.as_str(), point) {
-        ("mount", Some(p)) => engine
-            .mount(&folder, &p, read_only)
-            .map(|m| serde_json::json!({"ok": true, "mount": m})),
-        ("mount", None) => Err("mount needs a mountpoint".to_string()),
-        _ => engine
-            .unmount(&folder)
-            .map(|p| serde_json::json!({"ok": true, "mountpoint": p})),
-    })
-    .await;
-    match done {
-        Ok(Ok(v)) => v,
-        Ok(Err(e)) => serde_json::json!({"ok": false, "error": e}),
-        Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
+/// Carries out one request. Status, mount and unmount run on a blocking thread: status reads
+/// the journal, whose lock an install holds for tens of milliseconds (and `--wait-synced`
+/// asks every 10–25 ms), and mounting waits for the kernel; a runtime worker waiting on them
+/// would stall the connections it drives.
+async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) -> Reply {
+    match req {
+        Request::Status => blocking(engine, |e| Reply::Status(Box::new(e.status()))).await,
+        Request::Reload => match engine.reload().await {
+            Ok(()) => Reply::Done,
+            Err(e) => Reply::failed(e),
+        },
+        Request::Scan { folder } => match engine.scan_paths(&folder, Vec::new()).await {
+            Ok(n) => Reply::Scanned(n),
+            Err(e) => Reply::failed(e),
+        },
+        Request::Mount {
+            folder,
+            mountpoint,
+            read_only,
+        } => {
+            blocking(engine, move |e| {
+                match e.mount(&folder, &mountpoint, read_only) {
+                    Ok(m) => Reply::Mounted(m),
+                    Err(e) => Reply::Failed(e),
+                }
+            })
+            .await
+        }
+        Request::Unmount { folder } => {
+            blocking(engine, move |e| match e.unmount(&folder) {
+                Ok(point) => Reply::Unmounted(point),
+                Err(e) => Reply::Failed(e),
+            })
+            .await
+        }
+        Request::Stop => {
+            stop.notify_one();
+            Reply::Done
+        }
     }
+}
+
+/// Runs `f` on a blocking thread (see [`answer`] for why).
+async fn blocking(
+    engine: &Arc<Engine>,
+    f: impl FnOnce(&Engine) -> Reply + Send + 'static,
+) -> Reply {
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || f(&engine))
+        .await
+        .unwrap_or_else(Reply::failed)
 }
 
 /// Sends one request to the daemon of `home` and returns its reply; `Ok(None)` when no daemon
 /// is running there.
-pub fn request(home: &Home, req: &serde_json::Value) -> anyhow::Result<Option<serde_json::Value>> {
+pub fn request(home: &Home, req: &Request) -> Result<Option<serde_json::Value>, ControlError> {
     use std::io::{BufRead, Write};
     let path = home.control_socket();
     let stream = match std::os::unix::net::UnixStream::connect(&path) {
@@ -160,21 +330,26 @@ pub fn request(home: &Home, req: &serde_json::Value) -> anyhow::Result<Option<se
         {
             return Ok(None)
         }
-        Err(e) => {
-            return Err(anyhow::anyhow!(
-                "cannot reach the daemon at {}: {e}",
-                path.display()
-            ))
-        }
+        Err(source) => return Err(ControlError::Unreachable { path, source }),
     };
-    let mut w = stream.try_clone()?;
-    w.write_all(format!("{req}\n").as_bytes())?;
-    let mut line = String::new();
-    std::io::BufReader::new(stream).read_line(&mut line)?;
+    let io = |source| ControlError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut line = serde_json::to_string(req).map_err(ControlError::Encode)?;
+    line.push('\n');
+    let mut w = stream.try_clone().map_err(io)?;
+    w.write_all(line.as_bytes()).map_err(io)?;
+    line.clear();
+    std::io::BufReader::new(stream)
+        .read_line(&mut line)
+        .map_err(io)?;
     if line.is_empty() {
-        anyhow::bail!("the daemon closed the control connection without answering");
+        return Err(ControlError::NoAnswer { path });
     }
-    Ok(Some(serde_json::from_str(&line)?))
+    serde_json::from_str(&line)
+        .map(Some)
+        .map_err(|source| ControlError::BadReply { path, source })
 }
 
 /// Runs the daemon for `home` until SIGINT/SIGTERM or a `stop` request. Under systemd
@@ -224,5 +399,135 @@ fn sd_notify(state: &str) {
     });
     if let Err(e) = sent {
         tracing::warn!(socket = ?path, error = %e, "cannot notify the service manager");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn work() -> FolderId {
+        FolderId::new("work").unwrap()
+    }
+
+    /// What the CLI has always sent, op by op, and the request it means.
+    fn wire() -> Vec<(Value, Request)> {
+        vec![
+            (json!({"op": "status"}), Request::Status),
+            (json!({"op": "reload"}), Request::Reload),
+            (json!({"op": "stop"}), Request::Stop),
+            (
+                json!({"op": "scan", "folder": "work"}),
+                Request::Scan { folder: work() },
+            ),
+            (
+                json!({"op": "mount", "folder": "work", "mountpoint": "/home/u/w", "read_only": true}),
+                Request::Mount {
+                    folder: work(),
+                    mountpoint: "/home/u/w".into(),
+                    read_only: true,
+                },
+            ),
+            (
+                json!({"op": "unmount", "folder": "work"}),
+                Request::Unmount { folder: work() },
+            ),
+        ]
+    }
+
+    #[test]
+    fn requests_keep_the_wire_form_the_cli_has_always_sent() {
+        for (line, req) in wire() {
+            assert_eq!(serde_json::to_value(&req).unwrap(), line);
+            assert_eq!(Request::parse(&line.to_string()).unwrap(), req);
+        }
+        let mut sent: Vec<String> = wire().iter().map(|(l, _)| l["op"].to_string()).collect();
+        let mut known: Vec<String> = Request::OPS.iter().map(|o| json!(o).to_string()).collect();
+        sent.sort();
+        known.sort();
+        assert_eq!(sent, known, "Request::OPS lists every op");
+    }
+
+    #[test]
+    fn a_mount_request_without_read_only_mounts_read_write() {
+        let req = Request::parse(r#"{"op":"mount","folder":"work","mountpoint":"/m"}"#).unwrap();
+        assert!(matches!(
+            req,
+            Request::Mount {
+                read_only: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn an_unknown_op_is_answered_with_an_error_naming_it_and_the_ops_there_are() {
+        let err = Request::parse(r#"{"op":"frobnicate","folder":"work"}"#).unwrap_err();
+        assert!(
+            matches!(&err, RequestError::UnknownOp(op) if op == "frobnicate"),
+            "{err:?}"
+        );
+        let reply = serde_json::to_value(Reply::failed(&err)).unwrap();
+        assert_eq!(reply["ok"], false);
+        let text = reply["error"].as_str().unwrap();
+        assert!(
+            text.contains("unknown op \"frobnicate\"") && text.contains("status, reload, scan"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn malformed_requests_say_what_is_wrong() {
+        let cases = [
+            ("not json", "bad request"),
+            (r#"{"folder":"work"}"#, "\"op\" must name one of status"),
+            (r#"{"op":3}"#, "\"op\" must name one of status"),
+            (
+                r#"{"op":"scan"}"#,
+                "bad scan request: missing field `folder`",
+            ),
+            (
+                r#"{"op":"scan","folder":"a/b"}"#,
+                "invalid folder id \"a/b\"",
+            ),
+            (
+                r#"{"op":"mount","folder":"work"}"#,
+                "missing field `mountpoint`",
+            ),
+        ];
+        for (line, says) in cases {
+            let err = Request::parse(line).unwrap_err().to_string();
+            assert!(err.contains(says), "{line}: {err}");
+        }
+    }
+
+    #[test]
+    fn replies_keep_their_wire_form() {
+        let cases = [
+            (Reply::Done, json!({"ok": true})),
+            (Reply::Scanned(3), json!({"ok": true, "changes": 3})),
+            (
+                Reply::Unmounted("/home/u/w".into()),
+                json!({"ok": true, "mountpoint": "/home/u/w"}),
+            ),
+            (
+                Reply::Mounted(MountStatus {
+                    mountpoint: "/m".into(),
+                    mode: "read-only",
+                    passthrough: false,
+                    open_handles: 0,
+                }),
+                json!({"ok": true, "mount": {"mountpoint": "/m", "mode": "read-only",
+                       "passthrough": false, "open_handles": 0}}),
+            ),
+            (
+                Reply::failed("folder work is not mounted"),
+                json!({"ok": false, "error": "folder work is not mounted"}),
+            ),
+        ];
+        for (reply, want) in cases {
+            assert_eq!(serde_json::to_value(&reply).unwrap(), want);
+        }
     }
 }

@@ -106,8 +106,8 @@ impl Engine {
             engine.start_folder(f).await?;
         }
         for f in &first.folders {
-            if let (Some(point), Ok(id)) = (&f.mount, FolderId::new(&f.id)) {
-                let (e, point) = (engine.clone(), point.clone());
+            if let Some(point) = &f.mount {
+                let (e, id, point) = (engine.clone(), f.id.clone(), point.clone());
                 let mounted =
                     tokio::task::spawn_blocking(move || e.mount(&id, &point, false)).await?;
                 match mounted {
@@ -276,7 +276,7 @@ impl Engine {
     }
 
     async fn start_folder(self: &Arc<Self>, f: &crate::config::FolderConfig) -> anyhow::Result<()> {
-        let id = FolderId::new(&f.id)?;
+        let id = f.id.clone();
         let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
         let removed = store.remove_temps();
@@ -379,8 +379,8 @@ impl Engine {
         };
         let mut wanted: HashMap<DeviceId, String> = HashMap::new();
         for p in &config.peers {
-            if let (Ok(id), false) = (p.id.parse::<DeviceId>(), p.addr.is_empty()) {
-                wanted.insert(id, p.addr.clone());
+            if !p.addr.is_empty() {
+                wanted.insert(p.id, p.addr.clone());
             }
         }
         dialers.retain(|id, (addr, stop)| {
@@ -417,14 +417,14 @@ impl Engine {
         for id in &new_ids {
             self.trust.add(*id);
         }
-        let running: HashSet<String> = self.folders.ids().iter().map(|k| k.to_string()).collect();
+        let running: HashSet<FolderId> = self.folders.ids();
         for f in &new.folders {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
             }
         }
-        let wanted: HashSet<String> = new.folders.iter().map(|f| f.id.clone()).collect();
-        for rt in self.folders.retain(|id| wanted.contains(id.as_str())) {
+        let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
+        for rt in self.folders.retain(|id| wanted.contains(id)) {
             if let Ok(mut w) = rt.watcher.lock() {
                 *w = None;
             }
@@ -463,13 +463,10 @@ impl Engine {
         }
     }
 
-    /// The daemon's state as the `status --json` document (see `docs/cli.md`).
-    ///
-    /// A folder is `in_sync` when its own work is done (nothing waits in capture, the first
-    /// scan is over, no remote version waits for a writer, receiving is not blocked) and every
-    /// peer sharing it is connected and caught up both ways; `in_sync_with_connected` asks the
-    /// latter only of the peers that are connected.
-    pub fn status(&self) -> serde_json::Value {
+    /// The daemon's state as the `status --json` document: gathers a snapshot, and
+    /// [`crate::status::build`] decides what it means.
+    pub fn status(&self) -> crate::status::Status {
+        use crate::status::{DeviceSnapshot, FolderSnapshot, LocalWork, PeerSnapshot, Snapshot};
         let config = self.config();
         let folders: Vec<Arc<FolderRt>> = self.folders.all();
         // The journal first, in one hold, and not under the peers lock: an install can hold
@@ -487,6 +484,29 @@ impl Engine {
                 .collect(),
             Err(_) => vec![Default::default(); folders.len()],
         };
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        let folders = folders
+            .into_iter()
+            .zip(journaled)
+            .map(|(rt, (counts, sequence, conflicts))| FolderSnapshot {
+                id: rt.id.clone(),
+                path: rt.store.root().to_path_buf(),
+                counts,
+                sequence,
+                conflicts,
+                local: LocalWork {
+                    capture_pending: rt.capture_pending.load(relaxed),
+                    scanning: rt.scanning.load(relaxed),
+                    waiting_for_writers: rt.deferred_count(),
+                    blocked: rt.blocked(),
+                },
+                skipped: rt.skipped(),
+                mount: rt.mount.lock().ok().and_then(|m| {
+                    m.as_ref()
+                        .map(|m| crate::mounts::MountStatus::from(m.info()))
+                }),
+            })
+            .collect();
         let peers = self.net.peers.lock().ok();
         let traffic = self.traffic.lock().ok().map(|mut t| {
             if let Some(p) = &peers {
@@ -494,129 +514,37 @@ impl Engine {
             }
             t
         });
-        let last_seen_unix = |pid: &DeviceId| {
-            peers
-                .as_ref()
-                .and_then(|x| x.last_seen.get(pid).copied())
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map(|d| d.as_secs())
-        };
-        let mut folders_json = Vec::new();
-        let mut all_synced = true;
-        let mut all_synced_connected = true;
-        for (rt, (counts, max, conflicts)) in folders.into_iter().zip(journaled) {
-            let capture_pending = rt
-                .capture_pending
-                .load(std::sync::atomic::Ordering::Relaxed);
-            let mut peer_list = Vec::new();
-            let scanning = rt.scanning.load(std::sync::atomic::Ordering::Relaxed);
-            let waiting_for_writers = rt.deferred_count();
-            let blocked = rt.blocked();
-            let local_done =
-                capture_pending == 0 && !scanning && waiting_for_writers == 0 && blocked.is_none();
-            let mut folder_synced = local_done;
-            let mut folder_synced_connected = local_done;
-            let mut all_connected = true;
-            for p in &config.peers {
-                if !p.folders.iter().any(|f| f == rt.id.as_str()) {
-                    continue;
-                }
-                let Ok(pid) = p.id.parse::<DeviceId>() else {
-                    continue;
-                };
-                let connected = peers.as_ref().is_some_and(|x| x.link(&pid).is_some());
-                let s = peers
+        let peer_snapshots = config
+            .peers
+            .iter()
+            .map(|p| PeerSnapshot {
+                config: p.clone(),
+                rtt: peers.as_ref().and_then(|x| x.stats(&p.id)).map(|s| s.rtt),
+                last_seen_unix: peers
                     .as_ref()
-                    .and_then(|x| x.sync.get(&(pid, rt.id.clone())).cloned());
-                let in_sync =
-                    connected && s.as_ref().is_some_and(|s| s.in_sync && s.our_acked >= max);
-                // In sync means with every peer sharing the folder: a peer that is down (or
-                // never came) has not got our changes. `in_sync_with_connected` is the weaker
-                // claim, for scripts that only care about the peers reachable now.
-                folder_synced &= in_sync;
-                folder_synced_connected &= in_sync || !connected;
-                all_connected &= connected;
-                peer_list.push(serde_json::json!({
-                    "device_id": pid.to_string(),
-                    "name": p.name,
-                    "connected": connected,
-                    "in_sync": in_sync,
-                    "our_sequence": max,
-                    "acked_by_peer": s.as_ref().map_or(0, |s| s.our_acked),
-                    "their_sequence": s.as_ref().map_or(0, |s| s.their_known_max),
-                    "applied_from_peer": s.as_ref().map_or(0, |s| s.their_applied),
-                    "pending_records": s.as_ref().map_or(0, |s| max.saturating_sub(s.our_acked)),
-                    "last_seen_unix": last_seen_unix(&pid),
-                }));
-            }
-            all_synced &= folder_synced;
-            all_synced_connected &= folder_synced_connected;
-            folders_json.push(serde_json::json!({
-                "id": rt.id.to_string(),
-                "path": rt.store.root().display().to_string(),
-                "files": counts.files,
-                "dirs": counts.dirs,
-                "symlinks": counts.symlinks,
-                "bytes": counts.bytes,
-                "tombstones": counts.tombstones,
-                "sequence": max,
-                "capture_pending": capture_pending,
-                "scanning": scanning,
-                "conflicts": conflicts,
-                "waiting_for_writers": waiting_for_writers,
-                "skipped": rt.skipped().into_iter().map(|(p, e)| serde_json::json!({"path": p.as_str(), "error": e})).collect::<Vec<_>>(),
-                "blocked": blocked,
-                "mount": rt.mount.lock().ok().and_then(|m| m.as_ref().map(|m| crate::mounts::MountStatus::from(m.info()))),
-                "in_sync": folder_synced,
-                "in_sync_with_connected": folder_synced_connected,
-                "peers_connected": all_connected,
-                "peers": peer_list,
-            }));
-        }
-        let mut peers_json = Vec::new();
-        for p in &config.peers {
-            let Ok(pid) = p.id.parse::<DeviceId>() else {
-                continue;
-            };
-            let stats = peers.as_ref().and_then(|x| x.stats(&pid));
-            let (bytes_sent, bytes_received) = traffic.as_ref().map_or((0, 0), |t| t.peer(&pid));
-            peers_json.push(serde_json::json!({
-                "device_id": pid.to_string(),
-                "short_id": pid.short().display7(),
-                "name": p.name,
-                "addr": p.addr,
-                "folders": p.folders,
-                "connected": stats.is_some(),
-                "rtt_ms": stats.as_ref().map(|s| s.rtt.as_secs_f64() * 1000.0),
-                "bytes_sent": bytes_sent,
-                "bytes_received": bytes_received,
-                "last_seen_unix": last_seen_unix(&pid),
-            }));
-        }
-        let (sent, received) = traffic.as_ref().map_or((0, 0), |t| t.totals());
-        drop(traffic);
-        let refused: Vec<serde_json::Value> = self
-            .trust
-            .refused()
-            .into_iter()
-            .map(|(id, _)| serde_json::json!(id.to_string()))
+                    .and_then(|x| x.last_seen.get(&p.id).copied())
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_secs()),
+                bytes: traffic.as_ref().map_or((0, 0), |t| t.peer(&p.id)),
+            })
             .collect();
-        serde_json::json!({
-            "device": {
-                "id": self.device.to_string(),
-                "short_id": self.short.display7(),
-                "name": config.device.name,
-                "listen": config.device.listen,
-                "uptime_secs": self.started.elapsed().as_secs(),
-                "started_unix": crate::folder::now_secs().saturating_sub(self.started.elapsed().as_secs()),
+        let sync = peers.as_ref().map(|p| p.sync.clone()).unwrap_or_default();
+        let bytes = traffic.as_ref().map_or((0, 0), |t| t.totals());
+        drop((traffic, peers));
+        let uptime_secs = self.started.elapsed().as_secs();
+        crate::status::build(Snapshot {
+            device: DeviceSnapshot {
+                id: self.device,
+                name: config.device.name,
+                listen: config.device.listen,
+                uptime_secs,
+                started_unix: crate::folder::now_secs().saturating_sub(uptime_secs),
             },
-            "in_sync": all_synced,
-            "in_sync_with_connected": all_synced_connected,
-            "folders": folders_json,
-            "peers": peers_json,
-            "refused_devices": refused,
-            "bytes_sent": sent,
-            "bytes_received": received,
+            folders,
+            peers: peer_snapshots,
+            sync,
+            refused: self.trust.refused().into_iter().map(|(id, _)| id).collect(),
+            bytes,
         })
     }
 }

@@ -26,6 +26,43 @@ pub const KEY_FILE: &str = "key.der";
 /// enough in the future never to be reached.
 const VALIDITY_YEARS: i32 = 100;
 
+/// Why bytes are not a certificate (or public key) that meshfs can read: what the small DER
+/// walker below found instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DerError {
+    /// The data ends inside an element.
+    #[error("unexpected end of data")]
+    Truncated,
+    /// A tag of more than one byte: X.509 uses none.
+    #[error("multi-byte tags do not occur in a certificate")]
+    MultiByteTag,
+    /// A length in a form DER does not allow, or longer than 4 bytes.
+    #[error("unsupported DER length form 0x{0:02x}")]
+    LengthForm(u8),
+    /// An element's length runs past the end of what contains it.
+    #[error("element longer than its container")]
+    Overlong,
+    /// Another element than the one the structure has at this place.
+    #[error("expected {what} (tag 0x{expected:02x}), found tag 0x{found:02x}")]
+    Tag {
+        /// The element expected.
+        what: &'static str,
+        /// Its tag.
+        expected: u8,
+        /// The tag found.
+        found: u8,
+    },
+    /// Bytes after the certificate.
+    #[error("{0} bytes after the certificate")]
+    Trailing(usize),
+    /// Bytes after the public key in a SubjectPublicKeyInfo.
+    #[error("unexpected data after the public key")]
+    AfterKey,
+    /// The public key is empty or does not fill whole bytes.
+    #[error("empty or non-octet public key")]
+    BadKey,
+}
+
 /// A device's certificate, key and id. A value of this type always holds a certificate whose
 /// SPKI hashes to `device_id`.
 #[derive(Clone)]
@@ -77,7 +114,7 @@ pub enum IdentityError {
     Generate(#[from] rcgen::Error),
     /// Bytes that should be a certificate are not one meshfs can read.
     #[error("not a valid device certificate: {0}")]
-    Certificate(String),
+    Certificate(#[from] DerError),
     /// A file on disk is not what it should be.
     #[error("{path} is damaged: {reason}; restore it from a backup or move the directory away and run `meshfs init` (this device then gets a new id)")]
     Corrupt {
@@ -163,10 +200,10 @@ impl Identity {
             path: path.to_path_buf(),
             reason,
         };
-        let spki = spki_of_cert(&cert_der).map_err(|e| corrupt(&cert_path, e))?;
+        let spki = spki_of_cert(&cert_der).map_err(|e| corrupt(&cert_path, e.to_string()))?;
         let key = rcgen::KeyPair::try_from(key_der.as_slice())
             .map_err(|e| corrupt(&key_path, format!("not a PKCS#8 private key ({e})")))?;
-        let cert_key = subject_public_key(spki).map_err(|e| corrupt(&cert_path, e))?;
+        let cert_key = subject_public_key(spki).map_err(|e| corrupt(&cert_path, e.to_string()))?;
         if key.public_key_raw() != cert_key {
             return Err(corrupt(
                 &key_path,
@@ -195,9 +232,7 @@ impl Identity {
 
 /// The device id of the device presenting `cert_der`: blake3 of its SubjectPublicKeyInfo.
 pub fn device_id_of_cert(cert_der: &[u8]) -> Result<DeviceId, IdentityError> {
-    spki_of_cert(cert_der)
-        .map(DeviceId::from_spki)
-        .map_err(IdentityError::Certificate)
+    Ok(DeviceId::from_spki(spki_of_cert(cert_der)?))
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>, IdentityError> {
@@ -272,26 +307,26 @@ struct Tlv<'a> {
 }
 
 /// Reads the DER element at the start of `input`; returns it and the bytes after it.
-fn next_tlv(input: &[u8]) -> Result<(Tlv<'_>, &[u8]), String> {
-    let (&tag, rest) = input.split_first().ok_or("unexpected end of data")?;
+fn next_tlv(input: &[u8]) -> Result<(Tlv<'_>, &[u8]), DerError> {
+    let (&tag, rest) = input.split_first().ok_or(DerError::Truncated)?;
     if tag & 0x1f == 0x1f {
-        return Err("multi-byte tags do not occur in a certificate".into());
+        return Err(DerError::MultiByteTag);
     }
-    let (&first, rest) = rest.split_first().ok_or("unexpected end of data")?;
+    let (&first, rest) = rest.split_first().ok_or(DerError::Truncated)?;
     let (len, rest) = if first < 0x80 {
         (usize::from(first), rest)
     } else {
         let n = usize::from(first & 0x7f);
         if n == 0 || n > 4 {
-            return Err(format!("unsupported DER length form 0x{first:02x}"));
+            return Err(DerError::LengthForm(first));
         }
-        let bytes = rest.get(..n).ok_or("unexpected end of data")?;
+        let bytes = rest.get(..n).ok_or(DerError::Truncated)?;
         let len = bytes
             .iter()
             .fold(0usize, |acc, &b| (acc << 8) | usize::from(b));
         (len, &rest[n..])
     };
-    let content = rest.get(..len).ok_or("element longer than its container")?;
+    let content = rest.get(..len).ok_or(DerError::Overlong)?;
     let header = input.len() - rest.len();
     let tlv = Tlv {
         tag,
@@ -301,13 +336,18 @@ fn next_tlv(input: &[u8]) -> Result<(Tlv<'_>, &[u8]), String> {
     Ok((tlv, &rest[len..]))
 }
 
-fn expect_tag<'a>(input: &'a [u8], tag: u8, what: &str) -> Result<(Tlv<'a>, &'a [u8]), String> {
+fn expect_tag<'a>(
+    input: &'a [u8],
+    tag: u8,
+    what: &'static str,
+) -> Result<(Tlv<'a>, &'a [u8]), DerError> {
     let (tlv, rest) = next_tlv(input)?;
     if tlv.tag != tag {
-        return Err(format!(
-            "expected {what} (tag 0x{tag:02x}), found tag 0x{:02x}",
-            tlv.tag
-        ));
+        return Err(DerError::Tag {
+            what,
+            expected: tag,
+            found: tlv.tag,
+        });
     }
     Ok((tlv, rest))
 }
@@ -322,10 +362,10 @@ const VERSION_TAG: u8 = 0xa0;
 /// `Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version OPTIONAL,
 /// serialNumber INTEGER, signature SEQUENCE, issuer SEQUENCE, validity SEQUENCE,
 /// subject SEQUENCE, subjectPublicKeyInfo SEQUENCE, … }, … }` (RFC 5280 §4.1).
-fn spki_of_cert(cert_der: &[u8]) -> Result<&[u8], String> {
+fn spki_of_cert(cert_der: &[u8]) -> Result<&[u8], DerError> {
     let (cert, trailing) = expect_tag(cert_der, SEQUENCE, "Certificate")?;
     if !trailing.is_empty() {
-        return Err(format!("{} bytes after the certificate", trailing.len()));
+        return Err(DerError::Trailing(trailing.len()));
     }
     let (tbs, _) = expect_tag(cert.content, SEQUENCE, "TBSCertificate")?;
     let mut rest = tbs.content;
@@ -343,16 +383,16 @@ fn spki_of_cert(cert_der: &[u8]) -> Result<&[u8], String> {
 
 /// The key bytes of a SubjectPublicKeyInfo: `SEQUENCE { algorithm SEQUENCE,
 /// subjectPublicKey BIT STRING }`, without the BIT STRING's unused-bits byte.
-fn subject_public_key(spki_der: &[u8]) -> Result<&[u8], String> {
+fn subject_public_key(spki_der: &[u8]) -> Result<&[u8], DerError> {
     let (spki, _) = expect_tag(spki_der, SEQUENCE, "subjectPublicKeyInfo")?;
     let (_, rest) = expect_tag(spki.content, SEQUENCE, "algorithm")?;
     let (key, rest) = expect_tag(rest, BIT_STRING, "subjectPublicKey")?;
     if !rest.is_empty() {
-        return Err("unexpected data after the public key".into());
+        return Err(DerError::AfterKey);
     }
     match key.content.split_first() {
         Some((0, bits)) if !bits.is_empty() => Ok(bits),
-        _ => Err("empty or non-octet public key".into()),
+        _ => Err(DerError::BadKey),
     }
 }
 
@@ -375,7 +415,24 @@ mod tests {
         for cut in 0..id.cert_der.len() {
             assert!(device_id_of_cert(&id.cert_der[..cut]).is_err());
         }
-        assert!(device_id_of_cert(&[0x30, 0x84, 0xff, 0xff, 0xff, 0xff]).is_err());
+        assert!(matches!(
+            device_id_of_cert(&[0x30, 0x84, 0xff, 0xff, 0xff, 0xff]),
+            Err(IdentityError::Certificate(DerError::Overlong))
+        ));
         assert!(device_id_of_cert(b"not a certificate").is_err());
+        assert!(matches!(
+            device_id_of_cert(&[0x02, 0x01, 0x07]),
+            Err(IdentityError::Certificate(DerError::Tag {
+                what: "Certificate",
+                expected: 0x30,
+                found: 0x02,
+            }))
+        ));
+        let mut trailing = id.cert_der.clone();
+        trailing.push(0);
+        assert!(matches!(
+            device_id_of_cert(&trailing),
+            Err(IdentityError::Certificate(DerError::Trailing(1)))
+        ));
     }
 }

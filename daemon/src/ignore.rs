@@ -14,7 +14,7 @@ use ignore::gitignore::{Gitignore, GitignoreBuilder};
 use meshfs_protocol::RelPath;
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The replicated file's name at the folder root.
 pub const IGNORE_FILE: &str = ".meshignore";
@@ -27,32 +27,69 @@ pub struct IgnoreRules {
     matcher: Gitignore,
 }
 
+/// Why an ignore file's rules are not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum IgnoreFileError {
+    /// It could not be opened: a symlink (never followed), or unreadable.
+    #[error("ignore file {path} not read (a symlink or unreadable: {source}); its rules are not applied")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A directory, FIFO, device or socket in its place.
+    #[error("ignore file {path} is not a regular file; its rules are not applied")]
+    NotRegular {
+        /// The file.
+        path: PathBuf,
+    },
+    /// Reading it failed.
+    #[error("ignore file {path} could not be read ({source}); its rules are not applied")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
 /// The text of an ignore file, read without following a symlink, only from a regular file,
-/// and at most [`MAX_IGNORE_BYTES`]. `None` (with a warning) for anything else.
-fn read_rules(file: &Path) -> Option<String> {
+/// and at most [`MAX_IGNORE_BYTES`] (with a warning when it is longer). `None` when there is
+/// no such file.
+fn read_rules(file: &Path) -> Result<Option<String>, IgnoreFileError> {
     let f = match std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(file)
     {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => {
-            tracing::warn!(file = %file.display(), error = %e, "ignore file not read (a symlink or unreadable); its rules are not applied");
-            return None;
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(IgnoreFileError::Open {
+                path: file.to_path_buf(),
+                source,
+            })
         }
     };
-    let md = f.metadata().ok()?;
+    let read_err = |source| IgnoreFileError::Read {
+        path: file.to_path_buf(),
+        source,
+    };
+    let md = f.metadata().map_err(read_err)?;
     if !md.is_file() {
-        tracing::warn!(file = %file.display(), "ignore file is not a regular file; its rules are not applied");
-        return None;
+        return Err(IgnoreFileError::NotRegular {
+            path: file.to_path_buf(),
+        });
     }
     if md.len() > MAX_IGNORE_BYTES {
         tracing::warn!(file = %file.display(), bytes = md.len(), max = MAX_IGNORE_BYTES, "ignore file too large; only its beginning is read");
     }
     let mut bytes = Vec::new();
-    f.take(MAX_IGNORE_BYTES).read_to_end(&mut bytes).ok()?;
-    Some(String::from_utf8_lossy(&bytes).into_owned())
+    f.take(MAX_IGNORE_BYTES)
+        .read_to_end(&mut bytes)
+        .map_err(read_err)?;
+    Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
 }
 
 impl IgnoreRules {
@@ -62,8 +99,13 @@ impl IgnoreRules {
         let mut b = GitignoreBuilder::new(root);
         let shared = root.join(IGNORE_FILE);
         for file in std::iter::once(shared.as_path()).chain(local) {
-            let Some(text) = read_rules(file) else {
-                continue;
+            let text = match read_rules(file) {
+                Ok(Some(text)) => text,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "ignore file skipped");
+                    continue;
+                }
             };
             for line in text.lines() {
                 if let Err(e) = b.add_line(Some(file.to_path_buf()), line) {
@@ -113,9 +155,15 @@ mod tests {
         std::fs::create_dir(&root).unwrap();
         std::os::unix::fs::symlink(&secret, root.join(IGNORE_FILE)).unwrap();
         assert!(!IgnoreRules::load(&root, None).is_ignored(&p("a.txt"), false));
+        assert!(matches!(
+            read_rules(&root.join(IGNORE_FILE)),
+            Err(IgnoreFileError::Open { path, .. }) if path == root.join(IGNORE_FILE)
+        ));
         std::fs::remove_file(root.join(IGNORE_FILE)).unwrap();
         std::os::unix::fs::symlink("/dev/zero", root.join(IGNORE_FILE)).unwrap();
         assert!(!IgnoreRules::load(&root, None).is_ignored(&p("a.txt"), false));
+        std::fs::remove_file(root.join(IGNORE_FILE)).unwrap();
+        assert!(matches!(read_rules(&root.join(IGNORE_FILE)), Ok(None)));
     }
 
     #[test]
@@ -125,6 +173,11 @@ mod tests {
         // SAFETY: a valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
         assert!(!IgnoreRules::load(d.path(), None).is_ignored(&p("x"), false));
+        let err = read_rules(&d.path().join(IGNORE_FILE)).unwrap_err();
+        assert!(matches!(err, IgnoreFileError::NotRegular { .. }), "{err:?}");
+        assert!(err
+            .to_string()
+            .contains(".meshignore is not a regular file"));
         std::fs::remove_file(d.path().join(IGNORE_FILE)).unwrap();
         let mut big = "*.log\n".to_string();
         big.push_str(&"#".repeat(MAX_IGNORE_BYTES as usize));

@@ -22,6 +22,7 @@ pub(crate) mod mapped;
 pub mod mounts;
 pub mod peers;
 pub mod scanner;
+pub mod status;
 pub mod store;
 pub mod traffic;
 pub mod transport;

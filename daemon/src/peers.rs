@@ -72,7 +72,6 @@ impl Net {
             .and_then(|c| c.peer(peer).map(|p| p.folders.clone()))
             .unwrap_or_default()
             .into_iter()
-            .filter_map(|f| FolderId::new(&f).ok())
             .filter(|f| running.contains(f))
             .collect()
     }

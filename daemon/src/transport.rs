@@ -541,31 +541,47 @@ pub struct Established {
     pub instance: u64,
 }
 
+/// Why a peer's greeting was not read: the connection ended ([`GreetingError::Lost`], a
+/// connection failure like any other), or the peer sent something else (it is closed as a
+/// bad hello or welcome).
+#[derive(Debug, thiserror::Error)]
+enum GreetingError {
+    /// The connection ended.
+    #[error(transparent)]
+    Lost(#[from] ConnectionError),
+    /// The peer reset or stopped the stream.
+    #[error("{0}")]
+    Stream(quinn::ReadError),
+    /// Other bytes than the greeting.
+    #[error("it sent {got:02x?} instead of the meshfs/1 greeting {tag:02x}")]
+    Unexpected {
+        /// What came, up to one byte more than a greeting.
+        got: Vec<u8>,
+        /// The greeting's tag.
+        tag: u8,
+    },
+}
+
 /// Reads a greeting (`tag` then a `u64`) from `recv`: exactly [`GREETING_LEN`] bytes, then
-/// the end of the stream. `Ok(Err(reason))` for anything else the peer sent.
-async fn read_greeting(
-    recv: &mut quinn::RecvStream,
-    tag: u8,
-) -> Result<Result<u64, String>, ConnectionError> {
+/// the end of the stream.
+async fn read_greeting(recv: &mut quinn::RecvStream, tag: u8) -> Result<u64, GreetingError> {
     let mut got = Vec::with_capacity(GREETING_LEN + 1);
     let mut buf = [0u8; GREETING_LEN + 1];
     while got.len() <= GREETING_LEN {
         match recv.read(&mut buf[..GREETING_LEN + 1 - got.len()]).await {
             Ok(Some(n)) => got.extend_from_slice(&buf[..n]),
             Ok(None) => break,
-            Err(quinn::ReadError::ConnectionLost(e)) => return Err(e),
-            Err(e) => return Ok(Err(e.to_string())),
+            Err(quinn::ReadError::ConnectionLost(e)) => return Err(GreetingError::Lost(e)),
+            Err(e) => return Err(GreetingError::Stream(e)),
         }
     }
-    Ok(if got.len() == GREETING_LEN && got[0] == tag {
+    if got.len() == GREETING_LEN && got[0] == tag {
         let mut n = [0u8; 8];
         n.copy_from_slice(&got[1..]);
         Ok(u64::from_be_bytes(n))
     } else {
-        Err(format!(
-            "it sent {got:02x?} instead of the meshfs/1 greeting {tag:02x}"
-        ))
-    })
+        Err(GreetingError::Unexpected { got, tag })
+    }
 }
 
 /// Sends this process's greeting (`tag`, then [`instance`]) on a new unidirectional stream.
@@ -689,9 +705,9 @@ pub async fn dial_peer(
                 WELCOME_TIMEOUT.as_secs()
             ))
         }
-        Ok(Err(e)) => return Err(failed(e)),
-        Ok(Ok(Err(reason))) => return bad_welcome(reason),
-        Ok(Ok(Ok(n))) => n,
+        Ok(Err(GreetingError::Lost(e))) => return Err(failed(e)),
+        Ok(Err(bad)) => return bad_welcome(bad.to_string()),
+        Ok(Ok(n)) => n,
     };
 
     // The verifier pinned `expected`; check again on the finished connection.
@@ -765,9 +781,9 @@ pub async fn accept_peer(incoming: quinn::Incoming) -> Result<Established, Trans
             "no hello within {} s after the handshake",
             WELCOME_TIMEOUT.as_secs()
         ))),
-        Ok(Err(e)) => Err(e.into()),
-        Ok(Ok(Err(reason))) => Err(bad(reason)),
-        Ok(Ok(Ok(instance))) => Ok(Established {
+        Ok(Err(GreetingError::Lost(e))) => Err(e.into()),
+        Ok(Err(other)) => Err(bad(other.to_string())),
+        Ok(Ok(instance)) => Ok(Established {
             conn,
             peer: id,
             instance,
@@ -1183,6 +1199,18 @@ mod tests {
         assert!(!closed_as_duplicate(&closed(CLOSE_WRONG_DEVICE)));
         assert!(!closed_as_duplicate(&closed(VarInt::from_u32(0))));
         assert!(!closed_as_duplicate(&ConnectionError::TimedOut));
+    }
+
+    #[test]
+    fn a_wrong_greeting_is_reported_with_the_bytes_the_peer_sent() {
+        let bad = GreetingError::Unexpected {
+            got: vec![0x47, 0x45, 0x54],
+            tag: HELLO,
+        };
+        assert_eq!(
+            bad.to_string(),
+            format!("it sent [47, 45, 54] instead of the meshfs/1 greeting {HELLO:02x}")
+        );
     }
 
     #[test]

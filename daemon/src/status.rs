@@ -1,0 +1,714 @@
+//! The daemon's state as the `status --json` document, and the rule that says when a folder
+//! is in sync.
+//!
+//! Owns the document's shape ([`Status`], written out by serde; `docs/cli.md` lists every
+//! field) and the rule ([`in_sync`]). Both are pure: [`build`] takes a [`Snapshot`] of plain
+//! values that the engine gathered under its locks, and reads no lock, clock, file or socket
+//! itself, so every reason a folder is not in sync is tested here with plain values. The words
+//! `meshfs status` prints are made from the document by the CLI, not here.
+
+use crate::config::PeerConfig;
+use crate::journal::FolderCounts;
+use crate::mounts::MountStatus;
+use meshfs_protocol::{DeviceId, FolderId, RelPath};
+use meshfs_sync::session::FolderSyncStatus;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything [`build`] needs, gathered by the engine in one pass.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// This device.
+    pub device: DeviceSnapshot,
+    /// The running folders.
+    pub folders: Vec<FolderSnapshot>,
+    /// The configured peers, in config order.
+    pub peers: Vec<PeerSnapshot>,
+    /// Exchange progress by (peer, folder), as the sessions last reported it.
+    pub sync: HashMap<(DeviceId, FolderId), FolderSyncStatus>,
+    /// Unknown devices that tried to connect.
+    pub refused: Vec<DeviceId>,
+    /// UDP bytes (sent, received) over all peer connections since the daemon started.
+    pub bytes: (u64, u64),
+}
+
+/// This device, as `status` shows it.
+#[derive(Clone, Debug)]
+pub struct DeviceSnapshot {
+    /// Its id.
+    pub id: DeviceId,
+    /// `device.name`.
+    pub name: String,
+    /// `device.listen`, as configured.
+    pub listen: String,
+    /// Seconds since the daemon started.
+    pub uptime_secs: u64,
+    /// When the daemon started (Unix seconds).
+    pub started_unix: u64,
+}
+
+/// One running folder.
+#[derive(Clone, Debug)]
+pub struct FolderSnapshot {
+    /// Its id.
+    pub id: FolderId,
+    /// The replica directory.
+    pub path: PathBuf,
+    /// What the journal holds of it.
+    pub counts: FolderCounts,
+    /// This device's highest journal sequence for it.
+    pub sequence: u64,
+    /// Conflict files that still exist.
+    pub conflicts: usize,
+    /// Its own work still to do.
+    pub local: LocalWork,
+    /// Remote versions that could not be applied: (path, error).
+    pub skipped: Vec<(RelPath, String)>,
+    /// Its mount, if it has one.
+    pub mount: Option<MountStatus>,
+}
+
+/// One configured peer.
+#[derive(Clone, Debug)]
+pub struct PeerSnapshot {
+    /// Its `[[peer]]` entry.
+    pub config: PeerConfig,
+    /// The round-trip time of its connection; `None` when it is not connected.
+    pub rtt: Option<Duration>,
+    /// When it connected or disconnected last (Unix seconds); `None`: never since start.
+    pub last_seen_unix: Option<u64>,
+    /// Bytes (sent, received) with it since the daemon started.
+    pub bytes: (u64, u64),
+}
+
+/// What a folder still has to do on this device before it can be in sync.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalWork {
+    /// Paths waiting in the capture loop.
+    pub capture_pending: usize,
+    /// The first scan is still running.
+    pub scanning: bool,
+    /// Remote versions held back while their path is open for writing through the mount.
+    pub waiting_for_writers: usize,
+    /// Why receiving is stopped (the disk is full), if it is.
+    pub blocked: Option<String>,
+}
+
+impl LocalWork {
+    /// Nothing waits: every local change is journaled and every received version applied
+    /// or deliberately skipped.
+    pub fn is_done(&self) -> bool {
+        self.capture_pending == 0
+            && !self.scanning
+            && self.waiting_for_writers == 0
+            && self.blocked.is_none()
+    }
+}
+
+/// How one peer sharing a folder stands, as [`in_sync`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerProgress {
+    /// It is connected now.
+    pub connected: bool,
+    /// It is connected, both sides' records are exchanged and applied, and it acknowledged
+    /// this device's newest record ([`peer_caught_up`]).
+    pub caught_up: bool,
+}
+
+/// Whether a peer is caught up in a folder: connected, its session reports the exchange
+/// complete both ways, and it acknowledged `our_sequence`, this device's newest record (the
+/// session may not have seen a record journaled a moment ago).
+pub fn peer_caught_up(connected: bool, sync: Option<&FolderSyncStatus>, our_sequence: u64) -> bool {
+    connected && sync.is_some_and(|s| s.in_sync && s.our_acked >= our_sequence)
+}
+
+/// A folder's verdict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FolderVerdict {
+    /// Its own work is done and every peer sharing it is caught up: a peer that is offline,
+    /// or never connected, has not got this device's changes.
+    pub in_sync: bool,
+    /// The weaker claim, for scripts that only care about the peers reachable now: its own
+    /// work is done and every connected peer sharing it is caught up.
+    pub in_sync_with_connected: bool,
+    /// Every peer sharing it is connected.
+    pub peers_connected: bool,
+}
+
+/// When a folder is in sync, from its own work and the peers that share it.
+pub fn in_sync(local: &LocalWork, peers: &[PeerProgress]) -> FolderVerdict {
+    let done = local.is_done();
+    FolderVerdict {
+        in_sync: done && peers.iter().all(|p| p.caught_up),
+        in_sync_with_connected: done && peers.iter().all(|p| p.caught_up || !p.connected),
+        peers_connected: peers.iter().all(|p| p.connected),
+    }
+}
+
+/// The `status --json` document.
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    /// This device.
+    pub device: DeviceStatus,
+    /// Every folder is in sync with every peer sharing it.
+    pub in_sync: bool,
+    /// Every folder is in sync with the connected peers sharing it.
+    pub in_sync_with_connected: bool,
+    /// The running folders.
+    pub folders: Vec<FolderStatus>,
+    /// The configured peers.
+    pub peers: Vec<PeerStatus>,
+    /// Unknown devices that tried to connect.
+    #[serde(serialize_with = "device_ids_text")]
+    pub refused_devices: Vec<DeviceId>,
+    /// UDP bytes sent over all peer connections since start.
+    pub bytes_sent: u64,
+    /// UDP bytes received over all peer connections since start.
+    pub bytes_received: u64,
+}
+
+/// `device` in [`Status`].
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceStatus {
+    /// The device id.
+    #[serde(serialize_with = "device_id_text")]
+    pub id: DeviceId,
+    /// The short id (seven characters).
+    pub short_id: String,
+    /// `device.name`.
+    pub name: String,
+    /// `device.listen`.
+    pub listen: String,
+    /// Seconds since the daemon started.
+    pub uptime_secs: u64,
+    /// When the daemon started (Unix seconds).
+    pub started_unix: u64,
+}
+
+/// One element of `folders` in [`Status`].
+#[derive(Clone, Debug, Serialize)]
+pub struct FolderStatus {
+    /// The folder id.
+    pub id: FolderId,
+    /// The replica directory.
+    pub path: String,
+    /// Live regular files.
+    pub files: u64,
+    /// Live directories.
+    pub dirs: u64,
+    /// Live symlinks.
+    pub symlinks: u64,
+    /// Total size of live files.
+    pub bytes: u64,
+    /// Tombstones.
+    pub tombstones: u64,
+    /// This device's highest journal sequence for the folder.
+    pub sequence: u64,
+    /// Paths waiting in the capture loop.
+    pub capture_pending: usize,
+    /// The first scan is still running.
+    pub scanning: bool,
+    /// Conflict files that still exist.
+    pub conflicts: usize,
+    /// Remote versions held back for a writer through the mount.
+    pub waiting_for_writers: usize,
+    /// Remote versions that could not be applied.
+    pub skipped: Vec<SkippedStatus>,
+    /// Why receiving is stopped, or null.
+    pub blocked: Option<String>,
+    /// The mount, or null.
+    pub mount: Option<MountStatus>,
+    /// See [`FolderVerdict::in_sync`].
+    pub in_sync: bool,
+    /// See [`FolderVerdict::in_sync_with_connected`].
+    pub in_sync_with_connected: bool,
+    /// See [`FolderVerdict::peers_connected`].
+    pub peers_connected: bool,
+    /// The peers sharing the folder.
+    pub peers: Vec<FolderPeerStatus>,
+}
+
+/// One element of a folder's `skipped`.
+#[derive(Clone, Debug, Serialize)]
+pub struct SkippedStatus {
+    /// The path.
+    pub path: String,
+    /// Why its remote version could not be applied.
+    pub error: String,
+}
+
+/// One element of a folder's `peers`: a peer sharing it.
+#[derive(Clone, Debug, Serialize)]
+pub struct FolderPeerStatus {
+    /// The peer's device id.
+    #[serde(serialize_with = "device_id_text")]
+    pub device_id: DeviceId,
+    /// Its name in the config.
+    pub name: String,
+    /// It is connected now.
+    pub connected: bool,
+    /// It is caught up ([`peer_caught_up`]).
+    pub in_sync: bool,
+    /// This device's highest sequence.
+    pub our_sequence: u64,
+    /// The peer processed ours up to this.
+    pub acked_by_peer: u64,
+    /// The highest of its sequences known here.
+    pub their_sequence: u64,
+    /// The highest of its sequences applied here.
+    pub applied_from_peer: u64,
+    /// Our records it has not acknowledged (0 before its session reported).
+    pub pending_records: u64,
+    /// When it connected or disconnected last, or null: never.
+    pub last_seen_unix: Option<u64>,
+}
+
+/// One element of `peers` in [`Status`]: a configured peer.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerStatus {
+    /// Its device id.
+    #[serde(serialize_with = "device_id_text")]
+    pub device_id: DeviceId,
+    /// Its short id.
+    pub short_id: String,
+    /// Its name in the config.
+    pub name: String,
+    /// Where it is dialed (empty: it dials us).
+    pub addr: String,
+    /// The folders shared with it.
+    pub folders: Vec<FolderId>,
+    /// It is connected now.
+    pub connected: bool,
+    /// The connection's round-trip time, or null when not connected.
+    pub rtt_ms: Option<f64>,
+    /// Bytes sent to it since the daemon started.
+    pub bytes_sent: u64,
+    /// Bytes received from it since the daemon started.
+    pub bytes_received: u64,
+    /// When it connected or disconnected last, or null: never.
+    pub last_seen_unix: Option<u64>,
+}
+
+/// Device ids in the document are the text `meshfs id` prints.
+fn device_id_text<S: serde::Serializer>(id: &DeviceId, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(id)
+}
+
+fn device_ids_text<S: serde::Serializer>(ids: &[DeviceId], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(ids.iter().map(DeviceId::to_string))
+}
+
+/// The document for `snapshot`.
+pub fn build(snapshot: Snapshot) -> Status {
+    let Snapshot {
+        device,
+        folders,
+        peers,
+        sync,
+        refused,
+        bytes,
+    } = snapshot;
+    let folders: Vec<FolderStatus> = folders
+        .into_iter()
+        .map(|f| folder_status(f, &peers, &sync))
+        .collect();
+    Status {
+        device: DeviceStatus {
+            id: device.id,
+            short_id: device.id.short().display7(),
+            name: device.name,
+            listen: device.listen,
+            uptime_secs: device.uptime_secs,
+            started_unix: device.started_unix,
+        },
+        in_sync: folders.iter().all(|f| f.in_sync),
+        in_sync_with_connected: folders.iter().all(|f| f.in_sync_with_connected),
+        folders,
+        peers: peers.into_iter().map(peer_status).collect(),
+        refused_devices: refused,
+        bytes_sent: bytes.0,
+        bytes_received: bytes.1,
+    }
+}
+
+fn folder_status(
+    f: FolderSnapshot,
+    peers: &[PeerSnapshot],
+    sync: &HashMap<(DeviceId, FolderId), FolderSyncStatus>,
+) -> FolderStatus {
+    let max = f.sequence;
+    let sharing: Vec<FolderPeerStatus> = peers
+        .iter()
+        .filter(|p| p.config.folders.contains(&f.id))
+        .map(|p| {
+            let id = p.config.id;
+            let connected = p.rtt.is_some();
+            let s = sync.get(&(id, f.id.clone()));
+            FolderPeerStatus {
+                device_id: id,
+                name: p.config.name.clone(),
+                connected,
+                in_sync: peer_caught_up(connected, s, max),
+                our_sequence: max,
+                acked_by_peer: s.map_or(0, |s| s.our_acked),
+                their_sequence: s.map_or(0, |s| s.their_known_max),
+                applied_from_peer: s.map_or(0, |s| s.their_applied),
+                pending_records: s.map_or(0, |s| max.saturating_sub(s.our_acked)),
+                last_seen_unix: p.last_seen_unix,
+            }
+        })
+        .collect();
+    let progress: Vec<PeerProgress> = sharing
+        .iter()
+        .map(|p| PeerProgress {
+            connected: p.connected,
+            caught_up: p.in_sync,
+        })
+        .collect();
+    let verdict = in_sync(&f.local, &progress);
+    FolderStatus {
+        id: f.id,
+        path: f.path.display().to_string(),
+        files: f.counts.files,
+        dirs: f.counts.dirs,
+        symlinks: f.counts.symlinks,
+        bytes: f.counts.bytes,
+        tombstones: f.counts.tombstones,
+        sequence: max,
+        capture_pending: f.local.capture_pending,
+        scanning: f.local.scanning,
+        conflicts: f.conflicts,
+        waiting_for_writers: f.local.waiting_for_writers,
+        skipped: f
+            .skipped
+            .into_iter()
+            .map(|(path, error)| SkippedStatus {
+                path: path.as_str().to_string(),
+                error,
+            })
+            .collect(),
+        blocked: f.local.blocked,
+        mount: f.mount,
+        in_sync: verdict.in_sync,
+        in_sync_with_connected: verdict.in_sync_with_connected,
+        peers_connected: verdict.peers_connected,
+        peers: sharing,
+    }
+}
+
+fn peer_status(p: PeerSnapshot) -> PeerStatus {
+    let id = p.config.id;
+    PeerStatus {
+        device_id: id,
+        short_id: id.short().display7(),
+        name: p.config.name,
+        addr: p.config.addr,
+        folders: p.config.folders,
+        connected: p.rtt.is_some(),
+        rtt_ms: p.rtt.map(|r| r.as_secs_f64() * 1000.0),
+        bytes_sent: p.bytes.0,
+        bytes_received: p.bytes.1,
+        last_seen_unix: p.last_seen_unix,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const DONE: LocalWork = LocalWork {
+        capture_pending: 0,
+        scanning: false,
+        waiting_for_writers: 0,
+        blocked: None,
+    };
+    const UP: PeerProgress = PeerProgress {
+        connected: true,
+        caught_up: true,
+    };
+    /// Connected, but behind (or its session has not reported yet).
+    const BEHIND: PeerProgress = PeerProgress {
+        connected: true,
+        caught_up: false,
+    };
+    /// Offline, or never connected since the daemon started: the same to the rule.
+    const DOWN: PeerProgress = PeerProgress {
+        connected: false,
+        caught_up: false,
+    };
+
+    fn sync(our_acked: u64, in_sync: bool) -> FolderSyncStatus {
+        FolderSyncStatus {
+            our_max: our_acked,
+            our_acked,
+            their_known_max: 7,
+            their_applied: 7,
+            receiving: false,
+            in_sync,
+        }
+    }
+
+    #[test]
+    fn a_folder_with_its_work_done_and_every_peer_caught_up_is_in_sync() {
+        let v = in_sync(&DONE, &[UP, UP]);
+        assert!(v.in_sync && v.in_sync_with_connected && v.peers_connected);
+    }
+
+    #[test]
+    fn a_folder_shared_with_no_peer_is_in_sync_once_its_own_work_is_done() {
+        let v = in_sync(&DONE, &[]);
+        assert!(v.in_sync && v.in_sync_with_connected && v.peers_connected);
+    }
+
+    #[test]
+    fn each_piece_of_local_work_keeps_a_folder_out_of_sync_even_with_every_peer_caught_up() {
+        let cases = [
+            (
+                "first scan running",
+                LocalWork {
+                    scanning: true,
+                    ..DONE
+                },
+            ),
+            (
+                "local changes waiting in capture",
+                LocalWork {
+                    capture_pending: 3,
+                    ..DONE
+                },
+            ),
+            (
+                "remote versions waiting for writers through the mount",
+                LocalWork {
+                    waiting_for_writers: 1,
+                    ..DONE
+                },
+            ),
+            (
+                "receiving blocked by a full disk",
+                LocalWork {
+                    blocked: Some("disk full: a: No space left on device".into()),
+                    ..DONE
+                },
+            ),
+        ];
+        for (why, local) in cases {
+            assert!(!local.is_done(), "{why}");
+            for peers in [&[UP][..], &[]] {
+                let v = in_sync(&local, peers);
+                assert!(!v.in_sync, "{why}");
+                assert!(!v.in_sync_with_connected, "{why}");
+                assert!(v.peers_connected, "{why}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_that_is_offline_or_never_connected_keeps_the_folder_out_of_sync_but_not_out_of_sync_with_the_connected(
+    ) {
+        let v = in_sync(&DONE, &[UP, DOWN]);
+        assert!(!v.in_sync);
+        assert!(v.in_sync_with_connected);
+        assert!(!v.peers_connected);
+    }
+
+    #[test]
+    fn a_connected_peer_that_is_behind_keeps_the_folder_out_of_both_kinds_of_sync() {
+        let v = in_sync(&DONE, &[UP, BEHIND]);
+        assert!(!v.in_sync && !v.in_sync_with_connected);
+        assert!(v.peers_connected);
+    }
+
+    #[test]
+    fn a_peer_is_caught_up_only_connected_with_the_exchange_done_and_our_newest_record_acked() {
+        assert!(peer_caught_up(true, Some(&sync(42, true)), 42));
+        assert!(
+            !peer_caught_up(false, Some(&sync(42, true)), 42),
+            "disconnected: its last report is stale"
+        );
+        assert!(
+            !peer_caught_up(true, None, 42),
+            "connected, its session has not reported yet"
+        );
+        assert!(
+            !peer_caught_up(true, Some(&sync(42, false)), 42),
+            "the exchange is not complete both ways"
+        );
+        assert!(
+            !peer_caught_up(true, Some(&sync(41, true)), 42),
+            "a record journaled a moment ago is not acknowledged yet"
+        );
+    }
+
+    /// Skipped versions are acknowledged to their peer (a record that cannot apply never
+    /// fails a batch forever) and shown apart in `skipped`: they do not hold the folder back,
+    /// or `status --wait-synced` would wait for them forever.
+    #[test]
+    fn a_skipped_remote_version_does_not_keep_the_folder_out_of_sync() {
+        let mut s = snapshot();
+        s.folders[0].skipped = vec![(RelPath::new("bad").unwrap(), "name too long".into())];
+        let st = build(s);
+        assert!(st.folders[0].in_sync && st.in_sync);
+        assert_eq!(st.folders[0].skipped[0].path, "bad");
+    }
+
+    fn peer_id() -> DeviceId {
+        DeviceId::from_bytes([2; 32])
+    }
+
+    fn work() -> FolderId {
+        FolderId::new("work").unwrap()
+    }
+
+    /// One folder shared with one connected, caught-up peer; a second peer shares nothing.
+    fn snapshot() -> Snapshot {
+        let peer = |id: DeviceId, name: &str, folders: Vec<FolderId>, rtt: Option<Duration>| {
+            PeerSnapshot {
+                config: PeerConfig {
+                    id,
+                    name: name.into(),
+                    addr: "10.0.0.2:7788".into(),
+                    folders,
+                },
+                rtt,
+                last_seen_unix: Some(1_790_000_000),
+                bytes: (1234, 5678),
+            }
+        };
+        Snapshot {
+            device: DeviceSnapshot {
+                id: DeviceId::from_bytes([1; 32]),
+                name: "laptop".into(),
+                listen: "0.0.0.0:7788".into(),
+                uptime_secs: 12,
+                started_unix: 1_790_000_000,
+            },
+            folders: vec![FolderSnapshot {
+                id: work(),
+                path: "/home/u/work".into(),
+                counts: FolderCounts {
+                    files: 10,
+                    dirs: 2,
+                    symlinks: 0,
+                    bytes: 40960,
+                    tombstones: 1,
+                },
+                sequence: 42,
+                conflicts: 0,
+                local: DONE,
+                skipped: Vec::new(),
+                mount: None,
+            }],
+            peers: vec![
+                peer(
+                    peer_id(),
+                    "server",
+                    vec![work()],
+                    Some(Duration::from_millis(2)),
+                ),
+                peer(DeviceId::from_bytes([3; 32]), "idle", Vec::new(), None),
+            ],
+            sync: HashMap::from([((peer_id(), work()), sync(42, true))]),
+            refused: vec![DeviceId::from_bytes([4; 32])],
+            bytes: (1234, 5678),
+        }
+    }
+
+    #[test]
+    fn the_document_has_the_shape_docs_cli_md_describes() {
+        let me = DeviceId::from_bytes([1; 32]);
+        let idle = DeviceId::from_bytes([3; 32]);
+        let got = serde_json::to_value(build(snapshot())).unwrap();
+        let want = json!({
+            "device": {"id": me.to_string(), "short_id": me.short().display7(), "name": "laptop",
+                       "listen": "0.0.0.0:7788", "uptime_secs": 12, "started_unix": 1_790_000_000},
+            "in_sync": true,
+            "in_sync_with_connected": true,
+            "folders": [{
+                "id": "work", "path": "/home/u/work",
+                "files": 10, "dirs": 2, "symlinks": 0, "bytes": 40960, "tombstones": 1,
+                "sequence": 42, "capture_pending": 0, "scanning": false, "conflicts": 0,
+                "waiting_for_writers": 0, "skipped": [], "blocked": null, "mount": null,
+                "in_sync": true, "in_sync_with_connected": true, "peers_connected": true,
+                "peers": [{"device_id": peer_id().to_string(), "name": "server", "connected": true,
+                           "in_sync": true, "our_sequence": 42, "acked_by_peer": 42,
+                           "their_sequence": 7, "applied_from_peer": 7, "pending_records": 0,
+                           "last_seen_unix": 1_790_000_000}],
+            }],
+            "peers": [
+                {"device_id": peer_id().to_string(), "short_id": peer_id().short().display7(),
+                 "name": "server", "addr": "10.0.0.2:7788", "folders": ["work"], "connected": true,
+                 "rtt_ms": 2.0, "bytes_sent": 1234, "bytes_received": 5678,
+                 "last_seen_unix": 1_790_000_000},
+                {"device_id": idle.to_string(), "short_id": idle.short().display7(),
+                 "name": "idle", "addr": "10.0.0.2:7788", "folders": [], "connected": false,
+                 "rtt_ms": null, "bytes_sent": 1234, "bytes_received": 5678,
+                 "last_seen_unix": 1_790_000_000},
+            ],
+            "refused_devices": [DeviceId::from_bytes([4; 32]).to_string()],
+            "bytes_sent": 1234,
+            "bytes_received": 5678,
+        });
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_peer_behind_shows_what_it_has_not_acknowledged_and_the_device_is_not_in_sync() {
+        let mut s = snapshot();
+        s.sync.insert((peer_id(), work()), sync(40, true));
+        let st = build(s);
+        let p = &st.folders[0].peers[0];
+        assert!(!p.in_sync && p.connected);
+        assert_eq!((p.acked_by_peer, p.pending_records), (40, 2));
+        assert!(!st.folders[0].in_sync && !st.in_sync && !st.in_sync_with_connected);
+    }
+
+    #[test]
+    fn a_peer_gone_offline_leaves_the_device_in_sync_only_with_the_connected() {
+        let mut s = snapshot();
+        s.peers[0].rtt = None;
+        let st = build(s);
+        assert!(!st.folders[0].peers[0].connected && !st.peers[0].connected);
+        assert_eq!(st.peers[0].rtt_ms, None);
+        assert!(!st.in_sync && st.in_sync_with_connected);
+        assert!(!st.folders[0].peers_connected);
+    }
+
+    #[test]
+    fn a_peer_that_never_connected_has_no_last_seen_and_keeps_the_folder_out_of_sync() {
+        let mut s = snapshot();
+        s.peers[0].rtt = None;
+        s.peers[0].last_seen_unix = None;
+        s.sync.clear();
+        let st = build(s);
+        let p = &st.folders[0].peers[0];
+        assert!(!p.connected && !p.in_sync);
+        assert_eq!(p.last_seen_unix, None);
+        assert_eq!((p.acked_by_peer, p.pending_records), (0, 0));
+        assert!(!st.folders[0].in_sync && st.folders[0].in_sync_with_connected);
+    }
+
+    #[test]
+    fn a_device_without_folders_is_in_sync() {
+        let mut s = snapshot();
+        s.folders.clear();
+        let st = build(s);
+        assert!(st.in_sync && st.in_sync_with_connected);
+    }
+
+    #[test]
+    fn one_folder_out_of_sync_makes_the_device_out_of_sync() {
+        let mut s = snapshot();
+        let mut other = s.folders[0].clone();
+        other.id = FolderId::new("other").unwrap();
+        other.local.scanning = true;
+        s.folders.push(other);
+        let st = build(s);
+        assert!(st.folders[0].in_sync && !st.folders[1].in_sync);
+        assert!(!st.in_sync && !st.in_sync_with_connected);
+        assert!(st.folders[1].peers.is_empty(), "no peer shares it");
+    }
+}
