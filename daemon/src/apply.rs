@@ -20,9 +20,9 @@
 //! rescanned (its local edit becomes a version) and the remote record decided again.
 
 use crate::engine::{Engine, FolderRt};
-use crate::journal::{Change, Journal, LocalStat, Op, StoredRecord};
+use crate::journal::{Change, Journal, Op, StoredRecord};
 use crate::reconcile::{self, Outcome, ReplicaView, Step};
-use crate::store::{DirCache, Expect, LocalCopy, StoreError, TempFile};
+use crate::store::{DirCache, Expect, LocalCopy, LocalStat, StoreError, TempFile};
 use meshfs_protocol::{
     ChunkResponse, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath, VersionVector,
 };

@@ -10,9 +10,9 @@
 
 use crate::chunker;
 use crate::ignore::IgnoreRules;
-use crate::journal::{Change, Journal, JournalError, LocalStat, Op, RecordSummary};
+use crate::journal::{Change, Journal, JournalError, Op, RecordSummary};
 use crate::reconcile::{new_local_version, Context};
-use crate::store::{stat_of, DirCache, Store};
+use crate::store::{stat_of, DirCache, LocalStat, Store};
 use meshfs_protocol::{FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, INTERNAL_PREFIX};
 use std::collections::HashMap;
 use std::ops::ControlFlow;

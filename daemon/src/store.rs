@@ -32,7 +32,6 @@
 //! Durability is batched (DESIGN §6): [`Store::install`] makes a whole batch of temp files
 //! durable with one `syncfs`, renames them, then fsyncs each touched directory once.
 
-use crate::journal::LocalStat;
 use meshfs_protocol::{FileKind, Hash, RelPath, INTERNAL_PREFIX, MODE_SYNC_MASK};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -94,6 +93,22 @@ fn io_err(path: impl ToString, source: io::Error) -> StoreError {
         path: path.to_string(),
         source,
     }
+}
+
+/// What meshfs knows about the file on disk that backs a record: the store reads it with
+/// every stat, the scanner compares it to find changes, the journal keeps it per record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct LocalStat {
+    /// Inode number.
+    pub inode: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, ns since the Unix epoch.
+    pub mtime_ns: i64,
+    /// Status change time, ns since the Unix epoch.
+    pub ctime_ns: i64,
+    /// `st_mode` (type and permission bits).
+    pub mode: u32,
 }
 
 /// What an apply expects to find at the target before replacing it.
