@@ -23,5 +23,6 @@ pub mod scanner;
 pub mod session;
 pub mod sim;
 pub mod store;
+pub(crate) mod sys;
 pub mod traffic;
 pub mod transport;
