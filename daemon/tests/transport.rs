@@ -35,18 +35,23 @@ fn note_allocation(size: usize) {
 unsafe impl GlobalAlloc for LargestAllocation {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         note_allocation(layout.size());
-        System.alloc(layout)
+        // SAFETY: our caller meets GlobalAlloc's contract for `layout`, which is System's.
+        unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         note_allocation(layout.size());
-        System.alloc_zeroed(layout)
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         note_allocation(new_size);
-        System.realloc(ptr, layout, new_size)
+        // SAFETY: `ptr` came from this allocator, that is from System, with `layout`; the
+        // rest of the contract is our caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout)
+        // SAFETY: `ptr` came from this allocator, that is from System, with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
     }
 }
 
