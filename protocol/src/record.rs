@@ -67,14 +67,6 @@ impl Hash {
     pub fn short(&self) -> String {
         self.to_string()[..8].to_string()
     }
-
-    /// Parses 64 hex digits.
-    pub fn from_hex(s: &str) -> Option<Hash> {
-        let bytes = data_encoding::HEXLOWER_PERMISSIVE
-            .decode(s.as_bytes())
-            .ok()?;
-        Some(Hash(bytes.try_into().ok()?))
-    }
 }
 
 impl fmt::Display for Hash {
