@@ -490,6 +490,8 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             // arena's free top (which `malloc_trim` leaves alone) then stays resident — half
             // the starts measured 30.7 MiB instead of 20 MiB.
             #[cfg(target_env = "gnu")]
+            // SAFETY: mallopt only sets allocator tunables (integers, under the allocator's own
+            // lock); no live allocation moves.
             unsafe {
                 libc::mallopt(libc::M_ARENA_MAX, 2);
                 libc::mallopt(libc::M_MMAP_THRESHOLD, 2 << 20);

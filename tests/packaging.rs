@@ -128,6 +128,8 @@ fn the_daemon_tells_systemd_when_it_is_ready_and_when_it_stops_on_sigterm() {
     assert!(msg.lines().any(|l| l == "READY=1"), "{msg}");
     // Ready means `meshfs status` answers at once.
     ok(&a.home, &["status", "--json"]);
+    // SAFETY: kill takes two integers and touches no memory. The child has not been waited for,
+    // so its pid cannot have been reused by another process.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let n = listener.recv(&mut buf).expect("STOPPING=1");
     assert_eq!(&buf[..n], b"STOPPING=1");

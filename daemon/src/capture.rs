@@ -9,8 +9,7 @@
 //!
 //! The FUSE layer (meshfs-fuse) plugs in here: its change events enter the same channel.
 
-use crate::journal::LocalStat;
-use crate::store::Stat;
+use crate::store::{LocalStat, Stat};
 use meshfs_protocol::{FileKind, RelPath, INTERNAL_PREFIX};
 use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind};
 use notify::{Config, EventKindMask, RecommendedWatcher, RecursiveMode, Watcher};

@@ -236,7 +236,7 @@ pub async fn serve(engine: Arc<Engine>, listener: UnixListener, stop: Arc<tokio:
 
 fn same_user(stream: &UnixStream) -> bool {
     match stream.peer_cred() {
-        Ok(cred) => cred.uid() == unsafe { libc::geteuid() },
+        Ok(cred) => cred.uid() == crate::sys::geteuid(),
         Err(_) => false,
     }
 }

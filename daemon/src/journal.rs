@@ -59,6 +59,7 @@
 mod rows;
 mod schema;
 
+use crate::store::LocalStat;
 use meshfs_protocol::{
     DeviceId, FileKind, FileRecord, FolderId, Hash, RecordError, RelPath, ShortId, VersionVector,
 };
@@ -154,21 +155,6 @@ pub enum JournalError {
 
 /// Result of journal operations.
 pub type Result<T> = std::result::Result<T, JournalError>;
-
-/// What the scanner knows about the file on disk that backs a record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct LocalStat {
-    /// Inode number.
-    pub inode: u64,
-    /// Size in bytes.
-    pub size: u64,
-    /// Modification time, ns since the Unix epoch.
-    pub mtime_ns: i64,
-    /// Status change time, ns since the Unix epoch.
-    pub ctime_ns: i64,
-    /// `st_mode` (type and permission bits).
-    pub mode: u32,
-}
 
 /// The operation a history row records: the planner's ([`meshfs_sync::plan::Op`]).
 pub use meshfs_sync::plan::Op;

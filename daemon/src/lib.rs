@@ -24,5 +24,6 @@ pub mod peers;
 pub mod scanner;
 pub mod status;
 pub mod store;
+pub(crate) mod sys;
 pub mod traffic;
 pub mod transport;

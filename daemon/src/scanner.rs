@@ -10,8 +10,9 @@
 
 use crate::chunker;
 use crate::ignore::IgnoreRules;
-use crate::journal::{Change, Journal, JournalError, LocalStat, Op, RecordSummary};
-use crate::store::{stat_of, DirCache, Store};
+use crate::journal::{Change, Journal, JournalError, Op, RecordSummary};
+use crate::store::{stat_of, DirCache, LocalStat, Store};
+use crate::sys;
 use meshfs_protocol::{FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, INTERNAL_PREFIX};
 use meshfs_sync::reconcile::{new_local_version, Context};
 use std::collections::HashMap;
@@ -373,11 +374,7 @@ fn read_dir_into(
 fn lstat(p: &Path) -> std::io::Result<libc::stat> {
     let c = std::ffi::CString::new(p.as_os_str().as_bytes())
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::lstat(c.as_ptr(), &mut st) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st)
+    sys::fstatat(sys::cwd(), &c, libc::AT_SYMLINK_NOFOLLOW)
 }
 
 /// A file whose content must be read.

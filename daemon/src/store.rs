@@ -32,15 +32,16 @@
 //! Durability is batched (DESIGN §6): [`Store::install`] makes a whole batch of temp files
 //! durable with one `syncfs`, renames them, then fsyncs each touched directory once.
 
-use crate::journal::LocalStat;
+use crate::sys;
 use meshfs_protocol::{FileKind, Hash, RelPath, INTERNAL_PREFIX, MODE_SYNC_MASK};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Name prefix of the store's temp files (inside [`INTERNAL_PREFIX`], so never replicated).
 pub const TEMP_PREFIX: &str = ".meshfs-tmp-";
@@ -104,6 +105,22 @@ fn io_err(path: impl ToString, source: io::Error) -> StoreError {
     }
 }
 
+/// What meshfs knows about the file on disk that backs a record: the store reads it with
+/// every stat, the scanner compares it to find changes, the journal keeps it per record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct LocalStat {
+    /// Inode number.
+    pub inode: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, ns since the Unix epoch.
+    pub mtime_ns: i64,
+    /// Status change time, ns since the Unix epoch.
+    pub ctime_ns: i64,
+    /// `st_mode` (type and permission bits).
+    pub mode: u32,
+}
+
 /// What an apply expects to find at the target before replacing it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expect {
@@ -155,9 +172,10 @@ enum LinkVia {
 /// Directories opened during one batch of work (an apply), by path (`None`: the root), so
 /// that each is walked to once rather than once per file. Only for a short-lived batch: a
 /// cached descriptor keeps pointing at the directory it opened even if that is later moved.
+/// A descriptor is shared with whoever walked to it, so it stays open as long as either uses it.
 #[derive(Default)]
 pub struct DirCache {
-    dirs: HashMap<Option<RelPath>, OwnedFd>,
+    dirs: HashMap<Option<RelPath>, Arc<OwnedFd>>,
     /// The filesystem of each directory that got a temp file.
     devs: HashMap<Option<RelPath>, u64>,
 }
@@ -213,9 +231,9 @@ fn start_writeback(t: &mut TempFile) {
         return;
     }
     if let Some(f) = &t.file {
-        // SAFETY: a plain syscall on our open descriptor. Only a hint: the durability step
-        // (`sync_temps`) still flushes the whole file, so a failure here loses nothing.
-        unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+        // Only a hint: the durability step (`sync_temps`) still flushes the whole file, so a
+        // failure here loses nothing.
+        let _ = sys::sync_file_range(f.as_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
     }
     t.flushing_from = t.written;
 }
@@ -228,37 +246,21 @@ const WRITEBACK_EVERY: u64 = 8 << 20;
 fn open_path_dir(path: &Path) -> Result<OwnedFd, StoreError> {
     let c = CString::new(path.as_os_str().as_encoded_bytes())
         .map_err(|_| io_err(path.display(), io::Error::from(io::ErrorKind::InvalidInput)))?;
-    open_at(libc::AT_FDCWD, &c, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+    sys::openat(sys::cwd(), &c, libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .map_err(|e| io_err(path.display(), e))
 }
 
-fn fstat_dev(fd: RawFd) -> io::Result<u64> {
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    cvt(unsafe { libc::fstat(fd, &mut st) })?;
-    Ok(st.st_dev)
+fn fstat_dev(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    sys::fstat(fd).map(|st| st.st_dev)
 }
 
 fn cstr(s: &str) -> Result<CString, StoreError> {
     CString::new(s).map_err(|_| io_err(s, io::Error::from(io::ErrorKind::InvalidInput)))
 }
 
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
-fn open_at(dir: RawFd, name: &CStr, flags: libc::c_int, mode: libc::c_uint) -> io::Result<OwnedFd> {
-    let fd = cvt(unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_CLOEXEC, mode) })?;
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn fstatat(dir: RawFd, name: &CStr) -> io::Result<libc::stat> {
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    cvt(unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) })?;
-    Ok(st)
+/// What `name` in `dir` is, never following a final symlink.
+fn lstat_at(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<libc::stat> {
+    sys::fstatat(dir, name, libc::AT_SYMLINK_NOFOLLOW)
 }
 
 /// Converts a `stat` into the store's view.
@@ -306,14 +308,14 @@ impl Store {
             .map_err(|e| io_err(staging.display(), e))
             .and_then(|()| open_path_dir(staging))
             .and_then(|fd| {
-                let dev = fstat_dev(fd.as_raw_fd()).map_err(|e| io_err(staging.display(), e))?;
+                let dev = fstat_dev(fd.as_fd()).map_err(|e| io_err(staging.display(), e))?;
                 let root_dev =
-                    fstat_dev(store.root_fd.as_raw_fd()).map_err(|e| io_err(root.display(), e))?;
+                    fstat_dev(store.root_fd.as_fd()).map_err(|e| io_err(root.display(), e))?;
                 Ok((fd, dev, root_dev))
             });
         match staged {
             Ok((fd, dev, root_dev)) if dev == root_dev => {
-                let link = probe_unnamed(fd.as_raw_fd());
+                let link = probe_unnamed(fd.as_fd());
                 store.staging = Some(Staging {
                     path: staging.to_path_buf(),
                     fd,
@@ -342,7 +344,7 @@ impl Store {
 
     /// Opens the directory `dir` (None: the root) without following symlinks, creating
     /// missing components when `create` is set.
-    fn open_dir(&self, dir: Option<&RelPath>, create: bool) -> Result<OwnedFd, StoreError> {
+    fn open_dir(&self, dir: Option<&RelPath>, create: bool) -> Result<Arc<OwnedFd>, StoreError> {
         let mut cache = DirCache::default();
         self.dir_in(&mut cache, dir, create)?;
         cache.dirs.remove(&dir.cloned()).ok_or_else(|| {
@@ -357,7 +359,7 @@ impl Store {
         &self,
         path: &RelPath,
         create: bool,
-    ) -> Result<(OwnedFd, CString), StoreError> {
+    ) -> Result<(Arc<OwnedFd>, CString), StoreError> {
         let fd = self.open_dir(path.parent().as_ref(), create)?;
         Ok((fd, cstr(path.file_name())?))
     }
@@ -381,7 +383,7 @@ impl Store {
             Err(StoreError::Escape(_)) => return Ok(None),
             Err(e) => return Err(e),
         };
-        match fstatat(dir, &cstr(path.file_name())?) {
+        match lstat_at(dir.as_fd(), &cstr(path.file_name())?) {
             Ok(st) => Ok(Some(stat_of(&st))),
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
             Err(e) => Err(io_err(path, e)),
@@ -391,8 +393,8 @@ impl Store {
     /// [`Store::open_file`] walking to the parent through `cache`.
     pub fn open_file_in(&self, cache: &mut DirCache, path: &RelPath) -> Result<File, StoreError> {
         let dir = self.dir_in(cache, path.parent().as_ref(), false)?;
-        let fd = open_at(
-            dir,
+        let fd = sys::openat(
+            dir.as_fd(),
             &cstr(path.file_name())?,
             libc::O_RDONLY | libc::O_NOFOLLOW,
             0,
@@ -435,18 +437,8 @@ impl Store {
     pub fn read_link(&self, path: &RelPath) -> Result<String, StoreError> {
         let (dir, name) = self.parent_and_name(path, false)?;
         let mut buf = vec![0u8; 4096];
-        let n = unsafe {
-            libc::readlinkat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                buf.as_mut_ptr() as *mut libc::c_char,
-                buf.len(),
-            )
-        };
-        if n < 0 {
-            return Err(io_err(path, io::Error::last_os_error()));
-        }
-        buf.truncate(n as usize);
+        let n = sys::readlinkat(dir.as_fd(), &name, &mut buf).map_err(|e| io_err(path, e))?;
+        buf.truncate(n);
         String::from_utf8(buf)
             .map_err(|_| io_err(path, io::Error::from(io::ErrorKind::InvalidData)))
     }
@@ -458,14 +450,14 @@ impl Store {
         cache: &mut DirCache,
         dir: Option<&RelPath>,
         create: bool,
-    ) -> Result<RawFd, StoreError> {
+    ) -> Result<Arc<OwnedFd>, StoreError> {
         let key = dir.cloned();
         if let Some(fd) = cache.dirs.get(&key) {
-            return Ok(fd.as_raw_fd());
+            return Ok(Arc::clone(fd));
         }
         let fd = match dir {
-            None => open_at(
-                self.root_fd.as_raw_fd(),
+            None => sys::openat(
+                self.root_fd.as_fd(),
                 c".",
                 libc::O_RDONLY | libc::O_DIRECTORY,
                 0,
@@ -479,23 +471,23 @@ impl Store {
                     Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Escape(d.clone()),
                     _ => io_err(d, e),
                 };
-                match open_at(parent, &c, flags, 0) {
+                match sys::openat(parent.as_fd(), &c, flags, 0) {
                     Ok(fd) => fd,
                     Err(e) if e.raw_os_error() == Some(libc::ENOENT) && create => {
-                        match cvt(unsafe { libc::mkdirat(parent, c.as_ptr(), 0o755) }) {
-                            Ok(_) => {}
+                        match sys::mkdirat(parent.as_fd(), &c, 0o755) {
+                            Ok(()) => {}
                             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
                             Err(e) => return Err(io_err(d, e)),
                         }
-                        open_at(parent, &c, flags, 0).map_err(escape)?
+                        sys::openat(parent.as_fd(), &c, flags, 0).map_err(escape)?
                     }
                     Err(e) => return Err(escape(e)),
                 }
             }
         };
-        let raw = fd.as_raw_fd();
-        cache.dirs.insert(key, fd);
-        Ok(raw)
+        let fd = Arc::new(fd);
+        cache.dirs.insert(key, Arc::clone(&fd));
+        Ok(fd)
     }
 
     /// Starts a temp file for a new version of `target` (parents are created as needed).
@@ -520,7 +512,7 @@ impl Store {
                 let dev = match cache.devs.get(&parent) {
                     Some(d) => *d,
                     None => {
-                        let d = fstat_dev(dir).map_err(|e| io_err(target, e))?;
+                        let d = fstat_dev(dir.as_fd()).map_err(|e| io_err(target, e))?;
                         cache.devs.insert(parent, d);
                         d
                     }
@@ -528,10 +520,10 @@ impl Store {
                 dev == s.dev
             }
         };
-        let at = self.staging_fd(staged).unwrap_or(dir);
+        let at = self.staging_fd(staged).unwrap_or(dir.as_fd());
         if kept_open && staged && self.staging.as_ref().is_some_and(|s| s.link.is_some()) {
             let flags = libc::O_RDWR | libc::O_TMPFILE;
-            match open_at(at, c".", flags, 0o600) {
+            match sys::openat(at, c".", flags, 0o600) {
                 Ok(fd) => {
                     return Ok(TempFile {
                         target: target.clone(),
@@ -550,7 +542,7 @@ impl Store {
             }
         }
         let name = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
-        let fd = open_at(
+        let fd = sys::openat(
             at,
             &name,
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
@@ -568,24 +560,24 @@ impl Store {
     }
 
     /// The staging directory's descriptor, for a temp file that is `staged` there.
-    fn staging_fd(&self, staged: bool) -> Option<RawFd> {
+    fn staging_fd(&self, staged: bool) -> Option<BorrowedFd<'_>> {
         self.staging
             .as_ref()
             .filter(|_| staged)
-            .map(|s| s.fd.as_raw_fd())
+            .map(|s| s.fd.as_fd())
     }
 
     /// Runs `f` with the directory descriptor `t` lives in.
     fn in_temp_dir<R>(
         &self,
         t: &TempFile,
-        f: impl FnOnce(RawFd) -> Result<R, StoreError>,
+        f: impl FnOnce(BorrowedFd<'_>) -> Result<R, StoreError>,
     ) -> Result<R, StoreError> {
         match self.staging_fd(t.staged) {
             Some(fd) => f(fd),
             None => {
                 let (dir, _) = self.parent_and_name(&t.target, false)?;
-                f(dir.as_raw_fd())
+                f(dir.as_fd())
             }
         }
     }
@@ -605,7 +597,7 @@ impl Store {
             libc::O_RDONLY
         };
         self.in_temp_dir(t, |dir| {
-            let fd = open_at(dir, &t.name, flags | libc::O_NOFOLLOW, 0)
+            let fd = sys::openat(dir, &t.name, flags | libc::O_NOFOLLOW, 0)
                 .map_err(|e| io_err(&t.target, e))?;
             Ok(File::from(fd))
         })
@@ -733,8 +725,8 @@ impl Store {
             None => self.temp_handle(t, false)?,
         };
         f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
-        set_mode_fd(f.as_raw_fd(), mode).map_err(|e| io_err(&t.target, e))?;
-        set_mtime_fd(f.as_raw_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
+        set_mode_fd(f.as_fd(), mode).map_err(|e| io_err(&t.target, e))?;
+        set_mtime_fd(f.as_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
         if t.unnamed() {
             t.file = Some(f);
         }
@@ -748,7 +740,7 @@ impl Store {
             return;
         }
         let _ = self.in_temp_dir(&t, |dir| {
-            unsafe { libc::unlinkat(dir, t.name.as_ptr(), 0) };
+            let _ = sys::unlinkat(dir, &t.name, 0);
             Ok(())
         });
     }
@@ -791,7 +783,7 @@ impl Store {
                 let _ = f.sync_all();
             }
         } else if !temps.is_empty() {
-            unsafe { libc::syncfs(self.root_fd.as_raw_fd()) };
+            let _ = sys::syncfs(self.root_fd.as_fd());
         }
     }
 
@@ -812,7 +804,7 @@ impl Store {
             .iter()
             .find_map(|(t, _)| self.staging_fd(t.staged && !t.unnamed()));
         // Each target's directory, walked to once through `cache`, before any install.
-        let mut items: Vec<(Result<RawFd, StoreError>, TempFile, Expect)> = batch
+        let mut items: Vec<(Result<Arc<OwnedFd>, StoreError>, TempFile, Expect)> = batch
             .into_iter()
             .map(|(t, e)| (self.dir_in(cache, t.target.parent().as_ref(), false), t, e))
             .collect();
@@ -824,7 +816,10 @@ impl Store {
         let mut split = items.len();
         if items.len() >= PARALLEL_INSTALL_FROM {
             split = items.len() / 2;
-            let same = |a: &Result<RawFd, StoreError>, b: &Result<RawFd, StoreError>| matches!((a, b), (Ok(x), Ok(y)) if x == y);
+            let same = |a: &Result<Arc<OwnedFd>, StoreError>,
+                        b: &Result<Arc<OwnedFd>, StoreError>| {
+                matches!((a, b), (Ok(x), Ok(y)) if Arc::ptr_eq(x, y))
+            };
             while split < items.len() && same(&items[split].0, &items[split - 1].0) {
                 split += 1;
             }
@@ -844,8 +839,7 @@ impl Store {
             })
         };
         if let Some(fd) = staging {
-            // SAFETY: a plain syscall on the staging directory's open descriptor.
-            unsafe { libc::fsync(fd) };
+            let _ = sys::fsync(fd);
         }
         out
     }
@@ -853,7 +847,7 @@ impl Store {
     /// Installs `items` in order, then fsyncs each directory they went into.
     fn install_lane(
         &self,
-        items: Vec<(Result<RawFd, StoreError>, TempFile, Expect)>,
+        items: Vec<(Result<Arc<OwnedFd>, StoreError>, TempFile, Expect)>,
         installed: &(dyn Fn(&RelPath, &LocalStat) + Sync),
     ) -> Vec<Result<LocalStat, StoreError>> {
         let mut touched = Vec::new();
@@ -862,10 +856,10 @@ impl Store {
             .map(|(dir, t, expect)| match dir {
                 Ok(dir) => {
                     let target = t.target.clone();
-                    let r = self.install_one(dir, t, expect);
+                    let r = self.install_one(dir.as_fd(), t, expect);
                     if let Ok(local) = &r {
                         installed(&target, local);
-                        if touched.last() != Some(&dir) {
+                        if !touched.last().is_some_and(|d| Arc::ptr_eq(d, &dir)) {
                             touched.push(dir);
                         }
                     }
@@ -877,18 +871,17 @@ impl Store {
                 }
             })
             .collect();
-        touched.sort_unstable();
-        touched.dedup();
-        for fd in touched {
-            // SAFETY: a plain syscall on a directory descriptor the batch's cache holds open.
-            unsafe { libc::fsync(fd) };
+        touched.sort_unstable_by_key(|d| d.as_raw_fd());
+        touched.dedup_by_key(|d| d.as_raw_fd());
+        for dir in touched {
+            let _ = sys::fsync(dir.as_fd());
         }
         out
     }
 
     fn install_one(
         &self,
-        dir: RawFd,
+        dir: BorrowedFd<'_>,
         t: TempFile,
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
@@ -898,7 +891,7 @@ impl Store {
         }
         let from = self.staging_fd(t.staged).unwrap_or(dir);
         let refuse = |e| {
-            unsafe { libc::unlinkat(from, t.name.as_ptr(), 0) };
+            let _ = sys::unlinkat(from, &t.name, 0);
             Err(e)
         };
         // A new file: the rename itself refuses an existing target (no stat first, and no
@@ -918,12 +911,11 @@ impl Store {
             if let Err(e) = check_expect(dir, &name, &t.target, expect) {
                 return refuse(e);
             }
-            let r = unsafe { libc::renameat(from, t.name.as_ptr(), dir, name.as_ptr()) };
-            if r < 0 {
-                return refuse(io_err(&t.target, io::Error::last_os_error()));
+            if let Err(e) = sys::renameat(from, &t.name, dir, &name) {
+                return refuse(io_err(&t.target, e));
             }
         }
-        let st = fstatat(dir, &name).map_err(|e| io_err(&t.target, e))?;
+        let st = lstat_at(dir, &name).map_err(|e| io_err(&t.target, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -932,7 +924,7 @@ impl Store {
     /// under a temp name, then renamed over the target. Dropping `t` frees an unlinked file.
     fn install_unnamed(
         &self,
-        dir: RawFd,
+        dir: BorrowedFd<'_>,
         t: TempFile,
         name: &CStr,
         expect: Expect,
@@ -941,7 +933,7 @@ impl Store {
             return Err(io_err(&t.target, io::Error::from_raw_os_error(libc::EBADF)));
         };
         let via = staging.link.unwrap_or(LinkVia::ProcFd);
-        let fd = file.as_raw_fd();
+        let fd = file.as_fd();
         if expect == Expect::Absent {
             match link_unnamed(fd, via, dir, name) {
                 Ok(()) => {}
@@ -952,19 +944,15 @@ impl Store {
             }
         } else {
             check_expect(dir, name, &t.target, expect)?;
-            let sdir = staging.fd.as_raw_fd();
+            let sdir = staging.fd.as_fd();
             let tmp = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
             link_unnamed(fd, via, sdir, &tmp).map_err(|e| io_err(&t.target, e))?;
-            let r = unsafe { libc::renameat(sdir, tmp.as_ptr(), dir, name.as_ptr()) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                unsafe { libc::unlinkat(sdir, tmp.as_ptr(), 0) };
+            if let Err(e) = sys::renameat(sdir, &tmp, dir, name) {
+                let _ = sys::unlinkat(sdir, &tmp, 0);
                 return Err(io_err(&t.target, e));
             }
         }
-        // SAFETY: `st` is a plain struct the kernel fills; `fd` is our open descriptor.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        cvt(unsafe { libc::fstat(fd, &mut st) }).map_err(|e| io_err(&t.target, e))?;
+        let st = sys::fstat(fd).map_err(|e| io_err(&t.target, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -977,13 +965,13 @@ impl Store {
             }
             Err(e) => return Err(e),
         };
-        check_expect(dir.as_raw_fd(), &name, path, expect)?;
-        match cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) }) {
-            Ok(_) => {}
+        check_expect(dir.as_fd(), &name, path, expect)?;
+        match sys::unlinkat(dir.as_fd(), &name, 0) {
+            Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) => return Err(io_err(path, e)),
         }
-        unsafe { libc::fsync(dir.as_raw_fd()) };
+        let _ = sys::fsync(dir.as_fd());
         Ok(())
     }
 
@@ -996,8 +984,8 @@ impl Store {
             }
             Err(e) => return Err(e),
         };
-        match cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) }) {
-            Ok(_) => Ok(()),
+        match sys::unlinkat(dir.as_fd(), &name, libc::AT_REMOVEDIR) {
+            Ok(()) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => {
                 Err(StoreError::NotEmpty(path.clone()))
@@ -1012,13 +1000,13 @@ impl Store {
     /// Creates a directory (and its parents) with `mode`; an existing directory gets `mode`.
     pub fn make_dir(&self, path: &RelPath, mode: u32) -> Result<LocalStat, StoreError> {
         let (dir, name) = self.parent_and_name(path, true)?;
-        match cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o700) }) {
-            Ok(_) => {}
+        match sys::mkdirat(dir.as_fd(), &name, 0o700) {
+            Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => return Err(io_err(path, e)),
         }
-        let fd = open_at(
-            dir.as_raw_fd(),
+        let fd = sys::openat(
+            dir.as_fd(),
             &name,
             libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
             0,
@@ -1027,8 +1015,8 @@ impl Store {
             Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Changed(path.clone()),
             _ => io_err(path, e),
         })?;
-        set_mode_fd(fd.as_raw_fd(), mode).map_err(|e| io_err(path, e))?;
-        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(path, e))?;
+        set_mode_fd(fd.as_fd(), mode).map_err(|e| io_err(path, e))?;
+        let st = lstat_at(dir.as_fd(), &name).map_err(|e| io_err(path, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -1041,36 +1029,21 @@ impl Store {
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
         let (dir, name) = self.parent_and_name(path, true)?;
+        let dir = dir.as_fd();
         let tmp = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
         let tgt = cstr(target)?;
-        cvt(unsafe { libc::symlinkat(tgt.as_ptr(), dir.as_raw_fd(), tmp.as_ptr()) })
-            .map_err(|e| io_err(path, e))?;
-        let times = mtime_spec(mtime_ns);
-        unsafe {
-            libc::utimensat(
-                dir.as_raw_fd(),
-                tmp.as_ptr(),
-                times.as_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
-        if let Err(e) = check_expect(dir.as_raw_fd(), &name, path, expect) {
-            unsafe { libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0) };
+        sys::symlinkat(&tgt, dir, &tmp).map_err(|e| io_err(path, e))?;
+        let _ = sys::utimensat(dir, &tmp, &mtime_spec(mtime_ns), libc::AT_SYMLINK_NOFOLLOW);
+        if let Err(e) = check_expect(dir, &name, path, expect) {
+            let _ = sys::unlinkat(dir, &tmp, 0);
             return Err(e);
         }
-        if let Err(e) = cvt(unsafe {
-            libc::renameat(
-                dir.as_raw_fd(),
-                tmp.as_ptr(),
-                dir.as_raw_fd(),
-                name.as_ptr(),
-            )
-        }) {
-            unsafe { libc::unlinkat(dir.as_raw_fd(), tmp.as_ptr(), 0) };
+        if let Err(e) = sys::renameat(dir, &tmp, dir, &name) {
+            let _ = sys::unlinkat(dir, &tmp, 0);
             return Err(io_err(path, e));
         }
-        unsafe { libc::fsync(dir.as_raw_fd()) };
-        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(path, e))?;
+        let _ = sys::fsync(dir);
+        let st = lstat_at(dir, &name).map_err(|e| io_err(path, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -1084,14 +1057,14 @@ impl Store {
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
         let (dir, name) = self.parent_and_name(path, false)?;
-        check_expect(dir.as_raw_fd(), &name, path, expect)?;
-        let fd = open_at(dir.as_raw_fd(), &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
+        check_expect(dir.as_fd(), &name, path, expect)?;
+        let fd = sys::openat(dir.as_fd(), &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
             .map_err(|e| io_err(path, e))?;
-        set_mode_fd(fd.as_raw_fd(), mode).map_err(|e| io_err(path, e))?;
+        set_mode_fd(fd.as_fd(), mode).map_err(|e| io_err(path, e))?;
         if let Some(m) = mtime_ns {
-            set_mtime_fd(fd.as_raw_fd(), m).map_err(|e| io_err(path, e))?;
+            set_mtime_fd(fd.as_fd(), m).map_err(|e| io_err(path, e))?;
         }
-        let st = fstatat(dir.as_raw_fd(), &name).map_err(|e| io_err(path, e))?;
+        let st = lstat_at(dir.as_fd(), &name).map_err(|e| io_err(path, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -1105,19 +1078,9 @@ impl Store {
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
         let (fdir, fname) = self.parent_and_name(from, false)?;
-        check_expect(fdir.as_raw_fd(), &fname, from, expect)?;
+        check_expect(fdir.as_fd(), &fname, from, expect)?;
         let (tdir, tname) = self.parent_and_name(to, true)?;
-        let r = unsafe {
-            libc::linkat(
-                fdir.as_raw_fd(),
-                fname.as_ptr(),
-                tdir.as_raw_fd(),
-                tname.as_ptr(),
-                0,
-            )
-        };
-        if r < 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = sys::linkat(fdir.as_fd(), &fname, tdir.as_fd(), &tname, 0) {
             if e.raw_os_error() == Some(libc::EEXIST) {
                 return Err(StoreError::Changed(to.clone()));
             }
@@ -1143,16 +1106,16 @@ impl Store {
             }
             self.close_temp(&mut t);
             let f = self.temp_handle(&t, false)?;
-            let _ = set_mode_fd(f.as_raw_fd(), st.local.mode);
-            let _ = set_mtime_fd(f.as_raw_fd(), st.local.mtime_ns);
+            let _ = set_mode_fd(f.as_fd(), st.local.mode);
+            let _ = set_mtime_fd(f.as_fd(), st.local.mtime_ns);
             drop(f);
             return self
                 .install(vec![(t, Expect::Absent)])
                 .pop()
                 .unwrap_or_else(|| Err(StoreError::Changed(to.clone())));
         }
-        unsafe { libc::fsync(tdir.as_raw_fd()) };
-        let st = fstatat(tdir.as_raw_fd(), &tname).map_err(|e| io_err(to, e))?;
+        let _ = sys::fsync(tdir.as_fd());
+        let st = lstat_at(tdir.as_fd(), &tname).map_err(|e| io_err(to, e))?;
         Ok(stat_of(&st).local)
     }
 
@@ -1210,36 +1173,30 @@ impl SetLenChecked for File {
 }
 
 /// Gives the unnamed file `fd` the name `name` in `dir`; fails with `EEXIST` if it is taken.
-fn link_unnamed(fd: RawFd, via: LinkVia, dir: RawFd, name: &CStr) -> io::Result<()> {
-    let r = match via {
-        // SAFETY: plain syscalls on descriptors we own, with NUL-terminated names.
-        LinkVia::EmptyPath => unsafe {
-            libc::linkat(fd, c"".as_ptr(), dir, name.as_ptr(), libc::AT_EMPTY_PATH)
-        },
+fn link_unnamed(
+    fd: BorrowedFd<'_>,
+    via: LinkVia,
+    dir: BorrowedFd<'_>,
+    name: &CStr,
+) -> io::Result<()> {
+    match via {
+        LinkVia::EmptyPath => sys::linkat(fd, c"", dir, name, libc::AT_EMPTY_PATH),
         LinkVia::ProcFd => {
-            let proc = CString::new(format!("/proc/self/fd/{fd}")).map_err(io::Error::other)?;
-            unsafe {
-                libc::linkat(
-                    libc::AT_FDCWD,
-                    proc.as_ptr(),
-                    dir,
-                    name.as_ptr(),
-                    libc::AT_SYMLINK_FOLLOW,
-                )
-            }
+            let proc = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .map_err(io::Error::other)?;
+            sys::linkat(sys::cwd(), &proc, dir, name, libc::AT_SYMLINK_FOLLOW)
         }
-    };
-    cvt(r).map(|_| ())
+    }
 }
 
 /// Whether unnamed temp files can be made in `dir` and named afterwards, and how: makes one,
 /// links it, and removes the link again.
-fn probe_unnamed(dir: RawFd) -> Option<LinkVia> {
-    let fd = open_at(dir, c".", libc::O_RDWR | libc::O_TMPFILE, 0o600).ok()?;
+fn probe_unnamed(dir: BorrowedFd<'_>) -> Option<LinkVia> {
+    let fd = sys::openat(dir, c".", libc::O_RDWR | libc::O_TMPFILE, 0o600).ok()?;
     for via in [LinkVia::EmptyPath, LinkVia::ProcFd] {
         let name = CString::new(format!("{TEMP_PREFIX}{}", random_suffix())).ok()?;
-        if link_unnamed(fd.as_raw_fd(), via, dir, &name).is_ok() {
-            unsafe { libc::unlinkat(dir, name.as_ptr(), 0) };
+        if link_unnamed(fd.as_fd(), via, dir, &name).is_ok() {
+            let _ = sys::unlinkat(dir, &name, 0);
             return Some(via);
         }
     }
@@ -1247,20 +1204,29 @@ fn probe_unnamed(dir: RawFd) -> Option<LinkVia> {
 }
 
 /// `renameat2(RENAME_NOREPLACE)`: `Ok(false)` where the filesystem cannot (nothing renamed).
-fn rename_noreplace(from: RawFd, old: &CStr, dir: RawFd, new: &CStr) -> io::Result<bool> {
-    let flags = libc::RENAME_NOREPLACE;
-    match cvt(unsafe { libc::renameat2(from, old.as_ptr(), dir, new.as_ptr(), flags) }) {
-        Ok(_) => Ok(true),
+fn rename_noreplace(
+    from: BorrowedFd<'_>,
+    old: &CStr,
+    dir: BorrowedFd<'_>,
+    new: &CStr,
+) -> io::Result<bool> {
+    match sys::renameat2(from, old, dir, new, libc::RENAME_NOREPLACE) {
+        Ok(()) => Ok(true),
         Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => Ok(false),
         Err(e) => Err(e),
     }
 }
 
-fn check_expect(dir: RawFd, name: &CStr, path: &RelPath, expect: Expect) -> Result<(), StoreError> {
+fn check_expect(
+    dir: BorrowedFd<'_>,
+    name: &CStr,
+    path: &RelPath,
+    expect: Expect,
+) -> Result<(), StoreError> {
     if expect == Expect::Anything {
         return Ok(());
     }
-    let now = match fstatat(dir, name) {
+    let now = match lstat_at(dir, name) {
         Ok(st) => Some(stat_of(&st).local),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
         Err(e) => return Err(io_err(path, e)),
@@ -1281,8 +1247,8 @@ fn check_expect(dir: RawFd, name: &CStr, path: &RelPath, expect: Expect) -> Resu
     }
 }
 
-fn set_mode_fd(fd: RawFd, mode: u32) -> io::Result<()> {
-    cvt(unsafe { libc::fchmod(fd, (mode & MODE_SYNC_MASK) as libc::mode_t) }).map(|_| ())
+fn set_mode_fd(fd: BorrowedFd<'_>, mode: u32) -> io::Result<()> {
+    sys::fchmod(fd, (mode & MODE_SYNC_MASK) as libc::mode_t)
 }
 
 fn mtime_spec(mtime_ns: i64) -> [libc::timespec; 2] {
@@ -1298,9 +1264,8 @@ fn mtime_spec(mtime_ns: i64) -> [libc::timespec; 2] {
     ]
 }
 
-fn set_mtime_fd(fd: RawFd, mtime_ns: i64) -> io::Result<()> {
-    let times = mtime_spec(mtime_ns);
-    cvt(unsafe { libc::futimens(fd, times.as_ptr()) }).map(|_| ())
+fn set_mtime_fd(fd: BorrowedFd<'_>, mtime_ns: i64) -> io::Result<()> {
+    sys::futimens(fd, &mtime_spec(mtime_ns))
 }
 
 /// Free bytes for unprivileged writers on the filesystem holding `path`.
@@ -1321,18 +1286,11 @@ pub fn room_for(path: &Path, size: u64) -> Result<(), u64> {
 /// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`.
 fn space(path: &Path) -> Option<(u64, u64)> {
     let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid NUL-terminated path and `st` points to writable memory of the
-    // right type, which statvfs fills on success.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    // SAFETY: statvfs returned 0, so it initialised `st`.
-    (rc == 0).then(|| {
-        let st = unsafe { st.assume_init() };
-        (
-            st.f_bavail.saturating_mul(st.f_frsize),
-            st.f_blocks.saturating_mul(st.f_frsize),
-        )
-    })
+    let st = sys::statvfs(&c).ok()?;
+    Some((
+        st.f_bavail.saturating_mul(st.f_frsize),
+        st.f_blocks.saturating_mul(st.f_frsize),
+    ))
 }
 
 #[cfg(test)]

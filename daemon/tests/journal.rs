@@ -1,9 +1,10 @@
 //! The journal's contract, on real SQLite files in temporary directories.
 
 use meshfs_daemon::journal::{
-    Change, ChunkLocation, FolderCounts, FolderState, HistoryQuery, Journal, JournalError,
-    LocalStat, Op, PeerProgress, StoredRecord,
+    Change, ChunkLocation, FolderCounts, FolderState, HistoryQuery, Journal, JournalError, Op,
+    PeerProgress, StoredRecord,
 };
+use meshfs_daemon::store::LocalStat;
 use meshfs_protocol::{
     Chunk, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, VersionVector,
 };

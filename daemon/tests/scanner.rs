@@ -95,6 +95,7 @@ fn special_files_and_internal_names_are_skipped() {
     std::fs::write(root.join(".meshfs-tmp-123"), b"partial").unwrap();
     std::fs::write(root.join("real"), b"r").unwrap();
     let fifo = std::ffi::CString::new(root.join("pipe").to_str().unwrap()).unwrap();
+    // SAFETY: `fifo` is NUL-terminated and outlives the call.
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
     let j = Journal::open(&dir.path().join("journal.db")).unwrap();
     let fx = Fixture::new(&root);

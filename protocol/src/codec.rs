@@ -3,12 +3,11 @@
 //! panics, refuses any list over its cap before reading it, and checks every limit
 //! ([`Message::check_limits`]) and every record it carries ([`crate::FileRecord::validate`]).
 
+use crate::limits::MAX_FRAME_LEN;
 use crate::message::Message;
 
 /// Bytes of the length prefix.
 pub const FRAME_HEADER_LEN: usize = 4;
-/// Largest payload accepted or produced (16 MiB).
-pub const MAX_FRAME_LEN: usize = 16 << 20;
 
 /// Why bytes are not a frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -16,6 +16,7 @@ mod capped;
 pub mod cdc;
 mod codec;
 mod ids;
+mod limits;
 mod message;
 mod path;
 mod record;
@@ -23,9 +24,10 @@ mod vv;
 
 pub use codec::{
     decode_frame, decode_payload, encode_frame, frame_len, CodecError, FrameDecoder,
-    FRAME_HEADER_LEN, MAX_FRAME_LEN,
+    FRAME_HEADER_LEN,
 };
 pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
+pub use limits::{MAX_CHUNK_LEN, MAX_FRAME_LEN};
 pub use message::{
     ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch, LimitError,
     Message, MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN, MAX_FOLDERS_PER_HELLO,
@@ -34,6 +36,6 @@ pub use message::{
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
 pub use record::{
     Chunk, FileKind, FileRecord, Hash, RecordError, FILE_HASH_CONTEXT, MAX_CHUNKS_PER_RECORD,
-    MAX_CHUNK_LEN, MAX_FILE_SIZE, MAX_LINK_TARGET, MODE_SYNC_MASK,
+    MAX_FILE_SIZE, MAX_LINK_TARGET, MODE_SYNC_MASK,
 };
 pub use vv::{VersionVector, VvOrdering, MAX_VV_COUNTER, MAX_VV_ENTRIES};

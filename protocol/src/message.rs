@@ -10,7 +10,8 @@
 //! peer makes us allocate per frame stays near the frame's own size.
 
 use crate::ids::FolderId;
-use crate::record::{FileRecord, Hash, MAX_CHUNK_LEN};
+use crate::limits::MAX_CHUNK_LEN;
+use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].

@@ -4,8 +4,8 @@
 //! beyond its field types, including the bounds on what it may declare
 //! ([`MAX_CHUNKS_PER_RECORD`], [`MAX_FILE_SIZE`]).
 
-use crate::codec::MAX_FRAME_LEN;
 use crate::ids::ShortId;
+use crate::limits::{MAX_CHUNK_LEN, MAX_FRAME_LEN};
 use crate::path::RelPath;
 use crate::vv::VersionVector;
 use serde::{Deserialize, Serialize};
@@ -15,8 +15,6 @@ use std::fmt;
 pub const MODE_SYNC_MASK: u32 = 0o1777;
 /// Longest symlink target accepted, in bytes.
 pub const MAX_LINK_TARGET: usize = 4095;
-/// Largest chunk accepted on the wire, in bytes.
-pub const MAX_CHUNK_LEN: u32 = 4 << 20;
 /// Most chunks one record may list (524,288). No frame can carry more, since each chunk takes
 /// at least its 32-byte hash; the bound is stated so that a record is refused for it on its
 /// own, before its chunks are held, hashed or planned as transfers, wherever it came from.
@@ -66,14 +64,6 @@ impl Hash {
     /// The first 8 hex digits, for people.
     pub fn short(&self) -> String {
         self.to_string()[..8].to_string()
-    }
-
-    /// Parses 64 hex digits.
-    pub fn from_hex(s: &str) -> Option<Hash> {
-        let bytes = data_encoding::HEXLOWER_PERMISSIVE
-            .decode(s.as_bytes())
-            .ok()?;
-        Some(Hash(bytes.try_into().ok()?))
     }
 }
 

@@ -172,6 +172,8 @@ impl Device {
     /// SIGTERM and wait.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
+            // SAFETY: kill takes two integers and touches no memory. The child has not been
+            // waited for, so its pid cannot have been reused by another process.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {

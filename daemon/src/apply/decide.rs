@@ -4,8 +4,8 @@
 
 use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Transfer, MAX_OPEN_TEMPS};
 use crate::folder::{FolderError, FolderRt, Folders};
-use crate::journal::{Change, Journal, LocalStat, StoredRecord};
-use crate::store::{DirCache, Expect, StoreError};
+use crate::journal::{Change, Journal, StoredRecord};
+use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
 use meshfs_sync::plan::{self, Disk, Op, Planned};
 use meshfs_sync::reconcile::{ReadError, ReplicaView, Step};

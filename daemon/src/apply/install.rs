@@ -5,8 +5,8 @@
 
 use super::transfer::{seen_of, skip_or_fail, ApplyError, Meta};
 use crate::folder::{FolderError, FolderRt, Folders};
-use crate::journal::{Change, Journal, LocalStat, Op};
-use crate::store::{DirCache, Expect, StoreError, TempFile};
+use crate::journal::{Change, Journal, Op};
+use crate::store::{DirCache, Expect, LocalStat, StoreError, TempFile};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId};
 
 pub(super) fn install(

@@ -4,7 +4,8 @@
 //! not decode, or a record that does not [`FileRecord::validate`], becomes
 //! [`JournalError::Corrupt`] naming the folder and path, never a panic.
 
-use super::{HistoryEntry, JournalError, LocalStat, Op, Result, StoredRecord};
+use super::{HistoryEntry, JournalError, Op, Result, StoredRecord};
+use crate::store::LocalStat;
 use meshfs_protocol::{
     Chunk, DeviceId, FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, VersionVector,
 };

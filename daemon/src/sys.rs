@@ -1,0 +1,258 @@
+//! The Linux syscalls the daemon makes beyond std, as safe functions over borrowed descriptors.
+//!
+//! **What it owns.** The `unsafe` blocks of the replica store and the scanner: each wrapper
+//! takes `BorrowedFd`s (so the descriptor is open for the whole call) and `CStr` names (so
+//! every string is NUL-terminated), and returns what the kernel filled in only once the call
+//! succeeded. Each block says why the pointers it passes are valid; nothing else in a
+//! syscall can break memory safety.
+//!
+//! **What it never does.** Decide anything: no retries, no fallbacks, no path handling. The
+//! wrappers are named after the syscall they make and keep its arguments; what an error means
+//! is the caller's business. Other concerns keep their own `unsafe` next to them: the file
+//! mappings in `mapped`, the socket buffer option in `transport`.
+
+use std::ffi::CStr;
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// `AT_FDCWD` as a directory argument: relative names resolve against the working
+/// directory, absolute ones ignore it.
+pub(crate) fn cwd() -> BorrowedFd<'static> {
+    // SAFETY: AT_FDCWD (-100) is not -1, and it names no descriptor that could be closed: the
+    // *at calls this is passed to take it to mean the working directory.
+    unsafe { BorrowedFd::borrow_raw(libc::AT_FDCWD) }
+}
+
+/// `openat(dir, name, flags | O_CLOEXEC, mode)`: the descriptor it opens.
+pub(crate) fn openat(
+    dir: BorrowedFd<'_>,
+    name: &CStr,
+    flags: libc::c_int,
+    mode: libc::c_uint,
+) -> io::Result<OwnedFd> {
+    // SAFETY: `name` is NUL-terminated and outlives the call.
+    let fd = cvt(unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            mode,
+        )
+    })?;
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `fstat(fd)`.
+pub(crate) fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
+    let mut st = MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: `st` is writable memory of the type fstat fills.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) })?;
+    // SAFETY: fstat succeeded, so it filled `st`.
+    Ok(unsafe { st.assume_init() })
+}
+
+/// `fstatat(dir, name, flags)` (`AT_SYMLINK_NOFOLLOW` to stat a symlink itself).
+pub(crate) fn fstatat(
+    dir: BorrowedFd<'_>,
+    name: &CStr,
+    flags: libc::c_int,
+) -> io::Result<libc::stat> {
+    let mut st = MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: `name` is NUL-terminated and outlives the call; `st` is writable memory of the
+    // type fstatat fills.
+    cvt(unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), st.as_mut_ptr(), flags) })?;
+    // SAFETY: fstatat succeeded, so it filled `st`.
+    Ok(unsafe { st.assume_init() })
+}
+
+/// `mkdirat(dir, name, mode)`.
+pub(crate) fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated and outlives the call.
+    cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) }).map(drop)
+}
+
+/// `unlinkat(dir, name, flags)` (`AT_REMOVEDIR` for a directory).
+pub(crate) fn unlinkat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated and outlives the call.
+    cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) }).map(drop)
+}
+
+/// `renameat(from, old, to, new)`: replaces `new` if it exists.
+pub(crate) fn renameat(
+    from: BorrowedFd<'_>,
+    old: &CStr,
+    to: BorrowedFd<'_>,
+    new: &CStr,
+) -> io::Result<()> {
+    // SAFETY: both names are NUL-terminated and outlive the call.
+    cvt(unsafe { libc::renameat(from.as_raw_fd(), old.as_ptr(), to.as_raw_fd(), new.as_ptr()) })
+        .map(drop)
+}
+
+/// `renameat2(from, old, to, new, flags)` (`RENAME_NOREPLACE`, …).
+pub(crate) fn renameat2(
+    from: BorrowedFd<'_>,
+    old: &CStr,
+    to: BorrowedFd<'_>,
+    new: &CStr,
+    flags: libc::c_uint,
+) -> io::Result<()> {
+    // SAFETY: both names are NUL-terminated and outlive the call.
+    cvt(unsafe {
+        libc::renameat2(
+            from.as_raw_fd(),
+            old.as_ptr(),
+            to.as_raw_fd(),
+            new.as_ptr(),
+            flags,
+        )
+    })
+    .map(drop)
+}
+
+/// `linkat(from, old, to, new, flags)` (`AT_EMPTY_PATH` with an empty `old` links the file
+/// `from` itself holds; `AT_SYMLINK_FOLLOW` follows a final symlink in `old`).
+pub(crate) fn linkat(
+    from: BorrowedFd<'_>,
+    old: &CStr,
+    to: BorrowedFd<'_>,
+    new: &CStr,
+    flags: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: both names are NUL-terminated and outlive the call.
+    cvt(unsafe {
+        libc::linkat(
+            from.as_raw_fd(),
+            old.as_ptr(),
+            to.as_raw_fd(),
+            new.as_ptr(),
+            flags,
+        )
+    })
+    .map(drop)
+}
+
+/// `symlinkat(target, dir, name)`: makes `name` in `dir` a symlink to `target`.
+pub(crate) fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
+    // SAFETY: both strings are NUL-terminated and outlive the call.
+    cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
+}
+
+/// `readlinkat(dir, name)` into `buf`: how many bytes of it the target fills (the target is
+/// cut short if it is longer than `buf`).
+pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `name` is NUL-terminated and outlives the call; `buf` is writable for the length
+    // passed, and readlinkat writes no more than that.
+    let n = unsafe {
+        libc::readlinkat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast::<libc::c_char>(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// `utimensat(dir, name, times, flags)`: `times` is (atime, mtime), `UTIME_OMIT` to keep one.
+pub(crate) fn utimensat(
+    dir: BorrowedFd<'_>,
+    name: &CStr,
+    times: &[libc::timespec; 2],
+    flags: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated; `times` points to the two timespecs utimensat reads.
+    cvt(unsafe { libc::utimensat(dir.as_raw_fd(), name.as_ptr(), times.as_ptr(), flags) }).map(drop)
+}
+
+/// `futimens(fd, times)`: `times` is (atime, mtime), `UTIME_OMIT` to keep one.
+pub(crate) fn futimens(fd: BorrowedFd<'_>, times: &[libc::timespec; 2]) -> io::Result<()> {
+    // SAFETY: `times` points to the two timespecs futimens reads.
+    cvt(unsafe { libc::futimens(fd.as_raw_fd(), times.as_ptr()) }).map(drop)
+}
+
+/// `fchmod(fd, mode)`.
+pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: libc::mode_t) -> io::Result<()> {
+    // SAFETY: integer arguments only; the descriptor is borrowed for the call.
+    cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
+}
+
+/// `fsync(fd)` (a directory's too: its entries become durable).
+pub(crate) fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: integer arguments only; the descriptor is borrowed for the call.
+    cvt(unsafe { libc::fsync(fd.as_raw_fd()) }).map(drop)
+}
+
+/// `syncfs(fd)`: flushes the whole filesystem `fd` is on.
+pub(crate) fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: integer arguments only; the descriptor is borrowed for the call.
+    cvt(unsafe { libc::syncfs(fd.as_raw_fd()) }).map(drop)
+}
+
+/// `sync_file_range(fd, offset, nbytes, flags)` (`nbytes` 0: to the end of the file).
+pub(crate) fn sync_file_range(
+    fd: BorrowedFd<'_>,
+    offset: i64,
+    nbytes: i64,
+    flags: libc::c_uint,
+) -> io::Result<()> {
+    // SAFETY: integer arguments only; the descriptor is borrowed for the call.
+    cvt(unsafe { libc::sync_file_range(fd.as_raw_fd(), offset, nbytes, flags) }).map(drop)
+}
+
+/// `statvfs(path)`.
+pub(crate) fn statvfs(path: &CStr) -> io::Result<libc::statvfs> {
+    let mut st = MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is NUL-terminated and outlives the call; `st` is writable memory of the
+    // type statvfs fills.
+    cvt(unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) })?;
+    // SAFETY: statvfs succeeded, so it filled `st`.
+    Ok(unsafe { st.assume_init() })
+}
+
+/// The effective user id of this process.
+pub(crate) fn geteuid() -> libc::uid_t {
+    // SAFETY: geteuid takes nothing, touches no memory and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn a_failed_call_reports_the_kernel_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let fd = std::fs::File::open(dir.path()).unwrap();
+        let err = fstatat(fd.as_fd(), c"missing", libc::AT_SYMLINK_NOFOLLOW).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+        let err = openat(fd.as_fd(), c"missing", libc::O_RDONLY, 0).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn readlinkat_fills_only_the_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let fd = std::fs::File::open(dir.path()).unwrap();
+        symlinkat(c"some/where", fd.as_fd(), c"l").unwrap();
+        let mut buf = [0xffu8; 64];
+        let n = readlinkat(fd.as_fd(), c"l", &mut buf).unwrap();
+        assert_eq!(&buf[..n], b"some/where");
+        let st = fstatat(fd.as_fd(), c"l", libc::AT_SYMLINK_NOFOLLOW).unwrap();
+        assert_eq!(st.st_mode & libc::S_IFMT, libc::S_IFLNK);
+    }
+}
