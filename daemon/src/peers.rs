@@ -501,56 +501,15 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
                         tx.clone(),
                     ));
                 }
-                Action::SaveTheirSequence {
-                    folder,
-                    index_id,
-                    sequence,
-                } => {
-                    if let Ok(mut j) = net.folders.journal.lock() {
-                        if let Err(e) = j.set_their_sequence(&folder, &peer, index_id, sequence) {
-                            tracing::error!(%folder, error = %e, "cannot save peer progress");
-                        }
-                    }
-                }
-                Action::SaveOurAcked { folder, sequence } => {
-                    if let Ok(mut j) = net.folders.journal.lock() {
-                        if let Err(e) = j.set_our_acked(&folder, &peer, sequence) {
-                            tracing::error!(%folder, error = %e, "cannot save peer progress");
-                        }
-                    }
-                }
                 Action::Close { reason } => return Err(reason),
+                save => save_progress(net, &peer, save),
             }
         }
         publish_status(net, peer, &session);
         tokio::select! {
             ev = rx.recv() => {
                 let Some(ev) = ev else { return Err("link closed".into()) };
-                let mut j = net.folders.journal.lock().map_err(|_| "journal lock poisoned")?;
-                let mut src = JournalSource { journal: &mut j };
-                pending = match ev {
-                    LinkEvent::Message(m) => {
-                        if let Message::Error { code, message } = &m {
-                            tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
-                        }
-                        session.handle(m, &mut src)
-                    }
-                    LinkEvent::Applied(folder, up_to) => {
-                        drop(j);
-                        if net.folders.get(&folder).is_some_and(|rt| rt.unblock()) {
-                            tracing::info!(%folder, "the disk has room again; receiving resumed");
-                        }
-                        net.folders.changes_notify(&folder);
-                        session.applied(&folder, up_to)
-                    }
-                    LinkEvent::ApplyFailed(folder, e) => {
-                        if !e.is_disk_full() {
-                            tracing::error!(peer = %peer.short(), %folder, error = %e, "applying remote changes failed; will retry after reconnecting");
-                        }
-                        return Err(format!("apply failed: {e}"));
-                    }
-                    LinkEvent::Closed(reason) => return Err(reason),
-                };
+                pending = on_event(net, peer, &mut session, ev)?;
             }
             ch = changes.recv() => {
                 let folders: Vec<FolderId> = match ch {
@@ -571,6 +530,67 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
                 return Err("shutdown".into());
             }
         }
+    }
+}
+
+/// Stores the progress the session reports (an action that only saves).
+fn save_progress(net: &Net, peer: &DeviceId, action: Action) {
+    let Ok(mut j) = net.folders.journal.lock() else {
+        return;
+    };
+    let (folder, saved) = match action {
+        Action::SaveTheirSequence {
+            folder,
+            index_id,
+            sequence,
+        } => {
+            let r = j.set_their_sequence(&folder, peer, index_id, sequence);
+            (folder, r)
+        }
+        Action::SaveOurAcked { folder, sequence } => {
+            let r = j.set_our_acked(&folder, peer, sequence);
+            (folder, r)
+        }
+        _ => return,
+    };
+    if let Err(e) = saved {
+        tracing::error!(%folder, error = %e, "cannot save peer progress");
+    }
+}
+
+/// Hands one event of the link to the session; returns what it asks for next.
+fn on_event(
+    net: &Net,
+    peer: DeviceId,
+    session: &mut Session,
+    ev: LinkEvent,
+) -> Result<Vec<Action>, String> {
+    match ev {
+        LinkEvent::Message(m) => {
+            if let Message::Error { code, message } = &m {
+                tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
+            }
+            let mut j = net
+                .folders
+                .journal
+                .lock()
+                .map_err(|_| "journal lock poisoned")?;
+            Ok(session.handle(m, &mut JournalSource { journal: &mut j }))
+        }
+        LinkEvent::Applied(folder, up_to) => {
+            if net.folders.get(&folder).is_some_and(|rt| rt.unblock()) {
+                tracing::info!(%folder, "the disk has room again; receiving resumed");
+            }
+            net.folders.changes_notify(&folder);
+            Ok(session.applied(&folder, up_to))
+        }
+        LinkEvent::ApplyFailed(folder, e) => {
+            if !e.is_disk_full() {
+                tracing::error!(peer = %peer.short(), %folder, error = %e, "applying remote changes failed; will retry after reconnecting");
+            }
+            Err(format!("apply failed: {e}"))
+        }
+        LinkEvent::Closed(reason) => Err(reason),
     }
 }
 

@@ -7,7 +7,7 @@ use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, StoredRecord};
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
-use meshfs_sync::plan::{self, Disk, Op, Planned};
+use meshfs_sync::plan::{self, Disk, Planned};
 use meshfs_sync::reconcile::{ReadError, ReplicaView, Step};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -279,7 +279,6 @@ impl Deciding<'_> {
         }
         let stored = self.stored(&planned.record().path)?;
         let (expect, _) = seen_of(stored.as_ref());
-        let prev_local = stored.as_ref().and_then(|s| s.local);
         let Planned {
             step,
             disk,
@@ -287,13 +286,19 @@ impl Deciding<'_> {
             from_peer,
             ..
         } = planned;
-        let source = from_peer.then_some(self.peer);
+        let change = |record, local, source, detail| Change {
+            record,
+            op,
+            local,
+            source,
+            detail,
+        };
         let store = &self.rt.store;
         match step {
             Step::UpdateLocal { record } => {
                 // The local content stays; only its metadata may change on disk, and a failure
                 // there is left to the next scan.
-                let mut local = prev_local;
+                let mut local = stored.as_ref().and_then(|s| s.local);
                 if let Disk::SetMeta { mtime, .. } = disk {
                     let mtime = mtime.then_some(record.mtime_ns);
                     match store.set_meta(&record.path, record.mode, mtime, expect) {
@@ -303,31 +308,13 @@ impl Deciding<'_> {
                         }
                     }
                 }
-                let change = Change {
-                    record,
-                    op,
-                    local,
-                    source: None,
-                    detail: conflict,
-                };
-                Ok((Some(change), Flow::Next))
+                Ok((Some(change(record, local, None, conflict)), Flow::Next))
             }
-            Step::ReviveDir { record } => match store.make_dir(&record.path, record.mode) {
-                Ok(local) => Ok((
-                    Some(Change {
-                        record,
-                        op,
-                        local: Some(local),
-                        source: None,
-                        detail: Some("directory kept: a live entry below it".into()),
-                    }),
-                    Flow::Next,
-                )),
-                Err(e) => {
-                    skip_or_fail(self.rt, remote, e)?;
-                    Ok((None, Flow::Stop))
-                }
-            },
+            Step::ReviveDir { record } => {
+                let made = store.make_dir(&record.path, record.mode);
+                let detail = Some("directory kept: a live entry below it".into());
+                self.made(made, change(record, None, None, detail), remote, false)
+            }
             Step::PreserveLocal { from, record } => {
                 let expect = match self.stored(&from)?.and_then(|s| s.local) {
                     Some(l) => Expect::Matches(l),
@@ -335,7 +322,7 @@ impl Deciding<'_> {
                 };
                 let made = store.preserve_as(&from, &record.path, expect);
                 let detail = conflict.or(Some(format!("conflict copy of {from}")));
-                self.made(made, record, op, detail, remote)
+                self.made(made, change(record, None, None, detail), remote, true)
             }
             Step::PreserveRemote { record } => {
                 // A losing symlink (or directory) is made as what it is: only a regular
@@ -346,103 +333,65 @@ impl Deciding<'_> {
                     }
                     _ => store.make_dir(&record.path, record.mode),
                 };
-                self.made(made, record, op, conflict, remote)
+                self.made(made, change(record, None, None, conflict), remote, true)
             }
             Step::ApplyRemote { record } => {
-                let result: Result<Option<LocalStat>, StoreError> = match disk {
-                    Disk::Nothing => Ok(None),
-                    Disk::RemoveDir => store.remove_dir(&record.path).map(|_| None),
-                    Disk::RemoveFile => store.remove_file(&record.path, expect).map(|_| None),
-                    Disk::MakeDir { replace_file } => {
-                        let cleared = match replace_file {
-                            true => store.remove_file(&record.path, expect),
-                            false => Ok(()),
-                        };
-                        cleared
-                            .and_then(|_| store.make_dir(&record.path, record.mode))
-                            .map(Some)
-                    }
-                    Disk::MakeSymlink => store
-                        .make_symlink(&record.path, &record.target, record.mtime_ns, expect)
-                        .map(Some),
-                    Disk::SetMeta { mtime, .. } => store
-                        .set_meta(
-                            &record.path,
-                            record.mode,
-                            mtime.then_some(record.mtime_ns),
-                            expect,
-                        )
-                        .map(Some),
-                    Disk::Content | Disk::CopyLocal { .. } => {
-                        unreachable!("the plan gives a remote version content or metadata")
-                    }
-                };
-                if let Ok(local) = &result {
-                    if record.kind != FileKind::Dir {
-                        self.rt.echoes.expect(record.path.clone(), *local);
-                    }
-                }
-                match result {
-                    Ok(local) => Ok((
-                        Some(Change {
-                            record,
-                            op,
-                            local,
-                            source,
-                            detail: conflict,
-                        }),
-                        Flow::Next,
-                    )),
-                    Err(StoreError::NotEmpty(p)) => {
-                        tracing::info!(path = %p, "directory still holds untracked entries; kept on disk");
-                        Ok((
-                            Some(Change {
-                                record,
-                                op,
-                                local: None,
-                                source,
-                                detail: Some(
-                                    "directory kept on disk: untracked entries inside".into(),
-                                ),
-                            }),
-                            Flow::Next,
-                        ))
-                    }
-                    Err(StoreError::Changed(p)) => {
-                        tracing::debug!(path = %p, "changed under apply; rescanning and deciding again");
-                        self.redo.push(remote.clone());
-                        Ok((None, Flow::Next))
-                    }
-                    Err(e) => {
-                        skip_or_fail(self.rt, remote, e)?;
-                        Ok((None, Flow::Stop))
-                    }
-                }
+                let result = apply_remote(store, &record, &disk, expect);
+                let source = from_peer.then_some(self.peer);
+                self.applied(result, change(record, None, source, conflict), remote)
             }
         }
     }
 
-    /// The journal change of a kept copy just made (or why the plan stops here).
+    /// The journal change of a remote version just applied on disk (or why it was not).
+    fn applied(
+        &mut self,
+        result: Result<Option<LocalStat>, StoreError>,
+        mut change: Change,
+        remote: &FileRecord,
+    ) -> Result<(Option<Change>, Flow), ApplyError> {
+        if let Ok(local) = &result {
+            if change.record.kind != FileKind::Dir {
+                self.rt.echoes.expect(change.record.path.clone(), *local);
+            }
+        }
+        match result {
+            Ok(local) => {
+                change.local = local;
+                Ok((Some(change), Flow::Next))
+            }
+            Err(StoreError::NotEmpty(p)) => {
+                tracing::info!(path = %p, "directory still holds untracked entries; kept on disk");
+                change.detail = Some("directory kept on disk: untracked entries inside".into());
+                Ok((Some(change), Flow::Next))
+            }
+            Err(StoreError::Changed(p)) => {
+                tracing::debug!(path = %p, "changed under apply; rescanning and deciding again");
+                self.redo.push(remote.clone());
+                Ok((None, Flow::Next))
+            }
+            Err(e) => {
+                skip_or_fail(self.rt, remote, e)?;
+                Ok((None, Flow::Stop))
+            }
+        }
+    }
+
+    /// The journal change of a kept copy or a revived directory just made (or why the plan
+    /// stops here).
     fn made(
         &mut self,
         made: Result<LocalStat, StoreError>,
-        record: FileRecord,
-        op: Op,
-        detail: Option<String>,
+        mut change: Change,
         remote: &FileRecord,
+        redo_on_change: bool,
     ) -> Result<(Option<Change>, Flow), ApplyError> {
         match made {
-            Ok(local) => Ok((
-                Some(Change {
-                    record,
-                    op,
-                    local: Some(local),
-                    source: None,
-                    detail,
-                }),
-                Flow::Next,
-            )),
-            Err(StoreError::Changed(_)) => {
+            Ok(local) => {
+                change.local = Some(local);
+                Ok((Some(change), Flow::Next))
+            }
+            Err(StoreError::Changed(_)) if redo_on_change => {
                 // The local file changed since it was scanned: capture that edit, then decide
                 // again.
                 self.redo.push(remote.clone());
@@ -452,6 +401,40 @@ impl Deciding<'_> {
                 skip_or_fail(self.rt, remote, e)?;
                 Ok((None, Flow::Stop))
             }
+        }
+    }
+}
+
+/// The disk work of a remote version (its content already known to be here, or none needed).
+fn apply_remote(
+    store: &crate::store::Store,
+    record: &FileRecord,
+    disk: &Disk,
+    expect: Expect,
+) -> Result<Option<LocalStat>, StoreError> {
+    match disk {
+        Disk::Nothing => Ok(None),
+        Disk::RemoveDir => store.remove_dir(&record.path).map(|_| None),
+        Disk::RemoveFile => store.remove_file(&record.path, expect).map(|_| None),
+        Disk::MakeDir { replace_file } => {
+            if *replace_file {
+                store.remove_file(&record.path, expect)?;
+            }
+            store.make_dir(&record.path, record.mode).map(Some)
+        }
+        Disk::MakeSymlink => store
+            .make_symlink(&record.path, &record.target, record.mtime_ns, expect)
+            .map(Some),
+        Disk::SetMeta { mtime, .. } => store
+            .set_meta(
+                &record.path,
+                record.mode,
+                mtime.then_some(record.mtime_ns),
+                expect,
+            )
+            .map(Some),
+        Disk::Content | Disk::CopyLocal { .. } => {
+            unreachable!("the plan gives a remote version content or metadata")
         }
     }
 }

@@ -30,7 +30,7 @@ mod truth;
 use crate::plan::{plan, unavailable, Disk, Plan, Planned, Unavailable};
 use crate::reconcile::{new_local_version, Context, Outcome, Step};
 use crate::session::{Action, Session, SessionFolder, RECEIVE_DEPTH};
-use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, Message, ShortId};
+use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, Message, RelPath, ShortId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use replica::{captured_record, Content, Fs, Journal, Node, Pending};
@@ -1087,23 +1087,7 @@ impl Sim {
                 }
                 _ => return Err(format!("unexpected step off the decision's path: {step:?}")),
             };
-            let event = event_kind.map(|kind| {
-                let id = self.truth.derived(&record.path, &record.version);
-                truth.hist.insert(id);
-                let content = (kind == EventKind::Sibling).then_some((record.kind, record.hash));
-                if content.is_some() {
-                    truth.content.insert(id);
-                }
-                (
-                    id,
-                    EventInfo {
-                        path: record.path.clone(),
-                        kind,
-                        content,
-                        replica: r,
-                    },
-                )
-            });
+            let event = event_kind.map(|kind| self.event_of(r, &record, kind, &mut truth));
             out.push(Pending {
                 record,
                 source,
@@ -1112,31 +1096,63 @@ impl Sim {
                 event,
             });
         }
-        // A loser already preserved under its sibling name (same content) is taken over by it.
-        if let Outcome::Conflict { winner_is_local } = d.outcome {
-            let preserved = d.conflict.is_some();
-            let loser = if winner_is_local {
-                Some(remote)
-            } else {
-                local.as_ref()
-            };
-            let j = &self.replicas[r].journal;
-            let sibling_holds_it = loser.is_some_and(|l| {
-                j.current.values().any(|e| {
-                    !e.record.deleted
-                        && e.record.same_content(l)
-                        && e.record.path.parent() == l.path.parent()
-                        && e.record.path.file_name().contains(".sync-conflict-")
-                })
-            });
-            if !preserved && sibling_holds_it {
-                let moved = self.truth.of(loser)?.content;
-                if let Some(last) = out.last_mut() {
-                    last.transfers.extend(moved);
-                }
+        self.taken_over(r, remote, local.as_ref(), d, &mut out)?;
+        Ok(out)
+    }
+
+    /// The derived event a step makes (a sibling, a resolution), recorded in its truth.
+    fn event_of(
+        &mut self,
+        r: usize,
+        record: &FileRecord,
+        kind: EventKind,
+        truth: &mut RecTruth,
+    ) -> (u32, EventInfo) {
+        let id = self.truth.derived(&record.path, &record.version);
+        truth.hist.insert(id);
+        let content = (kind == EventKind::Sibling).then_some((record.kind, record.hash));
+        if content.is_some() {
+            truth.content.insert(id);
+        }
+        let info = EventInfo {
+            path: record.path.clone(),
+            kind,
+            content,
+            replica: r,
+        };
+        (id, info)
+    }
+
+    /// A conflict loser already preserved under its sibling name (same content) is taken over
+    /// by it: its content's obligations move to the last step.
+    fn taken_over(
+        &mut self,
+        r: usize,
+        remote: &FileRecord,
+        local: Option<&FileRecord>,
+        d: &Plan,
+        out: &mut [Pending],
+    ) -> Res<()> {
+        let Outcome::Conflict { winner_is_local } = d.outcome else {
+            return Ok(());
+        };
+        let loser = if winner_is_local { Some(remote) } else { local };
+        let j = &self.replicas[r].journal;
+        let sibling_holds_it = loser.is_some_and(|l| {
+            j.current.values().any(|e| {
+                !e.record.deleted
+                    && e.record.same_content(l)
+                    && e.record.path.parent() == l.path.parent()
+                    && e.record.path.file_name().contains(".sync-conflict-")
+            })
+        });
+        if d.conflict.is_none() && sibling_holds_it {
+            let moved = self.truth.of(loser)?.content;
+            if let Some(last) = out.last_mut() {
+                last.transfers.extend(moved);
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Stores one record in the journal with its truth, checking (d) and that no history is
@@ -1169,31 +1185,7 @@ impl Sim {
         let fs = &mut self.replicas[r].fs;
         let rec = planned.record();
         match &planned.disk {
-            Disk::CopyLocal { from } => {
-                let Some(node) = fs.nodes.get(from).cloned() else {
-                    return Err(format!("r{r}: preserve of missing {from}"));
-                };
-                if !node.same_content(rec) {
-                    return Err(format!(
-                        "(e) r{r}: {from} does not hold the content to preserve"
-                    ));
-                }
-                if fs.nodes.contains_key(&rec.path) || !fs.parent_is_dir(&rec.path) {
-                    return Err(format!(
-                        "r{r}: conflict sibling {} is taken or has no directory",
-                        rec.path
-                    ));
-                }
-                fs.nodes.insert(
-                    rec.path.clone(),
-                    Node {
-                        mode: rec.mode,
-                        mtime_ns: rec.mtime_ns,
-                        ..node
-                    },
-                );
-                return Ok(());
-            }
+            Disk::CopyLocal { from } => return copy_local(r, fs, from, rec),
             Disk::Nothing if rec.deleted => {
                 if fs.nodes.contains_key(&rec.path) {
                     return Err(format!(
@@ -1298,6 +1290,15 @@ impl Sim {
     // ---- the end ----
 
     fn final_checks(&mut self) -> Res<()> {
+        self.check_quiet()?;
+        self.check_identical()?;
+        self.check_no_content_lost()?;
+        self.count();
+        Ok(())
+    }
+
+    /// Quiet means every link connected and in sync both ways, and nothing waiting to apply.
+    fn check_quiet(&self) -> Res<()> {
         for &(a, b) in self.links.keys() {
             let Some(c) = self
                 .conns
@@ -1324,7 +1325,11 @@ impl Sim {
             }
             self.check_consistency(r)?;
         }
-        // (a) identical records and files.
+        Ok(())
+    }
+
+    /// (a) identical records and files.
+    fn check_identical(&self) -> Res<()> {
         let strip = |j: &Journal| -> Vec<FileRecord> {
             j.current
                 .values()
@@ -1370,7 +1375,11 @@ impl Sim {
                 ));
             }
         }
-        // (b) every content not causally overwritten survives.
+        Ok(())
+    }
+
+    /// (b) every content not causally overwritten survives.
+    fn check_no_content_lost(&self) -> Res<()> {
         for (id, e) in self.truth.obligations() {
             let Some((kind, hash)) = e.content else {
                 continue;
@@ -1396,6 +1405,11 @@ impl Sim {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The final report's counts, once every invariant holds.
+    fn count(&mut self) {
         let j = &self.replicas[0].journal;
         self.report.paths = j.current.len();
         self.report.conflict_files = j
@@ -1412,8 +1426,35 @@ impl Sim {
         }
         let made = self.truth.events_made();
         self.log(|| format!("quiet: {made} versions made, all invariants hold"));
-        Ok(())
     }
+}
+
+/// A local loser's content copied to its conflict sibling `rec`, as the store's hard link
+/// does: the content must be the one the plan keeps, the sibling's name free.
+fn copy_local(r: usize, fs: &mut Fs, from: &RelPath, rec: &FileRecord) -> Res<()> {
+    let Some(node) = fs.nodes.get(from).cloned() else {
+        return Err(format!("r{r}: preserve of missing {from}"));
+    };
+    if !node.same_content(rec) {
+        return Err(format!(
+            "(e) r{r}: {from} does not hold the content to preserve"
+        ));
+    }
+    if fs.nodes.contains_key(&rec.path) || !fs.parent_is_dir(&rec.path) {
+        return Err(format!(
+            "r{r}: conflict sibling {} is taken or has no directory",
+            rec.path
+        ));
+    }
+    fs.nodes.insert(
+        rec.path.clone(),
+        Node {
+            mode: rec.mode,
+            mtime_ns: rec.mtime_ns,
+            ..node
+        },
+    );
+    Ok(())
 }
 
 fn outcome_name(o: &Outcome) -> String {
