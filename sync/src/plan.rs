@@ -146,13 +146,7 @@ pub struct Planned {
 impl Planned {
     /// The step's record.
     pub fn record(&self) -> &FileRecord {
-        match &self.step {
-            Step::PreserveLocal { record, .. }
-            | Step::PreserveRemote { record }
-            | Step::ApplyRemote { record }
-            | Step::UpdateLocal { record }
-            | Step::ReviveDir { record } => record,
-        }
+        self.step.record()
     }
 }
 
@@ -183,7 +177,7 @@ pub fn plan(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Plan, ReadErr
     let mut steps: Vec<Planned> = Vec::with_capacity(decision.steps.len());
     let mut waits_for = None;
     for step in decision.steps {
-        let prev = view.get(step_path(&step))?;
+        let prev = view.get(&step.record().path)?;
         let live_prev = prev.as_ref().filter(|p| !p.deleted);
         let (disk, op) = match &step {
             Step::UpdateLocal { record } => {
@@ -250,17 +244,6 @@ pub fn plan(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Plan, ReadErr
         conflict,
         steps,
     })
-}
-
-/// The path a step writes.
-fn step_path(step: &Step) -> &RelPath {
-    match step {
-        Step::PreserveLocal { record, .. }
-        | Step::PreserveRemote { record }
-        | Step::ApplyRemote { record }
-        | Step::UpdateLocal { record }
-        | Step::ReviveDir { record } => &record.path,
-    }
 }
 
 /// The disk work that makes `record` (a remote version or a remote loser's sibling) exist

@@ -357,14 +357,22 @@ impl Plan {
     }
 }
 
-fn step_record(step: &Step) -> &FileRecord {
-    match step {
-        Step::PreserveLocal { record, .. }
-        | Step::PreserveRemote { record }
-        | Step::ApplyRemote { record }
-        | Step::UpdateLocal { record }
-        | Step::ReviveDir { record } => record,
+impl Step {
+    /// The path's complete new record this step makes.
+    pub fn record(&self) -> &FileRecord {
+        match self {
+            Step::PreserveLocal { record, .. }
+            | Step::PreserveRemote { record }
+            | Step::ApplyRemote { record }
+            | Step::UpdateLocal { record }
+            | Step::ReviveDir { record } => record,
+        }
     }
+}
+
+/// The record of `step` (as a function, for `map`).
+fn step_record(step: &Step) -> &FileRecord {
+    step.record()
 }
 
 /// Steps that make every ancestor of `path` a live directory, outermost first; `by` is the
