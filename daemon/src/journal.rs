@@ -66,7 +66,9 @@ use meshfs_protocol::{
 use rows::{encode, to_i64, to_u64, HISTORY_COLUMNS, RECORD_COLUMNS};
 use rusqlite::ffi::ErrorCode;
 use rusqlite::types::Value;
-use rusqlite::{params, params_from_iter, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{
+    params, params_from_iter, CachedStatement, Connection, OptionalExtension, TransactionBehavior,
+};
 use std::collections::HashMap;
 use std::fmt;
 use std::ops::ControlFlow;
@@ -917,150 +919,12 @@ impl Journal {
     ) -> Result<Vec<u64>> {
         self.write(|tx| {
             let (key, state) = ensure_folder(tx, folder)?;
-            let mut seq = state.max_sequence;
-            let mut tally = Tally::default();
+            let mut commit = Commit::prepare(tx, folder, key, state.max_sequence, time_ns)?;
             let mut out = Vec::with_capacity(changes.len());
-            let mut probe = tx.prepare_cached(
-                "SELECT id, kind, deleted, size FROM records WHERE folder = ?1 AND path = ?2",
-            )?;
-            let mut insert = tx.prepare_cached(INSERT_RECORD)?;
-            let mut update = tx.prepare_cached(UPDATE_RECORD)?;
-            let mut history = tx.prepare_cached(INSERT_HISTORY)?;
-            let mut drop_chunks = tx.prepare_cached("DELETE FROM chunks WHERE record = ?1")?;
-            let mut add_chunk = tx.prepare_cached(
-                "INSERT INTO chunks (record, file_offset, len, hash_key, hash, folder) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            )?;
-            let mut drop_pending =
-                tx.prepare_cached("DELETE FROM pending WHERE folder = ?1 AND path = ?2")?;
-            // Pending rows are rare; when there are none, skip one probe per change.
-            let any_pending: bool = tx
-                .prepare_cached("SELECT EXISTS (SELECT 1 FROM pending WHERE folder = ?1)")?
-                .query_row([key], |r| r.get(0))?;
             for change in &changes {
-                let rec = &change.record;
-                rec.validate()
-                    .map_err(|source| JournalError::InvalidRecord {
-                        folder: folder.clone(),
-                        source,
-                    })?;
-                seq += 1;
-                let version = encode(&rec.version, "version vector")?;
-                let chunks = encode(&rec.chunks, "chunk list")?;
-                let source = device_blob(&change.source);
-                let local = change.local.as_ref();
-                let existing: Option<(i64, String, bool, i64)> = probe
-                    .query_row(params![key, rec.path.as_str()], |r| {
-                        Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
-                    })
-                    .optional()?;
-                let old_kind = match &existing {
-                    Some((_, kind, deleted, size)) => {
-                        let kind = FileKind::parse(kind).ok_or_else(|| JournalError::Corrupt {
-                            what: format!(
-                                "folder {folder}, path {}: unknown kind {kind:?}",
-                                rec.path
-                            ),
-                        })?;
-                        tally.remove(kind, *deleted, to_u64(*size));
-                        Some((kind, *deleted))
-                    }
-                    None => None,
-                };
-                tally.add(rec.kind, rec.deleted, rec.size);
-                let values = |first: i64| {
-                    [
-                        Value::Integer(first),
-                        Value::Text(rec.path.as_str().to_string()),
-                        Value::Text(rec.kind.as_str().to_string()),
-                        Value::Integer(rec.deleted.into()),
-                        Value::Integer(rec.mode.into()),
-                        Value::Integer(rec.mtime_ns),
-                        Value::Integer(to_i64(rec.size)),
-                        Value::Blob(rec.hash.0.to_vec()),
-                        Value::Blob(chunks.clone()),
-                        Value::Text(rec.target.clone()),
-                        Value::Blob(version.clone()),
-                        Value::Integer(to_i64(rec.modified_by.0)),
-                        Value::Integer(to_i64(seq)),
-                        local.map_or(Value::Null, |l| Value::Integer(to_i64(l.inode))),
-                        local.map_or(Value::Null, |l| Value::Integer(to_i64(l.size))),
-                        local.map_or(Value::Null, |l| Value::Integer(l.mtime_ns)),
-                        local.map_or(Value::Null, |l| Value::Integer(l.ctime_ns)),
-                        local.map_or(Value::Null, |l| Value::Integer(l.mode.into())),
-                        source.map_or(Value::Null, |s| Value::Blob(s.to_vec())),
-                        Value::Integer(time_ns),
-                    ]
-                };
-                let record_id = match existing {
-                    Some((id, ..)) => {
-                        let n = update.execute(params_from_iter(values(id)))?;
-                        if n != 1 {
-                            return Err(JournalError::Corrupt {
-                                what: format!(
-                                    "folder {folder}, path {}: record {id} vanished during a commit",
-                                    rec.path
-                                ),
-                            });
-                        }
-                        // Only live files have chunk rows (this loop keeps it so).
-                        if old_kind == Some((FileKind::File, false)) {
-                            drop_chunks.execute([id])?;
-                        }
-                        id
-                    }
-                    None => {
-                        insert.execute(params_from_iter(values(key)))?;
-                        tx.last_insert_rowid()
-                    }
-                };
-                history.execute(params![
-                    key,
-                    to_i64(seq),
-                    time_ns,
-                    rec.path.as_str(),
-                    change.op.as_str(),
-                    rec.kind.as_str(),
-                    rec.deleted,
-                    to_i64(rec.modified_by.0),
-                    source,
-                    version,
-                    &rec.hash.0[..],
-                    to_i64(rec.size),
-                    rec.mode,
-                    change.detail,
-                ])?;
-                if rec.kind == FileKind::File && !rec.deleted {
-                    for (offset, chunk) in rec.chunk_offsets() {
-                        add_chunk.execute(params![
-                            record_id,
-                            to_i64(offset),
-                            chunk.len,
-                            hash_key(&chunk.hash),
-                            &chunk.hash.0[..],
-                            key
-                        ])?;
-                    }
-                }
-                if any_pending {
-                    drop_pending.execute(params![key, rec.path.as_str()])?;
-                }
-                out.push(seq);
+                out.push(commit.change(change)?);
             }
-            tx.prepare_cached(
-                "UPDATE folders SET max_sequence = ?2, files = files + ?3, dirs = dirs + ?4, \
-                 symlinks = symlinks + ?5, bytes = bytes + ?6, tombstones = tombstones + ?7 \
-                 WHERE id = ?1",
-            )?
-            .execute(params![
-                key,
-                to_i64(seq),
-                tally.files,
-                tally.dirs,
-                tally.symlinks,
-                tally.bytes,
-                tally.tombstones
-            ])?;
+            commit.finish()?;
             Ok(out)
         })
     }
@@ -1516,6 +1380,260 @@ impl Journal {
             )?;
             Ok(n as u64)
         })
+    }
+}
+
+/// One [`Journal::commit_at`] under way in its transaction: the statements it runs for every
+/// change, prepared once, and what it has done so far.
+struct Commit<'c> {
+    tx: &'c Connection,
+    folder: &'c FolderId,
+    key: i64,
+    time_ns: i64,
+    /// The last sequence assigned.
+    seq: u64,
+    tally: Tally,
+    probe: CachedStatement<'c>,
+    insert: CachedStatement<'c>,
+    update: CachedStatement<'c>,
+    history: CachedStatement<'c>,
+    drop_chunks: CachedStatement<'c>,
+    add_chunk: CachedStatement<'c>,
+    drop_pending: CachedStatement<'c>,
+    any_pending: bool,
+}
+
+/// The current record a change replaces.
+struct Existing {
+    id: i64,
+    kind: FileKind,
+    deleted: bool,
+    size: u64,
+}
+
+/// A change with its sequence, its version vector and chunk list encoded.
+struct Encoded<'a> {
+    change: &'a Change,
+    seq: u64,
+    time_ns: i64,
+    version: Vec<u8>,
+    chunks: Vec<u8>,
+}
+
+impl Encoded<'_> {
+    /// The parameters of [`INSERT_RECORD`] (`first`: the folder key) or [`UPDATE_RECORD`]
+    /// (`first`: the record id).
+    fn record_values(&self, first: i64) -> [Value; 20] {
+        let rec = &self.change.record;
+        let local = self.change.local.as_ref();
+        let source = device_blob(&self.change.source);
+        [
+            Value::Integer(first),
+            Value::Text(rec.path.as_str().to_string()),
+            Value::Text(rec.kind.as_str().to_string()),
+            Value::Integer(rec.deleted.into()),
+            Value::Integer(rec.mode.into()),
+            Value::Integer(rec.mtime_ns),
+            Value::Integer(to_i64(rec.size)),
+            Value::Blob(rec.hash.0.to_vec()),
+            Value::Blob(self.chunks.clone()),
+            Value::Text(rec.target.clone()),
+            Value::Blob(self.version.clone()),
+            Value::Integer(to_i64(rec.modified_by.0)),
+            Value::Integer(to_i64(self.seq)),
+            local.map_or(Value::Null, |l| Value::Integer(to_i64(l.inode))),
+            local.map_or(Value::Null, |l| Value::Integer(to_i64(l.size))),
+            local.map_or(Value::Null, |l| Value::Integer(l.mtime_ns)),
+            local.map_or(Value::Null, |l| Value::Integer(l.ctime_ns)),
+            local.map_or(Value::Null, |l| Value::Integer(l.mode.into())),
+            source.map_or(Value::Null, |s| Value::Blob(s.to_vec())),
+            Value::Integer(self.time_ns),
+        ]
+    }
+}
+
+impl<'c> Commit<'c> {
+    /// Prepares a commit to folder `key`, whose last sequence is `seq`.
+    fn prepare(
+        tx: &'c Connection,
+        folder: &'c FolderId,
+        key: i64,
+        seq: u64,
+        time_ns: i64,
+    ) -> Result<Commit<'c>> {
+        Ok(Commit {
+            tx,
+            folder,
+            key,
+            time_ns,
+            seq,
+            tally: Tally::default(),
+            probe: tx.prepare_cached(
+                "SELECT id, kind, deleted, size FROM records WHERE folder = ?1 AND path = ?2",
+            )?,
+            insert: tx.prepare_cached(INSERT_RECORD)?,
+            update: tx.prepare_cached(UPDATE_RECORD)?,
+            history: tx.prepare_cached(INSERT_HISTORY)?,
+            drop_chunks: tx.prepare_cached("DELETE FROM chunks WHERE record = ?1")?,
+            add_chunk: tx.prepare_cached(
+                "INSERT INTO chunks (record, file_offset, len, hash_key, hash, folder) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )?,
+            drop_pending: tx
+                .prepare_cached("DELETE FROM pending WHERE folder = ?1 AND path = ?2")?,
+            // Pending rows are rare; when there are none, skip one probe per change.
+            any_pending: tx
+                .prepare_cached("SELECT EXISTS (SELECT 1 FROM pending WHERE folder = ?1)")?
+                .query_row([key], |r| r.get(0))?,
+        })
+    }
+
+    /// Journals one change (step 3 of the module's commit order) and returns its sequence.
+    fn change(&mut self, change: &Change) -> Result<u64> {
+        let rec = &change.record;
+        rec.validate()
+            .map_err(|source| JournalError::InvalidRecord {
+                folder: self.folder.clone(),
+                source,
+            })?;
+        self.seq += 1;
+        let encoded = Encoded {
+            change,
+            seq: self.seq,
+            time_ns: self.time_ns,
+            version: encode(&rec.version, "version vector")?,
+            chunks: encode(&rec.chunks, "chunk list")?,
+        };
+        let existing = self.existing(rec)?;
+        if let Some(e) = &existing {
+            self.tally.remove(e.kind, e.deleted, e.size);
+        }
+        self.tally.add(rec.kind, rec.deleted, rec.size);
+        let record_id = self.write_record(&encoded, existing.as_ref())?;
+        self.add_history(&encoded)?;
+        if rec.kind == FileKind::File && !rec.deleted {
+            self.add_chunks(rec, record_id)?;
+        }
+        if self.any_pending {
+            self.drop_pending
+                .execute(params![self.key, rec.path.as_str()])?;
+        }
+        Ok(self.seq)
+    }
+
+    /// The current record at `rec`'s path, if there is one.
+    fn existing(&mut self, rec: &FileRecord) -> Result<Option<Existing>> {
+        let folder = self.folder;
+        let existing: Option<(i64, String, bool, i64)> = self
+            .probe
+            .query_row(params![self.key, rec.path.as_str()], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            })
+            .optional()?;
+        let Some((id, kind, deleted, size)) = existing else {
+            return Ok(None);
+        };
+        let kind = FileKind::parse(&kind).ok_or_else(|| JournalError::Corrupt {
+            what: format!("folder {folder}, path {}: unknown kind {kind:?}", rec.path),
+        })?;
+        Ok(Some(Existing {
+            id,
+            kind,
+            deleted,
+            size: to_u64(size),
+        }))
+    }
+
+    /// Writes the current record: over `existing` in place, so its id stays (and its chunk
+    /// rows go), or as a new row. Returns the record's id.
+    fn write_record(&mut self, encoded: &Encoded<'_>, existing: Option<&Existing>) -> Result<i64> {
+        let folder = self.folder;
+        match existing {
+            Some(&Existing {
+                id, kind, deleted, ..
+            }) => {
+                let n = self
+                    .update
+                    .execute(params_from_iter(encoded.record_values(id)))?;
+                if n != 1 {
+                    return Err(JournalError::Corrupt {
+                        what: format!(
+                            "folder {folder}, path {}: record {id} vanished during a commit",
+                            encoded.change.record.path
+                        ),
+                    });
+                }
+                // Only live files have chunk rows ([`Commit::change`] keeps it so).
+                if (kind, deleted) == (FileKind::File, false) {
+                    self.drop_chunks.execute([id])?;
+                }
+                Ok(id)
+            }
+            None => {
+                self.insert
+                    .execute(params_from_iter(encoded.record_values(self.key)))?;
+                Ok(self.tx.last_insert_rowid())
+            }
+        }
+    }
+
+    /// Appends the change's history row.
+    fn add_history(&mut self, encoded: &Encoded<'_>) -> Result<()> {
+        let change = encoded.change;
+        let rec = &change.record;
+        self.history.execute(params![
+            self.key,
+            to_i64(encoded.seq),
+            encoded.time_ns,
+            rec.path.as_str(),
+            change.op.as_str(),
+            rec.kind.as_str(),
+            rec.deleted,
+            to_i64(rec.modified_by.0),
+            device_blob(&change.source),
+            encoded.version,
+            &rec.hash.0[..],
+            to_i64(rec.size),
+            rec.mode,
+            change.detail,
+        ])?;
+        Ok(())
+    }
+
+    /// Adds the chunk-index rows of record `record_id` (a live file).
+    fn add_chunks(&mut self, rec: &FileRecord, record_id: i64) -> Result<()> {
+        for (offset, chunk) in rec.chunk_offsets() {
+            self.add_chunk.execute(params![
+                record_id,
+                to_i64(offset),
+                chunk.len,
+                hash_key(&chunk.hash),
+                &chunk.hash.0[..],
+                self.key
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// Stores the folder's last sequence and its counts, adjusted by what each change replaced
+    /// (step 4 of the module's commit order).
+    fn finish(self) -> Result<()> {
+        self.tx
+            .prepare_cached(
+                "UPDATE folders SET max_sequence = ?2, files = files + ?3, dirs = dirs + ?4, \
+                 symlinks = symlinks + ?5, bytes = bytes + ?6, tombstones = tombstones + ?7 \
+                 WHERE id = ?1",
+            )?
+            .execute(params![
+                self.key,
+                to_i64(self.seq),
+                self.tally.files,
+                self.tally.dirs,
+                self.tally.symlinks,
+                self.tally.bytes,
+                self.tally.tombstones
+            ])?;
+        Ok(())
     }
 }
 

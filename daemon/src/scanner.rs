@@ -402,219 +402,291 @@ fn diff(
     lk: &Lookup<'_>,
     mut known: HashMap<RelPath, Known>,
     seen: Vec<Seen>,
-    mut report: ScanReport,
+    report: ScanReport,
     emit: Option<&mut Emit<'_>>,
 ) -> Result<ScanReport, ScanError> {
-    let ctx = Context {
-        local_device: t.local,
-        now_secs: t.now_secs,
+    let mut d = Diff {
+        t,
+        lk,
+        ctx: Context {
+            local_device: t.local,
+            now_secs: t.now_secs,
+        },
+        creates: Vec::new(),
+        jobs: Vec::new(),
+        new_files: Vec::new(),
+        report,
     };
-    let mut creates: Vec<Change> = Vec::new();
-    let mut jobs: Vec<HashJob> = Vec::new();
-    // New files, with the tombstone at their path if there is one: a version made there must
-    // dominate it, or peers that hold the tombstone take the new file for an older version.
-    let mut new_files: Vec<(RelPath, LocalStat, Option<Known>)> = Vec::new();
     for s in seen {
         let prev = known.remove(&s.path);
-        let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
         match s.kind {
-            FileKind::File => {
-                match live_prev {
-                    Some(k) if k.s.kind == FileKind::File => {
-                        let l = k.s.local.unwrap_or_default();
-                        if l.inode == s.local.inode
-                            && l.size == s.local.size
-                            && l.mtime_ns == s.local.mtime_ns
-                        {
-                            if k.s.mode != s.local.mode {
-                                let Some(mut r) = lk.full(k) else { continue };
-                                r.mode = s.local.mode;
-                                creates.push(version(
-                                    &ctx,
-                                    lk.full_of(prev.as_ref()).as_ref(),
-                                    r,
-                                    Op::Metadata,
-                                    s.local,
-                                    None,
-                                ));
-                            } else if l != s.local {
-                                report.restat.push((s.path.clone(), s.local));
-                            }
-                            continue;
-                        }
-                        if l.size == s.local.size
-                            && l.mtime_ns == s.local.mtime_ns
-                            && k.s.mode == s.local.mode
-                        {
-                            // Same content and times, new inode (e.g. restored by a copy): no version.
-                            report.restat.push((s.path.clone(), s.local));
-                            continue;
-                        }
-                        jobs.push(HashJob {
-                            path: s.path,
-                            local: s.local,
-                            prev,
-                        });
-                    }
-                    _ => new_files.push((s.path, s.local, prev)),
-                }
-            }
-            FileKind::Dir => {
-                let changed = match live_prev {
-                    Some(k) if k.s.kind == FileKind::Dir => k.s.mode != s.local.mode,
-                    _ => true,
-                };
-                if changed {
-                    let op = if live_prev.is_some_and(|k| k.s.kind == FileKind::Dir) {
-                        Op::Metadata
-                    } else {
-                        Op::Create
-                    };
-                    let r = base_record(&s.path, FileKind::Dir, &s.local, &ctx);
-                    creates.push(version(
-                        &ctx,
-                        lk.full_of(prev.as_ref()).as_ref(),
-                        r,
-                        op,
-                        s.local,
-                        None,
-                    ));
-                } else if live_prev.is_some_and(|k| k.s.local != Some(s.local)) {
-                    report.restat.push((s.path.clone(), s.local));
-                }
-            }
-            FileKind::Symlink => {
-                let target = match t.store.read_link(&s.path) {
-                    Ok(x) if !x.is_empty() && !x.contains('\0') => x,
-                    _ => {
-                        tracing::warn!(path = %s.path, "symlink target unreadable or not UTF-8; not replicated");
-                        continue;
-                    }
-                };
-                if let Some(k) = live_prev.filter(|k| {
-                    k.s.kind == FileKind::Symlink && k.s.hash == Hash::of(target.as_bytes())
-                }) {
-                    if k.s.local != Some(s.local) {
-                        report.restat.push((s.path.clone(), s.local));
-                    }
-                    continue;
-                }
-                let op = if live_prev.is_some() {
-                    Op::Modify
-                } else {
-                    Op::Create
-                };
-                let mut r = base_record(&s.path, FileKind::Symlink, &s.local, &ctx);
-                r.hash = Hash::of(target.as_bytes());
-                r.target = target;
-                r.mode = 0o777;
-                creates.push(version(
-                    &ctx,
-                    lk.full_of(prev.as_ref()).as_ref(),
-                    r,
-                    op,
-                    s.local,
-                    None,
-                ));
-            }
+            FileKind::File => d.file(s, prev),
+            FileKind::Dir => d.dir(s, prev),
+            FileKind::Symlink => d.symlink(s, prev),
         }
     }
     // Whatever the journal knows as live but the disk no longer has: deleted (or renamed).
     let mut vanished: Vec<Known> = known.into_values().filter(|k| !k.s.deleted).collect();
-    // Rename detection: a new file with the (inode, size, mtime) of a vanished file.
-    // The walk's order depends on its threads: sorted, a rename is found the same way every
-    // time, and a first scan hashes (and announces) a directory's files together.
-    new_files.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    let mut by_inode: HashMap<(u64, u64, i64), usize> = HashMap::new();
-    for (i, k) in vanished.iter().enumerate() {
-        if let (FileKind::File, Some(l)) = (k.s.kind, k.s.local) {
-            by_inode.insert((l.inode, l.size, l.mtime_ns), i);
-        }
-    }
-    for (path, local, tombstone) in new_files {
-        let renamed_from = by_inode
-            .get(&(local.inode, local.size, local.mtime_ns))
-            .and_then(|&i| lk.full(&vanished[i]));
-        if let Some(old) = renamed_from {
-            let mut r = old.clone();
-            r.path = path.clone();
-            r.mode = local.mode;
-            creates.push(version(
-                &ctx,
-                lk.full_of(tombstone.as_ref()).as_ref(),
-                r,
-                Op::Rename,
-                local,
-                Some(format!("from {}", old.path)),
-            ));
-            continue;
-        }
-        jobs.push(HashJob {
-            path,
-            local,
-            prev: tombstone,
-        });
-    }
+    d.renames(&vanished);
     // Hash what must be hashed, on every core. Streamed, a slice at a time after what needs no
     // reading, and one slice ahead: the next slice is read while this one is journaled and
     // handed over.
     match emit {
-        None => {
-            let hashed = hash_all(t.store, jobs);
-            add_hashed(lk, &ctx, hashed, &mut creates, &mut report);
-        }
-        Some(emit) => {
-            let mut to_hash = jobs.len();
-            let mut slices: Vec<Vec<HashJob>> = Vec::new();
-            let mut jobs = jobs.into_iter().peekable();
-            while jobs.peek().is_some() {
-                slices.push(jobs.by_ref().take(FIRST_SCAN_SLICE).collect());
-            }
-            std::thread::scope(|s| -> Result<(), ScanError> {
-                let (tx, rx) = std::sync::mpsc::sync_channel(1);
-                let store = t.store;
-                s.spawn(move || {
-                    for part in slices {
-                        // The receiver is gone when emitting failed: stop reading.
-                        if tx.send(hash_all(store, part)).is_err() {
-                            break;
-                        }
-                    }
-                });
-                let mut first = true;
-                loop {
-                    if first || !creates.is_empty() {
-                        sort_creates(&mut creates);
-                        emit(std::mem::take(&mut creates), to_hash).map_err(ScanError::Commit)?;
-                        first = false;
-                    }
-                    let Ok(hashed) = rx.recv() else { break };
-                    to_hash -= hashed.len();
-                    add_hashed(lk, &ctx, hashed, &mut creates, &mut report);
-                }
-                Ok(())
-            })?;
-        }
+        None => d.hash(),
+        Some(emit) => d.hash_streamed(emit)?,
     }
-    sort_creates(&mut creates);
+    sort_creates(&mut d.creates);
     vanished.sort_by_key(|k| std::cmp::Reverse((k.s.path.components().count(), k.s.path.clone())));
-
-    let mut deletes = Vec::with_capacity(vanished.len());
-    for k in vanished {
-        let Some(full) = lk.full(&k) else { continue };
-        let mut r = full.clone();
-        r.deleted = true;
-        r.size = 0;
-        r.hash = Hash::ZERO;
-        r.chunks.clear();
-        r.target.clear();
-        let mut c = version(&ctx, Some(&full), r, Op::Delete, LocalStat::default(), None);
-        c.local = None;
-        deletes.push(c);
-    }
-    report.changes = creates;
+    let deletes = d.deletions(vanished);
+    let mut report = d.report;
+    report.changes = d.creates;
     report.changes.extend(deletes);
     Ok(report)
+}
+
+/// A [`diff`] under way: what it compares with, and what it has found so far.
+struct Diff<'a> {
+    t: &'a ScanTarget<'a>,
+    lk: &'a Lookup<'a>,
+    ctx: Context,
+    /// New versions, deletions aside.
+    creates: Vec<Change>,
+    /// Files whose content must be read.
+    jobs: Vec<HashJob>,
+    /// New files, with the tombstone at their path if there is one: a version made there must
+    /// dominate it, or peers that hold the tombstone take the new file for an older version.
+    new_files: Vec<(RelPath, LocalStat, Option<Known>)>,
+    report: ScanReport,
+}
+
+impl Diff<'_> {
+    /// A file seen on disk, against what the journal knows at its path.
+    fn file(&mut self, s: Seen, prev: Option<Known>) {
+        let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
+        match live_prev {
+            Some(k) if k.s.kind == FileKind::File => {
+                let l = k.s.local.unwrap_or_default();
+                if l.inode == s.local.inode
+                    && l.size == s.local.size
+                    && l.mtime_ns == s.local.mtime_ns
+                {
+                    if k.s.mode != s.local.mode {
+                        let Some(mut r) = self.lk.full(k) else { return };
+                        r.mode = s.local.mode;
+                        self.creates.push(version(
+                            &self.ctx,
+                            self.lk.full_of(prev.as_ref()).as_ref(),
+                            r,
+                            Op::Metadata,
+                            s.local,
+                            None,
+                        ));
+                    } else if l != s.local {
+                        self.report.restat.push((s.path.clone(), s.local));
+                    }
+                    return;
+                }
+                if l.size == s.local.size
+                    && l.mtime_ns == s.local.mtime_ns
+                    && k.s.mode == s.local.mode
+                {
+                    // Same content and times, new inode (e.g. restored by a copy): no version.
+                    self.report.restat.push((s.path.clone(), s.local));
+                    return;
+                }
+                self.jobs.push(HashJob {
+                    path: s.path,
+                    local: s.local,
+                    prev,
+                });
+            }
+            _ => self.new_files.push((s.path, s.local, prev)),
+        }
+    }
+
+    /// A directory seen on disk, against what the journal knows at its path.
+    fn dir(&mut self, s: Seen, prev: Option<Known>) {
+        let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
+        let changed = match live_prev {
+            Some(k) if k.s.kind == FileKind::Dir => k.s.mode != s.local.mode,
+            _ => true,
+        };
+        if changed {
+            let op = if live_prev.is_some_and(|k| k.s.kind == FileKind::Dir) {
+                Op::Metadata
+            } else {
+                Op::Create
+            };
+            let r = base_record(&s.path, FileKind::Dir, &s.local, &self.ctx);
+            self.creates.push(version(
+                &self.ctx,
+                self.lk.full_of(prev.as_ref()).as_ref(),
+                r,
+                op,
+                s.local,
+                None,
+            ));
+        } else if live_prev.is_some_and(|k| k.s.local != Some(s.local)) {
+            self.report.restat.push((s.path.clone(), s.local));
+        }
+    }
+
+    /// A symlink seen on disk, against what the journal knows at its path.
+    fn symlink(&mut self, s: Seen, prev: Option<Known>) {
+        let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
+        let target = match self.t.store.read_link(&s.path) {
+            Ok(x) if !x.is_empty() && !x.contains('\0') => x,
+            _ => {
+                tracing::warn!(path = %s.path, "symlink target unreadable or not UTF-8; not replicated");
+                return;
+            }
+        };
+        if let Some(k) = live_prev
+            .filter(|k| k.s.kind == FileKind::Symlink && k.s.hash == Hash::of(target.as_bytes()))
+        {
+            if k.s.local != Some(s.local) {
+                self.report.restat.push((s.path.clone(), s.local));
+            }
+            return;
+        }
+        let op = if live_prev.is_some() {
+            Op::Modify
+        } else {
+            Op::Create
+        };
+        let mut r = base_record(&s.path, FileKind::Symlink, &s.local, &self.ctx);
+        r.hash = Hash::of(target.as_bytes());
+        r.target = target;
+        r.mode = 0o777;
+        self.creates.push(version(
+            &self.ctx,
+            self.lk.full_of(prev.as_ref()).as_ref(),
+            r,
+            op,
+            s.local,
+            None,
+        ));
+    }
+
+    /// Rename detection: a new file with the (inode, size, mtime) of a vanished file. The
+    /// other new files are to be hashed.
+    fn renames(&mut self, vanished: &[Known]) {
+        // The walk's order depends on its threads: sorted, a rename is found the same way every
+        // time, and a first scan hashes (and announces) a directory's files together.
+        let mut new_files = std::mem::take(&mut self.new_files);
+        new_files.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let mut by_inode: HashMap<(u64, u64, i64), usize> = HashMap::new();
+        for (i, k) in vanished.iter().enumerate() {
+            if let (FileKind::File, Some(l)) = (k.s.kind, k.s.local) {
+                by_inode.insert((l.inode, l.size, l.mtime_ns), i);
+            }
+        }
+        for (path, local, tombstone) in new_files {
+            let renamed_from = by_inode
+                .get(&(local.inode, local.size, local.mtime_ns))
+                .and_then(|&i| self.lk.full(&vanished[i]));
+            if let Some(old) = renamed_from {
+                let mut r = old.clone();
+                r.path = path.clone();
+                r.mode = local.mode;
+                self.creates.push(version(
+                    &self.ctx,
+                    self.lk.full_of(tombstone.as_ref()).as_ref(),
+                    r,
+                    Op::Rename,
+                    local,
+                    Some(format!("from {}", old.path)),
+                ));
+                continue;
+            }
+            self.jobs.push(HashJob {
+                path,
+                local,
+                prev: tombstone,
+            });
+        }
+    }
+
+    /// Hashes every file at once and adds the versions they make.
+    fn hash(&mut self) {
+        let hashed = hash_all(self.t.store, std::mem::take(&mut self.jobs));
+        add_hashed(
+            self.lk,
+            &self.ctx,
+            hashed,
+            &mut self.creates,
+            &mut self.report,
+        );
+    }
+
+    /// Hands what needs no reading to `emit`, then hashes files a slice at a time, one slice
+    /// ahead, handing each slice's versions over as it is done.
+    fn hash_streamed(&mut self, emit: &mut Emit<'_>) -> Result<(), ScanError> {
+        let jobs = std::mem::take(&mut self.jobs);
+        let mut to_hash = jobs.len();
+        let mut slices: Vec<Vec<HashJob>> = Vec::new();
+        let mut jobs = jobs.into_iter().peekable();
+        while jobs.peek().is_some() {
+            slices.push(jobs.by_ref().take(FIRST_SCAN_SLICE).collect());
+        }
+        std::thread::scope(|s| -> Result<(), ScanError> {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            let store = self.t.store;
+            s.spawn(move || {
+                for part in slices {
+                    // The receiver is gone when emitting failed: stop reading.
+                    if tx.send(hash_all(store, part)).is_err() {
+                        break;
+                    }
+                }
+            });
+            let mut first = true;
+            loop {
+                if first || !self.creates.is_empty() {
+                    sort_creates(&mut self.creates);
+                    emit(std::mem::take(&mut self.creates), to_hash).map_err(ScanError::Commit)?;
+                    first = false;
+                }
+                let Ok(hashed) = rx.recv() else { break };
+                to_hash -= hashed.len();
+                add_hashed(
+                    self.lk,
+                    &self.ctx,
+                    hashed,
+                    &mut self.creates,
+                    &mut self.report,
+                );
+            }
+            Ok(())
+        })
+    }
+
+    /// The deletions of what vanished, in the order given.
+    fn deletions(&self, vanished: Vec<Known>) -> Vec<Change> {
+        let mut deletes = Vec::with_capacity(vanished.len());
+        for k in vanished {
+            let Some(full) = self.lk.full(&k) else {
+                continue;
+            };
+            let mut r = full.clone();
+            r.deleted = true;
+            r.size = 0;
+            r.hash = Hash::ZERO;
+            r.chunks.clear();
+            r.target.clear();
+            let mut c = version(
+                &self.ctx,
+                Some(&full),
+                r,
+                Op::Delete,
+                LocalStat::default(),
+                None,
+            );
+            c.local = None;
+            deletes.push(c);
+        }
+        deletes
+    }
 }
 
 /// Adds the versions that hashed files make to `creates`.

@@ -17,7 +17,7 @@ use crate::{invalidate, lock, sys, ChangeSink, Invalidator, WriterRegistry};
 use meshfs_protocol::RelPath;
 use std::ffi::CString;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -273,8 +273,47 @@ pub fn mount(
     }
     let root = sys::open_dir_path(&cpath(&backing_abs)).map_err(|e| backing_err(os_err(e)))?;
     let root_st = sys::fstat(root.as_fd()).map_err(|e| backing_err(os_err(e)))?;
+    let sh = shared(root, &root_st, &opts, sink);
+
+    let threads = opts.n_threads.max(1);
+    let config = session_config(&opts, threads);
+    let mount_err = |source| MountError::Mount {
+        path: mp.clone(),
+        source,
+    };
+    let session = start_session(&sh, &mp, &config)?;
+    let (tx, rx) = mpsc::channel();
+    *lock(&sh.invalidations) = Some(tx);
+    let notifier_thread = invalidate::spawn(sh.clone(), session.notifier, rx).map_err(mount_err);
+    let mut m = Mount {
+        mountpoint: mp,
+        backing: backing_abs,
+        threads,
+        handle: Arc::new(MountHandle { sh }),
+        unmounter: Some(session.unmounter),
+        session: Some(session.thread),
+        notifier: None,
+    };
+    m.notifier = Some(notifier_thread?);
+    info!(
+        mountpoint = %m.mountpoint.display(),
+        backing = %m.backing.display(),
+        passthrough = m.handle.sh.passthrough.load(Ordering::Relaxed),
+        "mounted"
+    );
+    Ok(m)
+}
+
+/// The state the request threads share, for the backing directory `root` (whose stat is
+/// `root_st`).
+fn shared(
+    root: OwnedFd,
+    root_st: &sys::Stat,
+    opts: &MountOptions,
+    sink: Arc<dyn ChangeSink>,
+) -> Arc<Shared> {
     let (euid, egid) = sys::effective_ids();
-    let sh = Arc::new(Shared {
+    Arc::new(Shared {
         root: Arc::new(root),
         root_ino: root_st.ino,
         root_dev: root_st.dev,
@@ -289,8 +328,11 @@ pub fn mount(
         euid,
         egid,
         invalidations: Mutex::new(None),
-    });
+    })
+}
 
+/// The FUSE session's mount options and threads.
+fn session_config(opts: &MountOptions, threads: usize) -> fuser::Config {
     let mut options = vec![
         fuser::MountOption::FSName("meshfs".into()),
         fuser::MountOption::Subtype("meshfs".into()),
@@ -306,7 +348,6 @@ pub fn mount(
     if opts.read_only {
         options.push(fuser::MountOption::RO);
     }
-    let threads = opts.n_threads.max(1);
     let mut config = fuser::Config::default();
     config.mount_options = options;
     config.acl = if opts.allow_other {
@@ -316,45 +357,47 @@ pub fn mount(
     };
     config.n_threads = Some(threads);
     config.clone_fd = true;
+    config
+}
 
+/// A FUSE session, mounted and served.
+struct Session {
+    /// The thread that serves it.
+    thread: JoinHandle<io::Result<()>>,
+    unmounter: fuser::SessionUnmounter,
+    /// For the invalidation thread.
+    notifier: fuser::Notifier,
+}
+
+/// Mounts at `mp` and starts the session's thread. If the thread cannot start, the session is
+/// unmounted again.
+fn start_session(
+    sh: &Arc<Shared>,
+    mp: &Path,
+    config: &fuser::Config,
+) -> Result<Session, MountError> {
     let mount_err = |source| MountError::Mount {
-        path: mp.clone(),
+        path: mp.into(),
         source,
     };
     let mut session =
-        fuser::Session::new(Passthrough::new(sh.clone()), &mp, &config).map_err(mount_err)?;
+        fuser::Session::new(Passthrough::new(sh.clone()), mp, config).map_err(mount_err)?;
     let notifier = session.notifier();
     let mut unmounter = session.unmount_callable();
     let session_thread = std::thread::Builder::new()
         .name("meshfs-fuse".into())
         .spawn(move || session.run());
-    let session_thread = match session_thread {
-        Ok(t) => t,
+    match session_thread {
+        Ok(thread) => Ok(Session {
+            thread,
+            unmounter,
+            notifier,
+        }),
         Err(e) => {
             let _ = unmounter.unmount();
-            return Err(mount_err(e));
+            Err(mount_err(e))
         }
-    };
-    let (tx, rx) = mpsc::channel();
-    *lock(&sh.invalidations) = Some(tx);
-    let notifier_thread = invalidate::spawn(sh.clone(), notifier, rx).map_err(mount_err);
-    let mut m = Mount {
-        mountpoint: mp,
-        backing: backing_abs,
-        threads,
-        handle: Arc::new(MountHandle { sh }),
-        unmounter: Some(unmounter),
-        session: Some(session_thread),
-        notifier: None,
-    };
-    m.notifier = Some(notifier_thread?);
-    info!(
-        mountpoint = %m.mountpoint.display(),
-        backing = %m.backing.display(),
-        passthrough = m.handle.sh.passthrough.load(Ordering::Relaxed),
-        "mounted"
-    );
-    Ok(m)
+    }
 }
 
 impl Mount {
