@@ -162,6 +162,52 @@ fn a_file_open_for_writing_in_mount_b_while_a_changes_it_keeps_both_versions() {
 }
 
 #[test]
+fn a_directory_renamed_in_a_while_b_writes_a_file_inside_it_loses_neither_side() {
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    write(&a.mnt.join("notes/todo.txt"), b"base");
+    write(&a.mnt.join("notes/other.txt"), b"other");
+    until("notes in b", 10, || {
+        read(&b.mnt.join("notes/todo.txt")).as_deref() == Some(b"base".as_slice())
+    });
+    let mut held = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(b.mnt.join("notes/todo.txt"))
+        .unwrap();
+    held.write_all(b"b's edit").unwrap();
+    std::fs::rename(a.mnt.join("notes"), a.mnt.join("archive")).unwrap();
+    // The rename reaches b while the file inside is still open for writing there: the file
+    // is not deleted under its writer, the rest of the directory moves.
+    until("the rename in b", 60, || {
+        read(&b.mnt.join("archive/other.txt")).as_deref() == Some(b"other".as_slice())
+    });
+    assert!(
+        b.mnt.join("notes/todo.txt").exists(),
+        "a file open for writing was deleted under its writer"
+    );
+    drop(held);
+    wait_synced(&[&a.dev, &b.dev], 30);
+    // Delete against modify keeps the modification: b's edit stays at the old path on both
+    // sides, and a's renamed copy of the old content is in the new directory.
+    let state = |m: &Mounted| {
+        ["notes/todo.txt", "archive/todo.txt", "archive/other.txt"]
+            .map(|p| read(&m.mnt.join(p)).map(|b| String::from_utf8_lossy(&b).into_owned()))
+    };
+    let want = [Some("b's edit"), Some("base"), Some("other")].map(|s| s.map(String::from));
+    let t0 = Instant::now();
+    while [&a, &b].iter().any(|m| state(m) != want) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "not settled: a {:?}, b {:?}",
+            state(&a),
+            state(&b)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
 fn a_git_repository_committed_in_mount_a_is_clean_in_mount_b() {
     if std::process::Command::new("git")
         .arg("--version")

@@ -23,6 +23,11 @@ use tokio::sync::mpsc;
 pub enum CaptureMsg {
     /// Something happened at these paths (relative to the folder root).
     Changed(RelPath, Hint),
+    /// A rename, both ends in one message: they wait and become ready together, so one
+    /// capture scan sees the old path gone and the new one there and pairs them as a rename
+    /// (two messages could be taken apart by a capture pass between them, and the rename
+    /// would become a deletion and a creation whose content is sent again).
+    Renamed(RelPath, RelPath),
     /// The whole folder must be rescanned (watcher overflow, or asked by the user).
     Rescan,
     /// The last handle open for writing on this path through the mount was released: a
@@ -64,9 +69,20 @@ pub fn watch(
                 EventKind::Modify(ModifyKind::Data(_)) => Hint::Written,
                 _ => Hint::Other,
             };
-            for p in &ev.paths {
-                if let Some(rel) = relative(&root_buf, p) {
-                    let _ = tx.send(CaptureMsg::Changed(rel, hint));
+            let rel: Vec<RelPath> = ev
+                .paths
+                .iter()
+                .filter_map(|p| relative(&root_buf, p))
+                .collect();
+            // Two paths are a rename's two ends (notify pairs them): one message.
+            match <[RelPath; 2]>::try_from(rel) {
+                Ok([from, to]) => {
+                    let _ = tx.send(CaptureMsg::Renamed(from, to));
+                }
+                Err(rel) => {
+                    for p in rel {
+                        let _ = tx.send(CaptureMsg::Changed(p, hint));
+                    }
                 }
             }
         }
@@ -109,6 +125,10 @@ impl Coalescer {
             CaptureMsg::Rescan => self.rescan = true,
             // The capture loop handles releases itself.
             CaptureMsg::Released(_) => {}
+            CaptureMsg::Renamed(from, to) => {
+                self.add(CaptureMsg::Changed(from, Hint::Other), now);
+                self.add(CaptureMsg::Changed(to, Hint::Other), now);
+            }
             CaptureMsg::Changed(p, hint) => {
                 let e = self.waiting.entry(p).or_insert((now, false));
                 e.0 = now;
@@ -196,6 +216,19 @@ mod tests {
         let (_, ready, _) = c.take_ready(t0 + Duration::from_millis(17), q, oq);
         assert_eq!(ready, vec![f]);
         assert!(c.is_empty());
+    }
+
+    #[test]
+    fn both_ends_of_a_rename_become_ready_in_the_same_pass() {
+        let mut c = Coalescer::default();
+        let t0 = Instant::now();
+        let q = Duration::from_millis(5);
+        let (a, b) = (RelPath::new("a").unwrap(), RelPath::new("b").unwrap());
+        c.add(CaptureMsg::Renamed(a.clone(), b.clone()), t0);
+        let (_, mut ready, next) = c.take_ready(t0 + q, q, Duration::from_secs(1));
+        ready.sort();
+        assert_eq!(ready, vec![a, b]);
+        assert!(next.is_none() && c.is_empty());
     }
 }
 

@@ -93,10 +93,7 @@ pub fn capture_messages(ev: ChangeEvent) -> Vec<CaptureMsg> {
         ChangeKind::Created | ChangeKind::Removed | ChangeKind::Metadata => Hint::Other,
         ChangeKind::RenamedFrom(from) => {
             // Both ends in the same capture scan: the scanner pairs them as one rename.
-            return vec![
-                CaptureMsg::Changed(from, Hint::Other),
-                CaptureMsg::Changed(ev.path, Hint::Other),
-            ];
+            return vec![CaptureMsg::Renamed(from, ev.path)];
         }
     };
     vec![CaptureMsg::Changed(ev.path, hint)]
@@ -153,14 +150,12 @@ mod tests {
             path: p("new"),
             kind: ChangeKind::RenamedFrom(p("old")),
         });
-        let paths: Vec<_> = msgs
-            .iter()
-            .map(|m| match m {
-                CaptureMsg::Changed(p, Hint::Other) => p.as_str().to_string(),
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        assert_eq!(paths, ["old", "new"]);
+        match &msgs[..] {
+            [CaptureMsg::Renamed(from, to)] => {
+                assert_eq!((from.as_str(), to.as_str()), ("old", "new"))
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! Owns the only place the mount calls into the kernel unprompted. The engine's
 //! [`crate::Invalidator::invalidate`] only queues a path (it never blocks and never makes a
 //! syscall on the caller's thread); this thread then, for the deepest name of the path the
-//! kernel knows, sends `inval_inode` for the node (attributes and pages) and `inval_entry`
-//! on its parent (the dentry, and with it the parent's attributes and cached listing).
+//! kernel knows, sends `inval_inode` for the node (attributes and pages) and — unless the
+//! name still leads to that same inode — `inval_entry` on its parent (the dentry, and with
+//! it the parent's attributes and cached listing).
 //!
 //! **Why a thread of its own:** an `inval_entry` takes the parent directory's lock in the
 //! kernel, which a request in flight in that directory may hold while it waits for a FUSE
@@ -13,11 +14,12 @@
 //! the kernel is called.
 
 use crate::backing::Shared;
-use crate::lock;
+use crate::{lock, sys};
 use fuser::{INodeNo, Notifier};
 use meshfs_protocol::RelPath;
 use std::ffi::OsStr;
 use std::io;
+use std::os::fd::AsFd;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -48,14 +50,38 @@ fn invalidate(sh: &Shared, notifier: &Notifier, path: &RelPath) {
         return;
     };
     if let Some(ino) = node {
-        // A directory the engine replaced or moved must be resolved by its path again.
-        sh.dirs.remove(ino);
+        let same = still_named(sh, parent, &name, ino);
+        if !same {
+            // A directory the engine replaced or moved must be resolved by its path again.
+            sh.dirs.remove(ino);
+        }
         // Offset 0, length 0: attributes and every cached page.
         if let Err(e) = notifier.inval_inode(INodeNo(ino), 0, 0) {
             debug!(%path, error = %e, "inval_inode");
         }
+        if same {
+            // The name still leads to the same inode (metadata changed, or a directory made
+            // again over itself): the entry is right. Invalidating it would unhash a
+            // directory in use, and every process working inside it would get ENOENT from
+            // getcwd (git in a mounted repository did).
+            return;
+        }
     }
     if let Err(e) = notifier.inval_entry(INodeNo(parent), OsStr::new(&name)) {
         debug!(%path, error = %e, "inval_entry");
+    }
+}
+
+/// Whether `name` in `parent` still leads, on the backing directory, to node `ino`.
+fn still_named(sh: &Shared, parent: u64, name: &str, ino: u64) -> bool {
+    let Ok(dir) = sh.dir(parent) else {
+        return false;
+    };
+    let Ok(cname) = sys::cstr(OsStr::new(name)) else {
+        return false;
+    };
+    match sys::openat(dir.as_fd(), &cname, libc::O_PATH | libc::O_NOFOLLOW, 0) {
+        Ok(fd) => sys::fstat(fd.as_fd()).is_ok_and(|st| sh.nodeid(st.ino) == ino),
+        Err(_) => false,
     }
 }
