@@ -260,7 +260,12 @@ fn a_git_repository_committed_in_mount_a_is_clean_in_mount_b() {
 fn one_mount_writing_and_renaming_while_the_other_is_read_for_a_while_never_hangs_or_fails() {
     let t = tmp();
     let (a, b) = two_mounts(&t);
-    let secs = 30;
+    // A minute, as the live-mount issue asks; `MESHFS_STRESS_SECS` runs it longer (or
+    // shorter while iterating).
+    let secs: u64 = std::env::var("MESHFS_STRESS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let reader = {
         let (mnt, stop) = (b.mnt.clone(), stop.clone());
