@@ -285,7 +285,7 @@ async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) 
             blocking(engine, move |e| {
                 match e.mount(&folder, &mountpoint, read_only) {
                     Ok(m) => Reply::Mounted(m),
-                    Err(e) => Reply::Failed(e),
+                    Err(e) => Reply::failed(e),
                 }
             })
             .await
@@ -293,7 +293,7 @@ async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) 
         Request::Unmount { folder } => {
             blocking(engine, move |e| match e.unmount(&folder) {
                 Ok(point) => Reply::Unmounted(point),
-                Err(e) => Reply::Failed(e),
+                Err(e) => Reply::failed(e),
             })
             .await
         }

@@ -12,6 +12,7 @@ use crate::folder::{FolderError, FolderRt, Folders};
 use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
 use crate::journal::{FolderCounts, Journal};
+use crate::mounts::MountError;
 use crate::peers::{self, Net, Peers};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
@@ -158,24 +159,24 @@ impl Engine {
         folder: &FolderId,
         mountpoint: &std::path::Path,
         read_only: bool,
-    ) -> Result<crate::mounts::MountStatus, String> {
-        let rt = self
-            .folder(folder)
-            .ok_or_else(|| format!("no running folder {folder} (see `meshfs folder list`)"))?;
-        let mut slot = rt.mount.lock().map_err(|_| "mount lock poisoned")?;
+    ) -> Result<crate::mounts::MountStatus, MountError> {
+        let rt = self.folders.running(folder)?;
+        let mut slot = rt
+            .mount
+            .lock()
+            .map_err(|_| FolderError::Poisoned("mount"))?;
         if let Some(m) = slot.as_ref() {
-            return Err(format!(
-                "folder {folder} is already mounted at {}; `meshfs unmount {folder}` first",
-                m.info().mountpoint.display()
-            ));
+            return Err(MountError::AlreadyMounted {
+                folder: folder.clone(),
+                at: m.info().mountpoint,
+            });
         }
         let opts = meshfs_fuse::MountOptions {
             read_only,
             ..Default::default()
         };
         let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
-        let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)
-            .map_err(|e| e.to_string())?;
+        let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)?;
         rt.mount_slot.attach(m.handle());
         let status = crate::mounts::MountStatus::from(m.info());
         *slot = Some(m);
@@ -183,17 +184,18 @@ impl Engine {
     }
 
     /// Unmounts `folder`; its replica keeps syncing. Returns where it was mounted.
-    pub fn unmount(&self, folder: &FolderId) -> Result<std::path::PathBuf, String> {
-        let rt = self
-            .folder(folder)
-            .ok_or_else(|| format!("no running folder {folder} (see `meshfs folder list`)"))?;
-        let mut slot = rt.mount.lock().map_err(|_| "mount lock poisoned")?;
+    pub fn unmount(&self, folder: &FolderId) -> Result<std::path::PathBuf, MountError> {
+        let rt = self.folders.running(folder)?;
+        let mut slot = rt
+            .mount
+            .lock()
+            .map_err(|_| FolderError::Poisoned("mount"))?;
         let m = slot
             .take()
-            .ok_or_else(|| format!("folder {folder} is not mounted"))?;
+            .ok_or_else(|| MountError::NotMounted(folder.clone()))?;
         rt.mount_slot.detach();
         let point = m.info().mountpoint;
-        m.unmount().map_err(|e| e.to_string())?;
+        m.unmount()?;
         Ok(point)
     }
 
