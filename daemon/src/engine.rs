@@ -12,7 +12,6 @@ use crate::folder::{FolderError, FolderRt, Folders};
 use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
 use crate::journal::{FolderCounts, Journal};
-use crate::mounts::MountError;
 use crate::peers::{self, Net, Peers};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
@@ -21,6 +20,28 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch, Notify};
+
+/// Why a folder could not be mounted or unmounted.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    /// The folder does not run here (or a lock is poisoned).
+    #[error("{0} (see `meshfs folder list`)")]
+    Folder(#[from] FolderError),
+    /// It is mounted already.
+    #[error("folder {folder} is already mounted at {}; `meshfs unmount {folder}` first", at.display())]
+    AlreadyMounted {
+        /// The folder.
+        folder: meshfs_protocol::FolderId,
+        /// Where it is mounted.
+        at: std::path::PathBuf,
+    },
+    /// It is not mounted.
+    #[error("folder {0} is not mounted")]
+    NotMounted(meshfs_protocol::FolderId),
+    /// The kernel or the mount point refused.
+    #[error(transparent)]
+    Fuse(#[from] meshfs_fuse::MountError),
+}
 
 /// The engine of one device.
 pub struct Engine {

@@ -67,28 +67,6 @@ impl WriterRegistry for MountSlot {
     }
 }
 
-/// Why a folder could not be mounted or unmounted.
-#[derive(Debug, thiserror::Error)]
-pub enum MountError {
-    /// The folder does not run here (or a lock is poisoned).
-    #[error("{0} (see `meshfs folder list`)")]
-    Folder(#[from] crate::folder::FolderError),
-    /// It is mounted already.
-    #[error("folder {folder} is already mounted at {}; `meshfs unmount {folder}` first", at.display())]
-    AlreadyMounted {
-        /// The folder.
-        folder: meshfs_protocol::FolderId,
-        /// Where it is mounted.
-        at: PathBuf,
-    },
-    /// It is not mounted.
-    #[error("folder {0} is not mounted")]
-    NotMounted(meshfs_protocol::FolderId),
-    /// The kernel or the mount point refused.
-    #[error(transparent)]
-    Fuse(#[from] meshfs_fuse::MountError),
-}
-
 /// Feeds a mount's change events into a folder's capture loop.
 pub struct CaptureSink {
     tx: mpsc::UnboundedSender<CaptureMsg>,
