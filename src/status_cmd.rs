@@ -221,6 +221,31 @@ fn not_synced_summary(st: &Value) -> String {
     }
 }
 
+/// `last error at 10:42: …`, or nothing when there was none.
+fn last_error_line(v: &Value) -> Option<String> {
+    let e = &v["last_error"];
+    let message = e["message"].as_str()?;
+    Some(format!(
+        "last error at {}: {message}",
+        local_time(u(e, "unix"))
+    ))
+}
+
+/// `secret.txt (Permission denied)` for the first of `items`, and how many more there are.
+fn first_of(items: &Value, folder: &str) -> Option<String> {
+    let all = items.as_array()?;
+    let first = all.first()?;
+    let more = match all.len() - 1 {
+        0 => String::new(),
+        n => format!(" and {n} more (`meshfs status {folder} --pending`)"),
+    };
+    Some(format!(
+        "{} ({}){more}",
+        s(first, "path"),
+        s(first, "error")
+    ))
+}
+
 /// The human status.
 pub fn render(st: &Value) -> String {
     use std::fmt::Write as _;
@@ -249,64 +274,10 @@ pub fn render(st: &Value) -> String {
     let _ = writeln!(o, "sync    {sync}");
     let peers = peers_by_id(st);
     for f in &folders {
-        let _ = writeln!(
-            o,
-            "folder  {:<12} {}  {} files, {} dirs, {} bytes, {}",
-            s(f, "id"),
-            s(f, "path"),
-            u(f, "files"),
-            u(f, "dirs"),
-            u(f, "bytes"),
-            plural(u(f, "conflicts"), "conflict", "conflicts"),
-        );
-        let _ = writeln!(o, "          {}", folder_summary(f, started));
-        let m = &f["mount"];
-        if m.is_object() {
-            let _ = writeln!(
-                o,
-                "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
-                s(m, "mountpoint"),
-                s(m, "mode"),
-                if m["passthrough"] == true {
-                    "on"
-                } else {
-                    "off"
-                },
-                u(m, "open_handles")
-            );
-        }
-        for p in f["peers"].as_array().into_iter().flatten() {
-            let name = peers
-                .get(s(p, "device_id"))
-                .map_or_else(|| peer_name(p), |q| peer_name(q));
-            let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
-        }
+        render_folder(&mut o, f, &peers, started);
     }
     for p in st["peers"].as_array().into_iter().flatten() {
-        let state = if p["connected"] == true {
-            let rtt = p["rtt_ms"]
-                .as_f64()
-                .map_or("-".into(), |r| format!("{r:.1} ms"));
-            format!("connected, rtt {rtt}")
-        } else {
-            match p["last_seen_unix"].as_u64() {
-                Some(t) => format!("offline since {}", local_time(t)),
-                None => "never connected".into(),
-            }
-        };
-        let addr = match s(p, "addr") {
-            "" => "(dials us)",
-            a => a,
-        };
-        let _ = writeln!(
-            o,
-            "peer    {} {:<12} {:<22} {state}  sent {} B  received {} B",
-            s(p, "short_id"),
-            s(p, "name"),
-            addr,
-            u(p, "bytes_sent"),
-            u(p, "bytes_received")
-        );
+        render_peer(&mut o, p);
     }
     for r in st["refused_devices"].as_array().into_iter().flatten() {
         let r = r.as_str().unwrap_or("");
@@ -316,4 +287,91 @@ pub fn render(st: &Value) -> String {
         );
     }
     o
+}
+
+/// A folder's lines of the human status.
+fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, started: u64) {
+    use std::fmt::Write as _;
+    let id = s(f, "id");
+    let _ = writeln!(
+        o,
+        "folder  {:<12} {}  {} files, {} dirs, {} bytes, {}",
+        id,
+        s(f, "path"),
+        u(f, "files"),
+        u(f, "dirs"),
+        u(f, "bytes"),
+        plural(u(f, "conflicts"), "conflict", "conflicts"),
+    );
+    let _ = writeln!(o, "          {}", folder_summary(f, started));
+    let m = &f["mount"];
+    if m.is_object() {
+        let _ = writeln!(
+            o,
+            "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
+            s(m, "mountpoint"),
+            s(m, "mode"),
+            if m["passthrough"] == true {
+                "on"
+            } else {
+                "off"
+            },
+            u(m, "open_handles")
+        );
+    }
+    if let Some(first) = first_of(&f["unreadable"], id) {
+        let _ = writeln!(o, "          not replicated, cannot be read: {first}");
+    }
+    if let Some(first) = first_of(&f["skipped"], id) {
+        let _ = writeln!(
+            o,
+            "          remote version skipped, cannot be applied: {first}"
+        );
+    }
+    if let Some(e) = last_error_line(f) {
+        let _ = writeln!(o, "          {e}");
+    }
+    for p in f["peers"].as_array().into_iter().flatten() {
+        let name = peers
+            .get(s(p, "device_id"))
+            .map_or_else(|| peer_name(p), |q| peer_name(q));
+        let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
+    }
+}
+
+/// A peer's lines of the human status.
+fn render_peer(o: &mut String, p: &Value) {
+    use std::fmt::Write as _;
+    let at = p["last_seen_addr"].as_str();
+    let state = if p["connected"] == true {
+        let rtt = p["rtt_ms"]
+            .as_f64()
+            .map_or("-".into(), |r| format!("{r:.1} ms"));
+        match at {
+            Some(a) => format!("connected at {a}, rtt {rtt}"),
+            None => format!("connected, rtt {rtt}"),
+        }
+    } else {
+        match (p["last_seen_unix"].as_u64(), at) {
+            (Some(t), Some(a)) => format!("offline since {}, last at {a}", local_time(t)),
+            (Some(t), None) => format!("offline since {}", local_time(t)),
+            (None, _) => "never connected".into(),
+        }
+    };
+    let addr = match s(p, "addr") {
+        "" => "(dials us)",
+        a => a,
+    };
+    let _ = writeln!(
+        o,
+        "peer    {} {:<12} {:<22} {state}  sent {} B  received {} B",
+        s(p, "short_id"),
+        s(p, "name"),
+        addr,
+        u(p, "bytes_sent"),
+        u(p, "bytes_received")
+    );
+    if let Some(e) = last_error_line(p) {
+        let _ = writeln!(o, "          {e}");
+    }
 }

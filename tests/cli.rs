@@ -438,3 +438,25 @@ fn journal_since_takes_ages_yesterday_and_iso_dates_and_refuses_anything_else() 
         "{err}"
     );
 }
+
+#[test]
+fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_running() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    a.start();
+    let out = std::process::Command::new(bin())
+        .arg("--home")
+        .arg(&a.home)
+        .arg("daemon")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already running for") && err.contains("stop it first"),
+        "{err}"
+    );
+    // The first one still answers, on the socket the second did not take over.
+    assert_eq!(a.status()["folders"][0]["id"], "work");
+    a.stop();
+}

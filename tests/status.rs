@@ -264,3 +264,116 @@ fn an_unreachable_peer_is_logged_once_at_info_and_its_retries_at_debug() {
         .count();
     assert_eq!(at_info, 1, "{log}");
 }
+
+/// Root reads any file whatever its mode (CAP_DAC_OVERRIDE), and the tests run as root: the
+/// daemon runs without the two capabilities that bypass file permissions, so a file of mode
+/// 000 is as unreadable to it as to any user's daemon.
+const WITHOUT_DAC_OVERRIDE: [&str; 3] = [
+    "setpriv",
+    "--bounding-set=-dac_override,-dac_read_search",
+    "--",
+];
+
+#[test]
+fn an_unreadable_file_is_shown_with_its_error_and_the_rest_of_the_folder_keeps_syncing() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("readable.txt"), b"for b");
+    write(&a.path("secret.txt"), b"nobody may read this");
+    let mode = |m| std::fs::Permissions::from_mode(m);
+    std::fs::set_permissions(a.path("secret.txt"), mode(0o000)).unwrap();
+    a.under = WITHOUT_DAC_OVERRIDE.iter().map(|s| s.to_string()).collect();
+    Device::start_together(&mut [&mut a, &mut b]);
+    let (code, out, err) = run(&a.home, &["status", "--wait-synced", "--timeout", "30"]);
+    assert_eq!(code, 0, "the unreadable file is not waited for: {out}{err}");
+    assert_eq!(std::fs::read(b.path("readable.txt")).unwrap(), b"for b");
+    assert!(!b.path("secret.txt").exists());
+    let st = a.status();
+    let f = &st["folders"][0];
+    assert_eq!(f["unreadable"][0]["path"], "secret.txt", "{st}");
+    let error = f["unreadable"][0]["error"].as_str().unwrap();
+    assert!(error.contains("Permission denied"), "{error}");
+    let last = f["last_error"]["message"].as_str().unwrap();
+    assert!(
+        last.contains("cannot read secret.txt") && last.contains("Permission denied"),
+        "{last}"
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(now.abs_diff(f["last_error"]["unix"].as_u64().unwrap()) < 60);
+    assert!(
+        out.contains("not replicated, cannot be read: secret.txt (Permission denied"),
+        "{out}"
+    );
+    assert!(out.contains("last error at "), "{out}");
+    assert!(a.log().contains("cannot read a file"), "{}", a.log());
+
+    // Readable again: it is captured, sent, and no longer listed.
+    std::fs::set_permissions(a.path("secret.txt"), mode(0o644)).unwrap();
+    wait_synced(&[&a, &b], 30);
+    assert_eq!(
+        std::fs::read(b.path("secret.txt")).unwrap(),
+        b"nobody may read this"
+    );
+    assert_eq!(
+        a.status()["folders"][0]["unreadable"],
+        serde_json::json!([])
+    );
+}
+
+#[test]
+fn a_peer_that_refuses_this_device_is_shown_with_the_error_and_the_address_it_was_last_seen_at() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    // a trusts b, b does not know a.
+    ok(
+        &a.home,
+        &[
+            "peer", "add", &b.id, "--addr", &b.addr, "--name", "b", "--share", "work",
+        ],
+    );
+    b.start();
+    a.start();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = loop {
+        let st = a.status();
+        if st["peers"][0]["last_error"].is_object() || Instant::now() > deadline {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let e = &st["peers"][0]["last_error"];
+    let message = e["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("refused our certificate") && message.contains(&a.id),
+        "{st}"
+    );
+    assert!(e["unix"].as_u64().is_some(), "{st}");
+    assert_eq!(st["peers"][0]["last_seen_addr"], serde_json::Value::Null);
+    let (_, out, _) = run(&a.home, &["status"]);
+    assert!(out.contains("last error at "), "{out}");
+    assert!(out.contains("refused our certificate"), "{out}");
+    assert!(b.status()["refused_devices"][0] == a.id.as_str());
+
+    // Once b trusts a they connect, and a says where b is.
+    ok(
+        &b.home,
+        &[
+            "peer", "add", &a.id, "--addr", &a.addr, "--name", "a", "--share", "work",
+        ],
+    );
+    wait_synced(&[&a, &b], 30);
+    let st = a.status();
+    assert_eq!(st["peers"][0]["last_seen_addr"], b.addr.as_str(), "{st}");
+    let (_, out, _) = run(&a.home, &["status"]);
+    assert!(out.contains(&format!("connected at {}", b.addr)), "{out}");
+    b.stop();
+    let (_, out, _) = run(&a.home, &["status"]);
+    assert!(out.contains(&format!("last at {}", b.addr)), "{out}");
+}

@@ -143,7 +143,7 @@ impl Serialize for Reply {
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     /// Another daemon answers on this home's socket.
-    #[error("a meshfs daemon is already running for {home} (control socket {socket})")]
+    #[error("a meshfs daemon is already running for {home} (control socket {socket}): stop it first (`systemctl --user stop meshfs`, or SIGTERM), or give this one another --home")]
     AlreadyRunning {
         /// The config directory.
         home: PathBuf,

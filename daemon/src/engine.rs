@@ -226,7 +226,10 @@ impl Engine {
                         engine.changes_notify(&folder);
                     }
                     Err(e) => {
-                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; the peer's next change of it brings it again")
+                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; the peer's next change of it brings it again");
+                        if let Some(rt) = engine.folder(&folder) {
+                            rt.last_error.set(format_args!("applying the remote version of {path} that waited for the mount's writer failed: {e}"));
+                        }
                     }
                 }
             });
@@ -303,6 +306,8 @@ impl Engine {
             deferred: Mutex::new(HashMap::new()),
             blocked: Mutex::new(None),
             skipped: Mutex::new(Default::default()),
+            unreadable: Default::default(),
+            last_error: Default::default(),
             echoes: Default::default(),
             watcher: Mutex::new(None),
         });
@@ -349,6 +354,7 @@ impl Engine {
                     }
                     Err(e) => {
                         tracing::error!(folder = %rt.id, error = %e, "first scan failed; retrying with a rescan");
+                        rt.last_error.set(format_args!("first scan failed: {e}"));
                         let _ = rt.capture.send(CaptureMsg::Rescan);
                     }
                 }
@@ -501,6 +507,8 @@ impl Engine {
                     blocked: rt.blocked(),
                 },
                 skipped: rt.skipped(),
+                unreadable: rt.unreadable(),
+                last_error: rt.last_error.get(),
                 mount: rt.mount.lock().ok().and_then(|m| {
                     m.as_ref()
                         .map(|m| crate::mounts::MountStatus::from(m.info()))
@@ -526,6 +534,10 @@ impl Engine {
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map(|d| d.as_secs()),
                 bytes: traffic.as_ref().map_or((0, 0), |t| t.peer(&p.id)),
+                last_seen_addr: traffic.as_ref().and_then(|t| t.addr(&p.id)),
+                last_error: peers
+                    .as_ref()
+                    .and_then(|x| x.last_error.get(&p.id).cloned()),
             })
             .collect();
         let sync = peers.as_ref().map(|p| p.sync.clone()).unwrap_or_default();
@@ -675,6 +687,7 @@ async fn capture_loop(
                                 }
                             } else {
                                 tracing::warn!(folder = %rt.id, error = %e, "scan failed; rescanning the folder shortly");
+                                rt.last_error.set(format_args!("scan failed: {e}"));
                             }
                             let retry = Instant::now() + RESCAN_AFTER_FAILURE;
                             scan_failing = Some(retry);

@@ -18,6 +18,7 @@ pub mod folder;
 pub mod identity;
 pub mod ignore;
 pub mod journal;
+pub mod last_error;
 pub(crate) mod mapped;
 pub mod mounts;
 pub mod peers;
