@@ -13,6 +13,7 @@ use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
 use crate::journal::{FolderCounts, Journal};
 use crate::peers::{self, Net, Peers};
+use crate::progress::{Progress, Work};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
 use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
@@ -308,6 +309,8 @@ impl Engine {
             skipped: Mutex::new(Default::default()),
             unreadable: Default::default(),
             last_error: Default::default(),
+            first_scan: Arc::new(Progress::new(id.clone(), Work::FirstScan)),
+            receiving: Arc::new(Progress::new(id.clone(), Work::Receiving)),
             echoes: Default::default(),
             watcher: Mutex::new(None),
         });
@@ -469,6 +472,24 @@ impl Engine {
         }
     }
 
+    /// Ticks each folder's progress with what its peers sent (see [`crate::progress`]).
+    fn tick_progress(&self) {
+        let config = self.config();
+        let Ok(traffic) = self.traffic.lock() else {
+            return;
+        };
+        for rt in self.folders.all() {
+            let wire = config
+                .peers
+                .iter()
+                .filter(|p| p.folders.contains(&rt.id))
+                .map(|p| traffic.peer(&p.id).1)
+                .sum();
+            rt.receiving.tick(wire);
+            rt.first_scan.tick(0);
+        }
+    }
+
     /// The daemon's state as the `status --json` document: gathers a snapshot, and
     /// [`crate::status::build`] decides what it means.
     pub fn status(&self) -> crate::status::Status {
@@ -509,6 +530,10 @@ impl Engine {
                 skipped: rt.skipped(),
                 unreadable: rt.unreadable(),
                 last_error: rt.last_error.get(),
+                progress: crate::status::FolderProgress {
+                    scan: rt.first_scan.counts(),
+                    receive: rt.receiving.counts(),
+                },
                 mount: rt.mount.lock().ok().and_then(|m| {
                     m.as_ref()
                         .map(|m| crate::mounts::MountStatus::from(m.info()))
@@ -562,15 +587,21 @@ impl Engine {
 }
 
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
-/// connection (the sessions wake `peer_changed` when a link is registered or ends).
+/// connection (the sessions wake `peer_changed` when a link is registered or ends), and ticks
+/// the folders' progress about once a second.
 async fn traffic_loop(engine: Arc<Engine>) {
     let mut stopping = engine.net.stopping.subscribe();
+    let mut last_tick = Instant::now();
     loop {
         let changed = engine.net.peer_changed.notified();
         tokio::pin!(changed);
         // Registered before looking, so a link that comes meanwhile wakes the next round.
         changed.as_mut().enable();
         engine.observe_traffic();
+        if last_tick.elapsed() >= Duration::from_secs(1) {
+            last_tick = Instant::now();
+            engine.tick_progress();
+        }
         tokio::select! {
             _ = changed => {}
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}

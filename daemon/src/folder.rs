@@ -11,6 +11,7 @@ use crate::capture::CaptureMsg;
 use crate::ignore::IgnoreRules;
 use crate::journal::{Change, Journal, JournalError};
 use crate::last_error::LastErrorSlot;
+use crate::progress::Progress;
 use crate::scanner::{self, ScanError, ScanTarget};
 use crate::store::{Store, StoreError};
 use meshfs_protocol::{DeviceId, FileRecord, FolderId, RelPath, ShortId};
@@ -96,6 +97,10 @@ pub struct FolderRt {
     pub(crate) unreadable: Mutex<std::collections::BTreeMap<RelPath, String>>,
     /// The folder's last error and its time (`status`).
     pub last_error: LastErrorSlot,
+    /// How far its first scan got hashing.
+    pub first_scan: Arc<Progress>,
+    /// Remote changes received and applied, and those waiting.
+    pub receiving: Arc<Progress>,
     /// What apply just did to paths, so the watcher's events for it are not rescanned.
     pub echoes: crate::capture::Echoes,
     pub(crate) watcher: Mutex<Option<notify::RecommendedWatcher>>,
@@ -382,6 +387,11 @@ impl Folders {
                     if to_hash >= scanner::FIRST_SCAN_SLICE {
                         rt.scan_is_long.notify_one();
                     }
+                    let (files, bytes) = changes
+                        .iter()
+                        .filter(|c| c.record.kind == meshfs_protocol::FileKind::File)
+                        .fold((0, 0), |(n, b), c| (n + 1, b + c.record.size));
+                    rt.first_scan.hashed(files, bytes, to_hash as u64);
                     if changes.is_empty() {
                         return Ok(());
                     }
@@ -393,7 +403,9 @@ impl Folders {
                     self.changes_notify(folder);
                     Ok(())
                 };
-                scanner::scan_new(&target, &mut emit)?
+                let report = scanner::scan_new(&target, &mut emit);
+                rt.first_scan.hashed(0, 0, 0);
+                report?
             } else {
                 scanner::scan(&target, &j, paths)?
             }

@@ -658,9 +658,18 @@ async fn receive(
     } = batch;
     tracing::debug!(%folder, records = records.len(), inline = inline.len(), up_to, "index batch received");
     let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
+    let queued = net
+        .folders
+        .get(&folder)
+        .map(|rt| rt.receiving.queue(&records));
     let result = apply::receive(&net.folders, &folder, peer, &conn, records, inline, turn).await;
     let ev = match result {
-        Ok(()) => LinkEvent::Applied(folder, up_to),
+        Ok(()) => {
+            if let Some(q) = queued {
+                q.applied();
+            }
+            LinkEvent::Applied(folder, up_to)
+        }
         Err(e) => {
             if let (true, Some(rt)) = (e.is_disk_full(), net.folders.get(&folder)) {
                 // The failed batch's temp files are gone and no user file was touched. Say it

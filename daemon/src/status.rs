@@ -11,6 +11,7 @@ use crate::config::PeerConfig;
 use crate::journal::FolderCounts;
 use crate::last_error::LastError;
 use crate::mounts::MountStatus;
+use crate::progress::Counts;
 use meshfs_protocol::{DeviceId, FolderId, RelPath};
 use meshfs_sync::session::FolderSyncStatus;
 use serde::Serialize;
@@ -72,8 +73,21 @@ pub struct FolderSnapshot {
     pub unreadable: Vec<(RelPath, String)>,
     /// Its last error.
     pub last_error: Option<LastError>,
+    /// How far its long work got.
+    pub progress: FolderProgress,
     /// Its mount, if it has one.
     pub mount: Option<MountStatus>,
+}
+
+/// A folder's `progress`: the counts of its long work, from which the CLI makes rates and
+/// ETAs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FolderProgress {
+    /// The first scan: files hashed, and files left to hash (zero once it is over).
+    pub scan: Counts,
+    /// Remote changes: records applied since the daemon started, and those received and
+    /// waiting to be applied.
+    pub receive: Counts,
 }
 
 /// One configured peer.
@@ -230,6 +244,8 @@ pub struct FolderStatus {
     pub unreadable: Vec<SkippedStatus>,
     /// Its last error and when, or null.
     pub last_error: Option<LastError>,
+    /// How far its long work got.
+    pub progress: FolderProgress,
     /// Why receiving is stopped, or null.
     pub blocked: Option<String>,
     /// The mount, or null.
@@ -414,6 +430,7 @@ fn folder_status(
         skipped: SkippedStatus::list(f.skipped),
         unreadable: SkippedStatus::list(f.unreadable),
         last_error: f.last_error,
+        progress: f.progress,
         blocked: f.local.blocked,
         mount: f.mount,
         in_sync: verdict.in_sync,
@@ -661,6 +678,15 @@ mod tests {
                 skipped: Vec::new(),
                 unreadable: Vec::new(),
                 last_error: None,
+                progress: FolderProgress {
+                    scan: Counts::default(),
+                    receive: Counts {
+                        done: 30,
+                        bytes_done: 4096,
+                        left: 2,
+                        bytes_left: Some(100),
+                    },
+                },
                 mount: None,
             }],
             peers: vec![
@@ -693,6 +719,10 @@ mod tests {
                 "files": 10, "dirs": 2, "symlinks": 0, "bytes": 40960, "tombstones": 1,
                 "sequence": 42, "capture_pending": 0, "scanning": false, "conflicts": 0,
                 "waiting_for_writers": 0, "skipped": [], "unreadable": [], "last_error": null,
+                "progress": {
+                    "scan": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
+                    "receive": {"done": 30, "bytes_done": 4096, "left": 2, "bytes_left": 100},
+                },
                 "blocked": null, "mount": null,
                 "in_sync": true, "in_sync_with_connected": true, "peers_connected": true,
                 "peers": [{"device_id": peer_id().to_string(), "name": "server", "connected": true,
