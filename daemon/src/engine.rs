@@ -297,6 +297,7 @@ impl Engine {
             op_lock: Mutex::new(()),
             capture: tx.clone(),
             capture_pending: Default::default(),
+            capture_waiting: Default::default(),
             scanning: Default::default(),
             scan_is_long: Default::default(),
             // Inert until the folder is mounted; then it forwards to the mount.
@@ -463,6 +464,36 @@ impl Engine {
             }
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.net.endpoint.wait_idle()).await;
+    }
+
+    /// What waits in `folder` (every running folder when `None`), path by path: the
+    /// `status --pending` document.
+    pub fn pending(
+        &self,
+        folder: Option<&FolderId>,
+    ) -> Result<Vec<crate::pending::PendingFolder>, FolderError> {
+        let config = self.config();
+        let folders = match folder {
+            Some(id) => vec![self.folders.running(id)?],
+            None => {
+                let mut all = self.folders.all();
+                all.sort_by(|a, b| a.id.cmp(&b.id));
+                all
+            }
+        };
+        let connected: Vec<DeviceId> = self.net.links().into_iter().map(|(d, _)| d).collect();
+        folders
+            .iter()
+            .map(|rt| {
+                let sharing: Vec<_> = config
+                    .peers
+                    .iter()
+                    .filter(|p| p.folders.contains(&rt.id))
+                    .cloned()
+                    .collect();
+                crate::pending::of_folder(&self.folders, rt, &sharing, &connected)
+            })
+            .collect()
     }
 
     /// Updates the per-peer traffic counters from the current links.
@@ -675,7 +706,7 @@ async fn capture_loop(
                         m => c.add(m, now),
                     }
                 }
-                rt.capture_pending.store(c.len().max(1), std::sync::atomic::Ordering::Relaxed);
+                publish_capture(&rt, &c, 1);
                 // A file whose last writer let go through the mount is captured at once:
                 // the quiet time only guesses when a burst of inotify events is over.
                 let due = if final_now { now } else { now + quiet };
@@ -736,10 +767,20 @@ async fn capture_loop(
                         released = true;
                     }
                 }
-                rt.capture_pending.store(c.len(), std::sync::atomic::Ordering::Relaxed);
+                publish_capture(&rt, &c, 0);
             }
             _ = stopping.changed() => return,
         }
+    }
+}
+
+/// Tells status how many paths wait in the capture loop (at least `at_least`: events were
+/// just read), and `status --pending` the first of them.
+fn publish_capture(rt: &FolderRt, c: &Coalescer, at_least: usize) {
+    rt.capture_pending
+        .store(c.len().max(at_least), std::sync::atomic::Ordering::Relaxed);
+    if let Ok(mut w) = rt.capture_waiting.lock() {
+        *w = c.waiting(crate::pending::LISTED);
     }
 }
 

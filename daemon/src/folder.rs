@@ -71,6 +71,9 @@ pub struct FolderRt {
     pub capture: mpsc::UnboundedSender<CaptureMsg>,
     /// Paths waiting in the capture loop.
     pub capture_pending: std::sync::atomic::AtomicUsize,
+    /// Some of them (sorted, each with whether it waits for its writer's close), and whether
+    /// a rescan waits: what `status --pending` lists.
+    pub(crate) capture_waiting: Mutex<(Vec<(RelPath, bool)>, bool)>,
     /// The folder's first scan is still running (the folder is not in sync meanwhile).
     pub scanning: std::sync::atomic::AtomicBool,
     /// Notified when the first scan has walked the tree and found more than a slice of files
@@ -209,6 +212,25 @@ impl FolderRt {
                 ));
             }
         }
+    }
+
+    /// The capture loop's waiting paths, as it last published them.
+    pub fn capture_waiting(&self) -> (Vec<(RelPath, bool)>, bool) {
+        self.capture_waiting
+            .lock()
+            .map(|w| w.clone())
+            .unwrap_or_default()
+    }
+
+    /// The remote versions waiting for a writer: (path, the peer it came from), by path.
+    pub fn deferred_paths(&self) -> Vec<(RelPath, DeviceId)> {
+        let mut out: Vec<(RelPath, DeviceId)> = self
+            .deferred
+            .lock()
+            .map(|d| d.iter().map(|(p, (_, peer))| (p.clone(), *peer)).collect())
+            .unwrap_or_default();
+        out.sort();
+        out
     }
 
     /// Remote versions waiting for a writer to let go.

@@ -17,9 +17,12 @@ pub struct LastError {
 impl LastError {
     /// `message`, happening now.
     pub fn now(message: impl std::fmt::Display) -> LastError {
+        let unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         LastError {
             message: message.to_string(),
-            unix: crate::folder::now_secs(),
+            unix,
         }
     }
 }

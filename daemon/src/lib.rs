@@ -22,6 +22,7 @@ pub mod last_error;
 pub(crate) mod mapped;
 pub mod mounts;
 pub mod peers;
+pub mod pending;
 pub mod progress;
 pub mod scanner;
 pub mod status;
