@@ -7,6 +7,8 @@ mod demo;
 mod journal_cmd;
 mod package_assets;
 mod status_cmd;
+mod status_pending;
+mod status_watch;
 
 use anyhow::{anyhow, bail, Context as _};
 use clap::{CommandFactory, Parser, Subcommand};
@@ -114,23 +116,36 @@ enum Command {
     },
     /// Folders, peers, connections, pending work: in sync with every peer, or why not.
     #[command(
-        after_help = "A folder is in sync when its own changes are recorded and every peer that shares it is\nconnected and caught up both ways. Otherwise status says why, e.g.\n  up to date with 1 of 2 peers; b offline since 10:42\n\nExamples:\n  meshfs status\n  meshfs daemon & meshfs status --wait-synced --timeout 60   # waits for the daemon too\n  meshfs status --json | jq .folders[0].in_sync\nExit codes: 0 ok/in sync, 1 error (e.g. not initialised), 3 no daemon, 4 timed out."
+        after_help = "A folder is in sync when its own changes are recorded and every peer that shares it is\nconnected and caught up both ways. Otherwise status says why, e.g.\n  up to date with 1 of 2 peers; b offline since 10:42\n\nExamples:\n  meshfs status\n  meshfs daemon & meshfs status --wait-synced --timeout 60   # waits for the daemon too\n  meshfs status --watch                # live: done, left, rates, ETA; Ctrl-C to stop\n  meshfs status work --pending         # what waits in folder work, path by path, and why\n  meshfs status --json | jq .folders[0].in_sync\nExit codes: 0 ok/in sync, 1 error (e.g. not initialised), 3 no daemon, 4 timed out."
     )]
     Status {
+        /// With --pending: only this folder.
+        #[arg(value_parser = parse_folder_id, requires = "pending")]
+        folder: Option<FolderId>,
         /// One JSON document (fields in docs/cli.md).
         #[arg(long)]
         json: bool,
         /// Wait (for the daemon to come up, then) until every folder is in sync with every
-        /// peer that shares it.
-        #[arg(long)]
+        /// peer that shares it. On a terminal a progress bar shows what is left.
+        #[arg(long, conflicts_with_all = ["watch", "pending"])]
         wait_synced: bool,
         /// With --wait-synced: only the peers connected now count (a peer that is down is
         /// not waited for).
         #[arg(long, requires = "wait_synced")]
         connected: bool,
-        /// Give up waiting after this many seconds.
-        #[arg(long, default_value_t = 60.0)]
-        timeout: f64,
+        /// Give up waiting after this many seconds (default 60); with --watch, stop after
+        /// this many seconds (default: at Ctrl-C).
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// Refresh a view every second until Ctrl-C: per folder what is done and left, rate
+        /// and ETA; per peer connection, rtt and rates. On a pipe: one plain line per second.
+        #[arg(long, conflicts_with_all = ["json", "pending"])]
+        watch: bool,
+        /// List what waits, path by path, and why: local changes being recorded, remote
+        /// versions skipped or waiting for a writer, unreadable files, and the records each
+        /// peer has not acknowledged.
+        #[arg(long)]
+        pending: bool,
     },
     /// The change history of a folder.
     #[command(
@@ -327,10 +342,13 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Repair => repair(home),
         Command::Scan { folder } => scan(home, folder),
         Command::Status {
+            folder,
             json,
             wait_synced,
             connected,
             timeout,
+            watch,
+            pending,
         } => status_cmd::run(
             home,
             status_cmd::StatusArgs {
@@ -338,6 +356,9 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
                 wait_synced,
                 connected,
                 timeout,
+                watch,
+                pending,
+                folder,
             },
         ),
         Command::Journal(args) => journal_cmd::run(home, args),

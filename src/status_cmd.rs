@@ -1,12 +1,15 @@
 //! `meshfs status`: asks the daemon for its state and says in words whether each folder is in
 //! sync with every peer that shares it, and if not, why; `--wait-synced` waits for it (and for
-//! the daemon to come up). The daemon reports facts (`status --json`); the words are made here.
+//! the daemon to come up), with a progress bar on a terminal. The daemon reports facts
+//! (`status --json`); the words are made here. `--watch` is `status_watch`, `--pending`
+//! `status_pending`.
 
 use crate::{EXIT_NO_DAEMON, EXIT_TIMEOUT};
 use meshfs_daemon::config::{Config, ConfigError, Home};
 use meshfs_daemon::control::{self, Request};
 use serde_json::Value;
 use std::collections::HashMap;
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 /// What `meshfs status` was asked.
@@ -17,9 +20,18 @@ pub struct StatusArgs {
     pub wait_synced: bool,
     /// With `wait_synced`: only the connected peers count (the old meaning).
     pub connected: bool,
-    /// Seconds to wait, for the daemon and for sync.
-    pub timeout: f64,
+    /// Seconds to wait, for the daemon and for sync; with `watch`, to watch.
+    pub timeout: Option<f64>,
+    /// Refresh a view every second.
+    pub watch: bool,
+    /// List what waits, path by path.
+    pub pending: bool,
+    /// With `pending`: only this folder.
+    pub folder: Option<meshfs_protocol::FolderId>,
 }
+
+/// How long `--wait-synced` waits by default.
+const WAIT_SYNCED_TIMEOUT: f64 = 60.0;
 
 /// Runs `status`; returns the exit code.
 pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
@@ -27,8 +39,17 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
     if let Err(e @ ConfigError::Missing(_)) = Config::load(home) {
         return Err(e.into());
     }
+    if a.watch {
+        return crate::status_watch::run(home, a.timeout);
+    }
+    if a.pending {
+        return crate::status_pending::run(home, a.folder, a.json);
+    }
+    let timeout = a.timeout.unwrap_or(WAIT_SYNCED_TIMEOUT);
     let start = Instant::now();
-    let deadline = start + Duration::from_secs_f64(a.timeout.max(0.0));
+    let deadline = start + Duration::from_secs_f64(timeout.max(0.0));
+    // On a terminal, a bar shows what is left while it waits; nothing extra on a pipe.
+    let bar = (a.wait_synced && !a.json && std::io::stdout().is_terminal()).then(WaitBar::new);
     let key = if a.connected {
         "in_sync_with_connected"
     } else {
@@ -41,14 +62,17 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
             // Started a moment ago (`meshfs daemon &`), its socket may not be up yet.
             if a.wait_synced && Instant::now() < deadline {
                 waited_for_daemon = true;
+                if let Some(bar) = &bar {
+                    bar.waiting_for_daemon();
+                }
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
+            drop(bar);
             if waited_for_daemon {
                 eprintln!(
-                    "meshfs: no daemon came up for {} within {} s (start it with `meshfs daemon`)",
+                    "meshfs: no daemon came up for {} within {timeout} s (start it with `meshfs daemon`)",
                     home.config_dir.display(),
-                    a.timeout
                 );
             } else {
                 eprintln!(
@@ -61,7 +85,11 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
         let synced = st.get(key).and_then(Value::as_bool).unwrap_or(false);
         // In sync must hold on three polls in a row, so a change captured a moment ago counts.
         stable = if synced { stable + 1 } else { 0 };
+        if let Some(bar) = &bar {
+            bar.show(&st, synced);
+        }
         if !a.wait_synced || stable >= 3 || Instant::now() >= deadline {
+            drop(bar);
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&st)?);
             } else {
@@ -69,8 +97,7 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
             }
             if a.wait_synced && stable < 3 {
                 eprintln!(
-                    "meshfs: not in sync after {} s: {}",
-                    a.timeout,
+                    "meshfs: not in sync after {timeout} s: {}",
                     not_synced_summary(&st)
                 );
                 return Ok(EXIT_TIMEOUT);
@@ -82,15 +109,101 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
     }
 }
 
-fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+/// The bar `--wait-synced` draws on a terminal: the work left (records to send, records and
+/// files to receive, to hash and to record) against the most there was, and in words what
+/// it waits for. Cleared before the status is printed.
+struct WaitBar {
+    bar: indicatif::ProgressBar,
+    /// The most work seen left: the bar's length.
+    most: std::cell::Cell<u64>,
+}
+
+impl WaitBar {
+    /// Before any work is counted: a spinner and the words.
+    const WAITING: &str = "{spinner} waiting to be in sync: {wide_msg}";
+    /// With work counted: how much of it is done.
+    const COUNTING: &str = "{spinner} waiting to be in sync [{bar:24}] {pos}/{len} {wide_msg}";
+
+    fn style(template: &str) -> indicatif::ProgressStyle {
+        indicatif::ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner())
+            .progress_chars("=> ")
+    }
+
+    fn new() -> WaitBar {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(0),
+            indicatif::ProgressDrawTarget::stdout(),
+        );
+        bar.set_style(Self::style(Self::WAITING));
+        bar.enable_steady_tick(Duration::from_millis(120));
+        WaitBar {
+            bar,
+            most: std::cell::Cell::new(0),
+        }
+    }
+
+    fn waiting_for_daemon(&self) {
+        self.bar.set_message("waiting for the daemon to start");
+    }
+
+    /// Shows where `st` stands; `synced`: it is in sync, and only being confirmed.
+    fn show(&self, st: &Value, synced: bool) {
+        let left = work_left(st);
+        if self.most.get() == 0 && left > 0 {
+            self.bar.set_style(Self::style(Self::COUNTING));
+        }
+        self.most.set(self.most.get().max(left));
+        self.bar.set_length(self.most.get());
+        self.bar.set_position(self.most.get() - left);
+        self.bar.set_message(if synced {
+            "in sync; confirming".to_string()
+        } else {
+            not_synced_summary(st)
+        });
+    }
+}
+
+impl Drop for WaitBar {
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// The work a status document shows left, in records and files.
+fn work_left(st: &Value) -> u64 {
+    st["folders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|f| {
+            let to_send: u64 = f["peers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| u(p, "pending_records"))
+                .sum();
+            u(f, "capture_pending")
+                + u(f, "waiting_for_writers")
+                + u(&f["progress"]["scan"], "left")
+                + u(&f["progress"]["receive"], "left")
+                + to_send
+        })
+        .sum()
+}
+
+/// A string field, or "".
+pub fn s<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("")
 }
 
-fn u(v: &Value, k: &str) -> u64 {
+/// A number field, or 0.
+pub fn u(v: &Value, k: &str) -> u64 {
     v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
-fn plural(n: u64, one: &str, many: &str) -> String {
+/// `1 file`, `2 files`.
+pub fn plural(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
@@ -120,7 +233,8 @@ fn peers_by_id(st: &Value) -> HashMap<&str, &Value> {
         .collect()
 }
 
-fn peer_name(p: &Value) -> String {
+/// A peer's name, or its short id.
+pub fn peer_name(p: &Value) -> String {
     match s(p, "name") {
         "" => s(p, "device_id").chars().take(7).collect(),
         n => n.to_string(),
