@@ -153,6 +153,40 @@ pub fn run_demo(keep: bool) -> anyhow::Result<u8> {
 }
 
 fn demo(root: &Path) -> anyhow::Result<u8> {
+    let (mut a, mut b) = two_devices(root)?;
+    a.start()?;
+    b.start()?;
+    println!("both daemons running; they found each other over QUIC with pinned ids");
+    if a.try_mount(root) && b.try_mount(root) {
+        println!(
+            "each folder is mounted (FUSE, served by its daemon): laptop {}, server {}; changes made there are journaled from the operations themselves",
+            a.work().display(),
+            b.work().display()
+        );
+    } else {
+        a.mnt = None;
+        b.mnt = None;
+    }
+    notes_arrive(&a, &b)?;
+    many_files_and_a_rename(&a, &b)?;
+    if a.mnt.is_some() && Command::new("git").arg("--version").output().is_ok() {
+        git_in_the_mounts(&a, &b)?;
+    }
+    a_conflict(&a, &mut b)?;
+
+    step("the journal: who changed what, when, on which device (last 8 entries on the server)");
+    print!("{}", run(&b.home, &["journal", "demo", "--limit", "8"])?);
+
+    step("status of the laptop");
+    print!("{}", run(&a.home, &["status"])?);
+    a.stop();
+    b.stop();
+    println!("\ndemo finished; both daemons stopped");
+    Ok(0)
+}
+
+/// Two initialised devices, laptop and server, each with folder `demo`, peers of each other.
+fn two_devices(root: &Path) -> anyhow::Result<(DemoDevice, DemoDevice)> {
     step("two devices, laptop and server, each with its own identity and a folder `demo`");
     let mut devs = Vec::new();
     for name in ["laptop", "server"] {
@@ -202,27 +236,15 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
             "peer", "add", &a_id, "--addr", &a_addr, "--name", "laptop", "--share", "demo",
         ],
     )?;
-    let (mut a, mut b) = {
-        let mut it = devs.into_iter().map(|(d, _)| d);
-        match (it.next(), it.next()) {
-            (Some(a), Some(b)) => (a, b),
-            _ => anyhow::bail!("demo setup failed"),
-        }
-    };
-    a.start()?;
-    b.start()?;
-    println!("both daemons running; they found each other over QUIC with pinned ids");
-    if a.try_mount(root) && b.try_mount(root) {
-        println!(
-            "each folder is mounted (FUSE, served by its daemon): laptop {}, server {}; changes made there are journaled from the operations themselves",
-            a.work().display(),
-            b.work().display()
-        );
-    } else {
-        a.mnt = None;
-        b.mnt = None;
+    let mut it = devs.into_iter().map(|(d, _)| d);
+    match (it.next(), it.next()) {
+        (Some(a), Some(b)) => Ok((a, b)),
+        _ => anyhow::bail!("demo setup failed"),
     }
+}
 
+/// Ten notes saved on the laptop, each timed until the server can read it.
+fn notes_arrive(a: &DemoDevice, b: &DemoDevice) -> anyhow::Result<()> {
     step("a file saved on the laptop appears on the server");
     let mut samples = Vec::new();
     for i in 0..10 {
@@ -239,7 +261,11 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
         samples[5].as_secs_f64() * 1e3,
         samples[9].as_secs_f64() * 1e3
     );
+    Ok(())
+}
 
+/// 1,000 small files, then their directory renamed: the bytes a rename sends.
+fn many_files_and_a_rename(a: &DemoDevice, b: &DemoDevice) -> anyhow::Result<()> {
     step("a directory of 1,000 small files, then renamed (a rename moves no data)");
     let t = Instant::now();
     for i in 0..1000 {
@@ -264,55 +290,61 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
         .unwrap_or(0)
         .saturating_sub(before["bytes_sent"].as_u64().unwrap_or(0));
     println!("renamed on the laptop; the server has renamed-project/ with {} files; {moved} bytes sent (index records only)", count_files(&b.work().join("renamed-project")));
+    Ok(())
+}
 
-    if a.mnt.is_some() && Command::new("git").arg("--version").output().is_ok() {
-        step("git in the laptop's mount; the server's mount has the same clean repository");
-        let repo = a.work().join("repo");
-        std::fs::create_dir_all(repo.join("src"))?;
-        std::fs::write(repo.join("src/main.rs"), "fn main() {}\n")?;
-        std::fs::write(repo.join("README"), "demo repository\n")?;
-        let git = |dir: &Path, args: &[&str]| -> anyhow::Result<String> {
-            let out = Command::new("git")
-                .args([
-                    "-c",
-                    "user.name=laptop",
-                    "-c",
-                    "user.email=laptop@demo.invalid",
-                ])
-                .args(args)
-                .current_dir(dir)
-                .output()?;
-            anyhow::ensure!(
-                out.status.success(),
-                "git {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-        };
-        git(&repo, &["init", "-q"])?;
-        git(&repo, &["add", "-A"])?;
-        git(
-            &repo,
-            &["commit", "-q", "-m", "first commit, made on the laptop"],
-        )?;
-        run(&a.home, &["status", "--wait-synced", "--timeout", "60"])?;
-        let theirs = b.work().join("repo");
-        println!(
-            "server: git log = {:?}",
-            git(&theirs, &["log", "--format=%s"])?
+/// A git commit in the laptop's mount; the server's mount has the same clean repository.
+fn git_in_the_mounts(a: &DemoDevice, b: &DemoDevice) -> anyhow::Result<()> {
+    step("git in the laptop's mount; the server's mount has the same clean repository");
+    let repo = a.work().join("repo");
+    std::fs::create_dir_all(repo.join("src"))?;
+    std::fs::write(repo.join("src/main.rs"), "fn main() {}\n")?;
+    std::fs::write(repo.join("README"), "demo repository\n")?;
+    let git = |dir: &Path, args: &[&str]| -> anyhow::Result<String> {
+        let out = Command::new("git")
+            .args([
+                "-c",
+                "user.name=laptop",
+                "-c",
+                "user.email=laptop@demo.invalid",
+            ])
+            .args(args)
+            .current_dir(dir)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "git {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
         );
-        let status = git(&theirs, &["status", "--porcelain"])?;
-        println!(
-            "server: git status = {}",
-            if status.is_empty() {
-                "clean".to_string()
-            } else {
-                status
-            }
-        );
-    }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    git(&repo, &["init", "-q"])?;
+    git(&repo, &["add", "-A"])?;
+    git(
+        &repo,
+        &["commit", "-q", "-m", "first commit, made on the laptop"],
+    )?;
+    run(&a.home, &["status", "--wait-synced", "--timeout", "60"])?;
+    let theirs = b.work().join("repo");
+    println!(
+        "server: git log = {:?}",
+        git(&theirs, &["log", "--format=%s"])?
+    );
+    let status = git(&theirs, &["status", "--porcelain"])?;
+    println!(
+        "server: git status = {}",
+        if status.is_empty() {
+            "clean".to_string()
+        } else {
+            status
+        }
+    );
+    Ok(())
+}
 
+/// Both devices edit one file while the server is offline; how it resolves.
+fn a_conflict(a: &DemoDevice, b: &mut DemoDevice) -> anyhow::Result<()> {
     step("a conflict: both devices edit report.txt while the server is offline");
     std::fs::write(a.work().join("report.txt"), "draft\n")?;
     wait_for(&b.work().join("report.txt"), b"draft\n")?;
@@ -337,16 +369,7 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
         }
     }
     print!("{}", run(&b.home, &["conflicts", "demo"])?);
-
-    step("the journal: who changed what, when, on which device (last 8 entries on the server)");
-    print!("{}", run(&b.home, &["journal", "demo", "--limit", "8"])?);
-
-    step("status of the laptop");
-    print!("{}", run(&a.home, &["status"])?);
-    a.stop();
-    b.stop();
-    println!("\ndemo finished; both daemons stopped");
-    Ok(0)
+    Ok(())
 }
 
 fn count_files(dir: &Path) -> usize {

@@ -18,9 +18,11 @@ pub struct JournalArgs {
     /// Only changes made by this device: a device id, its 7-character short id, a peer name, or "self".
     #[arg(long)]
     device: Option<String>,
-    /// Only entries after a sequence number (e.g. 1042), or since a time: RFC 3339 (2026-11-22T14:00:00Z) or an age (90s, 10m, 2h, 3d).
-    #[arg(long)]
-    since: Option<String>,
+    /// Only entries after a sequence number (e.g. 1042), or since a time: an age (90s, 10m, 2h,
+    /// 3d, 1w), today, yesterday, a date (2026-11-22), a local time (2026-11-22 14:00) or RFC
+    /// 3339 (2026-11-22T14:00:00Z).
+    #[arg(long, value_parser = parse_since)]
+    since: Option<Since>,
     /// At most this many entries (the most recent, unless --since is given).
     #[arg(long)]
     limit: Option<usize>,
@@ -65,20 +67,73 @@ fn parse_device(home: &Home, config: &Config, s: &str) -> anyhow::Result<ShortId
     bail!("--device {s:?} is not a device id, a short id or a peer name of this device")
 }
 
-fn parse_since(s: &str) -> anyhow::Result<(Option<u64>, Option<i64>)> {
+/// Where `--since` starts the history.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Since {
+    /// After this journal sequence.
+    Sequence(u64),
+    /// At or after this time (ns since the Unix epoch).
+    TimeNs(i64),
+}
+
+/// The forms `--since` takes, for its error message.
+const SINCE_FORMS: &str = "a sequence number (1042), an age (90s, 10m, 2h, 3d, 1w), today, yesterday, a date (2026-11-22), a local time (2026-11-22 14:00 or 2026-11-22T14:00:00) or an RFC 3339 time (2026-11-22T14:00:00Z)";
+
+/// A `--since` argument (clap reports a bad one as a usage error, exit 2). Dates and times
+/// without an offset are the user's local time.
+fn parse_since(s: &str) -> Result<Since, String> {
+    let now = time::OffsetDateTime::now_utc();
+    let offset = time::UtcOffset::local_offset_at(now).unwrap_or(time::UtcOffset::UTC);
+    parse_since_at(s, now.to_offset(offset))
+        .ok_or_else(|| format!("{s:?} is not a sequence or a time: use {SINCE_FORMS}"))
+}
+
+/// [`parse_since`] at the local time `now`.
+fn parse_since_at(s: &str, now: time::OffsetDateTime) -> Option<Since> {
+    use time::macros::format_description;
+    let s = s.trim();
     if let Ok(seq) = s.parse::<u64>() {
-        return Ok((Some(seq), None));
+        return Some(Since::Sequence(seq));
     }
-    let now = time::OffsetDateTime::now_utc().unix_timestamp_nanos() as i64;
-    let units = [("s", 1i64), ("m", 60), ("h", 3600), ("d", 86400)];
+    let at = |t: time::OffsetDateTime| Some(Since::TimeNs(t.unix_timestamp_nanos() as i64));
+    let midnight = |d: time::Date| {
+        d.with_hms(0, 0, 0)
+            .ok()
+            .map(|t| t.assume_offset(now.offset()))
+    };
+    let units = [
+        ("s", 1i64),
+        ("m", 60),
+        ("h", 3600),
+        ("d", 86400),
+        ("w", 7 * 86400),
+    ];
     for (u, secs) in units {
         if let Some(n) = s.strip_suffix(u).and_then(|n| n.parse::<i64>().ok()) {
-            return Ok((None, Some(now - n * secs * 1_000_000_000)));
+            return at(now - time::Duration::seconds(n.checked_mul(secs)?));
         }
     }
-    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
-        .map_err(|_| anyhow!("--since {s:?}: use a sequence number, an RFC 3339 time (2026-11-22T14:00:00Z) or an age (90s, 10m, 2h, 3d)"))?;
-    Ok((None, Some(t.unix_timestamp_nanos() as i64)))
+    match s {
+        "today" => return at(midnight(now.date())?),
+        "yesterday" => return at(midnight(now.date().previous_day()?)?),
+        _ => {}
+    }
+    if let Ok(t) = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339) {
+        return at(t);
+    }
+    if let Ok(d) = time::Date::parse(s, format_description!("[year]-[month]-[day]")) {
+        return at(midnight(d)?);
+    }
+    let local = [
+        format_description!("[year]-[month]-[day] [hour]:[minute]"),
+        format_description!("[year]-[month]-[day]T[hour]:[minute]"),
+        format_description!("[year]-[month]-[day] [hour]:[minute]:[second]"),
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]"),
+    ];
+    local.iter().find_map(|f| {
+        let t = time::PrimitiveDateTime::parse(s, f).ok()?;
+        at(t.assume_offset(now.offset()))
+    })
 }
 
 fn time_str(ns: i64) -> String {
@@ -171,8 +226,9 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
         .as_deref()
         .map(|d| parse_device(home, &config, d))
         .transpose()?;
-    let (since_sequence, since_time_ns) = match a.since.as_deref() {
-        Some(s) => parse_since(s)?,
+    let (since_sequence, since_time_ns) = match a.since {
+        Some(Since::Sequence(seq)) => (Some(seq), None),
+        Some(Since::TimeNs(ns)) => (None, Some(ns)),
         None => (None, None),
     };
     let journal = Journal::open(&home.journal_file())?;
@@ -225,7 +281,55 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::printable;
+    use super::{parse_since_at, printable, Since};
+    use time::macros::datetime;
+
+    /// 2026-11-22 14:30:00 at UTC+01:00.
+    fn now() -> time::OffsetDateTime {
+        datetime!(2026-11-22 14:30:00 +1)
+    }
+
+    fn at(t: time::OffsetDateTime) -> Option<Since> {
+        Some(Since::TimeNs(t.unix_timestamp_nanos() as i64))
+    }
+
+    #[test]
+    fn since_takes_sequences_ages_days_dates_and_times_in_local_time() {
+        let cases = [
+            ("1042", Some(Since::Sequence(1042))),
+            ("90s", at(datetime!(2026-11-22 14:28:30 +1))),
+            ("10m", at(datetime!(2026-11-22 14:20:00 +1))),
+            ("2h", at(datetime!(2026-11-22 12:30:00 +1))),
+            ("3d", at(datetime!(2026-11-19 14:30:00 +1))),
+            ("1w", at(datetime!(2026-11-15 14:30:00 +1))),
+            ("today", at(datetime!(2026-11-22 00:00:00 +1))),
+            ("yesterday", at(datetime!(2026-11-21 00:00:00 +1))),
+            ("2026-11-01", at(datetime!(2026-11-01 00:00:00 +1))),
+            ("2026-11-01 09:15", at(datetime!(2026-11-01 09:15:00 +1))),
+            ("2026-11-01T09:15:30", at(datetime!(2026-11-01 09:15:30 +1))),
+            (
+                "2026-11-01T09:15:30Z",
+                at(datetime!(2026-11-01 09:15:30 UTC)),
+            ),
+            (
+                "2026-11-01T09:15:30-05:00",
+                at(datetime!(2026-11-01 09:15:30 -5)),
+            ),
+        ];
+        for (arg, want) in cases {
+            assert_eq!(parse_since_at(arg, now()), want, "{arg}");
+        }
+        for bad in [
+            "",
+            "soon",
+            "10x",
+            "2026-13-01",
+            "-5m1",
+            "99999999999999999w",
+        ] {
+            assert_eq!(parse_since_at(bad, now()), None, "{bad}");
+        }
+    }
 
     #[test]
     fn control_characters_in_names_are_shown_escaped() {

@@ -1,12 +1,15 @@
 //! `meshfs status`: asks the daemon for its state and says in words whether each folder is in
 //! sync with every peer that shares it, and if not, why; `--wait-synced` waits for it (and for
-//! the daemon to come up). The daemon reports facts (`status --json`); the words are made here.
+//! the daemon to come up), with a progress bar on a terminal. The daemon reports facts
+//! (`status --json`); the words are made here. `--watch` is `status_watch`, `--pending`
+//! `status_pending`.
 
 use crate::{EXIT_NO_DAEMON, EXIT_TIMEOUT};
 use meshfs_daemon::config::{Config, ConfigError, Home};
 use meshfs_daemon::control::{self, Request};
 use serde_json::Value;
 use std::collections::HashMap;
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 /// What `meshfs status` was asked.
@@ -17,9 +20,18 @@ pub struct StatusArgs {
     pub wait_synced: bool,
     /// With `wait_synced`: only the connected peers count (the old meaning).
     pub connected: bool,
-    /// Seconds to wait, for the daemon and for sync.
-    pub timeout: f64,
+    /// Seconds to wait, for the daemon and for sync; with `watch`, to watch.
+    pub timeout: Option<f64>,
+    /// Refresh a view every second.
+    pub watch: bool,
+    /// List what waits, path by path.
+    pub pending: bool,
+    /// With `pending`: only this folder.
+    pub folder: Option<meshfs_protocol::FolderId>,
 }
+
+/// How long `--wait-synced` waits by default.
+const WAIT_SYNCED_TIMEOUT: f64 = 60.0;
 
 /// Runs `status`; returns the exit code.
 pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
@@ -27,8 +39,17 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
     if let Err(e @ ConfigError::Missing(_)) = Config::load(home) {
         return Err(e.into());
     }
+    if a.watch {
+        return crate::status_watch::run(home, a.timeout);
+    }
+    if a.pending {
+        return crate::status_pending::run(home, a.folder, a.json);
+    }
+    let timeout = a.timeout.unwrap_or(WAIT_SYNCED_TIMEOUT);
     let start = Instant::now();
-    let deadline = start + Duration::from_secs_f64(a.timeout.max(0.0));
+    let deadline = start + Duration::from_secs_f64(timeout.max(0.0));
+    // On a terminal, a bar shows what is left while it waits; nothing extra on a pipe.
+    let bar = (a.wait_synced && !a.json && std::io::stdout().is_terminal()).then(WaitBar::new);
     let key = if a.connected {
         "in_sync_with_connected"
     } else {
@@ -41,14 +62,17 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
             // Started a moment ago (`meshfs daemon &`), its socket may not be up yet.
             if a.wait_synced && Instant::now() < deadline {
                 waited_for_daemon = true;
+                if let Some(bar) = &bar {
+                    bar.waiting_for_daemon();
+                }
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
+            drop(bar);
             if waited_for_daemon {
                 eprintln!(
-                    "meshfs: no daemon came up for {} within {} s (start it with `meshfs daemon`)",
+                    "meshfs: no daemon came up for {} within {timeout} s (start it with `meshfs daemon`)",
                     home.config_dir.display(),
-                    a.timeout
                 );
             } else {
                 eprintln!(
@@ -61,7 +85,11 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
         let synced = st.get(key).and_then(Value::as_bool).unwrap_or(false);
         // In sync must hold on three polls in a row, so a change captured a moment ago counts.
         stable = if synced { stable + 1 } else { 0 };
+        if let Some(bar) = &bar {
+            bar.show(&st, synced);
+        }
         if !a.wait_synced || stable >= 3 || Instant::now() >= deadline {
+            drop(bar);
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&st)?);
             } else {
@@ -69,8 +97,7 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
             }
             if a.wait_synced && stable < 3 {
                 eprintln!(
-                    "meshfs: not in sync after {} s: {}",
-                    a.timeout,
+                    "meshfs: not in sync after {timeout} s: {}",
                     not_synced_summary(&st)
                 );
                 return Ok(EXIT_TIMEOUT);
@@ -82,15 +109,101 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
     }
 }
 
-fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+/// The bar `--wait-synced` draws on a terminal: the work left (records to send, records and
+/// files to receive, to hash and to record) against the most there was, and in words what
+/// it waits for. Cleared before the status is printed.
+struct WaitBar {
+    bar: indicatif::ProgressBar,
+    /// The most work seen left: the bar's length.
+    most: std::cell::Cell<u64>,
+}
+
+impl WaitBar {
+    /// Before any work is counted: a spinner and the words.
+    const WAITING: &str = "{spinner} waiting to be in sync: {wide_msg}";
+    /// With work counted: how much of it is done.
+    const COUNTING: &str = "{spinner} waiting to be in sync [{bar:24}] {pos}/{len} {wide_msg}";
+
+    fn style(template: &str) -> indicatif::ProgressStyle {
+        indicatif::ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner())
+            .progress_chars("=> ")
+    }
+
+    fn new() -> WaitBar {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(0),
+            indicatif::ProgressDrawTarget::stdout(),
+        );
+        bar.set_style(Self::style(Self::WAITING));
+        bar.enable_steady_tick(Duration::from_millis(120));
+        WaitBar {
+            bar,
+            most: std::cell::Cell::new(0),
+        }
+    }
+
+    fn waiting_for_daemon(&self) {
+        self.bar.set_message("waiting for the daemon to start");
+    }
+
+    /// Shows where `st` stands; `synced`: it is in sync, and only being confirmed.
+    fn show(&self, st: &Value, synced: bool) {
+        let left = work_left(st);
+        if self.most.get() == 0 && left > 0 {
+            self.bar.set_style(Self::style(Self::COUNTING));
+        }
+        self.most.set(self.most.get().max(left));
+        self.bar.set_length(self.most.get());
+        self.bar.set_position(self.most.get() - left);
+        self.bar.set_message(if synced {
+            "in sync; confirming".to_string()
+        } else {
+            not_synced_summary(st)
+        });
+    }
+}
+
+impl Drop for WaitBar {
+    fn drop(&mut self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// The work a status document shows left, in records and files.
+fn work_left(st: &Value) -> u64 {
+    st["folders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|f| {
+            let to_send: u64 = f["peers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| u(p, "pending_records"))
+                .sum();
+            u(f, "capture_pending")
+                + u(f, "waiting_for_writers")
+                + u(&f["progress"]["scan"], "left")
+                + u(&f["progress"]["receive"], "left")
+                + to_send
+        })
+        .sum()
+}
+
+/// A string field, or "".
+pub fn s<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("")
 }
 
-fn u(v: &Value, k: &str) -> u64 {
+/// A number field, or 0.
+pub fn u(v: &Value, k: &str) -> u64 {
     v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
-fn plural(n: u64, one: &str, many: &str) -> String {
+/// `1 file`, `2 files`.
+pub fn plural(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
@@ -120,7 +233,8 @@ fn peers_by_id(st: &Value) -> HashMap<&str, &Value> {
         .collect()
 }
 
-fn peer_name(p: &Value) -> String {
+/// A peer's name, or its short id.
+pub fn peer_name(p: &Value) -> String {
     match s(p, "name") {
         "" => s(p, "device_id").chars().take(7).collect(),
         n => n.to_string(),
@@ -221,6 +335,31 @@ fn not_synced_summary(st: &Value) -> String {
     }
 }
 
+/// `last error at 10:42: …`, or nothing when there was none.
+fn last_error_line(v: &Value) -> Option<String> {
+    let e = &v["last_error"];
+    let message = e["message"].as_str()?;
+    Some(format!(
+        "last error at {}: {message}",
+        local_time(u(e, "unix"))
+    ))
+}
+
+/// `secret.txt (Permission denied)` for the first of `items`, and how many more there are.
+fn first_of(items: &Value, folder: &str) -> Option<String> {
+    let all = items.as_array()?;
+    let first = all.first()?;
+    let more = match all.len() - 1 {
+        0 => String::new(),
+        n => format!(" and {n} more (`meshfs status {folder} --pending`)"),
+    };
+    Some(format!(
+        "{} ({}){more}",
+        s(first, "path"),
+        s(first, "error")
+    ))
+}
+
 /// The human status.
 pub fn render(st: &Value) -> String {
     use std::fmt::Write as _;
@@ -249,64 +388,10 @@ pub fn render(st: &Value) -> String {
     let _ = writeln!(o, "sync    {sync}");
     let peers = peers_by_id(st);
     for f in &folders {
-        let _ = writeln!(
-            o,
-            "folder  {:<12} {}  {} files, {} dirs, {} bytes, {}",
-            s(f, "id"),
-            s(f, "path"),
-            u(f, "files"),
-            u(f, "dirs"),
-            u(f, "bytes"),
-            plural(u(f, "conflicts"), "conflict", "conflicts"),
-        );
-        let _ = writeln!(o, "          {}", folder_summary(f, started));
-        let m = &f["mount"];
-        if m.is_object() {
-            let _ = writeln!(
-                o,
-                "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
-                s(m, "mountpoint"),
-                s(m, "mode"),
-                if m["passthrough"] == true {
-                    "on"
-                } else {
-                    "off"
-                },
-                u(m, "open_handles")
-            );
-        }
-        for p in f["peers"].as_array().into_iter().flatten() {
-            let name = peers
-                .get(s(p, "device_id"))
-                .map_or_else(|| peer_name(p), |q| peer_name(q));
-            let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
-        }
+        render_folder(&mut o, f, &peers, started);
     }
     for p in st["peers"].as_array().into_iter().flatten() {
-        let state = if p["connected"] == true {
-            let rtt = p["rtt_ms"]
-                .as_f64()
-                .map_or("-".into(), |r| format!("{r:.1} ms"));
-            format!("connected, rtt {rtt}")
-        } else {
-            match p["last_seen_unix"].as_u64() {
-                Some(t) => format!("offline since {}", local_time(t)),
-                None => "never connected".into(),
-            }
-        };
-        let addr = match s(p, "addr") {
-            "" => "(dials us)",
-            a => a,
-        };
-        let _ = writeln!(
-            o,
-            "peer    {} {:<12} {:<22} {state}  sent {} B  received {} B",
-            s(p, "short_id"),
-            s(p, "name"),
-            addr,
-            u(p, "bytes_sent"),
-            u(p, "bytes_received")
-        );
+        render_peer(&mut o, p);
     }
     for r in st["refused_devices"].as_array().into_iter().flatten() {
         let r = r.as_str().unwrap_or("");
@@ -316,4 +401,91 @@ pub fn render(st: &Value) -> String {
         );
     }
     o
+}
+
+/// A folder's lines of the human status.
+fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, started: u64) {
+    use std::fmt::Write as _;
+    let id = s(f, "id");
+    let _ = writeln!(
+        o,
+        "folder  {:<12} {}  {} files, {} dirs, {} bytes, {}",
+        id,
+        s(f, "path"),
+        u(f, "files"),
+        u(f, "dirs"),
+        u(f, "bytes"),
+        plural(u(f, "conflicts"), "conflict", "conflicts"),
+    );
+    let _ = writeln!(o, "          {}", folder_summary(f, started));
+    let m = &f["mount"];
+    if m.is_object() {
+        let _ = writeln!(
+            o,
+            "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
+            s(m, "mountpoint"),
+            s(m, "mode"),
+            if m["passthrough"] == true {
+                "on"
+            } else {
+                "off"
+            },
+            u(m, "open_handles")
+        );
+    }
+    if let Some(first) = first_of(&f["unreadable"], id) {
+        let _ = writeln!(o, "          not replicated, cannot be read: {first}");
+    }
+    if let Some(first) = first_of(&f["skipped"], id) {
+        let _ = writeln!(
+            o,
+            "          remote version skipped, cannot be applied: {first}"
+        );
+    }
+    if let Some(e) = last_error_line(f) {
+        let _ = writeln!(o, "          {e}");
+    }
+    for p in f["peers"].as_array().into_iter().flatten() {
+        let name = peers
+            .get(s(p, "device_id"))
+            .map_or_else(|| peer_name(p), |q| peer_name(q));
+        let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
+    }
+}
+
+/// A peer's lines of the human status.
+fn render_peer(o: &mut String, p: &Value) {
+    use std::fmt::Write as _;
+    let at = p["last_seen_addr"].as_str();
+    let state = if p["connected"] == true {
+        let rtt = p["rtt_ms"]
+            .as_f64()
+            .map_or("-".into(), |r| format!("{r:.1} ms"));
+        match at {
+            Some(a) => format!("connected at {a}, rtt {rtt}"),
+            None => format!("connected, rtt {rtt}"),
+        }
+    } else {
+        match (p["last_seen_unix"].as_u64(), at) {
+            (Some(t), Some(a)) => format!("offline since {}, last at {a}", local_time(t)),
+            (Some(t), None) => format!("offline since {}", local_time(t)),
+            (None, _) => "never connected".into(),
+        }
+    };
+    let addr = match s(p, "addr") {
+        "" => "(dials us)",
+        a => a,
+    };
+    let _ = writeln!(
+        o,
+        "peer    {} {:<12} {:<22} {state}  sent {} B  received {} B",
+        s(p, "short_id"),
+        s(p, "name"),
+        addr,
+        u(p, "bytes_sent"),
+        u(p, "bytes_received")
+    );
+    if let Some(e) = last_error_line(p) {
+        let _ = writeln!(o, "          {e}");
+    }
 }

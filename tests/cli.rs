@@ -395,3 +395,68 @@ fn the_daemon_answers_an_unknown_control_op_with_an_error_and_keeps_serving() {
     assert_eq!(status["folders"][0]["id"], "work", "{status}");
     a.stop();
 }
+
+#[test]
+fn journal_since_takes_ages_yesterday_and_iso_dates_and_refuses_anything_else() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    a.start();
+    write(&a.path("today.txt"), b"made now");
+    ok(&a.home, &["scan", "work"]);
+    a.stop();
+    let paths = |since: &str| -> Vec<String> {
+        a.journal(&["--since", since])
+            .iter()
+            .map(|e| e["path"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // The test's clock and time zone: the dates of yesterday, today and tomorrow here.
+    let date = |secs: u64| {
+        let out = std::process::Command::new("date")
+            .args(["-d", &format!("@{secs}"), "+%Y-%m-%d"])
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let (today, tomorrow) = (date(now), date(now + 86_400));
+    for since in ["10m", "2h", "yesterday", "today", today.as_str(), "0"] {
+        assert!(
+            paths(since).contains(&"today.txt".to_string()),
+            "--since {since}"
+        );
+    }
+    assert!(paths(&tomorrow).is_empty(), "--since {tomorrow}");
+    assert!(paths(&format!("{tomorrow} 00:00")).is_empty());
+    let (code, err) = fails(&a.home, &["journal", "work", "--since", "last tuesday"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("yesterday") && err.contains("2026-11-22"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_running() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    a.start();
+    let out = std::process::Command::new(bin())
+        .arg("--home")
+        .arg(&a.home)
+        .arg("daemon")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already running for") && err.contains("stop it first"),
+        "{err}"
+    );
+    // The first one still answers, on the socket the second did not take over.
+    assert_eq!(a.status()["folders"][0]["id"], "work");
+    a.stop();
+}

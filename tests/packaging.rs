@@ -1,7 +1,7 @@
 //! What the Debian package ships, checked the way a packager would: man pages and completions
 //! from the binary, systemd units that `systemd-analyze verify` accepts, a daemon that tells
 //! systemd when it is ready and stops on SIGTERM, and (where cargo-deb is installed, as
-//! `.ci/run` does) a `.deb` whose contents install and run.
+//! `.ci/run` does) a `.deb` that dpkg installs into a clean directory root, where it runs.
 
 mod common;
 use common::*;
@@ -148,6 +148,38 @@ fn the_daemon_tells_systemd_when_it_is_ready_and_when_it_stops_on_sigterm() {
     assert!(!a.home.join("state/control.sock").exists());
 }
 
+/// Installs `deb` with dpkg into `root`, a directory with only dpkg's own database, and
+/// returns true; without root privileges (dpkg wants them to set owners) it only unpacks the
+/// package there with `dpkg-deb -x` and returns false.
+fn install_into(root: &Path, deb: &Path) -> bool {
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    let is_root = unsafe { libc::geteuid() } == 0;
+    if !is_root {
+        let x = Command::new("dpkg-deb")
+            .arg("-x")
+            .arg(deb)
+            .arg(root)
+            .status()
+            .unwrap();
+        assert!(x.success());
+        return false;
+    }
+    let admin = root.join("var/lib/dpkg");
+    for dir in ["info", "updates"] {
+        std::fs::create_dir_all(admin.join(dir)).unwrap();
+    }
+    std::fs::write(admin.join("status"), "").unwrap();
+    // The clean root has no libc6 or fuse3 package: the dependencies are the host's.
+    let out = Command::new("dpkg")
+        .arg(format!("--root={}", root.display()))
+        .args(["--install", "--force-depends"])
+        .arg(deb)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "dpkg --install: {out:?}");
+    true
+}
+
 #[test]
 fn cargo_deb_builds_a_package_that_installs_and_runs() {
     if !has("cargo-deb", "--version") {
@@ -201,22 +233,43 @@ fn cargo_deb_builds_a_package_that_installs_and_runs() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&depends.stdout).contains("fuse3"));
-    // Installed into a clean directory root (no container needed), it runs.
+    // Installed by dpkg into a clean directory root (no container needed), it runs.
     let t = tmp();
     let root = t.path().join("root");
-    let x = Command::new("dpkg-deb")
-        .arg("-x")
-        .arg(&deb)
-        .arg(&root)
-        .status()
-        .unwrap();
-    assert!(x.success());
+    let installed = install_into(&root, &deb);
     let v = Command::new(root.join("usr/bin/meshfs"))
         .arg("--version")
         .output()
         .unwrap();
     assert!(v.status.success());
     assert!(String::from_utf8_lossy(&v.stdout).starts_with("meshfs "));
+    if installed {
+        let dpkg = |args: &[&str]| {
+            let out = Command::new("dpkg")
+                .arg(format!("--root={}", root.display()))
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "dpkg {args:?}: {out:?}");
+            String::from_utf8_lossy(&out.stdout).to_string()
+        };
+        assert!(dpkg(&["-s", "meshfs"]).contains("Status: install ok installed"));
+        let files = dpkg(&["-L", "meshfs"]);
+        for path in ["/usr/bin/meshfs", "/usr/lib/systemd/user/meshfs.service"] {
+            assert!(files.lines().any(|l| l == path), "{path} in:\n{files}");
+        }
+        // One paragraph, wrapped by cargo-deb, not broken where Cargo.toml's lines end.
+        let description = dpkg(&["-s", "meshfs"]);
+        assert!(
+            description.contains(" between peers, every change journaled,"),
+            "{description}"
+        );
+        // And it uninstalls cleanly.
+        dpkg(&["--remove", "meshfs"]);
+        assert!(!root.join("usr/bin/meshfs").exists());
+        assert!(!root.join("usr/lib/systemd/user/meshfs.service").exists());
+        dpkg(&["--install", "--force-depends", deb.to_str().unwrap()]);
+    }
     // Stripped: a fraction of the size of a binary with debug info.
     let size = std::fs::metadata(root.join("usr/bin/meshfs"))
         .unwrap()

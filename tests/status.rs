@@ -264,3 +264,303 @@ fn an_unreachable_peer_is_logged_once_at_info_and_its_retries_at_debug() {
         .count();
     assert_eq!(at_info, 1, "{log}");
 }
+
+/// Root reads any file whatever its mode (CAP_DAC_OVERRIDE), and the tests run as root: the
+/// daemon runs without the two capabilities that bypass file permissions, so a file of mode
+/// 000 is as unreadable to it as to any user's daemon.
+const WITHOUT_DAC_OVERRIDE: [&str; 3] = [
+    "setpriv",
+    "--bounding-set=-dac_override,-dac_read_search",
+    "--",
+];
+
+#[test]
+fn an_unreadable_file_is_shown_with_its_error_and_the_rest_of_the_folder_keeps_syncing() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("readable.txt"), b"for b");
+    write(&a.path("secret.txt"), b"nobody may read this");
+    let mode = |m| std::fs::Permissions::from_mode(m);
+    std::fs::set_permissions(a.path("secret.txt"), mode(0o000)).unwrap();
+    a.under = WITHOUT_DAC_OVERRIDE.iter().map(|s| s.to_string()).collect();
+    Device::start_together(&mut [&mut a, &mut b]);
+    let (code, out, err) = run(&a.home, &["status", "--wait-synced", "--timeout", "30"]);
+    assert_eq!(code, 0, "the unreadable file is not waited for: {out}{err}");
+    assert_eq!(std::fs::read(b.path("readable.txt")).unwrap(), b"for b");
+    assert!(!b.path("secret.txt").exists());
+    let st = a.status();
+    let f = &st["folders"][0];
+    assert_eq!(f["unreadable"][0]["path"], "secret.txt", "{st}");
+    let error = f["unreadable"][0]["error"].as_str().unwrap();
+    assert!(error.contains("Permission denied"), "{error}");
+    let last = f["last_error"]["message"].as_str().unwrap();
+    assert!(
+        last.contains("cannot read secret.txt") && last.contains("Permission denied"),
+        "{last}"
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(now.abs_diff(f["last_error"]["unix"].as_u64().unwrap()) < 60);
+    assert!(
+        out.contains("not replicated, cannot be read: secret.txt (Permission denied"),
+        "{out}"
+    );
+    assert!(out.contains("last error at "), "{out}");
+    assert!(a.log().contains("cannot read a file"), "{}", a.log());
+    let (code, out, _) = run(&a.home, &["status", "work", "--pending"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains(
+            "files not replicated, they cannot be read (1):\n    secret.txt  Permission denied"
+        ),
+        "{out}"
+    );
+
+    // Readable again: it is captured, sent, and no longer listed.
+    std::fs::set_permissions(a.path("secret.txt"), mode(0o644)).unwrap();
+    wait_synced(&[&a, &b], 30);
+    assert_eq!(
+        std::fs::read(b.path("secret.txt")).unwrap(),
+        b"nobody may read this"
+    );
+    assert_eq!(
+        a.status()["folders"][0]["unreadable"],
+        serde_json::json!([])
+    );
+}
+
+#[test]
+fn a_peer_that_refuses_this_device_is_shown_with_the_error_and_the_address_it_was_last_seen_at() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    // a trusts b, b does not know a.
+    ok(
+        &a.home,
+        &[
+            "peer", "add", &b.id, "--addr", &b.addr, "--name", "b", "--share", "work",
+        ],
+    );
+    b.start();
+    a.start();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = loop {
+        let st = a.status();
+        if st["peers"][0]["last_error"].is_object() || Instant::now() > deadline {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let e = &st["peers"][0]["last_error"];
+    let message = e["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("refused our certificate") && message.contains(&a.id),
+        "{st}"
+    );
+    assert!(e["unix"].as_u64().is_some(), "{st}");
+    assert_eq!(st["peers"][0]["last_seen_addr"], serde_json::Value::Null);
+    let (_, out, _) = run(&a.home, &["status"]);
+    assert!(out.contains("last error at "), "{out}");
+    assert!(out.contains("refused our certificate"), "{out}");
+    assert!(b.status()["refused_devices"][0] == a.id.as_str());
+
+    // Once b trusts a they connect, and a says where b is.
+    ok(
+        &b.home,
+        &[
+            "peer", "add", &a.id, "--addr", &a.addr, "--name", "a", "--share", "work",
+        ],
+    );
+    wait_synced(&[&a, &b], 30);
+    let st = a.status();
+    assert_eq!(st["peers"][0]["last_seen_addr"], b.addr.as_str(), "{st}");
+    let (_, out, _) = run(&a.home, &["status"]);
+    assert!(out.contains(&format!("connected at {}", b.addr)), "{out}");
+    b.stop();
+    let (_, out, _) = run(&a.home, &["status"]);
+    assert!(out.contains(&format!("last at {}", b.addr)), "{out}");
+}
+
+#[test]
+fn pending_lists_the_records_a_peer_has_not_acknowledged_and_the_changes_being_recorded() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("one.txt"), b"1");
+    write(&a.path("dir/two.txt"), b"2");
+    a.start();
+    // b never came: everything a has is unacknowledged by it.
+    let (code, out, err) = run(&a.home, &["status", "work", "--pending"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(
+            "not yet acknowledged by b (not connected; acknowledged up to sequence 0) (3):"
+        ),
+        "{out}"
+    );
+    for path in ["    dir\n", "    dir/two.txt\n", "    one.txt\n"] {
+        assert!(out.contains(path), "{path}: {out}");
+    }
+    let doc: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["status", "work", "--pending", "--json"])).unwrap();
+    let f = &doc["folders"][0];
+    assert_eq!(f["id"], "work");
+    let unacked = &f["unacknowledged"][0];
+    assert_eq!(unacked["device_id"], b.id.as_str());
+    assert_eq!(unacked["connected"], false);
+    assert_eq!(
+        (unacked["acked"].as_u64(), unacked["count"].as_u64()),
+        (Some(0), Some(3))
+    );
+    assert_eq!(f["skipped"], serde_json::json!({"count": 0, "items": []}));
+
+    // A file being written goes on waiting in capture until its writer is done.
+    let writing = a.path("growing.log");
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        let mut f = std::fs::File::create(writing).unwrap();
+        for _ in 0..40 {
+            f.write_all(b"line\n").unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut seen = String::new();
+    while Instant::now() < deadline && !seen.contains("growing.log") {
+        std::thread::sleep(Duration::from_millis(100));
+        seen = ok(&a.home, &["status", "work", "--pending"]);
+    }
+    writer.join().unwrap();
+    assert!(
+        seen.contains("local changes being recorded (1):")
+            && seen.contains("growing.log  (written; waits for its writer to close it)"),
+        "{seen}"
+    );
+
+    // b comes and catches up: nothing waits.
+    b.start();
+    wait_synced(&[&a, &b], 30);
+    let (_, out, _) = run(&a.home, &["status", "--pending"]);
+    assert_eq!(out, "folder work: nothing waits\n");
+    // Without a daemon it says so; an unknown folder is named.
+    a.stop();
+    let (code, _, err) = run(&a.home, &["status", "work", "--pending"]);
+    assert_eq!(code, 3, "{err}");
+    let (code, _, err) = run(&a.home, &["status", "nope", "--pending"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("no folder \"nope\""), "{err}");
+    let (code, _, err) = run(&a.home, &["status", "work"]);
+    assert_eq!(code, 2, "a folder id goes with --pending: {err}");
+}
+
+/// `status --watch` on a pipe: one plain line per second, no terminal codes.
+#[test]
+fn watch_on_a_pipe_prints_one_plain_line_per_second_until_the_timeout() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let b = Device::new(&t, "b");
+    pair(&a, &b);
+    a.start();
+    let started = Instant::now();
+    let (code, out, err) = run(&a.home, &["status", "--watch", "--timeout", "2.5"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(started.elapsed() >= Duration::from_millis(2500));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    for l in &lines {
+        assert!(!l.contains('\x1b') && !l.contains('\r'), "{l:?}");
+        assert!(
+            l.contains("folder work: not in sync (up to date with 0 of 1 peer; b never connected")
+                && l.contains("| peer b never connected"),
+            "{l}"
+        );
+    }
+    // Not with --json or --wait-synced; and it needs a daemon like status does.
+    for args in [
+        &["status", "--watch", "--json"][..],
+        &["status", "--watch", "--wait-synced"],
+    ] {
+        assert_eq!(run(&a.home, args).0, 2, "{args:?}");
+    }
+    a.stop();
+    let (code, _, err) = run(&a.home, &["status", "--watch"]);
+    assert_eq!(code, 3);
+    assert!(err.contains("no daemon is running"), "{err}");
+}
+
+/// Runs `args` of meshfs under a pseudo-terminal (util-linux `script`); returns what the
+/// terminal received and the exit code.
+fn on_a_terminal(home: &std::path::Path, args: &str) -> (i32, String) {
+    let t = tmp();
+    let typescript = t.path().join("typescript");
+    let out = Command::new("script")
+        .args(["--quiet", "--flush", "--return", "--command"])
+        // A pseudo-terminal starts without a size; a real one has one.
+        .arg(format!(
+            "stty cols 160 rows 50 && exec {} --home {} {args}",
+            bin(),
+            home.display()
+        ))
+        .arg(&typescript)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = std::fs::read_to_string(&typescript).unwrap_or_default();
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[test]
+fn watch_and_the_wait_synced_bar_draw_on_a_terminal_and_finish() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    a.start();
+    // The view is redrawn in place, once a second, until the timeout.
+    let (code, tty) = on_a_terminal(&a.home, "status --watch --timeout 2.5");
+    assert_eq!(code, 0, "{tty}");
+    assert_eq!(tty.matches("\x1b[H").count(), 3, "{tty:?}");
+    assert!(tty.contains("meshfs status --watch   a "), "{tty}");
+    assert!(tty.contains("peer    b never connected"), "{tty}");
+
+    // b never comes: the bar says what it waits for, then is cleared for the status.
+    let (code, tty) = on_a_terminal(&a.home, "status --wait-synced --timeout 1.5");
+    assert_eq!(code, 4, "{tty}");
+    assert!(
+        tty.contains(
+            "waiting to be in sync: folder work: up to date with 0 of 1 peer; b never connected"
+        ),
+        "{tty:?}"
+    );
+    assert!(tty.contains("\x1b[2K"), "the bar is cleared: {tty:?}");
+    assert!(tty.contains("sync    not in sync"), "{tty}");
+    // b comes with work to do: the bar counts it and finishes with exit 0.
+    write(&a.path("f.bin"), &noise(4 << 20, 3));
+    b.start();
+    let (code, tty) = on_a_terminal(&a.home, "status --wait-synced --timeout 30");
+    assert_eq!(code, 0, "{tty}");
+    assert!(tty.contains("sync    in sync"), "{tty}");
+
+    // On a pipe the same command prints the status and nothing else.
+    let (code, out, _) = run(&a.home, &["status", "--wait-synced", "--timeout", "30"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("device  a "), "{out:?}");
+    assert!(
+        !out.contains('\r') && !out.contains('\x1b') && !out.contains("waiting"),
+        "{out:?}"
+    );
+    let (_, json, _) = run(
+        &a.home,
+        &["status", "--wait-synced", "--json", "--timeout", "30"],
+    );
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&json).is_ok(),
+        "{json}"
+    );
+}

@@ -161,6 +161,19 @@ impl Coalescer {
         self.waiting.len()
     }
 
+    /// Up to `limit` of the waiting paths, sorted, each with whether it was written and waits
+    /// for its close; and whether a rescan of the whole folder waits.
+    pub fn waiting(&self, limit: usize) -> (Vec<(RelPath, bool)>, bool) {
+        let mut some: Vec<(RelPath, bool)> = self
+            .waiting
+            .iter()
+            .take(limit)
+            .map(|(p, (_, open))| (p.clone(), *open))
+            .collect();
+        some.sort();
+        (some, self.rescan)
+    }
+
     /// Takes what is ready: `(rescan, paths)`; and when the next path becomes ready.
     pub fn take_ready(
         &mut self,

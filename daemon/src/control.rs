@@ -9,6 +9,7 @@
 use crate::config::Home;
 use crate::engine::Engine;
 use crate::mounts::MountStatus;
+use crate::pending::PendingFolder;
 use crate::status::Status;
 use meshfs_protocol::FolderId;
 use serde::{Deserialize, Serialize, Serializer};
@@ -46,14 +47,21 @@ pub enum Request {
         /// The folder.
         folder: FolderId,
     },
+    /// What waits in a folder (every folder when none is named), path by path.
+    Pending {
+        /// The folder, or none for all.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        folder: Option<FolderId>,
+    },
     /// Stop the daemon.
     Stop,
 }
 
 impl Request {
     /// Every `op` a daemon of this version answers.
-    pub const OPS: &'static [&'static str] =
-        &["status", "reload", "scan", "mount", "unmount", "stop"];
+    pub const OPS: &'static [&'static str] = &[
+        "status", "reload", "scan", "mount", "unmount", "pending", "stop",
+    ];
 
     /// Reads one request line; the error says what is wrong with it.
     pub fn parse(line: &str) -> Result<Request, RequestError> {
@@ -109,6 +117,8 @@ pub enum Reply {
     Mounted(MountStatus),
     /// To `unmount`: `{"ok": true, "mountpoint": "…"}`, where it was mounted.
     Unmounted(PathBuf),
+    /// To `pending`: `{"ok": true, "folders": […]}`.
+    Pending(Vec<PendingFolder>),
     /// `{"ok": false, "error": "…"}`.
     Failed(String),
 }
@@ -133,6 +143,7 @@ impl Serialize for Reply {
             Reply::Scanned(changes) => m.serialize_entry("changes", changes)?,
             Reply::Mounted(mount) => m.serialize_entry("mount", mount)?,
             Reply::Unmounted(point) => m.serialize_entry("mountpoint", point)?,
+            Reply::Pending(folders) => m.serialize_entry("folders", folders)?,
             Reply::Failed(error) => m.serialize_entry("error", error)?,
         }
         m.end()
@@ -143,7 +154,7 @@ impl Serialize for Reply {
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     /// Another daemon answers on this home's socket.
-    #[error("a meshfs daemon is already running for {home} (control socket {socket})")]
+    #[error("a meshfs daemon is already running for {home} (control socket {socket}): stop it first (`systemctl --user stop meshfs`, or SIGTERM), or give this one another --home")]
     AlreadyRunning {
         /// The config directory.
         home: PathBuf,
@@ -297,6 +308,13 @@ async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) 
             })
             .await
         }
+        Request::Pending { folder } => {
+            blocking(engine, move |e| match e.pending(folder.as_ref()) {
+                Ok(folders) => Reply::Pending(folders),
+                Err(e) => Reply::failed(e),
+            })
+            .await
+        }
         Request::Stop => {
             stop.notify_one();
             Reply::Done
@@ -433,6 +451,12 @@ mod tests {
                 json!({"op": "unmount", "folder": "work"}),
                 Request::Unmount { folder: work() },
             ),
+            (
+                json!({"op": "pending", "folder": "work"}),
+                Request::Pending {
+                    folder: Some(work()),
+                },
+            ),
         ]
     }
 
@@ -447,6 +471,16 @@ mod tests {
         sent.sort();
         known.sort();
         assert_eq!(sent, known, "Request::OPS lists every op");
+    }
+
+    #[test]
+    fn a_pending_request_without_a_folder_asks_for_every_folder() {
+        let req = Request::parse(r#"{"op":"pending"}"#).unwrap();
+        assert_eq!(req, Request::Pending { folder: None });
+        assert_eq!(
+            serde_json::to_value(&req).unwrap(),
+            json!({"op": "pending"})
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@ use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
 use crate::journal::{FolderCounts, Journal};
 use crate::peers::{self, Net, Peers};
+use crate::progress::{Progress, Work};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
 use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
@@ -249,7 +250,10 @@ impl Engine {
                         engine.changes_notify(&folder);
                     }
                     Err(e) => {
-                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; the peer's next change of it brings it again")
+                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; the peer's next change of it brings it again");
+                        if let Some(rt) = engine.folder(&folder) {
+                            rt.last_error.set(format_args!("applying the remote version of {path} that waited for the mount's writer failed: {e}"));
+                        }
                     }
                 }
             });
@@ -316,6 +320,7 @@ impl Engine {
             op_lock: Mutex::new(()),
             capture: tx.clone(),
             capture_pending: Default::default(),
+            capture_waiting: Default::default(),
             scanning: Default::default(),
             scan_is_long: Default::default(),
             // Inert until the folder is mounted; then it forwards to the mount.
@@ -326,6 +331,10 @@ impl Engine {
             deferred: Mutex::new(HashMap::new()),
             blocked: Mutex::new(None),
             skipped: Mutex::new(Default::default()),
+            unreadable: Default::default(),
+            last_error: Default::default(),
+            first_scan: Arc::new(Progress::new(id.clone(), Work::FirstScan)),
+            receiving: Arc::new(Progress::new(id.clone(), Work::Receiving)),
             echoes: Default::default(),
             watcher: Mutex::new(None),
         });
@@ -372,6 +381,7 @@ impl Engine {
                     }
                     Err(e) => {
                         tracing::error!(folder = %rt.id, error = %e, "first scan failed; retrying with a rescan");
+                        rt.last_error.set(format_args!("first scan failed: {e}"));
                         let _ = rt.capture.send(CaptureMsg::Rescan);
                     }
                 }
@@ -479,10 +489,58 @@ impl Engine {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.net.endpoint.wait_idle()).await;
     }
 
+    /// What waits in `folder` (every running folder when `None`), path by path: the
+    /// `status --pending` document.
+    pub fn pending(
+        &self,
+        folder: Option<&FolderId>,
+    ) -> Result<Vec<crate::pending::PendingFolder>, FolderError> {
+        let config = self.config();
+        let folders = match folder {
+            Some(id) => vec![self.folders.running(id)?],
+            None => {
+                let mut all = self.folders.all();
+                all.sort_by(|a, b| a.id.cmp(&b.id));
+                all
+            }
+        };
+        let connected: Vec<DeviceId> = self.net.links().into_iter().map(|(d, _)| d).collect();
+        folders
+            .iter()
+            .map(|rt| {
+                let sharing: Vec<_> = config
+                    .peers
+                    .iter()
+                    .filter(|p| p.folders.contains(&rt.id))
+                    .cloned()
+                    .collect();
+                crate::pending::of_folder(&self.folders, rt, &sharing, &connected)
+            })
+            .collect()
+    }
+
     /// Updates the per-peer traffic counters from the current links.
     fn observe_traffic(&self) {
         if let (Ok(peers), Ok(mut t)) = (self.net.peers.lock(), self.traffic.lock()) {
             t.observe(&peers);
+        }
+    }
+
+    /// Ticks each folder's progress with what its peers sent (see [`crate::progress`]).
+    fn tick_progress(&self) {
+        let config = self.config();
+        let Ok(traffic) = self.traffic.lock() else {
+            return;
+        };
+        for rt in self.folders.all() {
+            let wire = config
+                .peers
+                .iter()
+                .filter(|p| p.folders.contains(&rt.id))
+                .map(|p| traffic.peer(&p.id).1)
+                .sum();
+            rt.receiving.tick(wire);
+            rt.first_scan.tick(0);
         }
     }
 
@@ -524,6 +582,12 @@ impl Engine {
                     blocked: rt.blocked(),
                 },
                 skipped: rt.skipped(),
+                unreadable: rt.unreadable(),
+                last_error: rt.last_error.get(),
+                progress: crate::status::FolderProgress {
+                    scan: rt.first_scan.counts(),
+                    receive: rt.receiving.counts(),
+                },
                 mount: rt.mount.lock().ok().and_then(|m| {
                     m.as_ref()
                         .map(|m| crate::mounts::MountStatus::from(m.info()))
@@ -549,6 +613,10 @@ impl Engine {
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map(|d| d.as_secs()),
                 bytes: traffic.as_ref().map_or((0, 0), |t| t.peer(&p.id)),
+                last_seen_addr: traffic.as_ref().and_then(|t| t.addr(&p.id)),
+                last_error: peers
+                    .as_ref()
+                    .and_then(|x| x.last_error.get(&p.id).cloned()),
             })
             .collect();
         let sync = peers.as_ref().map(|p| p.sync.clone()).unwrap_or_default();
@@ -573,15 +641,21 @@ impl Engine {
 }
 
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
-/// connection (the sessions wake `peer_changed` when a link is registered or ends).
+/// connection (the sessions wake `peer_changed` when a link is registered or ends), and ticks
+/// the folders' progress about once a second.
 async fn traffic_loop(engine: Arc<Engine>) {
     let mut stopping = engine.net.stopping.subscribe();
+    let mut last_tick = Instant::now();
     loop {
         let changed = engine.net.peer_changed.notified();
         tokio::pin!(changed);
         // Registered before looking, so a link that comes meanwhile wakes the next round.
         changed.as_mut().enable();
         engine.observe_traffic();
+        if last_tick.elapsed() >= Duration::from_secs(1) {
+            last_tick = Instant::now();
+            engine.tick_progress();
+        }
         tokio::select! {
             _ = changed => {}
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -655,7 +729,7 @@ async fn capture_loop(
                         m => c.add(m, now),
                     }
                 }
-                rt.capture_pending.store(c.len().max(1), std::sync::atomic::Ordering::Relaxed);
+                publish_capture(&rt, &c, 1);
                 // A file whose last writer let go through the mount is captured at once:
                 // the quiet time only guesses when a burst of inotify events is over.
                 let due = if final_now { now } else { now + quiet };
@@ -698,6 +772,7 @@ async fn capture_loop(
                                 }
                             } else {
                                 tracing::warn!(folder = %rt.id, error = %e, "scan failed; rescanning the folder shortly");
+                                rt.last_error.set(format_args!("scan failed: {e}"));
                             }
                             let retry = Instant::now() + RESCAN_AFTER_FAILURE;
                             scan_failing = Some(retry);
@@ -715,10 +790,20 @@ async fn capture_loop(
                         released = true;
                     }
                 }
-                rt.capture_pending.store(c.len(), std::sync::atomic::Ordering::Relaxed);
+                publish_capture(&rt, &c, 0);
             }
             _ = stopping.changed() => return,
         }
+    }
+}
+
+/// Tells status how many paths wait in the capture loop (at least `at_least`: events were
+/// just read), and `status --pending` the first of them.
+fn publish_capture(rt: &FolderRt, c: &Coalescer, at_least: usize) {
+    rt.capture_pending
+        .store(c.len().max(at_least), std::sync::atomic::Ordering::Relaxed);
+    if let Ok(mut w) = rt.capture_waiting.lock() {
+        *w = c.waiting(crate::pending::LISTED);
     }
 }
 

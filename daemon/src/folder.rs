@@ -10,8 +10,10 @@
 use crate::capture::CaptureMsg;
 use crate::ignore::IgnoreRules;
 use crate::journal::{Change, Journal, JournalError};
+use crate::last_error::LastErrorSlot;
+use crate::progress::Progress;
 use crate::scanner::{self, ScanError, ScanTarget};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use meshfs_protocol::{DeviceId, FileRecord, FolderId, RelPath, ShortId};
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -69,6 +71,9 @@ pub struct FolderRt {
     pub capture: mpsc::UnboundedSender<CaptureMsg>,
     /// Paths waiting in the capture loop.
     pub capture_pending: std::sync::atomic::AtomicUsize,
+    /// Some of them (sorted, each with whether it waits for its writer's close), and whether
+    /// a rescan waits: what `status --pending` lists.
+    pub(crate) capture_waiting: Mutex<(Vec<(RelPath, bool)>, bool)>,
     /// The folder's first scan is still running (the folder is not in sync meanwhile).
     pub scanning: std::sync::atomic::AtomicBool,
     /// Notified when the first scan has walked the tree and found more than a slice of files
@@ -90,6 +95,15 @@ pub struct FolderRt {
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
     /// rest of the folder keeps syncing, until a later version of the path applies.
     pub(crate) skipped: Mutex<std::collections::BTreeMap<RelPath, String>>,
+    /// Files of the folder that exist but cannot be read, by path, with the error: not
+    /// replicated until a later scan reads them.
+    pub(crate) unreadable: Mutex<std::collections::BTreeMap<RelPath, String>>,
+    /// The folder's last error and its time (`status`).
+    pub last_error: LastErrorSlot,
+    /// How far its first scan got hashing.
+    pub first_scan: Arc<Progress>,
+    /// Remote changes received and applied, and those waiting.
+    pub receiving: Arc<Progress>,
     /// What apply just did to paths, so the watcher's events for it are not rescanned.
     pub echoes: crate::capture::Echoes,
     pub(crate) watcher: Mutex<Option<notify::RecommendedWatcher>>,
@@ -106,6 +120,7 @@ impl FolderRt {
     /// Receiving stopped for `reason` (the disk is full). Returns whether it was not already
     /// stopped, so the caller tells the user once, not per batch.
     pub fn block(&self, reason: String) -> bool {
+        self.last_error.set(&reason);
         self.blocked
             .lock()
             .map(|mut b| b.replace(reason).is_none())
@@ -128,6 +143,9 @@ impl FolderRt {
     /// Records that a remote version of `path` cannot be applied. Returns whether this is new
     /// (so the log says it once).
     pub fn skip(&self, path: RelPath, error: String) -> bool {
+        self.last_error.set(format_args!(
+            "cannot apply the remote version of {path}: {error}"
+        ));
         self.skipped
             .lock()
             .map(|mut s| s.insert(path, error).is_none())
@@ -149,6 +167,70 @@ impl FolderRt {
             .lock()
             .map(|s| s.iter().map(|(p, e)| (p.clone(), e.clone())).collect())
             .unwrap_or_default()
+    }
+
+    /// The files that exist but cannot be read: (path, error).
+    pub fn unreadable(&self) -> Vec<(RelPath, String)> {
+        self.unreadable
+            .lock()
+            .map(|u| u.iter().map(|(p, e)| (p.clone(), e.clone())).collect())
+            .unwrap_or_default()
+    }
+
+    /// After a scan of `scopes` (empty: the whole folder) that could not read `unread`: the
+    /// files among them that are still there but unreadable are listed (and logged, once
+    /// each); the scopes' other files are no longer.
+    fn note_unread(&self, scopes: &[RelPath], unread: Vec<RelPath>) {
+        let found: Vec<(RelPath, String)> = unread
+            .into_iter()
+            .filter_map(|p| match self.store.open_file(&p) {
+                // Vanished while it was hashed: nothing to read any more.
+                Err(StoreError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    None
+                }
+                Err(StoreError::Io { source, .. }) => Some((p, source.to_string())),
+                Err(e) => Some((p, e.to_string())),
+                // Readable again already: its next event or scan picks it up.
+                Ok(_) => None,
+            })
+            .collect();
+        let Ok(mut listed) = self.unreadable.lock() else {
+            return;
+        };
+        if scopes.is_empty() {
+            listed.clear();
+        } else if !listed.is_empty() {
+            listed.retain(|p, _| !scopes.iter().any(|s| p.is_within(s)));
+        }
+        for (path, error) in found {
+            if listed.insert(path.clone(), error.clone()).is_none() {
+                tracing::warn!(folder = %self.id, %path, %error, "cannot read a file; it is not replicated until it can be read (see status)");
+                self.last_error.set(format_args!(
+                    "cannot read {path}: {error}; not replicated until it can be read"
+                ));
+            }
+        }
+    }
+
+    /// The capture loop's waiting paths, as it last published them.
+    pub fn capture_waiting(&self) -> (Vec<(RelPath, bool)>, bool) {
+        self.capture_waiting
+            .lock()
+            .map(|w| w.clone())
+            .unwrap_or_default()
+    }
+
+    /// The remote versions waiting for a writer: (path, the peer it came from), by path.
+    pub fn deferred_paths(&self) -> Vec<(RelPath, DeviceId)> {
+        let mut out: Vec<(RelPath, DeviceId)> = self
+            .deferred
+            .lock()
+            .map(|d| d.iter().map(|(p, (_, peer))| (p.clone(), *peer)).collect())
+            .unwrap_or_default();
+        out.sort();
+        out
     }
 
     /// Remote versions waiting for a writer to let go.
@@ -313,7 +395,7 @@ impl Folders {
         };
         let t0 = Instant::now();
         let mut streamed = 0;
-        let report = {
+        let mut report = {
             let mut j = self.journal()?;
             // Only a whole-folder scan asks (a capture of a few paths is the hot path).
             let fresh = paths.is_empty() && j.folder(folder)?.max_sequence == 0;
@@ -327,6 +409,11 @@ impl Folders {
                     if to_hash >= scanner::FIRST_SCAN_SLICE {
                         rt.scan_is_long.notify_one();
                     }
+                    let (files, bytes) = changes
+                        .iter()
+                        .filter(|c| c.record.kind == meshfs_protocol::FileKind::File)
+                        .fold((0, 0), |(n, b), c| (n + 1, b + c.record.size));
+                    rt.first_scan.hashed(files, bytes, to_hash as u64);
                     if changes.is_empty() {
                         return Ok(());
                     }
@@ -338,12 +425,15 @@ impl Folders {
                     self.changes_notify(folder);
                     Ok(())
                 };
-                scanner::scan_new(&target, &mut emit)?
+                let report = scanner::scan_new(&target, &mut emit);
+                rt.first_scan.hashed(0, 0, 0);
+                report?
             } else {
                 scanner::scan(&target, &j, paths)?
             }
         };
         let scanned = t0.elapsed();
+        rt.note_unread(paths, std::mem::take(&mut report.unread));
         let n = report.changes.len() + streamed;
         let mut j = self.journal()?;
         if !report.restat.is_empty() {

@@ -13,6 +13,7 @@ use crate::chunks::{self, SERVED_AT_ONCE};
 use crate::config::{Config, Options};
 use crate::folder::Folders;
 use crate::journal::Journal;
+use crate::last_error::LastError;
 use crate::transport::{self, LinkStats};
 use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message};
 use meshfs_sync::reconcile::ReadError;
@@ -76,6 +77,13 @@ impl Net {
             .collect()
     }
 
+    /// `error` happened with `peer` now (`status` shows the last one).
+    pub fn peer_error(&self, peer: DeviceId, error: impl std::fmt::Display) {
+        if let Ok(mut p) = self.peers.lock() {
+            p.last_error.insert(peer, LastError::now(error));
+        }
+    }
+
     /// The connection to each connected peer.
     pub fn links(&self) -> Vec<(DeviceId, quinn::Connection)> {
         self.peers
@@ -117,6 +125,9 @@ pub struct Peers {
     pub closed_received: u64,
     /// When each peer was last connected.
     pub last_seen: HashMap<DeviceId, std::time::SystemTime>,
+    /// Each peer's last error: a failed dial, an error it reported, a failed apply of its
+    /// changes.
+    pub last_error: HashMap<DeviceId, LastError>,
     /// Peers whose connection was logged and not yet its end (one line each way per peer,
     /// however many connections a crossed dial opened).
     announced: HashSet<DeviceId>,
@@ -292,6 +303,7 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, addr: String, stop: Arc<No
                     tracing::debug!(peer = %peer.short(), %addr, reason = %e, "crossed dial")
                 }
                 Err(e) => {
+                    net.peer_error(peer, &e);
                     if !retrying {
                         tracing::info!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
                     } else {
@@ -299,7 +311,10 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, addr: String, stop: Arc<No
                     }
                 }
             },
-            None => tracing::warn!(peer = %peer.short(), %addr, "cannot resolve peer address"),
+            None => {
+                tracing::warn!(peer = %peer.short(), %addr, "cannot resolve peer address");
+                net.peer_error(peer, format_args!("cannot resolve the address {addr}"));
+            }
         }
         retrying = true;
         tokio::select! {
@@ -569,6 +584,9 @@ fn on_event(
         LinkEvent::Message(m) => {
             if let Message::Error { code, message } = &m {
                 tracing::warn!(peer = %peer.short(), ?code, %message, "peer reported an error");
+                if *code != ErrorCode::Shutdown {
+                    net.peer_error(peer, format_args!("the peer reported {code:?}: {message}"));
+                }
             }
             let mut j = net
                 .folders
@@ -585,6 +603,11 @@ fn on_event(
             Ok(session.applied(&folder, up_to))
         }
         LinkEvent::ApplyFailed(folder, e) => {
+            let what = format!("applying its changes to folder {folder} failed: {e}");
+            net.peer_error(peer, &what);
+            if let Some(rt) = net.folders.get(&folder) {
+                rt.last_error.set(what);
+            }
             if !e.is_disk_full() {
                 tracing::error!(peer = %peer.short(), %folder, error = %e, "applying remote changes failed; will retry after reconnecting");
             }
@@ -655,9 +678,18 @@ async fn receive(
     } = batch;
     tracing::debug!(%folder, records = records.len(), inline = inline.len(), up_to, "index batch received");
     let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
+    let queued = net
+        .folders
+        .get(&folder)
+        .map(|rt| rt.receiving.queue(&records));
     let result = apply::receive(&net.folders, &folder, peer, &conn, records, inline, turn).await;
     let ev = match result {
-        Ok(()) => LinkEvent::Applied(folder, up_to),
+        Ok(()) => {
+            if let Some(q) = queued {
+                q.applied();
+            }
+            LinkEvent::Applied(folder, up_to)
+        }
         Err(e) => {
             if let (true, Some(rt)) = (e.is_disk_full(), net.folders.get(&folder)) {
                 // The failed batch's temp files are gone and no user file was touched. Say it

@@ -34,6 +34,8 @@ pub struct ScanReport {
     pub hashed_bytes: u64,
     /// Paths whose stat changed but content did not (journal stat refreshed, no version).
     pub restat: Vec<(RelPath, LocalStat)>,
+    /// Files that could not be read (unreadable, or vanished while hashing): no version.
+    pub unread: Vec<RelPath>,
 }
 
 /// What a scan needs to know about a folder.
@@ -698,7 +700,10 @@ fn add_hashed(
     report: &mut ScanReport,
 ) {
     for (job, content) in hashed {
-        let Some(content) = content else { continue };
+        let Some(content) = content else {
+            report.unread.push(job.path);
+            continue;
+        };
         report.hashed_files += 1;
         report.hashed_bytes += content.size;
         let live_prev = job.prev.as_ref().filter(|k| !k.s.deleted);

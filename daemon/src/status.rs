@@ -9,11 +9,14 @@
 
 use crate::config::PeerConfig;
 use crate::journal::FolderCounts;
+use crate::last_error::LastError;
 use crate::mounts::MountStatus;
+use crate::progress::Counts;
 use meshfs_protocol::{DeviceId, FolderId, RelPath};
 use meshfs_sync::session::FolderSyncStatus;
 use serde::Serialize;
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -66,8 +69,25 @@ pub struct FolderSnapshot {
     pub local: LocalWork,
     /// Remote versions that could not be applied: (path, error).
     pub skipped: Vec<(RelPath, String)>,
+    /// Files that exist but cannot be read: (path, error).
+    pub unreadable: Vec<(RelPath, String)>,
+    /// Its last error.
+    pub last_error: Option<LastError>,
+    /// How far its long work got.
+    pub progress: FolderProgress,
     /// Its mount, if it has one.
     pub mount: Option<MountStatus>,
+}
+
+/// A folder's `progress`: the counts of its long work, from which the CLI makes rates and
+/// ETAs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FolderProgress {
+    /// The first scan: files hashed, and files left to hash (zero once it is over).
+    pub scan: Counts,
+    /// Remote changes: records applied since the daemon started, and those received and
+    /// waiting to be applied.
+    pub receive: Counts,
 }
 
 /// One configured peer.
@@ -81,6 +101,10 @@ pub struct PeerSnapshot {
     pub last_seen_unix: Option<u64>,
     /// Bytes (sent, received) with it since the daemon started.
     pub bytes: (u64, u64),
+    /// The address it was last seen at (its connection's).
+    pub last_seen_addr: Option<SocketAddr>,
+    /// Its last error.
+    pub last_error: Option<LastError>,
 }
 
 /// What a folder still has to do on this device before it can be in sync.
@@ -216,6 +240,12 @@ pub struct FolderStatus {
     pub waiting_for_writers: usize,
     /// Remote versions that could not be applied.
     pub skipped: Vec<SkippedStatus>,
+    /// Files that exist but cannot be read (not replicated until they can be).
+    pub unreadable: Vec<SkippedStatus>,
+    /// Its last error and when, or null.
+    pub last_error: Option<LastError>,
+    /// How far its long work got.
+    pub progress: FolderProgress,
     /// Why receiving is stopped, or null.
     pub blocked: Option<String>,
     /// The mount, or null.
@@ -230,13 +260,25 @@ pub struct FolderStatus {
     pub peers: Vec<FolderPeerStatus>,
 }
 
-/// One element of a folder's `skipped`.
+/// One element of a folder's `skipped` or `unreadable`.
 #[derive(Clone, Debug, Serialize)]
 pub struct SkippedStatus {
     /// The path.
     pub path: String,
-    /// Why its remote version could not be applied.
+    /// Why its remote version could not be applied, or why it cannot be read.
     pub error: String,
+}
+
+impl SkippedStatus {
+    fn list(items: Vec<(RelPath, String)>) -> Vec<SkippedStatus> {
+        items
+            .into_iter()
+            .map(|(path, error)| SkippedStatus {
+                path: path.as_str().to_string(),
+                error,
+            })
+            .collect()
+    }
 }
 
 /// One element of a folder's `peers`: a peer sharing it.
@@ -289,6 +331,10 @@ pub struct PeerStatus {
     pub bytes_received: u64,
     /// When it connected or disconnected last, or null: never.
     pub last_seen_unix: Option<u64>,
+    /// The address it was last seen at (`IP:PORT`), or null: never.
+    pub last_seen_addr: Option<String>,
+    /// Its last error and when, or null.
+    pub last_error: Option<LastError>,
 }
 
 /// Device ids in the document are the text `meshfs id` prints.
@@ -381,14 +427,10 @@ fn folder_status(
         scanning: f.local.scanning,
         conflicts: f.conflicts,
         waiting_for_writers: f.local.waiting_for_writers,
-        skipped: f
-            .skipped
-            .into_iter()
-            .map(|(path, error)| SkippedStatus {
-                path: path.as_str().to_string(),
-                error,
-            })
-            .collect(),
+        skipped: SkippedStatus::list(f.skipped),
+        unreadable: SkippedStatus::list(f.unreadable),
+        last_error: f.last_error,
+        progress: f.progress,
         blocked: f.local.blocked,
         mount: f.mount,
         in_sync: verdict.in_sync,
@@ -411,6 +453,8 @@ fn peer_status(p: PeerSnapshot) -> PeerStatus {
         bytes_sent: p.bytes.0,
         bytes_received: p.bytes.1,
         last_seen_unix: p.last_seen_unix,
+        last_seen_addr: p.last_seen_addr.map(|a| a.to_string()),
+        last_error: p.last_error,
     }
 }
 
@@ -555,6 +599,36 @@ mod tests {
         assert_eq!(st.folders[0].skipped[0].path, "bad");
     }
 
+    /// An unreadable file is shown, with the folder's last error, and does not hold the
+    /// folder back either: nothing will change until the user changes its permissions.
+    #[test]
+    fn an_unreadable_file_and_the_last_errors_are_shown_without_keeping_the_folder_out_of_sync() {
+        let mut s = snapshot();
+        let denied = "Permission denied (os error 13)".to_string();
+        s.folders[0].unreadable = vec![(RelPath::new("secret").unwrap(), denied.clone())];
+        let error = LastError {
+            message: format!("cannot read secret: {denied}"),
+            unix: 1_790_000_100,
+        };
+        s.folders[0].last_error = Some(error.clone());
+        s.peers[1].last_error = Some(LastError {
+            message: "peer 10.0.0.2:7788 refused our certificate".into(),
+            unix: 1_790_000_200,
+        });
+        let st = build(s);
+        assert!(st.folders[0].in_sync && st.in_sync);
+        assert_eq!(st.folders[0].unreadable[0].path, "secret");
+        assert_eq!(st.folders[0].unreadable[0].error, denied);
+        assert_eq!(st.folders[0].last_error, Some(error));
+        let v = serde_json::to_value(&st).unwrap();
+        assert_eq!(v["peers"][1]["last_error"]["unix"], 1_790_000_200);
+        assert_eq!(v["peers"][0]["last_error"], serde_json::Value::Null);
+        assert_eq!(
+            v["folders"][0]["last_error"]["message"],
+            format!("cannot read secret: {denied}")
+        );
+    }
+
     fn peer_id() -> DeviceId {
         DeviceId::from_bytes([2; 32])
     }
@@ -576,6 +650,8 @@ mod tests {
                 rtt,
                 last_seen_unix: Some(1_790_000_000),
                 bytes: (1234, 5678),
+                last_seen_addr: Some("10.0.0.2:7788".parse().unwrap()),
+                last_error: None,
             }
         };
         Snapshot {
@@ -600,6 +676,17 @@ mod tests {
                 conflicts: 0,
                 local: DONE,
                 skipped: Vec::new(),
+                unreadable: Vec::new(),
+                last_error: None,
+                progress: FolderProgress {
+                    scan: Counts::default(),
+                    receive: Counts {
+                        done: 30,
+                        bytes_done: 4096,
+                        left: 2,
+                        bytes_left: Some(100),
+                    },
+                },
                 mount: None,
             }],
             peers: vec![
@@ -631,7 +718,12 @@ mod tests {
                 "id": "work", "path": "/home/u/work",
                 "files": 10, "dirs": 2, "symlinks": 0, "bytes": 40960, "tombstones": 1,
                 "sequence": 42, "capture_pending": 0, "scanning": false, "conflicts": 0,
-                "waiting_for_writers": 0, "skipped": [], "blocked": null, "mount": null,
+                "waiting_for_writers": 0, "skipped": [], "unreadable": [], "last_error": null,
+                "progress": {
+                    "scan": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
+                    "receive": {"done": 30, "bytes_done": 4096, "left": 2, "bytes_left": 100},
+                },
+                "blocked": null, "mount": null,
                 "in_sync": true, "in_sync_with_connected": true, "peers_connected": true,
                 "peers": [{"device_id": peer_id().to_string(), "name": "server", "connected": true,
                            "in_sync": true, "our_sequence": 42, "acked_by_peer": 42,
@@ -642,11 +734,13 @@ mod tests {
                 {"device_id": peer_id().to_string(), "short_id": peer_id().short().display7(),
                  "name": "server", "addr": "10.0.0.2:7788", "folders": ["work"], "connected": true,
                  "rtt_ms": 2.0, "bytes_sent": 1234, "bytes_received": 5678,
-                 "last_seen_unix": 1_790_000_000},
+                 "last_seen_unix": 1_790_000_000, "last_seen_addr": "10.0.0.2:7788",
+                 "last_error": null},
                 {"device_id": idle.to_string(), "short_id": idle.short().display7(),
                  "name": "idle", "addr": "10.0.0.2:7788", "folders": [], "connected": false,
                  "rtt_ms": null, "bytes_sent": 1234, "bytes_received": 5678,
-                 "last_seen_unix": 1_790_000_000},
+                 "last_seen_unix": 1_790_000_000, "last_seen_addr": "10.0.0.2:7788",
+                 "last_error": null},
             ],
             "refused_devices": [DeviceId::from_bytes([4; 32]).to_string()],
             "bytes_sent": 1234,

@@ -1,5 +1,6 @@
 //! Bytes moved with each peer since the daemon started, over every connection to it: a
 //! reconnect does not reset a peer's count, and the device's totals are the sum of its peers'.
+//! And the address each peer was last seen at, which outlives its connection too.
 //!
 //! The engine shows it the peers' current links whenever one comes or goes
 //! ([`Traffic::observe`]); a link that is no longer current is read one last time and
@@ -10,6 +11,7 @@ use crate::peers::Peers;
 use crate::transport;
 use meshfs_protocol::DeviceId;
 use std::collections::HashMap;
+use std::net::SocketAddr;
 
 /// Per-peer byte counters.
 #[derive(Default)]
@@ -23,6 +25,8 @@ struct PeerTraffic {
     retired: (u64, u64),
     /// The connections seen current, by link serial.
     live: HashMap<u64, quinn::Connection>,
+    /// The remote address of its current connection when last observed.
+    addr: Option<SocketAddr>,
 }
 
 impl Traffic {
@@ -32,10 +36,10 @@ impl Traffic {
         for id in peers.connected() {
             if let Some(link) = peers.link(&id) {
                 current.insert(id, link.serial);
-                self.peers
-                    .entry(id)
-                    .or_default()
-                    .live
+                let t = self.peers.entry(id).or_default();
+                // QUIC follows a peer that moves (migration): read it each time.
+                t.addr = Some(link.conn.remote_address());
+                t.live
                     .entry(link.serial)
                     .or_insert_with(|| link.conn.clone());
             }
@@ -61,6 +65,11 @@ impl Traffic {
     /// Bytes (sent, received) with `peer` since the daemon started.
     pub fn peer(&self, peer: &DeviceId) -> (u64, u64) {
         self.peers.get(peer).map_or((0, 0), PeerTraffic::bytes)
+    }
+
+    /// The address `peer` was last seen at (its connection's, while it is connected).
+    pub fn addr(&self, peer: &DeviceId) -> Option<SocketAddr> {
+        self.peers.get(peer).and_then(|t| t.addr)
     }
 
     /// Bytes (sent, received) with every peer (also peers removed since) since the daemon

@@ -30,6 +30,8 @@ pub struct Device {
     pub id: String,
     /// The network namespace the daemon runs in, if not the test's own.
     pub netns: Option<String>,
+    /// A command the daemon runs under (e.g. `setpriv` with fewer capabilities); empty: none.
+    pub under: Vec<String>,
     child: Option<Child>,
     _tmp: std::sync::Arc<tempfile::TempDir>,
 }
@@ -108,6 +110,7 @@ impl Device {
             addr,
             id,
             netns,
+            under: Vec::new(),
             child: None,
             _tmp: tmp.clone(),
         }
@@ -135,13 +138,18 @@ impl Device {
     fn spawn(&mut self) {
         assert!(self.child.is_none());
         let log = std::fs::File::create(self.home.join("daemon.log")).unwrap();
-        let mut cmd = match &self.netns {
-            Some(ns) => {
+        let mut cmd = match (&self.netns, self.under.split_first()) {
+            (Some(ns), _) => {
                 let mut c = Command::new("ip");
                 c.args(["netns", "exec", ns, bin()]);
                 c
             }
-            None => Command::new(bin()),
+            (None, Some((first, rest))) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin());
+                c
+            }
+            (None, None) => Command::new(bin()),
         };
         let child = cmd
             .arg("--home")

@@ -1,0 +1,392 @@
+//! `meshfs status --watch`: the daemon's status, refreshed every second until Ctrl-C (or
+//! `--timeout`): per folder what is done and what is left, with its rate and ETA; per peer its
+//! connection, round trip and transfer rates. The daemon only counts; rates come from the
+//! status documents of the last few seconds. On a terminal the view is redrawn in place; on a
+//! pipe or a file each refresh is one plain line.
+
+use crate::status_cmd::{folder_summary, local_time, peer_name, plural, s, u};
+use crate::EXIT_NO_DAEMON;
+use meshfs_daemon::config::{Config, ConfigError, Home};
+use meshfs_daemon::control::{self, Request};
+use serde_json::Value;
+use std::collections::{HashMap, VecDeque};
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// How often the view is refreshed.
+const EVERY: Duration = Duration::from_secs(1);
+/// Rates are averaged over this long.
+const WINDOW: Duration = Duration::from_secs(5);
+
+/// Runs `status --watch`; returns the exit code.
+pub fn run(home: &Home, timeout: Option<f64>) -> anyhow::Result<u8> {
+    if let Err(e @ ConfigError::Missing(_)) = Config::load(home) {
+        return Err(e.into());
+    }
+    let tty = std::io::stdout().is_terminal();
+    let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    let mut history = History::default();
+    let mut out = std::io::stdout();
+    for round in 0u64.. {
+        let started = Instant::now();
+        let st = control::request(home, &Request::Status)?;
+        if st.is_none() && round == 0 {
+            eprintln!(
+                "meshfs: no daemon is running for {} (start it with `meshfs daemon`)",
+                home.config_dir.display()
+            );
+            return Ok(EXIT_NO_DAEMON);
+        }
+        if let Some(st) = st {
+            history.push(started, st);
+        } else {
+            // Stopped while watched: say so, and show it again when it is back.
+            history = History::default();
+        }
+        let text = match (history.latest(), tty) {
+            (Some(st), true) => frame(st, &history),
+            (Some(st), false) => line(st, &history),
+            (None, true) => "no daemon is running (waiting for one to start)\n".into(),
+            (None, false) => format!("{} no daemon is running\n", clock()),
+        };
+        if tty {
+            // Home, each line cleared to its end, then the rest of the screen: no flicker.
+            let body: String = text.lines().map(|l| format!("{l}\x1b[K\n")).collect();
+            let clear = if round == 0 { "\x1b[2J" } else { "" };
+            write!(out, "{clear}\x1b[H{body}\x1b[J")?;
+        } else {
+            write!(out, "{text}")?;
+        }
+        out.flush()?;
+        let next = started + EVERY;
+        match deadline {
+            Some(d) if next >= d => {
+                std::thread::sleep(d.saturating_duration_since(Instant::now()));
+                return Ok(0);
+            }
+            _ => std::thread::sleep(next.saturating_duration_since(Instant::now())),
+        }
+    }
+    Ok(0)
+}
+
+/// The local time of day, `HH:MM:SS`.
+fn clock() -> String {
+    let now = time::OffsetDateTime::now_utc();
+    let t = now.to_offset(time::UtcOffset::local_offset_at(now).unwrap_or(time::UtcOffset::UTC));
+    format!("{:02}:{:02}:{:02}", t.hour(), t.minute(), t.second())
+}
+
+/// The status documents of the last [`WINDOW`], oldest first.
+#[derive(Default)]
+struct History {
+    docs: VecDeque<(Instant, Value)>,
+    /// Per folder: the bytes of received records applied, and the bytes its peers had sent,
+    /// when that count last moved. What arrived since is in the batch being applied.
+    applied_at: HashMap<String, (u64, u64)>,
+}
+
+/// The bytes the peers sharing `f` sent this device, by `st`.
+fn wire(st: &Value, f: &Value) -> u64 {
+    f["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| find(st, "peers", "device_id", s(p, "device_id")))
+        .map(|p| u(p, "bytes_received"))
+        .sum()
+}
+
+impl History {
+    fn push(&mut self, at: Instant, st: Value) {
+        for f in st["folders"].as_array().into_iter().flatten() {
+            let applied = u(&f["progress"]["receive"], "bytes_done");
+            let e = self
+                .applied_at
+                .entry(s(f, "id").to_string())
+                .or_insert((applied, wire(&st, f)));
+            if e.0 != applied {
+                *e = (applied, wire(&st, f));
+            }
+        }
+        self.docs.push_back((at, st));
+        while self.docs.len() > 2
+            && self
+                .docs
+                .front()
+                .is_some_and(|(t, _)| at.duration_since(*t) > WINDOW)
+        {
+            self.docs.pop_front();
+        }
+    }
+
+    fn latest(&self) -> Option<&Value> {
+        self.docs.back().map(|(_, v)| v)
+    }
+
+    /// How fast `get` grew over the window, per second; `None` with fewer than two documents,
+    /// or when a counter went down (the daemon restarted).
+    fn rate(&self, get: impl Fn(&Value) -> Option<u64>) -> Option<f64> {
+        let ((t0, a), (t1, b)) = (self.docs.front()?, self.docs.back()?);
+        let dt = t1.duration_since(*t0).as_secs_f64();
+        let (a, b) = (get(a)?, get(b)?);
+        (dt > 0.0 && b >= a).then(|| (b - a) as f64 / dt)
+    }
+}
+
+/// The element of `st[list]` whose `key` is `id`.
+fn find<'a>(st: &'a Value, list: &str, key: &str, id: &str) -> Option<&'a Value> {
+    st[list].as_array()?.iter().find(|x| s(x, key) == id)
+}
+
+/// `1.5 MiB`.
+pub fn bytes(n: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut n = n;
+    let mut unit = 0;
+    while n >= 1024.0 && unit + 1 < UNITS.len() {
+        n /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n:.0} B")
+    } else {
+        format!("{n:.1} {}", UNITS[unit])
+    }
+}
+
+/// `1h02m`, `3m20s`, `45s`.
+pub fn eta(secs: f64) -> String {
+    let s = secs.ceil().max(0.0) as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
+/// `, 2.1 MiB/s, ETA 40s` for `left` at `rate` per second (either may be unknown).
+fn rate_and_eta(rate: Option<f64>, left: Option<f64>, unit: impl Fn(f64) -> String) -> String {
+    match rate {
+        Some(r) if r > 0.0 => match left {
+            Some(l) if l > 0.0 => format!(", {}/s, ETA {}", unit(r), eta(l / r)),
+            _ => format!(", {}/s", unit(r)),
+        },
+        _ => String::new(),
+    }
+}
+
+/// What a folder's work looks like now: one entry per kind of work going on.
+fn folder_work(f: &Value, st: &Value, h: &History) -> Vec<String> {
+    let id = s(f, "id").to_string();
+    let progress = |h: &History, kind: &'static str, field: &'static str| {
+        let id = id.clone();
+        h.rate(move |d| find(d, "folders", "id", &id)?["progress"][kind][field].as_u64())
+    };
+    let mut work = Vec::new();
+    let scan = &f["progress"]["scan"];
+    if f["scanning"] == true || u(scan, "left") > 0 {
+        let files = progress(h, "scan", "done");
+        let left = u(scan, "left");
+        work.push(format!(
+            "scan: {} hashed ({}), {left} left{}",
+            plural(u(scan, "done"), "file", "files"),
+            bytes(u(scan, "bytes_done") as f64),
+            rate_and_eta(files, Some(left as f64), |r| format!("{r:.0} files"))
+        ));
+    }
+    let receive = &f["progress"]["receive"];
+    if u(receive, "left") > 0 {
+        // Counts move when a batch is applied; the bytes arriving from the folder's peers
+        // show the pace inside a long batch.
+        let applied = progress(h, "receive", "bytes_done");
+        let arriving = h.rate(|d| Some(wire(d, find(d, "folders", "id", &id)?)));
+        let rate = match (arriving, applied) {
+            (Some(w), Some(a)) => Some(w.max(a)),
+            (w, a) => w.or(a),
+        };
+        let waiting = u(receive, "bytes_left");
+        // What arrived since the last batch was applied belongs to the batches waiting.
+        let arrived = h
+            .applied_at
+            .get(&id)
+            .map_or(0, |(_, at)| wire(st, f).saturating_sub(*at));
+        let left = waiting.saturating_sub(arrived) as f64;
+        work.push(format!(
+            "receive: {} applied ({}), {} ({}) waiting{}",
+            plural(u(receive, "done"), "record", "records"),
+            bytes(u(receive, "bytes_done") as f64),
+            u(receive, "left"),
+            bytes(waiting as f64),
+            rate_and_eta(rate, Some(left), bytes)
+        ));
+    }
+    for p in f["peers"].as_array().into_iter().flatten() {
+        let n = u(p, "pending_records");
+        if n > 0 {
+            let name = find(st, "peers", "device_id", s(p, "device_id"))
+                .map_or_else(|| peer_name(p), peer_name);
+            work.push(format!(
+                "send: {} not acknowledged by {name}",
+                plural(n, "record", "records")
+            ));
+        }
+    }
+    work
+}
+
+/// A peer in a few words: `b connected, rtt 0.4 ms, up 1.2 MiB/s, down 0 B/s`.
+fn peer_words(p: &Value, h: &History) -> String {
+    let id = s(p, "device_id").to_string();
+    let name = peer_name(p);
+    if p["connected"] != true {
+        return match p["last_seen_unix"].as_u64() {
+            Some(t) => format!("{name} offline since {}", local_time(t)),
+            None => format!("{name} never connected"),
+        };
+    }
+    let rate = |field: &'static str| {
+        h.rate(|d| find(d, "peers", "device_id", &id).map(|p| u(p, field)))
+            .map_or("-".into(), |r| format!("{}/s", bytes(r)))
+    };
+    let rtt = p["rtt_ms"]
+        .as_f64()
+        .map_or("-".into(), |r| format!("{r:.1} ms"));
+    format!(
+        "{name} connected, rtt {rtt}, up {}, down {}",
+        rate("bytes_sent"),
+        rate("bytes_received")
+    )
+}
+
+/// The terminal view.
+fn frame(st: &Value, h: &History) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let started = u(&st["device"], "started_unix");
+    let _ = writeln!(
+        o,
+        "meshfs status --watch   {}   {}   (Ctrl-C to stop)",
+        s(&st["device"], "name"),
+        clock()
+    );
+    let sync = if st["in_sync"] == true {
+        "in sync: every folder is up to date with every peer that shares it"
+    } else {
+        "not in sync"
+    };
+    let _ = writeln!(o, "sync    {sync}\n");
+    for f in st["folders"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            o,
+            "folder  {}  {}  {}, {}",
+            s(f, "id"),
+            s(f, "path"),
+            plural(u(f, "files"), "file", "files"),
+            bytes(u(f, "bytes") as f64)
+        );
+        let _ = writeln!(o, "        {}", folder_summary(f, started));
+        for w in folder_work(f, st, h) {
+            let _ = writeln!(o, "        {w}");
+        }
+        let _ = writeln!(o);
+    }
+    for p in st["peers"].as_array().into_iter().flatten() {
+        let _ = writeln!(o, "peer    {}", peer_words(p, h));
+    }
+    o
+}
+
+/// One plain line per refresh, for a pipe or a file.
+fn line(st: &Value, h: &History) -> String {
+    let started = u(&st["device"], "started_unix");
+    let mut parts = Vec::new();
+    for f in st["folders"].as_array().into_iter().flatten() {
+        let state = if f["in_sync"] == true {
+            "in sync".to_string()
+        } else {
+            format!("not in sync ({})", folder_summary(f, started))
+        };
+        let mut words = vec![format!("folder {}: {state}", s(f, "id"))];
+        words.extend(folder_work(f, st, h));
+        parts.push(words.join("; "));
+    }
+    for p in st["peers"].as_array().into_iter().flatten() {
+        parts.push(format!("peer {}", peer_words(p, h)));
+    }
+    format!("{} {}\n", clock(), parts.join(" | "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A status document of one folder receiving from peer b, at `received` bytes.
+    fn doc(applied: u64, received: u64) -> Value {
+        json!({
+            "device": {"name": "a", "started_unix": 0},
+            "in_sync": false,
+            "folders": [{
+                "id": "work", "path": "/w", "files": 3, "bytes": 10, "in_sync": false,
+                "scanning": false, "capture_pending": 0, "waiting_for_writers": 0,
+                "progress": {
+                    "scan": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
+                    "receive": {"done": applied, "bytes_done": applied << 20, "left": 10,
+                                "bytes_left": 40u64 << 20},
+                },
+                "peers": [{"device_id": "B", "name": "b", "connected": true, "in_sync": false,
+                           "pending_records": 2}],
+            }],
+            "peers": [{"device_id": "B", "name": "b", "connected": true, "rtt_ms": 0.4,
+                       "bytes_sent": 1000, "bytes_received": received}],
+        })
+    }
+
+    #[test]
+    fn rates_and_the_eta_come_from_successive_documents() {
+        let mut h = History::default();
+        let t = Instant::now();
+        h.push(t, doc(0, 0));
+        h.push(t + Duration::from_secs(2), doc(0, 8 << 20));
+        let st = h.latest().unwrap().clone();
+        let work = folder_work(&st["folders"][0], &st, &h);
+        assert_eq!(
+            work,
+            [
+                // 8 of the 40 MiB waiting have arrived: 32 MiB at 4 MiB/s.
+                "receive: 0 records applied (0 B), 10 (40.0 MiB) waiting, 4.0 MiB/s, ETA 8s",
+                "send: 2 records not acknowledged by b",
+            ]
+        );
+        assert_eq!(
+            peer_words(&st["peers"][0], &h),
+            "b connected, rtt 0.4 ms, up 0 B/s, down 4.0 MiB/s"
+        );
+        let l = line(&st, &h);
+        assert!(l.contains("| peer b connected") && l.ends_with('\n') && !l.contains('\x1b'));
+    }
+
+    #[test]
+    fn one_document_has_no_rate_yet() {
+        let mut h = History::default();
+        h.push(Instant::now(), doc(0, 0));
+        let st = h.latest().unwrap().clone();
+        let work = folder_work(&st["folders"][0], &st, &h);
+        assert_eq!(
+            work[0],
+            "receive: 0 records applied (0 B), 10 (40.0 MiB) waiting"
+        );
+        assert!(peer_words(&st["peers"][0], &h).ends_with("up -, down -"));
+    }
+
+    #[test]
+    fn etas_and_sizes_read_like_a_person_would_write_them() {
+        assert_eq!(eta(44.2), "45s");
+        assert_eq!(eta(200.0), "3m20s");
+        assert_eq!(eta(3720.0), "1h02m");
+        assert_eq!(bytes(512.0), "512 B");
+        assert_eq!(bytes(1536.0), "1.5 KiB");
+        assert_eq!(bytes(3.0 * 1024.0 * 1024.0 * 1024.0), "3.0 GiB");
+    }
+}
