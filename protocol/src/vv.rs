@@ -188,6 +188,11 @@ impl std::fmt::Display for VersionVector {
 /// Most entries a received vector may have. A vector gains an entry per device that edited the
 /// path and per distinct conflict resolution of it; a peer cannot make us hold or compare more.
 pub const MAX_VV_ENTRIES: usize = 4096;
+/// Most entries a vector kept by a device may have: one fewer than a peer accepts, so that the
+/// next local edit, which adds at most this device's own entry, still makes a vector every peer
+/// accepts. A peer's record whose decision would keep a longer vector (a merge of two long
+/// histories) is refused, never pruned: a pruned vector would forget edits it has seen.
+pub const MAX_VV_ENTRIES_KEPT: usize = MAX_VV_ENTRIES - 1;
 /// Largest counter a received vector may carry: counters are Unix seconds or small counts,
 /// and a counter near `u64::MAX` would make the next local increment wrap.
 pub const MAX_VV_COUNTER: u64 = 1 << 62;
