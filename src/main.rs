@@ -320,7 +320,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             });
             std::fs::create_dir_all(&home.state_dir)
                 .with_context(|| format!("creating {}", home.state_dir.display()))?;
-            let id = Identity::generate(&name)?;
+            let id = Identity::generate()?;
             id.save(&home.identity_dir())?;
             Config::new(&name, &listen).save(home)?;
             println!("{}", id.device_id);

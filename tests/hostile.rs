@@ -26,7 +26,7 @@ fn hello(folder: &str) -> Message {
 
 /// A new identity that `a` trusts with folder `work`.
 fn trusted_mallory(a: &Device) -> Identity {
-    let mallory = Identity::generate("mallory").unwrap();
+    let mallory = Identity::generate().unwrap();
     let id = mallory.device_id.to_string();
     ok(&a.home, &["peer", "add", &id, "--share", "work"]);
     mallory
@@ -342,7 +342,7 @@ fn wait_synced_connected(devs: &[&Device]) {
 fn a_removed_peer_is_refused_even_after_a_session_it_could_resume() {
     let t = tmp();
     let mut a = Device::new(&t, "a");
-    let mallory = Identity::generate("mallory").unwrap();
+    let mallory = Identity::generate().unwrap();
     let m_id = mallory.device_id.to_string();
     ok(&a.home, &["peer", "add", &m_id, "--share", "work"]);
     a.start();

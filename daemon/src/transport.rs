@@ -68,7 +68,7 @@ use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, Signatu
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// The ALPN protocol id of meshfs protocol version 1.
 pub const ALPN: &[u8] = b"meshfs/1";
@@ -103,6 +103,12 @@ pub const STOP_BAD_FRAME: VarInt = VarInt::from_u32(1);
 const REFUSED_CAPACITY: usize = 32;
 /// A device refused again within this time is logged at debug level, not as a warning.
 const REFUSAL_WARN_INTERVAL: Duration = Duration::from_secs(300);
+/// Most refusal warnings in one [`REFUSAL_LOG_WINDOW`]: a device that makes a new key for
+/// every attempt is news every time. Refusals past it are counted, and one line at the end of
+/// the window says how many.
+const REFUSAL_WARNINGS_PER_WINDOW: u32 = 5;
+/// See [`REFUSAL_WARNINGS_PER_WINDOW`].
+const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(60);
 /// Marker in the TLS error text by which [`accept`] recognizes our own refusal.
 const UNTRUSTED_MARKER: &str = "untrusted device ";
 
@@ -119,6 +125,33 @@ struct TrustInner {
     trusted: HashSet<DeviceId>,
     /// Most recent first, at most one entry per device.
     refused: VecDeque<(DeviceId, SystemTime)>,
+    log: RefusalLog,
+}
+
+/// How refusals are being logged in the current window.
+#[derive(Default)]
+struct RefusalLog {
+    /// When the current window began (`None`: no refusal yet).
+    window: Option<Instant>,
+    /// Warnings written in it.
+    warned: u32,
+    /// Refusals of new devices in it that got no warning of their own.
+    unlogged: u64,
+}
+
+/// What to log about one refusal ([`TrustStore::record_refusal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RefusalNote {
+    /// A warning naming the device.
+    Warn,
+    /// The device was refused a moment ago: nothing to tell.
+    Again,
+    /// News, but the window's warnings are spent: counted. `summary_at`: the first such in
+    /// its window, whose count is to be logged then ([`TrustStore::take_unlogged`]).
+    Counted {
+        /// When to log the window's count, if this refusal is the first one counted.
+        summary_at: Option<Instant>,
+    },
 }
 
 impl TrustStore {
@@ -152,10 +185,10 @@ impl TrustStore {
         self.read().refused.iter().copied().collect()
     }
 
-    /// Records a refusal of `id`; returns whether it is news (not refused in the last
-    /// [`REFUSAL_WARN_INTERVAL`]), i.e. whether the user should be told.
-    fn record_refusal(&self, id: DeviceId) -> bool {
-        let now = SystemTime::now();
+    /// Records a refusal of `id` at `now` (`wall`: the same moment, as shown to people) and
+    /// says what to log: a warning when it is news (not refused in the last
+    /// [`REFUSAL_WARN_INTERVAL`]) and the window has warnings left, else a count.
+    fn record_refusal(&self, id: DeviceId, now: Instant, wall: SystemTime) -> RefusalNote {
         let mut inner = self.write();
         let previous = inner
             .refused
@@ -163,14 +196,38 @@ impl TrustStore {
             .position(|(r, _)| *r == id)
             .and_then(|i| inner.refused.remove(i))
             .map(|(_, at)| at);
-        inner.refused.push_front((id, now));
+        inner.refused.push_front((id, wall));
         inner.refused.truncate(REFUSED_CAPACITY);
-        match previous {
-            None => true,
-            Some(at) => now
-                .duration_since(at)
-                .map_or(true, |d| d >= REFUSAL_WARN_INTERVAL),
+        let news = previous.is_none_or(|at| {
+            wall.duration_since(at)
+                .map_or(true, |d| d >= REFUSAL_WARN_INTERVAL)
+        });
+        if !news {
+            return RefusalNote::Again;
         }
+        let log = &mut inner.log;
+        let start = match log.window {
+            Some(start) if now.saturating_duration_since(start) < REFUSAL_LOG_WINDOW => start,
+            _ => {
+                // A new window; a count left in the old one is logged by its own summary.
+                log.window = Some(now);
+                log.warned = 0;
+                now
+            }
+        };
+        if log.warned < REFUSAL_WARNINGS_PER_WINDOW {
+            log.warned += 1;
+            return RefusalNote::Warn;
+        }
+        log.unlogged += 1;
+        RefusalNote::Counted {
+            summary_at: (log.unlogged == 1).then_some(start + REFUSAL_LOG_WINDOW),
+        }
+    }
+
+    /// The refusals counted without a warning since the last call, and resets the count.
+    fn take_unlogged(&self) -> u64 {
+        std::mem::take(&mut self.write().log.unlogged)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, TrustInner> {
@@ -972,12 +1029,20 @@ impl ClientCertVerifier for TrustedClients {
         if self.trust.contains(&id) {
             return Ok(ClientCertVerified::assertion());
         }
-        if self.trust.record_refusal(id) {
-            tracing::warn!(
+        match self
+            .trust
+            .record_refusal(id, Instant::now(), SystemTime::now())
+        {
+            RefusalNote::Warn => tracing::warn!(
                 "refused a connection from unknown device {id}: if it is yours, run `meshfs peer add {id} --addr HOST:PORT` (its address)"
-            );
-        } else {
-            tracing::debug!("refused unknown device {id} again");
+            ),
+            RefusalNote::Again => tracing::debug!("refused unknown device {id} again"),
+            RefusalNote::Counted { summary_at } => {
+                tracing::debug!("refused unknown device {id}");
+                if let Some(at) = summary_at {
+                    log_unlogged_refusals(self.trust.clone(), at);
+                }
+            }
         }
         Err(rustls::Error::InvalidCertificate(CertificateError::Other(
             rustls::OtherError(Arc::new(Untrusted(id))),
@@ -1012,6 +1077,25 @@ impl ClientCertVerifier for TrustedClients {
             .signature_verification_algorithms
             .supported_schemes()
     }
+}
+
+/// At `at`, logs in one line how many refusals went without a warning of their own.
+fn log_unlogged_refusals(trust: TrustStore, at: Instant) {
+    // Verifiers run on quinn's tasks, inside the runtime; without one there is no log to
+    // keep tidy.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        tokio::time::sleep_until(at.into()).await;
+        let n = trust.take_unlogged();
+        if n > 0 {
+            tracing::warn!(
+                "refused {n} more connections from unknown devices in the last {} s without a line each (a device making a new key for every attempt?); `meshfs status` lists the most recent",
+                REFUSAL_LOG_WINDOW.as_secs()
+            );
+        }
+    });
 }
 
 /// The dialer's check of a listener: its device id must be the one dialed.
@@ -1240,14 +1324,50 @@ mod tests {
     #[test]
     fn refusals_are_bounded_and_most_recent_first() {
         let trust = TrustStore::default();
+        let (now, wall) = (Instant::now(), SystemTime::now());
         for i in 0..40u8 {
-            assert!(trust.record_refusal(DeviceId::from_bytes([i; 32])));
+            let note = trust.record_refusal(DeviceId::from_bytes([i; 32]), now, wall);
+            assert_ne!(note, RefusalNote::Again);
         }
-        assert!(!trust.record_refusal(DeviceId::from_bytes([39; 32])));
+        assert_eq!(
+            trust.record_refusal(DeviceId::from_bytes([39; 32]), now, wall),
+            RefusalNote::Again
+        );
         let refused = trust.refused();
         assert_eq!(refused.len(), REFUSED_CAPACITY);
         assert_eq!(refused[0].0, DeviceId::from_bytes([39; 32]));
         trust.add(DeviceId::from_bytes([39; 32]));
         assert_eq!(trust.refused().len(), REFUSED_CAPACITY - 1);
+    }
+
+    #[test]
+    fn a_device_with_a_new_key_every_time_gets_a_few_warnings_and_a_count() {
+        let trust = TrustStore::default();
+        let start = Instant::now();
+        let wall = SystemTime::now();
+        let refuse = |i: u32, at: Duration| {
+            let mut id = [0u8; 32];
+            id[..4].copy_from_slice(&i.to_be_bytes());
+            trust.record_refusal(DeviceId::from_bytes(id), start + at, wall + at)
+        };
+        let notes: Vec<RefusalNote> = (0..10_000)
+            .map(|i| refuse(i, Duration::from_millis(u64::from(i))))
+            .collect();
+        let warned = notes.iter().filter(|n| **n == RefusalNote::Warn).count();
+        assert_eq!(warned, REFUSAL_WARNINGS_PER_WINDOW as usize);
+        let summaries: Vec<Instant> = notes
+            .iter()
+            .filter_map(|n| match n {
+                RefusalNote::Counted { summary_at } => *summary_at,
+                _ => None,
+            })
+            .collect();
+        // One summary for the window, at its end, counting everything past the warnings.
+        assert_eq!(summaries, vec![start + REFUSAL_LOG_WINDOW]);
+        assert_eq!(trust.take_unlogged(), 10_000 - warned as u64);
+        assert_eq!(trust.take_unlogged(), 0);
+        assert_eq!(trust.refused().len(), REFUSED_CAPACITY);
+        // The next window may warn again.
+        assert_eq!(refuse(20_000, REFUSAL_LOG_WINDOW * 2), RefusalNote::Warn);
     }
 }
