@@ -7,7 +7,7 @@
 //! checked ([`open_chunk`]); a request is served only for a folder shared with the requester,
 //! checked on every request.
 
-use crate::folder::Folders;
+use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
 use crate::store::{DirCache, StoreError};
 use crate::transport;
@@ -79,104 +79,12 @@ pub async fn serve_request(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) -> Result<(), ServeError> {
-    let req = match transport::read_message(&mut recv)
-        .await
-        .map_err(|e| ServeError::Link(e.to_string()))?
-    {
-        Some(Message::Request(r)) => r,
-        Some(_) | None => {
-            let _ = transport::write_message(
-                &mut send,
-                &Message::Error {
-                    code: ErrorCode::BadFrame,
-                    message: "expected a chunk request".into(),
-                },
-            )
-            .await;
-            return Err(ServeError::Refused(
-                "request stream without a request".into(),
-            ));
-        }
-    };
-    if !shared.contains(&req.folder) {
-        let _ = transport::write_message(
-            &mut send,
-            &Message::Error {
-                code: ErrorCode::NotShared,
-                message: format!("folder {} is not shared with you", req.folder),
-            },
-        )
-        .await;
-        return Err(ServeError::Refused(format!(
-            "peer {} asked for unshared folder {}",
-            peer.short(),
-            req.folder
-        )));
-    }
-    let Some(rt) = folders.get(&req.folder) else {
-        return Err(ServeError::Refused(format!(
-            "folder {} not running",
-            req.folder
-        )));
-    };
-    if req.hashes.len() > MAX_REQUEST_HASHES {
-        let _ = transport::write_message(
-            &mut send,
-            &Message::Error {
-                code: ErrorCode::BadFrame,
-                message: format!(
-                    "{} hashes in one request; at most {MAX_REQUEST_HASHES}",
-                    req.hashes.len()
-                ),
-            },
-        )
-        .await;
-        return Err(ServeError::Refused(format!(
-            "peer {} asked for {} chunks in one request",
-            peer.short(),
-            req.hashes.len()
-        )));
-    }
+    let (req, rt) = read_request(folders, peer, shared, &mut send, &mut recv).await?;
     // Reading is blocking work (journal, files, zstd): a blocking thread reads the chunks in
     // order and hands each response to this task, at most a few ahead of the stream.
     let (tx, mut rx) = mpsc::channel::<ChunkResponse>(4);
-    let folder = req.folder.clone();
     let folders = folders.clone();
-    let reader = tokio::task::spawn_blocking(move || {
-        let journal = &folders.journal;
-        let mut dirs = DirCache::default();
-        let mut packer = Packer::default();
-        for hash in req.hashes {
-            let locs = journal
-                .lock()
-                .ok()
-                .and_then(|j| j.find_chunk(&folder, &hash).ok())
-                .unwrap_or_default();
-            let data = locs.into_iter().find_map(|l| {
-                rt.store
-                    .read_chunk_in(&mut dirs, &l.path, l.offset, l.len, &hash)
-                    .ok()
-            });
-            let resp = match data {
-                Some(d) => {
-                    let (data, compressed) = packer.pack(d);
-                    ChunkResponse {
-                        hash,
-                        data: Some(data),
-                        compressed,
-                    }
-                }
-                None => ChunkResponse {
-                    hash,
-                    data: None,
-                    compressed: false,
-                },
-            };
-            if tx.blocking_send(resp).is_err() {
-                return;
-            }
-        }
-    });
+    let reader = tokio::task::spawn_blocking(move || read_chunks(&folders, &rt, req, &tx));
     while let Some(resp) = rx.recv().await {
         // A requester that stops reading frees its reader after a while (dropping `rx`
         // ends the blocking thread's sends).
@@ -191,6 +99,107 @@ pub async fn serve_request(
     reader.await.map_err(|e| ServeError::Link(e.to_string()))?;
     let _ = send.finish();
     Ok(())
+}
+
+/// Reads a stream's chunk request and checks it: a request, for a folder shared with `peer`
+/// and running here, of at most [`MAX_REQUEST_HASHES`] hashes. A refusal is answered on the
+/// stream with an `Error` before it is returned.
+async fn read_request(
+    folders: &Folders,
+    peer: DeviceId,
+    shared: &[FolderId],
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+) -> Result<(ChunkRequest, Arc<FolderRt>), ServeError> {
+    let req = match transport::read_message(recv)
+        .await
+        .map_err(|e| ServeError::Link(e.to_string()))?
+    {
+        Some(Message::Request(r)) => r,
+        Some(_) | None => {
+            refuse(send, ErrorCode::BadFrame, "expected a chunk request".into()).await;
+            return Err(ServeError::Refused(
+                "request stream without a request".into(),
+            ));
+        }
+    };
+    if !shared.contains(&req.folder) {
+        let told = format!("folder {} is not shared with you", req.folder);
+        refuse(send, ErrorCode::NotShared, told).await;
+        return Err(ServeError::Refused(format!(
+            "peer {} asked for unshared folder {}",
+            peer.short(),
+            req.folder
+        )));
+    }
+    let Some(rt) = folders.get(&req.folder) else {
+        return Err(ServeError::Refused(format!(
+            "folder {} not running",
+            req.folder
+        )));
+    };
+    if req.hashes.len() > MAX_REQUEST_HASHES {
+        let told = format!(
+            "{} hashes in one request; at most {MAX_REQUEST_HASHES}",
+            req.hashes.len()
+        );
+        refuse(send, ErrorCode::BadFrame, told).await;
+        return Err(ServeError::Refused(format!(
+            "peer {} asked for {} chunks in one request",
+            peer.short(),
+            req.hashes.len()
+        )));
+    }
+    Ok((req, rt))
+}
+
+/// Tells the requester why its request is refused (best effort: the stream ends anyway).
+async fn refuse(send: &mut quinn::SendStream, code: ErrorCode, message: String) {
+    let _ = transport::write_message(send, &Message::Error { code, message }).await;
+}
+
+/// The blocking half of serving a request: reads each requested chunk (`None` where this
+/// device no longer has it), packs it and hands it to `tx`, in order, until done or until
+/// the stream's task stops taking them.
+fn read_chunks(
+    folders: &Folders,
+    rt: &FolderRt,
+    req: ChunkRequest,
+    tx: &mpsc::Sender<ChunkResponse>,
+) {
+    let journal = &folders.journal;
+    let mut dirs = DirCache::default();
+    let mut packer = Packer::default();
+    for hash in req.hashes {
+        let locs = journal
+            .lock()
+            .ok()
+            .and_then(|j| j.find_chunk(&req.folder, &hash).ok())
+            .unwrap_or_default();
+        let data = locs.into_iter().find_map(|l| {
+            rt.store
+                .read_chunk_in(&mut dirs, &l.path, l.offset, l.len, &hash)
+                .ok()
+        });
+        let resp = match data {
+            Some(d) => {
+                let (data, compressed) = packer.pack(d);
+                ChunkResponse {
+                    hash,
+                    data: Some(data),
+                    compressed,
+                }
+            }
+            None => ChunkResponse {
+                hash,
+                data: None,
+                compressed: false,
+            },
+        };
+        if tx.blocking_send(resp).is_err() {
+            return;
+        }
+    }
 }
 
 /// One fetched chunk (or its absence), or why the request failed.

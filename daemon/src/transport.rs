@@ -686,18 +686,46 @@ pub async fn dial_peer(
         .ok_or_else(|| {
             connect_err("the endpoint was not created by meshfs_daemon::transport::endpoint".into())
         })?;
-
     let pin = Arc::new(PinnedServer {
         expected,
         presented: Mutex::new(None),
         provider: provider(),
     });
+    let config = client_config(&context, pin.clone())?;
+    let connecting = endpoint
+        .connect_with(config, addr, SERVER_NAME)
+        .map_err(|e| connect_err(e.to_string()))?;
+    let dial = Dial {
+        addr,
+        expected,
+        our_id: context.device_id,
+        our_addr: SocketAddr::new(connecting.local_ip().unwrap_or(local.ip()), local.port()),
+        pin,
+    };
+    let conn = connecting.await.map_err(|e| dial.failed(e))?;
+    // Our hello goes out at once, beside the listener's welcome: no extra round trip.
+    if let Err(e) = send_greeting(&conn, HELLO).await {
+        return Err(match e {
+            TransportError::Connection(c) => dial.failed(c),
+            other => dial.connect_err(other.to_string()),
+        });
+    }
+    let instance = dial.welcome(&conn).await?;
+    dial.established(conn, instance)
+}
+
+/// The TLS and QUIC configuration of one dial: our certificate and key, TLS 1.3 only, no
+/// resumption (every connection passes the trust check), and `pin` as the listener's check.
+fn client_config(
+    context: &DialContext,
+    pin: Arc<PinnedServer>,
+) -> Result<quinn::ClientConfig, TransportError> {
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(context.key_der.clone()));
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err)?
         .dangerous()
-        .with_custom_certificate_verifier(pin.clone())
+        .with_custom_certificate_verifier(pin)
         .with_client_auth_cert(vec![context.cert.clone()], key)
         .map_err(tls_err)?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
@@ -705,85 +733,104 @@ pub async fn dial_peer(
     let crypto = QuicClientConfig::try_from(tls).map_err(tls_err)?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(context.transport.clone());
+    Ok(config)
+}
 
-    let connecting = endpoint
-        .connect_with(config, addr, SERVER_NAME)
-        .map_err(|e| connect_err(e.to_string()))?;
-    let our_addr = SocketAddr::new(connecting.local_ip().unwrap_or(local.ip()), local.port());
-    let failed = |e: ConnectionError| -> TransportError {
+/// One dial under way: what its failures are told with.
+struct Dial {
+    addr: SocketAddr,
+    expected: DeviceId,
+    our_id: DeviceId,
+    /// Our address as the peer should dial it (our local IP on that path, our port).
+    our_addr: SocketAddr,
+    pin: Arc<PinnedServer>,
+}
+
+impl Dial {
+    fn connect_err(&self, reason: String) -> TransportError {
+        TransportError::Connect {
+            addr: self.addr,
+            reason,
+        }
+    }
+
+    /// What a failed handshake or connection means: refused, a crossed dial, another device,
+    /// or a plain connect failure.
+    fn failed(&self, e: ConnectionError) -> TransportError {
         if let ConnectionError::ConnectionClosed(close) = &e {
             if is_certificate_alert(u64::from(close.error_code)) {
                 return TransportError::Refused {
-                    addr,
-                    our_id: context.device_id,
-                    our_addr,
+                    addr: self.addr,
+                    our_id: self.our_id,
+                    our_addr: self.our_addr,
                 };
             }
         }
         if closed_as_duplicate(&e) {
-            return TransportError::Duplicate { addr };
+            return TransportError::Duplicate { addr: self.addr };
         }
-        match pin.presented() {
-            Some(presented) if presented != expected => TransportError::WrongDevice {
-                addr,
-                expected,
+        match self.pin.presented() {
+            Some(presented) if presented != self.expected => TransportError::WrongDevice {
+                addr: self.addr,
+                expected: self.expected,
                 presented,
             },
-            _ => connect_err(match e {
+            _ => self.connect_err(match e {
                 ConnectionError::TimedOut => {
                     "no answer (is its daemon running and UDP reachable?)".into()
                 }
                 other => other.to_string(),
             }),
         }
-    };
-    let conn = connecting.await.map_err(failed)?;
-    // Our hello goes out at once, beside the listener's welcome: no extra round trip.
-    if let Err(e) = send_greeting(&conn, HELLO).await {
-        return Err(match e {
-            TransportError::Connection(c) => failed(c),
-            other => connect_err(other.to_string()),
-        });
     }
 
-    let welcome = async {
-        let mut recv = conn.accept_uni().await?;
-        read_greeting(&mut recv, WELCOME).await
-    };
-    let outcome = tokio::time::timeout(WELCOME_TIMEOUT, welcome).await;
-    let bad_welcome = |reason: String| {
-        conn.close(CLOSE_BAD_WELCOME, b"bad welcome");
-        Err(connect_err(reason))
-    };
-    let instance = match outcome {
-        Err(_) => {
-            return bad_welcome(format!(
+    /// Reads the listener's welcome within [`WELCOME_TIMEOUT`] and returns its instance nonce;
+    /// a missing or wrong welcome closes the connection.
+    async fn welcome(&self, conn: &quinn::Connection) -> Result<u64, TransportError> {
+        let welcome = async {
+            let mut recv = conn.accept_uni().await?;
+            read_greeting(&mut recv, WELCOME).await
+        };
+        let outcome = tokio::time::timeout(WELCOME_TIMEOUT, welcome).await;
+        let bad_welcome = |reason: String| {
+            conn.close(CLOSE_BAD_WELCOME, b"bad welcome");
+            Err(self.connect_err(reason))
+        };
+        match outcome {
+            Err(_) => bad_welcome(format!(
                 "no welcome within {} s after the handshake",
                 WELCOME_TIMEOUT.as_secs()
-            ))
+            )),
+            Ok(Err(GreetingError::Lost(e))) => Err(self.failed(e)),
+            Ok(Err(bad)) => bad_welcome(bad.to_string()),
+            Ok(Ok(n)) => Ok(n),
         }
-        Ok(Err(GreetingError::Lost(e))) => return Err(failed(e)),
-        Ok(Err(bad)) => return bad_welcome(bad.to_string()),
-        Ok(Ok(n)) => n,
-    };
+    }
 
-    // The verifier pinned `expected`; check again on the finished connection.
-    match remote_device(&conn) {
-        Some(id) if id == expected => Ok(Established {
-            conn,
-            peer: id,
-            instance,
-        }),
-        other => {
-            conn.close(CLOSE_WRONG_DEVICE, b"wrong device");
-            Err(match other {
-                Some(presented) => TransportError::WrongDevice {
-                    addr,
-                    expected,
-                    presented,
-                },
-                None => connect_err("the peer presented no usable certificate".into()),
-            })
+    /// The welcomed connection, once its certificate is checked again: the verifier pinned
+    /// the expected device, and the finished connection must say the same.
+    fn established(
+        &self,
+        conn: quinn::Connection,
+        instance: u64,
+    ) -> Result<Established, TransportError> {
+        match remote_device(&conn) {
+            Some(id) if id == self.expected => Ok(Established {
+                conn,
+                peer: id,
+                instance,
+            }),
+            other => {
+                conn.close(CLOSE_WRONG_DEVICE, b"wrong device");
+                Err(match other {
+                    Some(presented) => TransportError::WrongDevice {
+                        addr: self.addr,
+                        expected: self.expected,
+                        presented,
+                    },
+                    None => self.connect_err("the peer presented no usable certificate".into()),
+                })
+            }
         }
     }
 }
