@@ -33,6 +33,12 @@ pub(crate) const SERVED_AT_ONCE: usize = 32;
 const MAX_REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// How long one response may wait for the requester to take it.
 const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a request stream may go without its request: a peer that opens streams and says
+/// nothing on them would otherwise hold its [`SERVED_AT_ONCE`] places for good.
+const REQUEST_WAIT: Duration = Duration::from_secs(30);
+/// How long the next response of a request may take to begin: the server reads the chunk
+/// from its disk first (and its journal may be busy with a scan), so more than a frame stall.
+const RESPONSE_WAIT: Duration = Duration::from_secs(60);
 
 /// Largest file whose content rides inside the index batch that announces it.
 pub const INLINE_FILE_BYTES: u64 = 64 << 10;
@@ -111,7 +117,7 @@ async fn read_request(
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
 ) -> Result<(ChunkRequest, Arc<FolderRt>), ServeError> {
-    let req = match transport::read_message(recv)
+    let req = match transport::read_message_within(recv, REQUEST_WAIT)
         .await
         .map_err(|e| ServeError::Link(e.to_string()))?
     {
@@ -364,7 +370,9 @@ async fn request_group(
     .map_err(|e| link(&e))?;
     let _ = send.finish();
     for (want, want_len) in wanted.iter().take(n) {
-        let msg = transport::read_message(&mut recv)
+        // A peer that never answers, or stalls in a response, fails the request (and with it
+        // the batch) instead of holding it for good.
+        let msg = transport::read_message_within(&mut recv, RESPONSE_WAIT)
             .await
             .map_err(|e| link(&e))?;
         let resp = match msg {

@@ -40,7 +40,9 @@
 //! 6. After the welcome, streams carry frames (`u32` big-endian payload length, then a
 //!    postcard [`Message`]; see `meshfs-protocol`). A receiver that gets a frame it cannot
 //!    accept (over [`MAX_FRAME_LEN`] or malformed) stops that stream with STOP_SENDING code
-//!    [`STOP_BAD_FRAME`].
+//!    [`STOP_BAD_FRAME`]. So does one whose peer stalls in the middle of a frame: once a
+//!    frame's first byte has arrived, the next must follow within [`FRAME_STALL`] and the
+//!    whole frame within [`frame_deadline`] (an idle stream between frames is not a stall).
 //!
 //! # Tuning
 //!
@@ -96,8 +98,18 @@ pub const CLOSE_DUPLICATE: VarInt = VarInt::from_u32(1);
 pub const CLOSE_BAD_HELLO: VarInt = VarInt::from_u32(3);
 /// Bytes reserved for a frame's payload before any of it has arrived.
 const FRAME_PREALLOC: usize = 64 << 10;
-/// STOP_SENDING code: a frame on this stream was oversized or malformed.
+/// STOP_SENDING code: a frame on this stream was oversized or malformed, or its peer stalled
+/// in the middle of it.
 pub const STOP_BAD_FRAME: VarInt = VarInt::from_u32(1);
+/// Once a frame has begun, how long the peer may send nothing more of it. A live connection
+/// carries a started frame on at once: only a peer that stalls on purpose, or a path dead for
+/// longer than the idle timeout, waits this long.
+pub const FRAME_STALL: Duration = Duration::from_secs(10);
+/// A frame must be complete within this time after its first byte, plus a second per
+/// [`FRAME_MIN_RATE`] bytes it declares, however it trickles in (a 16 MiB frame: 35 minutes).
+const FRAME_TIME_BASE: Duration = Duration::from_secs(30);
+/// See [`FRAME_TIME_BASE`].
+const FRAME_MIN_RATE: u64 = 8 << 10;
 
 /// How many recently refused devices [`TrustStore::refused`] remembers.
 const REFUSED_CAPACITY: usize = 32;
@@ -314,6 +326,30 @@ pub enum TransportError {
     /// Reading from a stream failed.
     #[error("cannot read from peer stream: {0}")]
     Read(#[from] quinn::ReadError),
+    /// The peer did not send in time: no message within the wait given to
+    /// [`read_message_within`], or a frame it began went quiet for [`FRAME_STALL`] or was not
+    /// complete by [`frame_deadline`].
+    #[error("the peer stalled: {}", stalled_text(*got, *len, *waited))]
+    Stalled {
+        /// Bytes of the frame received (header included); 0: none.
+        got: usize,
+        /// The payload length the frame declared, if its header had arrived.
+        len: Option<usize>,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+}
+
+fn stalled_text(got: usize, len: Option<usize>, waited: Duration) -> String {
+    let secs = waited.as_secs_f32();
+    match (got, len) {
+        (0, _) => format!("no message within {secs:.1} s"),
+        (got, None) => format!("{got} bytes of a frame header, then nothing for {secs:.1} s"),
+        (got, Some(len)) => format!(
+            "{} of {len} bytes of a frame after {secs:.1} s",
+            got - FRAME_HEADER_LEN
+        ),
+    }
 }
 
 /// Congestion controller of an endpoint's connections.
@@ -920,46 +956,139 @@ pub async fn write_message(
 /// frames. A length over [`MAX_FRAME_LEN`] is refused before anything is allocated or read
 /// for it; such a stream, or one with a malformed or truncated frame, is stopped with
 /// [`STOP_BAD_FRAME`] and yields [`TransportError::Frame`].
+///
+/// The first byte may take as long as it takes (an idle control stream; keep-alives watch
+/// the connection). Once it has come, the frame must go on within [`FRAME_STALL`] and be
+/// complete by [`frame_deadline`], or the stream is stopped with [`STOP_BAD_FRAME`] and this
+/// yields [`TransportError::Stalled`].
 pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<Option<Message>, TransportError> {
+    read_frame(recv, None).await
+}
+
+/// [`read_message`] on a stream where a message is due: its first byte too must come within
+/// `wait`.
+pub async fn read_message_within(
+    recv: &mut quinn::RecvStream,
+    wait: Duration,
+) -> Result<Option<Message>, TransportError> {
+    read_frame(recv, Some(wait)).await
+}
+
+/// How long a frame declaring `len` payload bytes may take from its first byte to its last.
+pub fn frame_deadline(len: usize) -> Duration {
+    FRAME_TIME_BASE + Duration::from_secs(len as u64 / FRAME_MIN_RATE)
+}
+
+async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    first_within: Option<Duration>,
+) -> Result<Option<Message>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_LEN];
-    let mut filled = 0;
+    let first = recv.read(&mut header);
+    let first = match first_within {
+        None => first.await?,
+        Some(wait) => match tokio::time::timeout(wait, first).await {
+            Ok(read) => read?,
+            Err(_) => return Err(stall(recv, 0, None, wait)),
+        },
+    };
+    let Some(mut filled) = first else {
+        return Ok(None);
+    };
+    let mut clock = FrameClock::new();
     while filled < FRAME_HEADER_LEN {
-        match recv.read(&mut header[filled..]).await? {
-            Some(n) => filled += n,
-            None if filled == 0 => return Ok(None),
-            None => {
-                return Err(bad_frame(
-                    recv,
-                    CodecError::Malformed(format!(
-                        "stream ended after {filled} bytes of a frame header"
-                    )),
-                ))
-            }
+        match clock.next(recv.read(&mut header[filled..])).await {
+            Some(read) => match read? {
+                Some(n) => filled += n,
+                None => {
+                    return Err(bad_frame(
+                        recv,
+                        CodecError::Malformed(format!(
+                            "stream ended after {filled} bytes of a frame header"
+                        )),
+                    ))
+                }
+            },
+            None => return Err(stall(recv, filled, None, clock.waited())),
         }
     }
     let len = frame_len(header).map_err(|e| bad_frame(recv, e))?;
     debug_assert!(len <= MAX_FRAME_LEN);
+    clock.declared(len);
     // Grow with what arrives instead of allocating the declared length up front: a peer that
     // announces 16 MiB frames on a thousand streams and sends nothing costs 64 KiB each, and
     // what it does send is bounded by the connection's flow-control window.
     let mut payload = Vec::with_capacity(len.min(FRAME_PREALLOC));
     while payload.len() < len {
-        match recv.read_chunk(len - payload.len(), true).await? {
-            Some(chunk) => payload.extend_from_slice(&chunk.bytes),
-            None => {
-                let got = payload.len();
-                return Err(bad_frame(
-                    recv,
-                    CodecError::Malformed(format!(
-                        "stream ended after {got} of {len} bytes of a frame"
-                    )),
-                ));
-            }
+        let got = FRAME_HEADER_LEN + payload.len();
+        match clock.next(recv.read_chunk(len - payload.len(), true)).await {
+            Some(read) => match read? {
+                Some(chunk) => payload.extend_from_slice(&chunk.bytes),
+                None => {
+                    let got = payload.len();
+                    return Err(bad_frame(
+                        recv,
+                        CodecError::Malformed(format!(
+                            "stream ended after {got} of {len} bytes of a frame"
+                        )),
+                    ));
+                }
+            },
+            None => return Err(stall(recv, got, Some(len), clock.waited())),
         }
     }
     decode_payload(&payload)
         .map(Some)
         .map_err(|e| bad_frame(recv, e))
+}
+
+/// The deadlines of one frame being read: each read within [`FRAME_STALL`] of the last
+/// progress, all of it within [`frame_deadline`] of its first byte.
+struct FrameClock {
+    started: tokio::time::Instant,
+    progress: tokio::time::Instant,
+    /// Until the header is complete, the deadline of a frame of unknown length.
+    end: tokio::time::Instant,
+}
+
+impl FrameClock {
+    fn new() -> FrameClock {
+        let now = tokio::time::Instant::now();
+        FrameClock {
+            started: now,
+            progress: now,
+            end: now + FRAME_TIME_BASE,
+        }
+    }
+
+    /// The header said how long the frame is.
+    fn declared(&mut self, len: usize) {
+        self.end = self.started + frame_deadline(len);
+    }
+
+    /// Runs one read of the frame; `None` if it missed a deadline.
+    async fn next<T>(&mut self, read: impl std::future::Future<Output = T>) -> Option<T> {
+        let by = (self.progress + FRAME_STALL).min(self.end);
+        let out = tokio::time::timeout_at(by, read).await.ok()?;
+        self.progress = tokio::time::Instant::now();
+        Some(out)
+    }
+
+    fn waited(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+/// Stops a stream whose peer stalled (see [`TransportError::Stalled`]).
+fn stall(
+    recv: &mut quinn::RecvStream,
+    got: usize,
+    len: Option<usize>,
+    waited: Duration,
+) -> TransportError {
+    // Fails only if the stream is already finished or stopped: nothing left to stop.
+    let _ = recv.stop(STOP_BAD_FRAME);
+    TransportError::Stalled { got, len, waited }
 }
 
 fn bad_frame(recv: &mut quinn::RecvStream, e: CodecError) -> TransportError {

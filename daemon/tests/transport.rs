@@ -3,8 +3,8 @@
 
 use meshfs_daemon::identity::{device_id_of_cert, Identity, IdentityError};
 use meshfs_daemon::transport::{
-    accept, dial, endpoint, link_stats, read_message, remote_device, write_message, TransportError,
-    TrustStore,
+    accept, dial, endpoint, link_stats, read_message, read_message_within, remote_device,
+    write_message, TransportError, TrustStore, FRAME_STALL,
 };
 use meshfs_protocol::{
     ChunkResponse, CodecError, DeviceId, Hash, Hello, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
@@ -384,6 +384,78 @@ async fn a_malformed_frame_is_an_error_and_the_endpoint_keeps_serving_other_conn
     let (theirs, id) = next_connection(&mut incoming).await;
     assert_eq!(id, honest.id());
     exchange(&good, &theirs).await;
+}
+
+#[tokio::test]
+async fn a_peer_that_stalls_in_a_frame_is_given_up_on_and_an_idle_stream_is_not() {
+    let server = Device::new();
+    let rogue = Device::new();
+    trust_each_other(&server, &rogue);
+    let mut incoming = server.serve();
+    let conn = dial(&rogue.endpoint, server.addr(), server.id())
+        .await
+        .unwrap();
+    let (theirs, _) = next_connection(&mut incoming).await;
+
+    // One stream carries a whole message, then nothing: idle between frames.
+    let (mut idle, _idle_recv) = conn.open_bi().await.unwrap();
+    write_message(&mut idle, &hello("first")).await.unwrap();
+    let (_s, mut idle_theirs) = theirs.accept_bi().await.unwrap();
+    assert_eq!(
+        read_message(&mut idle_theirs).await.unwrap(),
+        Some(hello("first"))
+    );
+    // Another carries half a frame, then nothing.
+    let (mut half, _half_recv) = conn.open_bi().await.unwrap();
+    half.write_all(&100u32.to_be_bytes()).await.unwrap();
+    half.write_all(&[7; 50]).await.unwrap();
+    let (_s, mut half_theirs) = theirs.accept_bi().await.unwrap();
+
+    let t0 = std::time::Instant::now();
+    let err = {
+        let idle_read = read_message(&mut idle_theirs);
+        tokio::pin!(idle_read);
+        tokio::select! {
+            r = &mut idle_read => panic!("a read on an idle stream ended: {r:?}"),
+            r = read_message(&mut half_theirs) => r.unwrap_err(),
+        }
+    };
+    let waited = t0.elapsed();
+    assert!(
+        matches!(
+            err,
+            TransportError::Stalled {
+                got: 54,
+                len: Some(100),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        waited >= FRAME_STALL - Duration::from_millis(100) && waited < FRAME_STALL * 2,
+        "given up after {waited:?}"
+    );
+    assert!(err.to_string().contains("50 of 100 bytes"), "{err}");
+    // The stalled sender is told: its stream was stopped.
+    let stopped = tokio::time::timeout(Duration::from_secs(5), half.stopped()).await;
+    assert!(matches!(stopped, Ok(Ok(Some(_)))), "{stopped:?}");
+
+    // Where a message is due, its first byte has a deadline too.
+    let err = read_message_within(&mut idle_theirs, Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransportError::Stalled {
+                got: 0,
+                len: None,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }
 
 #[test]
