@@ -39,6 +39,12 @@ const REQUEST_WAIT: Duration = Duration::from_secs(30);
 /// How long the next response of a request may take to begin: the server reads the chunk
 /// from its disk first (and its journal may be busy with a scan), so more than a frame stall.
 const RESPONSE_WAIT: Duration = Duration::from_secs(60);
+/// Longest request frame read: one of [`MAX_REQUEST_HASHES`] hashes for the longest folder id
+/// takes about 2.1 KiB. A request stream holds no more than this, whatever its header says.
+const MAX_REQUEST_FRAME: usize = 8 << 10;
+/// Longest response frame read: a chunk of at most `MAX_CHUNK_LEN` and its fields, or an
+/// `Error` of at most `MAX_ERROR_MESSAGE_LEN`.
+const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
 
 /// Largest file whose content rides inside the index batch that announces it.
 pub const INLINE_FILE_BYTES: u64 = 64 << 10;
@@ -117,7 +123,7 @@ async fn read_request(
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
 ) -> Result<(ChunkRequest, Arc<FolderRt>), ServeError> {
-    let req = match transport::read_message_within(recv, REQUEST_WAIT)
+    let req = match transport::read_message_within(recv, REQUEST_WAIT, MAX_REQUEST_FRAME)
         .await
         .map_err(|e| ServeError::Link(e.to_string()))?
     {
@@ -372,7 +378,7 @@ async fn request_group(
     for (want, want_len) in wanted.iter().take(n) {
         // A peer that never answers, or stalls in a response, fails the request (and with it
         // the batch) instead of holding it for good.
-        let msg = transport::read_message_within(&mut recv, RESPONSE_WAIT)
+        let msg = transport::read_message_within(&mut recv, RESPONSE_WAIT, MAX_RESPONSE_FRAME)
             .await
             .map_err(|e| link(&e))?;
         let resp = match msg {
@@ -476,6 +482,33 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, after: u6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_longest_request_and_response_fit_the_frames_read_for_them() {
+        let folder = FolderId::new(&"f".repeat(64)).unwrap();
+        let request = Message::Request(ChunkRequest {
+            folder,
+            hashes: vec![Hash::ZERO; MAX_REQUEST_HASHES],
+        });
+        let len = meshfs_protocol::encode_frame(&request).unwrap().len();
+        assert!(len <= MAX_REQUEST_FRAME, "{len}");
+        let response = Message::Response(ChunkResponse {
+            hash: Hash::ZERO,
+            data: Some(vec![0; meshfs_protocol::MAX_CHUNK_LEN as usize]),
+            compressed: true,
+        });
+        let len = meshfs_protocol::encode_frame(&response).unwrap().len();
+        assert!(len <= MAX_RESPONSE_FRAME, "{len}");
+        let error = Message::Error {
+            code: ErrorCode::NotShared,
+            message: "e".repeat(meshfs_protocol::MAX_ERROR_MESSAGE_LEN),
+        };
+        let len = meshfs_protocol::encode_frame(&error).unwrap().len();
+        assert!(
+            len <= MAX_RESPONSE_FRAME.min(MAX_REQUEST_FRAME * 2),
+            "{len}"
+        );
+    }
 
     fn noise(n: usize) -> Vec<u8> {
         let mut x = 0x9E37_79B9_7F4A_7C15u64;

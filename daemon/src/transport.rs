@@ -965,13 +965,15 @@ pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<Option<Message
     read_frame(recv, None).await
 }
 
-/// [`read_message`] on a stream where a message is due: its first byte too must come within
-/// `wait`.
+/// [`read_message`] on a stream where a message of a known kind is due: its first byte too
+/// must come within `wait`, and its frame declare at most `max_len` bytes (refused from the
+/// header otherwise, like one over [`MAX_FRAME_LEN`]).
 pub async fn read_message_within(
     recv: &mut quinn::RecvStream,
     wait: Duration,
+    max_len: usize,
 ) -> Result<Option<Message>, TransportError> {
-    read_frame(recv, Some(wait)).await
+    read_frame(recv, Some((wait, max_len))).await
 }
 
 /// How long a frame declaring `len` payload bytes may take from its first byte to its last.
@@ -979,15 +981,17 @@ pub fn frame_deadline(len: usize) -> Duration {
     FRAME_TIME_BASE + Duration::from_secs(len as u64 / FRAME_MIN_RATE)
 }
 
+/// Reads one frame; `due`: the wait for its first byte and its longest length, when a
+/// message of a known kind is due.
 async fn read_frame(
     recv: &mut quinn::RecvStream,
-    first_within: Option<Duration>,
+    due: Option<(Duration, usize)>,
 ) -> Result<Option<Message>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_LEN];
     let first = recv.read(&mut header);
-    let first = match first_within {
+    let first = match due {
         None => first.await?,
-        Some(wait) => match tokio::time::timeout(wait, first).await {
+        Some((wait, _)) => match tokio::time::timeout(wait, first).await {
             Ok(read) => read?,
             Err(_) => return Err(stall(recv, 0, None, wait)),
         },
@@ -1014,10 +1018,16 @@ async fn read_frame(
     }
     let len = frame_len(header).map_err(|e| bad_frame(recv, e))?;
     debug_assert!(len <= MAX_FRAME_LEN);
+    if let Some((_, max_len)) = due.filter(|&(_, max_len)| len > max_len) {
+        let e = format!("a frame of {len} bytes where at most {max_len} are expected");
+        return Err(bad_frame(recv, CodecError::Malformed(e)));
+    }
     clock.declared(len);
     // Grow with what arrives instead of allocating the declared length up front: a peer that
-    // announces 16 MiB frames on a thousand streams and sends nothing costs 64 KiB each, and
-    // what it does send is bounded by the connection's flow-control window.
+    // announces 16 MiB frames on a thousand streams and sends nothing costs 64 KiB for each
+    // stream being read. What it does send is held only for the streams read at once: its
+    // control stream, the request streams being served (each frame a few KiB at most) and the
+    // responses to this device's own requests.
     let mut payload = Vec::with_capacity(len.min(FRAME_PREALLOC));
     while payload.len() < len {
         let got = FRAME_HEADER_LEN + payload.len();

@@ -442,7 +442,7 @@ async fn a_peer_that_stalls_in_a_frame_is_given_up_on_and_an_idle_stream_is_not(
     assert!(matches!(stopped, Ok(Ok(Some(_)))), "{stopped:?}");
 
     // Where a message is due, its first byte has a deadline too.
-    let err = read_message_within(&mut idle_theirs, Duration::from_millis(300))
+    let err = read_message_within(&mut idle_theirs, Duration::from_millis(300), 1 << 10)
         .await
         .unwrap_err();
     assert!(
