@@ -741,8 +741,11 @@ pub async fn dial_peer(
     let conn = connecting.await.map_err(|e| dial.failed(e))?;
     // Our hello goes out at once, beside the listener's welcome: no extra round trip.
     if let Err(e) = send_greeting(&conn, HELLO).await {
+        // The listener may refuse our certificate while the hello is being written: the
+        // write then fails with the refusal.
         return Err(match e {
-            TransportError::Connection(c) => dial.failed(c),
+            TransportError::Connection(c)
+            | TransportError::Write(quinn::WriteError::ConnectionLost(c)) => dial.failed(c),
             other => dial.connect_err(other.to_string()),
         });
     }
