@@ -402,7 +402,7 @@ fn init(home: &Home, name: Option<String>, listen: &str) -> anyhow::Result<u8> {
     });
     std::fs::create_dir_all(&home.state_dir)
         .with_context(|| format!("creating {}", home.state_dir.display()))?;
-    let id = Identity::generate(&name)?;
+    let id = Identity::generate()?;
     id.save(&home.identity_dir())?;
     Config::new(&name, listen).save(home)?;
     println!("{}", id.device_id);

@@ -3,34 +3,12 @@
 //! see, and the daemon keeps serving an honest peer.
 
 mod common;
+use common::hostile::{hello, trusted_mallory};
 use common::*;
 use meshfs_daemon::identity::Identity;
 use meshfs_daemon::transport::{self, TrustStore};
 use meshfs_protocol::*;
 use std::time::Duration;
-
-fn hello(folder: &str) -> Message {
-    Message::Hello(Hello {
-        protocol_version: PROTOCOL_VERSION,
-        device_name: "mallory".into(),
-        folders: vec![HelloFolder {
-            folder: FolderId::new(folder).unwrap(),
-            index_id: 7,
-            your_index_id: 0,
-            your_sequence: 0,
-            max_sequence: 0,
-            scanning: false,
-        }],
-    })
-}
-
-/// A new identity that `a` trusts with folder `work`.
-fn trusted_mallory(a: &Device) -> Identity {
-    let mallory = Identity::generate("mallory").unwrap();
-    let id = mallory.device_id.to_string();
-    ok(&a.home, &["peer", "add", &id, "--share", "work"]);
-    mallory
-}
 
 #[test]
 fn a_hostile_peer_gets_nothing_unshared_and_cannot_disturb_others() {
@@ -214,7 +192,8 @@ fn a_hostile_peer_cannot_exhaust_memory_or_threads_and_an_honest_peer_keeps_sync
     a.start();
     b.start();
     wait_synced_connected(&[&a, &b]);
-    let rss_before = a.rss_kib();
+    a.reset_peak_rss();
+    let before = a.usage();
     let a_id: DeviceId = a.id.parse().unwrap();
     let a_addr: std::net::SocketAddr = a.addr.parse().unwrap();
     let hashes: Vec<Hash> = (0..40).map(|i| Hash::of(&noise(1 << 20, i))).collect();
@@ -295,12 +274,25 @@ fn a_hostile_peer_cannot_exhaust_memory_or_threads_and_an_honest_peer_keeps_sync
         closed_for_flood,
         "the session of a peer ignoring the batch window is closed"
     );
-    let rss_after = a.rss_kib();
-    eprintln!("victim RSS: {rss_before} KiB before, {rss_after} KiB after the attack");
-    assert!(
-        rss_after < rss_before + 200 * 1024,
-        "RSS grew from {rss_before} to {rss_after} KiB"
+    let after = a.usage();
+    let cpu = after.cpu - before.cpu;
+    eprintln!(
+        "victim RSS: {} KiB before, {} KiB after the attack, peak {} KiB; CPU {cpu:?} (of {:?}); disk {} -> {} KiB",
+        before.rss_kib,
+        after.rss_kib,
+        after.peak_kib,
+        after.cpu,
+        before.disk / 1024,
+        after.disk / 1024
     );
+    assert!(
+        after.peak_kib < before.rss_kib + 200 * 1024,
+        "peak RSS grew from {} to {} KiB",
+        before.rss_kib,
+        after.peak_kib
+    );
+    assert!(cpu < Duration::from_secs(20), "{cpu:?} of CPU");
+    assert!(after.disk < before.disk + (16 << 20));
     // The daemon still answers and the honest peer still syncs.
     write(&b.path("after-attack.txt"), b"still syncing");
     let t0 = std::time::Instant::now();
@@ -342,7 +334,7 @@ fn wait_synced_connected(devs: &[&Device]) {
 fn a_removed_peer_is_refused_even_after_a_session_it_could_resume() {
     let t = tmp();
     let mut a = Device::new(&t, "a");
-    let mallory = Identity::generate("mallory").unwrap();
+    let mallory = Identity::generate().unwrap();
     let m_id = mallory.device_id.to_string();
     ok(&a.home, &["peer", "add", &m_id, "--share", "work"]);
     a.start();

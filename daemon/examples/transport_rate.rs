@@ -105,8 +105,8 @@ struct Device {
 }
 
 impl Device {
-    fn new(name: &str, tuning: &Tuning) -> anyhow::Result<Device> {
-        let identity = Identity::generate(name)?;
+    fn new(tuning: &Tuning) -> anyhow::Result<Device> {
+        let identity = Identity::generate()?;
         let trust = TrustStore::default();
         let endpoint = endpoint_with(&identity, localhost(), trust.clone(), tuning)?;
         Ok(Device {
@@ -128,8 +128,8 @@ async fn measure(
     total: usize,
     via_relay: Option<RelayLink>,
 ) -> anyhow::Result<(f64, LinkStats)> {
-    let server = Device::new("sink", tuning)?;
-    let client = Device::new("source", tuning)?;
+    let server = Device::new(tuning)?;
+    let client = Device::new(tuning)?;
     server.trust.add(client.identity.device_id);
     client.trust.add(server.identity.device_id);
     let listener = server.endpoint.clone();

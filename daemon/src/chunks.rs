@@ -7,7 +7,7 @@
 //! checked ([`open_chunk`]); a request is served only for a folder shared with the requester,
 //! checked on every request.
 
-use crate::folder::Folders;
+use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
 use crate::store::{DirCache, StoreError};
 use crate::transport;
@@ -33,6 +33,18 @@ pub(crate) const SERVED_AT_ONCE: usize = 32;
 const MAX_REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// How long one response may wait for the requester to take it.
 const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a request stream may go without its request: a peer that opens streams and says
+/// nothing on them would otherwise hold its [`SERVED_AT_ONCE`] places for good.
+const REQUEST_WAIT: Duration = Duration::from_secs(30);
+/// How long the next response of a request may take to begin: the server reads the chunk
+/// from its disk first (and its journal may be busy with a scan), so more than a frame stall.
+const RESPONSE_WAIT: Duration = Duration::from_secs(60);
+/// Longest request frame read: one of [`MAX_REQUEST_HASHES`] hashes for the longest folder id
+/// takes about 2.1 KiB. A request stream holds no more than this, whatever its header says.
+const MAX_REQUEST_FRAME: usize = 8 << 10;
+/// Longest response frame read: a chunk of at most `MAX_CHUNK_LEN` and its fields, or an
+/// `Error` of at most `MAX_ERROR_MESSAGE_LEN`.
+const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
 
 /// Largest file whose content rides inside the index batch that announces it.
 pub const INLINE_FILE_BYTES: u64 = 64 << 10;
@@ -79,104 +91,12 @@ pub async fn serve_request(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) -> Result<(), ServeError> {
-    let req = match transport::read_message(&mut recv)
-        .await
-        .map_err(|e| ServeError::Link(e.to_string()))?
-    {
-        Some(Message::Request(r)) => r,
-        Some(_) | None => {
-            let _ = transport::write_message(
-                &mut send,
-                &Message::Error {
-                    code: ErrorCode::BadFrame,
-                    message: "expected a chunk request".into(),
-                },
-            )
-            .await;
-            return Err(ServeError::Refused(
-                "request stream without a request".into(),
-            ));
-        }
-    };
-    if !shared.contains(&req.folder) {
-        let _ = transport::write_message(
-            &mut send,
-            &Message::Error {
-                code: ErrorCode::NotShared,
-                message: format!("folder {} is not shared with you", req.folder),
-            },
-        )
-        .await;
-        return Err(ServeError::Refused(format!(
-            "peer {} asked for unshared folder {}",
-            peer.short(),
-            req.folder
-        )));
-    }
-    let Some(rt) = folders.get(&req.folder) else {
-        return Err(ServeError::Refused(format!(
-            "folder {} not running",
-            req.folder
-        )));
-    };
-    if req.hashes.len() > MAX_REQUEST_HASHES {
-        let _ = transport::write_message(
-            &mut send,
-            &Message::Error {
-                code: ErrorCode::BadFrame,
-                message: format!(
-                    "{} hashes in one request; at most {MAX_REQUEST_HASHES}",
-                    req.hashes.len()
-                ),
-            },
-        )
-        .await;
-        return Err(ServeError::Refused(format!(
-            "peer {} asked for {} chunks in one request",
-            peer.short(),
-            req.hashes.len()
-        )));
-    }
+    let (req, rt) = read_request(folders, peer, shared, &mut send, &mut recv).await?;
     // Reading is blocking work (journal, files, zstd): a blocking thread reads the chunks in
     // order and hands each response to this task, at most a few ahead of the stream.
     let (tx, mut rx) = mpsc::channel::<ChunkResponse>(4);
-    let folder = req.folder.clone();
     let folders = folders.clone();
-    let reader = tokio::task::spawn_blocking(move || {
-        let journal = &folders.journal;
-        let mut dirs = DirCache::default();
-        let mut packer = Packer::default();
-        for hash in req.hashes {
-            let locs = journal
-                .lock()
-                .ok()
-                .and_then(|j| j.find_chunk(&folder, &hash).ok())
-                .unwrap_or_default();
-            let data = locs.into_iter().find_map(|l| {
-                rt.store
-                    .read_chunk_in(&mut dirs, &l.path, l.offset, l.len, &hash)
-                    .ok()
-            });
-            let resp = match data {
-                Some(d) => {
-                    let (data, compressed) = packer.pack(d);
-                    ChunkResponse {
-                        hash,
-                        data: Some(data),
-                        compressed,
-                    }
-                }
-                None => ChunkResponse {
-                    hash,
-                    data: None,
-                    compressed: false,
-                },
-            };
-            if tx.blocking_send(resp).is_err() {
-                return;
-            }
-        }
-    });
+    let reader = tokio::task::spawn_blocking(move || read_chunks(&folders, &rt, req, &tx));
     while let Some(resp) = rx.recv().await {
         // A requester that stops reading frees its reader after a while (dropping `rx`
         // ends the blocking thread's sends).
@@ -191,6 +111,107 @@ pub async fn serve_request(
     reader.await.map_err(|e| ServeError::Link(e.to_string()))?;
     let _ = send.finish();
     Ok(())
+}
+
+/// Reads a stream's chunk request and checks it: a request, for a folder shared with `peer`
+/// and running here, of at most [`MAX_REQUEST_HASHES`] hashes. A refusal is answered on the
+/// stream with an `Error` before it is returned.
+async fn read_request(
+    folders: &Folders,
+    peer: DeviceId,
+    shared: &[FolderId],
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+) -> Result<(ChunkRequest, Arc<FolderRt>), ServeError> {
+    let req = match transport::read_message_within(recv, REQUEST_WAIT, MAX_REQUEST_FRAME)
+        .await
+        .map_err(|e| ServeError::Link(e.to_string()))?
+    {
+        Some(Message::Request(r)) => r,
+        Some(_) | None => {
+            refuse(send, ErrorCode::BadFrame, "expected a chunk request".into()).await;
+            return Err(ServeError::Refused(
+                "request stream without a request".into(),
+            ));
+        }
+    };
+    if !shared.contains(&req.folder) {
+        let told = format!("folder {} is not shared with you", req.folder);
+        refuse(send, ErrorCode::NotShared, told).await;
+        return Err(ServeError::Refused(format!(
+            "peer {} asked for unshared folder {}",
+            peer.short(),
+            req.folder
+        )));
+    }
+    let Some(rt) = folders.get(&req.folder) else {
+        return Err(ServeError::Refused(format!(
+            "folder {} not running",
+            req.folder
+        )));
+    };
+    if req.hashes.len() > MAX_REQUEST_HASHES {
+        let told = format!(
+            "{} hashes in one request; at most {MAX_REQUEST_HASHES}",
+            req.hashes.len()
+        );
+        refuse(send, ErrorCode::BadFrame, told).await;
+        return Err(ServeError::Refused(format!(
+            "peer {} asked for {} chunks in one request",
+            peer.short(),
+            req.hashes.len()
+        )));
+    }
+    Ok((req, rt))
+}
+
+/// Tells the requester why its request is refused (best effort: the stream ends anyway).
+async fn refuse(send: &mut quinn::SendStream, code: ErrorCode, message: String) {
+    let _ = transport::write_message(send, &Message::Error { code, message }).await;
+}
+
+/// The blocking half of serving a request: reads each requested chunk (`None` where this
+/// device no longer has it), packs it and hands it to `tx`, in order, until done or until
+/// the stream's task stops taking them.
+fn read_chunks(
+    folders: &Folders,
+    rt: &FolderRt,
+    req: ChunkRequest,
+    tx: &mpsc::Sender<ChunkResponse>,
+) {
+    let journal = &folders.journal;
+    let mut dirs = DirCache::default();
+    let mut packer = Packer::default();
+    for hash in req.hashes {
+        let locs = journal
+            .lock()
+            .ok()
+            .and_then(|j| j.find_chunk(&req.folder, &hash).ok())
+            .unwrap_or_default();
+        let data = locs.into_iter().find_map(|l| {
+            rt.store
+                .read_chunk_in(&mut dirs, &l.path, l.offset, l.len, &hash)
+                .ok()
+        });
+        let resp = match data {
+            Some(d) => {
+                let (data, compressed) = packer.pack(d);
+                ChunkResponse {
+                    hash,
+                    data: Some(data),
+                    compressed,
+                }
+            }
+            None => ChunkResponse {
+                hash,
+                data: None,
+                compressed: false,
+            },
+        };
+        if tx.blocking_send(resp).is_err() {
+            return;
+        }
+    }
 }
 
 /// One fetched chunk (or its absence), or why the request failed.
@@ -355,7 +376,9 @@ async fn request_group(
     .map_err(|e| link(&e))?;
     let _ = send.finish();
     for (want, want_len) in wanted.iter().take(n) {
-        let msg = transport::read_message(&mut recv)
+        // A peer that never answers, or stalls in a response, fails the request (and with it
+        // the batch) instead of holding it for good.
+        let msg = transport::read_message_within(&mut recv, RESPONSE_WAIT, MAX_RESPONSE_FRAME)
             .await
             .map_err(|e| link(&e))?;
         let resp = match msg {
@@ -459,6 +482,33 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, after: u6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_longest_request_and_response_fit_the_frames_read_for_them() {
+        let folder = FolderId::new(&"f".repeat(64)).unwrap();
+        let request = Message::Request(ChunkRequest {
+            folder,
+            hashes: vec![Hash::ZERO; MAX_REQUEST_HASHES],
+        });
+        let len = meshfs_protocol::encode_frame(&request).unwrap().len();
+        assert!(len <= MAX_REQUEST_FRAME, "{len}");
+        let response = Message::Response(ChunkResponse {
+            hash: Hash::ZERO,
+            data: Some(vec![0; meshfs_protocol::MAX_CHUNK_LEN as usize]),
+            compressed: true,
+        });
+        let len = meshfs_protocol::encode_frame(&response).unwrap().len();
+        assert!(len <= MAX_RESPONSE_FRAME, "{len}");
+        let error = Message::Error {
+            code: ErrorCode::NotShared,
+            message: "e".repeat(meshfs_protocol::MAX_ERROR_MESSAGE_LEN),
+        };
+        let len = meshfs_protocol::encode_frame(&error).unwrap().len();
+        assert!(
+            len <= MAX_RESPONSE_FRAME.min(MAX_REQUEST_FRAME * 2),
+            "{len}"
+        );
+    }
 
     fn noise(n: usize) -> Vec<u8> {
         let mut x = 0x9E37_79B9_7F4A_7C15u64;

@@ -5,6 +5,11 @@
 //! "status"}`, `{"op": "scan", "folder": "ID"}`, `{"op": "reload"}`, `{"op": "stop"}`, …) and
 //! reads one [`Reply`] line back. Errors come back as `{"ok": false, "error": "…"}`. Both
 //! ends use these types, so the CLI and the daemon cannot disagree on the wire form.
+//!
+//! A request line is at most [`MAX_REQUEST_LINE`] bytes: a longer one is answered with an
+//! error and its connection closed, without reading or holding the rest. A failing `accept`
+//! (out of file descriptors, say) is retried after a pause that grows to a second, not at
+//! once: it would fail again at once, and spin a core.
 
 use crate::config::Home;
 use crate::engine::Engine;
@@ -16,8 +21,16 @@ use serde::{Deserialize, Serialize, Serializer};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use std::time::Duration;
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
+
+/// Longest request line the daemon reads, newline excluded. Requests are a few hundred bytes.
+pub const MAX_REQUEST_LINE: usize = 64 << 10;
+/// The first pause after a failed `accept`; it doubles up to [`ACCEPT_PAUSE_MAX`].
+const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(10);
+/// See [`ACCEPT_PAUSE_MIN`].
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// One request to the daemon: `{"op": "<name>", …fields}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -229,9 +242,21 @@ pub fn bind(home: &Home) -> Result<UnixListener, ControlError> {
 
 /// Serves control requests until the daemon stops.
 pub async fn serve(engine: Arc<Engine>, listener: UnixListener, stop: Arc<tokio::sync::Notify>) {
+    let mut pause = ACCEPT_PAUSE_MIN;
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                pause = ACCEPT_PAUSE_MIN;
+                stream
+            }
+            Err(e) => {
+                if pause == ACCEPT_PAUSE_MIN {
+                    tracing::warn!(error = %e, "cannot accept a control connection; retrying");
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(ACCEPT_PAUSE_MAX);
+                continue;
+            }
         };
         if !same_user(&stream) {
             tracing::warn!("refused a control connection from another user");
@@ -258,19 +283,59 @@ async fn handle(
     stop: Arc<tokio::sync::Notify>,
 ) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
-    let mut lines = BufReader::new(r).lines();
-    while let Some(line) = lines.next_line().await? {
-        let reply = match Request::parse(&line) {
-            Err(e) => Reply::failed(e),
-            Ok(req) => answer(&engine, req, &stop).await,
+    let mut r = BufReader::new(r);
+    let mut buf = Vec::new();
+    loop {
+        let (reply, last) = match next_line(&mut r, &mut buf).await? {
+            Line::End => return Ok(()),
+            Line::TooLong => (
+                Reply::Failed(format!(
+                    "request line longer than {MAX_REQUEST_LINE} bytes; closing the connection"
+                )),
+                true,
+            ),
+            Line::Text(line) => match Request::parse(&line) {
+                Err(e) => (Reply::failed(e), false),
+                Ok(req) => (answer(&engine, req, &stop).await, false),
+            },
         };
         let mut out = serde_json::to_string(&reply).unwrap_or_else(|e| {
             serde_json::json!({"ok": false, "error": e.to_string()}).to_string()
         });
         out.push('\n');
         w.write_all(out.as_bytes()).await?;
+        if last {
+            return Ok(());
+        }
     }
-    Ok(())
+}
+
+/// One request line as read from a control connection.
+#[derive(Debug, PartialEq, Eq)]
+enum Line {
+    /// The connection ended.
+    End,
+    /// A line (without its newline; the last one may have none). Bytes that are not UTF-8
+    /// are replaced, so that the parser says what is wrong.
+    Text(String),
+    /// More than [`MAX_REQUEST_LINE`] bytes without a newline: the rest was not read.
+    TooLong,
+}
+
+/// Reads the next line into `buf`, never more than [`MAX_REQUEST_LINE`] and a byte.
+async fn next_line<R: AsyncBufRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> std::io::Result<Line> {
+    buf.clear();
+    let limit = MAX_REQUEST_LINE as u64 + 1;
+    let n = (&mut *r).take(limit).read_until(b'\n', buf).await?;
+    if n == 0 {
+        return Ok(Line::End);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+    } else if buf.len() > MAX_REQUEST_LINE {
+        return Ok(Line::TooLong);
+    }
+    Ok(Line::Text(String::from_utf8_lossy(buf).into_owned()))
 }
 
 /// Carries out one request. Status, mount and unmount run on a blocking thread: status reads
@@ -534,6 +599,56 @@ mod tests {
             let err = Request::parse(line).unwrap_err().to_string();
             assert!(err.contains(says), "{line}: {err}");
         }
+    }
+
+    fn lines(input: &[u8]) -> (Vec<Line>, usize) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut r = input;
+            let mut buf = Vec::new();
+            let mut out = Vec::new();
+            loop {
+                let line = next_line(&mut r, &mut buf).await.unwrap();
+                let stop = matches!(line, Line::End | Line::TooLong);
+                out.push(line);
+                if stop {
+                    return (out, r.len());
+                }
+            }
+        })
+    }
+
+    #[test]
+    fn request_lines_are_read_one_by_one_up_to_the_limit() {
+        let at_limit = "x".repeat(MAX_REQUEST_LINE);
+        let input = format!("{{\"op\":\"status\"}}\n{at_limit}\nlast");
+        let (got, left) = lines(input.as_bytes());
+        assert_eq!(
+            got,
+            vec![
+                Line::Text(r#"{"op":"status"}"#.into()),
+                Line::Text(at_limit),
+                Line::Text("last".into()),
+                Line::End
+            ]
+        );
+        assert_eq!(left, 0);
+        let (got, _) = lines(b"\xff\n");
+        assert_eq!(got[0], Line::Text("\u{fffd}".into()));
+    }
+
+    #[test]
+    fn an_overlong_request_line_is_refused_without_reading_the_rest() {
+        let first = b"{\"op\":\"status\"}\n";
+        let mut input = first.to_vec();
+        input.resize(input.len() + (16 << 20), b'x');
+        let (got, left) = lines(&input);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1], Line::TooLong);
+        // Read: the first line and one byte past the limit of the second; nothing more.
+        assert_eq!(input.len() - left, first.len() + MAX_REQUEST_LINE + 1);
     }
 
     #[test]

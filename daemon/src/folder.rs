@@ -23,6 +23,10 @@ use tokio::sync::{broadcast, mpsc};
 
 /// Records committed per journal transaction by a scan.
 const SCAN_COMMIT_BATCH: usize = 4096;
+/// Most skipped remote versions a folder lists (and logs one by one): a peer that sends
+/// records that cannot apply, at paths of its choosing, cannot grow the list or the log
+/// without end.
+pub const MAX_SKIPPED: usize = 1000;
 
 /// Why a folder operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +98,7 @@ pub struct FolderRt {
     pub(crate) blocked: Mutex<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
     /// rest of the folder keeps syncing, until a later version of the path applies.
-    pub(crate) skipped: Mutex<std::collections::BTreeMap<RelPath, String>>,
+    pub(crate) skipped: Mutex<Skipped>,
     /// Files of the folder that exist but cannot be read, by path, with the error: not
     /// replicated until a later scan reads them.
     pub(crate) unreadable: Mutex<std::collections::BTreeMap<RelPath, String>>,
@@ -107,6 +111,51 @@ pub struct FolderRt {
     /// What apply just did to paths, so the watcher's events for it are not rescanned.
     pub echoes: crate::capture::Echoes,
     pub(crate) watcher: Mutex<Option<notify::RecommendedWatcher>>,
+}
+
+/// The remote versions a folder skipped, by path, with the error: at most [`MAX_SKIPPED`]
+/// listed, the rest counted.
+#[derive(Debug, Default)]
+pub struct Skipped {
+    listed: std::collections::BTreeMap<RelPath, String>,
+    unlisted: u64,
+}
+
+/// What [`Skipped::note`] did.
+#[derive(Debug, PartialEq, Eq)]
+enum Noted {
+    /// Listed, new.
+    New,
+    /// Listed already (its error updated).
+    Known,
+    /// Not listed: the list is full. `first`: the first one since it filled.
+    Unlisted {
+        /// Whether it is the first not listed.
+        first: bool,
+    },
+}
+
+impl Skipped {
+    fn note(&mut self, path: RelPath, error: String) -> Noted {
+        if let Some(e) = self.listed.get_mut(&path) {
+            *e = error;
+            return Noted::Known;
+        }
+        if self.listed.len() < MAX_SKIPPED {
+            self.listed.insert(path, error);
+            return Noted::New;
+        }
+        self.unlisted += 1;
+        Noted::Unlisted {
+            first: self.unlisted == 1,
+        }
+    }
+
+    fn forget(&mut self, path: &RelPath) {
+        if !self.listed.is_empty() {
+            self.listed.remove(path);
+        }
+    }
 }
 
 impl FolderRt {
@@ -140,24 +189,31 @@ impl FolderRt {
         self.blocked.lock().ok().and_then(|b| b.clone())
     }
 
-    /// Records that a remote version of `path` cannot be applied. Returns whether this is new
-    /// (so the log says it once).
+    /// Records that a remote version of `path` cannot be applied. Returns whether the log
+    /// should say so: the path is new to the list (which holds at most [`MAX_SKIPPED`]).
     pub fn skip(&self, path: RelPath, error: String) -> bool {
         self.last_error.set(format_args!(
             "cannot apply the remote version of {path}: {error}"
         ));
-        self.skipped
-            .lock()
-            .map(|mut s| s.insert(path, error).is_none())
-            .unwrap_or(false)
+        let Ok(mut s) = self.skipped.lock() else {
+            return false;
+        };
+        match s.note(path, error) {
+            Noted::New => true,
+            Noted::Known => false,
+            Noted::Unlisted { first } => {
+                if first {
+                    tracing::warn!(folder = %self.id, max = MAX_SKIPPED, "more remote versions cannot be applied than are listed; the rest are neither listed in status nor logged one by one");
+                }
+                false
+            }
+        }
     }
 
     /// A version of `path` applied: it is no longer skipped.
     pub fn unskip(&self, path: &RelPath) {
         if let Ok(mut s) = self.skipped.lock() {
-            if !s.is_empty() {
-                s.remove(path);
-            }
+            s.forget(path);
         }
     }
 
@@ -165,7 +221,12 @@ impl FolderRt {
     pub fn skipped(&self) -> Vec<(RelPath, String)> {
         self.skipped
             .lock()
-            .map(|s| s.iter().map(|(p, e)| (p.clone(), e.clone())).collect())
+            .map(|s| {
+                s.listed
+                    .iter()
+                    .map(|(p, e)| (p.clone(), e.clone()))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -484,4 +545,33 @@ fn commit_in_batches(
         changes = rest;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_skipped_list_is_bounded_and_says_once_when_it_is_full() {
+        let mut s = Skipped::default();
+        let path = |i: usize| RelPath::new(&format!("p{i}")).unwrap();
+        for i in 0..MAX_SKIPPED {
+            assert_eq!(s.note(path(i), "e".into()), Noted::New);
+        }
+        assert_eq!(s.note(path(0), "again".into()), Noted::Known);
+        assert_eq!(
+            s.note(path(MAX_SKIPPED), "e".into()),
+            Noted::Unlisted { first: true }
+        );
+        for i in 1..10_000 {
+            assert_eq!(
+                s.note(path(MAX_SKIPPED + i), "e".into()),
+                Noted::Unlisted { first: false }
+            );
+        }
+        assert_eq!(s.listed.len(), MAX_SKIPPED);
+        assert_eq!(s.listed[&path(0)], "again");
+        s.forget(&path(0));
+        assert_eq!(s.note(path(MAX_SKIPPED), "e".into()), Noted::New);
+    }
 }

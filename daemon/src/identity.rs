@@ -7,6 +7,11 @@
 //! by a small DER walker rather than a full X.509 parser, because that one field is all
 //! meshfs reads from a certificate.
 //!
+//! A certificate names no device: its subject and issuer are [`CERT_NAME`] on every device,
+//! since peers pin keys, not names, and a listener shows its certificate to anyone who starts
+//! a handshake. (Certificates made before named the device, by default its hostname; such an
+//! identity is loaded with a certificate issued afresh from the same key, so the same id.)
+//!
 //! It never overwrites an existing identity (a lost key is a new device to every peer), never
 //! creates the key file with wider permissions than 0600, not even for an instant, and does
 //! no networking.
@@ -21,6 +26,15 @@ use std::path::{Path, PathBuf};
 pub const CERT_FILE: &str = "cert.der";
 /// File name of the private key (PKCS#8 DER) inside the identity directory.
 pub const KEY_FILE: &str = "key.der";
+
+/// The common name of every certificate meshfs makes, as subject and issuer.
+pub const CERT_NAME: &str = "meshfs";
+/// The subject (and issuer) DER of a certificate made with [`CERT_NAME`]: one relative name,
+/// the common name (2.5.4.3) as a UTF8String.
+const CERT_SUBJECT: &[u8] = &[
+    0x30, 0x11, 0x31, 0x0f, 0x30, 0x0d, 0x06, 0x03, 0x55, 0x04, 0x03, 0x0c, 0x06, b'm', b'e', b's',
+    b'h', b'f', b's',
+];
 
 /// Certificates are pinned by key hash, so expiry protects nothing; it only has to lie far
 /// enough in the future never to be reached.
@@ -126,22 +140,11 @@ pub enum IdentityError {
 }
 
 impl Identity {
-    /// A new identity: a fresh ECDSA P-256 key and a self-signed certificate with
-    /// CN = `device_name`, valid for a century.
-    pub fn generate(device_name: &str) -> Result<Identity, IdentityError> {
+    /// A new identity: a fresh ECDSA P-256 key and a self-signed certificate named
+    /// [`CERT_NAME`] (not after the device), valid for a century.
+    pub fn generate() -> Result<Identity, IdentityError> {
         let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, device_name);
-        let now = time::OffsetDateTime::now_utc();
-        params.not_before = now - time::Duration::days(1);
-        params.not_after = now.replace_year(now.year() + VALIDITY_YEARS).unwrap_or(
-            // 29 February without a leap year in a century: one day later is fine.
-            now + time::Duration::days(365 * i64::from(VALIDITY_YEARS) + 25),
-        );
-        let cert = params.self_signed(&key)?;
-        let cert_der = cert.der().to_vec();
+        let cert_der = certificate_for(&key)?;
         let key_der = key.serialize_der();
         let device_id = device_id_of_cert(&cert_der)?;
         debug_assert_eq!(
@@ -214,6 +217,13 @@ impl Identity {
             ));
         }
         let device_id = DeviceId::from_spki(spki);
+        // A certificate made before CERT_NAME names the device: present one issued afresh
+        // from the same key instead (same SPKI, same id). The file stays as it was.
+        let cert_der = match subject_of_cert(&cert_der) {
+            Ok(CERT_SUBJECT) => cert_der,
+            _ => certificate_for(&key)?,
+        };
+        debug_assert_eq!(device_id_of_cert(&cert_der).ok(), Some(device_id));
         Ok(Identity {
             cert_der,
             key_der,
@@ -228,6 +238,22 @@ impl Identity {
             .iter()
             .any(|f| dir.join(f).symlink_metadata().is_ok())
     }
+}
+
+/// A self-signed certificate for `key` named [`CERT_NAME`], valid from yesterday for a
+/// century.
+fn certificate_for(key: &rcgen::KeyPair) -> Result<Vec<u8>, IdentityError> {
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, CERT_NAME);
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::days(1);
+    params.not_after = now.replace_year(now.year() + VALIDITY_YEARS).unwrap_or(
+        // 29 February without a leap year in a century: one day later is fine.
+        now + time::Duration::days(365 * i64::from(VALIDITY_YEARS) + 25),
+    );
+    Ok(params.self_signed(key)?.der().to_vec())
 }
 
 /// The device id of the device presenting `cert_der`: blake3 of its SubjectPublicKeyInfo.
@@ -363,6 +389,16 @@ const VERSION_TAG: u8 = 0xa0;
 /// serialNumber INTEGER, signature SEQUENCE, issuer SEQUENCE, validity SEQUENCE,
 /// subject SEQUENCE, subjectPublicKeyInfo SEQUENCE, … }, … }` (RFC 5280 §4.1).
 fn spki_of_cert(cert_der: &[u8]) -> Result<&[u8], DerError> {
+    Ok(subject_and_spki(cert_der)?.1)
+}
+
+/// The subject element (whole DER encoding) of an X.509 certificate.
+fn subject_of_cert(cert_der: &[u8]) -> Result<&[u8], DerError> {
+    Ok(subject_and_spki(cert_der)?.0)
+}
+
+/// The subject and SubjectPublicKeyInfo elements of a certificate (see [`spki_of_cert`]).
+fn subject_and_spki(cert_der: &[u8]) -> Result<(&[u8], &[u8]), DerError> {
     let (cert, trailing) = expect_tag(cert_der, SEQUENCE, "Certificate")?;
     if !trailing.is_empty() {
         return Err(DerError::Trailing(trailing.len()));
@@ -373,12 +409,13 @@ fn spki_of_cert(cert_der: &[u8]) -> Result<&[u8], DerError> {
         rest = next_tlv(rest)?.1;
     }
     rest = expect_tag(rest, INTEGER, "serialNumber")?.1;
-    for what in ["signature", "issuer", "validity", "subject"] {
+    for what in ["signature", "issuer", "validity"] {
         rest = expect_tag(rest, SEQUENCE, what)?.1;
     }
+    let (subject, rest) = expect_tag(rest, SEQUENCE, "subject")?;
     let (spki, _) = expect_tag(rest, SEQUENCE, "subjectPublicKeyInfo")?;
     subject_public_key(spki.whole)?;
-    Ok(spki.whole)
+    Ok((subject.whole, spki.whole))
 }
 
 /// The key bytes of a SubjectPublicKeyInfo: `SEQUENCE { algorithm SEQUENCE,
@@ -402,7 +439,7 @@ mod tests {
 
     #[test]
     fn device_id_is_the_hash_of_the_certificate_spki() {
-        let id = Identity::generate("laptop").unwrap();
+        let id = Identity::generate().unwrap();
         let key = rcgen::KeyPair::try_from(id.key_der.as_slice()).unwrap();
         let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
         assert_eq!(id.device_id, DeviceId::from_spki(&spki));
@@ -411,7 +448,7 @@ mod tests {
 
     #[test]
     fn truncated_or_garbage_certificates_are_errors_not_panics() {
-        let id = Identity::generate("x").unwrap();
+        let id = Identity::generate().unwrap();
         for cut in 0..id.cert_der.len() {
             assert!(device_id_of_cert(&id.cert_der[..cut]).is_err());
         }
@@ -434,5 +471,65 @@ mod tests {
             device_id_of_cert(&trailing),
             Err(IdentityError::Certificate(DerError::Trailing(1)))
         ));
+    }
+
+    /// An identity as versions before [`CERT_NAME`] made it: the device name in the
+    /// certificate.
+    fn named(device_name: &str) -> Identity {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, device_name);
+        let cert_der = params.self_signed(&key).unwrap().der().to_vec();
+        Identity {
+            device_id: device_id_of_cert(&cert_der).unwrap(),
+            cert_der,
+            key_der: key.serialize_der(),
+        }
+    }
+
+    fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+        haystack.windows(needle.len()).any(|w| w == needle)
+    }
+
+    #[test]
+    fn a_certificate_names_no_device() {
+        let id = Identity::generate().unwrap();
+        assert_eq!(subject_of_cert(&id.cert_der), Ok(CERT_SUBJECT));
+        // Self-signed: the issuer is the same fixed name.
+        assert_eq!(
+            id.cert_der
+                .windows(CERT_SUBJECT.len())
+                .filter(|w| *w == CERT_SUBJECT)
+                .count(),
+            2
+        );
+        let dir = tempfile::tempdir().unwrap();
+        id.save(dir.path()).unwrap();
+        let loaded = Identity::load(dir.path()).unwrap();
+        assert_eq!(
+            loaded.cert_der, id.cert_der,
+            "a current certificate is kept as it is"
+        );
+    }
+
+    #[test]
+    fn an_identity_whose_certificate_named_the_device_keeps_its_id_and_presents_no_name() {
+        let old = named("laptop-of-alice");
+        assert!(contains(&old.cert_der, b"laptop-of-alice"));
+        let dir = tempfile::tempdir().unwrap();
+        old.save(dir.path()).unwrap();
+        let loaded = Identity::load(dir.path()).unwrap();
+        assert_eq!(loaded.device_id, old.device_id);
+        assert_eq!(loaded.key_der, old.key_der);
+        assert!(!contains(&loaded.cert_der, b"laptop-of-alice"));
+        assert_eq!(subject_of_cert(&loaded.cert_der), Ok(CERT_SUBJECT));
+        assert_eq!(device_id_of_cert(&loaded.cert_der).unwrap(), old.device_id);
+        // The stored file is left alone.
+        assert_eq!(
+            std::fs::read(dir.path().join(CERT_FILE)).unwrap(),
+            old.cert_der
+        );
     }
 }

@@ -40,7 +40,9 @@
 //! 6. After the welcome, streams carry frames (`u32` big-endian payload length, then a
 //!    postcard [`Message`]; see `meshfs-protocol`). A receiver that gets a frame it cannot
 //!    accept (over [`MAX_FRAME_LEN`] or malformed) stops that stream with STOP_SENDING code
-//!    [`STOP_BAD_FRAME`].
+//!    [`STOP_BAD_FRAME`]. So does one whose peer stalls in the middle of a frame: once a
+//!    frame's first byte has arrived, the next must follow within [`FRAME_STALL`] and the
+//!    whole frame within [`frame_deadline`] (an idle stream between frames is not a stall).
 //!
 //! # Tuning
 //!
@@ -68,7 +70,7 @@ use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, Signatu
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// The ALPN protocol id of meshfs protocol version 1.
 pub const ALPN: &[u8] = b"meshfs/1";
@@ -96,13 +98,29 @@ pub const CLOSE_DUPLICATE: VarInt = VarInt::from_u32(1);
 pub const CLOSE_BAD_HELLO: VarInt = VarInt::from_u32(3);
 /// Bytes reserved for a frame's payload before any of it has arrived.
 const FRAME_PREALLOC: usize = 64 << 10;
-/// STOP_SENDING code: a frame on this stream was oversized or malformed.
+/// STOP_SENDING code: a frame on this stream was oversized or malformed, or its peer stalled
+/// in the middle of it.
 pub const STOP_BAD_FRAME: VarInt = VarInt::from_u32(1);
+/// Once a frame has begun, how long the peer may send nothing more of it. A live connection
+/// carries a started frame on at once: only a peer that stalls on purpose, or a path dead for
+/// longer than the idle timeout, waits this long.
+pub const FRAME_STALL: Duration = Duration::from_secs(10);
+/// A frame must be complete within this time after its first byte, plus a second per
+/// [`FRAME_MIN_RATE`] bytes it declares, however it trickles in (a 16 MiB frame: 35 minutes).
+const FRAME_TIME_BASE: Duration = Duration::from_secs(30);
+/// See [`FRAME_TIME_BASE`].
+const FRAME_MIN_RATE: u64 = 8 << 10;
 
 /// How many recently refused devices [`TrustStore::refused`] remembers.
 const REFUSED_CAPACITY: usize = 32;
 /// A device refused again within this time is logged at debug level, not as a warning.
 const REFUSAL_WARN_INTERVAL: Duration = Duration::from_secs(300);
+/// Most refusal warnings in one [`REFUSAL_LOG_WINDOW`]: a device that makes a new key for
+/// every attempt is news every time. Refusals past it are counted, and one line at the end of
+/// the window says how many.
+const REFUSAL_WARNINGS_PER_WINDOW: u32 = 5;
+/// See [`REFUSAL_WARNINGS_PER_WINDOW`].
+const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(60);
 /// Marker in the TLS error text by which [`accept`] recognizes our own refusal.
 const UNTRUSTED_MARKER: &str = "untrusted device ";
 
@@ -119,6 +137,33 @@ struct TrustInner {
     trusted: HashSet<DeviceId>,
     /// Most recent first, at most one entry per device.
     refused: VecDeque<(DeviceId, SystemTime)>,
+    log: RefusalLog,
+}
+
+/// How refusals are being logged in the current window.
+#[derive(Default)]
+struct RefusalLog {
+    /// When the current window began (`None`: no refusal yet).
+    window: Option<Instant>,
+    /// Warnings written in it.
+    warned: u32,
+    /// Refusals of new devices in it that got no warning of their own.
+    unlogged: u64,
+}
+
+/// What to log about one refusal ([`TrustStore::record_refusal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RefusalNote {
+    /// A warning naming the device.
+    Warn,
+    /// The device was refused a moment ago: nothing to tell.
+    Again,
+    /// News, but the window's warnings are spent: counted. `summary_at`: the first such in
+    /// its window, whose count is to be logged then ([`TrustStore::take_unlogged`]).
+    Counted {
+        /// When to log the window's count, if this refusal is the first one counted.
+        summary_at: Option<Instant>,
+    },
 }
 
 impl TrustStore {
@@ -152,10 +197,10 @@ impl TrustStore {
         self.read().refused.iter().copied().collect()
     }
 
-    /// Records a refusal of `id`; returns whether it is news (not refused in the last
-    /// [`REFUSAL_WARN_INTERVAL`]), i.e. whether the user should be told.
-    fn record_refusal(&self, id: DeviceId) -> bool {
-        let now = SystemTime::now();
+    /// Records a refusal of `id` at `now` (`wall`: the same moment, as shown to people) and
+    /// says what to log: a warning when it is news (not refused in the last
+    /// [`REFUSAL_WARN_INTERVAL`]) and the window has warnings left, else a count.
+    fn record_refusal(&self, id: DeviceId, now: Instant, wall: SystemTime) -> RefusalNote {
         let mut inner = self.write();
         let previous = inner
             .refused
@@ -163,14 +208,38 @@ impl TrustStore {
             .position(|(r, _)| *r == id)
             .and_then(|i| inner.refused.remove(i))
             .map(|(_, at)| at);
-        inner.refused.push_front((id, now));
+        inner.refused.push_front((id, wall));
         inner.refused.truncate(REFUSED_CAPACITY);
-        match previous {
-            None => true,
-            Some(at) => now
-                .duration_since(at)
-                .map_or(true, |d| d >= REFUSAL_WARN_INTERVAL),
+        let news = previous.is_none_or(|at| {
+            wall.duration_since(at)
+                .map_or(true, |d| d >= REFUSAL_WARN_INTERVAL)
+        });
+        if !news {
+            return RefusalNote::Again;
         }
+        let log = &mut inner.log;
+        let start = match log.window {
+            Some(start) if now.saturating_duration_since(start) < REFUSAL_LOG_WINDOW => start,
+            _ => {
+                // A new window; a count left in the old one is logged by its own summary.
+                log.window = Some(now);
+                log.warned = 0;
+                now
+            }
+        };
+        if log.warned < REFUSAL_WARNINGS_PER_WINDOW {
+            log.warned += 1;
+            return RefusalNote::Warn;
+        }
+        log.unlogged += 1;
+        RefusalNote::Counted {
+            summary_at: (log.unlogged == 1).then_some(start + REFUSAL_LOG_WINDOW),
+        }
+    }
+
+    /// The refusals counted without a warning since the last call, and resets the count.
+    fn take_unlogged(&self) -> u64 {
+        std::mem::take(&mut self.write().log.unlogged)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, TrustInner> {
@@ -257,6 +326,30 @@ pub enum TransportError {
     /// Reading from a stream failed.
     #[error("cannot read from peer stream: {0}")]
     Read(#[from] quinn::ReadError),
+    /// The peer did not send in time: no message within the wait given to
+    /// [`read_message_within`], or a frame it began went quiet for [`FRAME_STALL`] or was not
+    /// complete by [`frame_deadline`].
+    #[error("the peer stalled: {}", stalled_text(*got, *len, *waited))]
+    Stalled {
+        /// Bytes of the frame received (header included); 0: none.
+        got: usize,
+        /// The payload length the frame declared, if its header had arrived.
+        len: Option<usize>,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+}
+
+fn stalled_text(got: usize, len: Option<usize>, waited: Duration) -> String {
+    let secs = waited.as_secs_f32();
+    match (got, len) {
+        (0, _) => format!("no message within {secs:.1} s"),
+        (got, None) => format!("{got} bytes of a frame header, then nothing for {secs:.1} s"),
+        (got, Some(len)) => format!(
+            "{} of {len} bytes of a frame after {secs:.1} s",
+            got - FRAME_HEADER_LEN
+        ),
+    }
 }
 
 /// Congestion controller of an endpoint's connections.
@@ -629,18 +722,49 @@ pub async fn dial_peer(
         .ok_or_else(|| {
             connect_err("the endpoint was not created by meshfs_daemon::transport::endpoint".into())
         })?;
-
     let pin = Arc::new(PinnedServer {
         expected,
         presented: Mutex::new(None),
         provider: provider(),
     });
+    let config = client_config(&context, pin.clone())?;
+    let connecting = endpoint
+        .connect_with(config, addr, SERVER_NAME)
+        .map_err(|e| connect_err(e.to_string()))?;
+    let dial = Dial {
+        addr,
+        expected,
+        our_id: context.device_id,
+        our_addr: SocketAddr::new(connecting.local_ip().unwrap_or(local.ip()), local.port()),
+        pin,
+    };
+    let conn = connecting.await.map_err(|e| dial.failed(e))?;
+    // Our hello goes out at once, beside the listener's welcome: no extra round trip.
+    if let Err(e) = send_greeting(&conn, HELLO).await {
+        // The listener may refuse our certificate while the hello is being written: the
+        // write then fails with the refusal.
+        return Err(match e {
+            TransportError::Connection(c)
+            | TransportError::Write(quinn::WriteError::ConnectionLost(c)) => dial.failed(c),
+            other => dial.connect_err(other.to_string()),
+        });
+    }
+    let instance = dial.welcome(&conn).await?;
+    dial.established(conn, instance)
+}
+
+/// The TLS and QUIC configuration of one dial: our certificate and key, TLS 1.3 only, no
+/// resumption (every connection passes the trust check), and `pin` as the listener's check.
+fn client_config(
+    context: &DialContext,
+    pin: Arc<PinnedServer>,
+) -> Result<quinn::ClientConfig, TransportError> {
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(context.key_der.clone()));
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err)?
         .dangerous()
-        .with_custom_certificate_verifier(pin.clone())
+        .with_custom_certificate_verifier(pin)
         .with_client_auth_cert(vec![context.cert.clone()], key)
         .map_err(tls_err)?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
@@ -648,85 +772,104 @@ pub async fn dial_peer(
     let crypto = QuicClientConfig::try_from(tls).map_err(tls_err)?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(context.transport.clone());
+    Ok(config)
+}
 
-    let connecting = endpoint
-        .connect_with(config, addr, SERVER_NAME)
-        .map_err(|e| connect_err(e.to_string()))?;
-    let our_addr = SocketAddr::new(connecting.local_ip().unwrap_or(local.ip()), local.port());
-    let failed = |e: ConnectionError| -> TransportError {
+/// One dial under way: what its failures are told with.
+struct Dial {
+    addr: SocketAddr,
+    expected: DeviceId,
+    our_id: DeviceId,
+    /// Our address as the peer should dial it (our local IP on that path, our port).
+    our_addr: SocketAddr,
+    pin: Arc<PinnedServer>,
+}
+
+impl Dial {
+    fn connect_err(&self, reason: String) -> TransportError {
+        TransportError::Connect {
+            addr: self.addr,
+            reason,
+        }
+    }
+
+    /// What a failed handshake or connection means: refused, a crossed dial, another device,
+    /// or a plain connect failure.
+    fn failed(&self, e: ConnectionError) -> TransportError {
         if let ConnectionError::ConnectionClosed(close) = &e {
             if is_certificate_alert(u64::from(close.error_code)) {
                 return TransportError::Refused {
-                    addr,
-                    our_id: context.device_id,
-                    our_addr,
+                    addr: self.addr,
+                    our_id: self.our_id,
+                    our_addr: self.our_addr,
                 };
             }
         }
         if closed_as_duplicate(&e) {
-            return TransportError::Duplicate { addr };
+            return TransportError::Duplicate { addr: self.addr };
         }
-        match pin.presented() {
-            Some(presented) if presented != expected => TransportError::WrongDevice {
-                addr,
-                expected,
+        match self.pin.presented() {
+            Some(presented) if presented != self.expected => TransportError::WrongDevice {
+                addr: self.addr,
+                expected: self.expected,
                 presented,
             },
-            _ => connect_err(match e {
+            _ => self.connect_err(match e {
                 ConnectionError::TimedOut => {
                     "no answer (is its daemon running and UDP reachable?)".into()
                 }
                 other => other.to_string(),
             }),
         }
-    };
-    let conn = connecting.await.map_err(failed)?;
-    // Our hello goes out at once, beside the listener's welcome: no extra round trip.
-    if let Err(e) = send_greeting(&conn, HELLO).await {
-        return Err(match e {
-            TransportError::Connection(c) => failed(c),
-            other => connect_err(other.to_string()),
-        });
     }
 
-    let welcome = async {
-        let mut recv = conn.accept_uni().await?;
-        read_greeting(&mut recv, WELCOME).await
-    };
-    let outcome = tokio::time::timeout(WELCOME_TIMEOUT, welcome).await;
-    let bad_welcome = |reason: String| {
-        conn.close(CLOSE_BAD_WELCOME, b"bad welcome");
-        Err(connect_err(reason))
-    };
-    let instance = match outcome {
-        Err(_) => {
-            return bad_welcome(format!(
+    /// Reads the listener's welcome within [`WELCOME_TIMEOUT`] and returns its instance nonce;
+    /// a missing or wrong welcome closes the connection.
+    async fn welcome(&self, conn: &quinn::Connection) -> Result<u64, TransportError> {
+        let welcome = async {
+            let mut recv = conn.accept_uni().await?;
+            read_greeting(&mut recv, WELCOME).await
+        };
+        let outcome = tokio::time::timeout(WELCOME_TIMEOUT, welcome).await;
+        let bad_welcome = |reason: String| {
+            conn.close(CLOSE_BAD_WELCOME, b"bad welcome");
+            Err(self.connect_err(reason))
+        };
+        match outcome {
+            Err(_) => bad_welcome(format!(
                 "no welcome within {} s after the handshake",
                 WELCOME_TIMEOUT.as_secs()
-            ))
+            )),
+            Ok(Err(GreetingError::Lost(e))) => Err(self.failed(e)),
+            Ok(Err(bad)) => bad_welcome(bad.to_string()),
+            Ok(Ok(n)) => Ok(n),
         }
-        Ok(Err(GreetingError::Lost(e))) => return Err(failed(e)),
-        Ok(Err(bad)) => return bad_welcome(bad.to_string()),
-        Ok(Ok(n)) => n,
-    };
+    }
 
-    // The verifier pinned `expected`; check again on the finished connection.
-    match remote_device(&conn) {
-        Some(id) if id == expected => Ok(Established {
-            conn,
-            peer: id,
-            instance,
-        }),
-        other => {
-            conn.close(CLOSE_WRONG_DEVICE, b"wrong device");
-            Err(match other {
-                Some(presented) => TransportError::WrongDevice {
-                    addr,
-                    expected,
-                    presented,
-                },
-                None => connect_err("the peer presented no usable certificate".into()),
-            })
+    /// The welcomed connection, once its certificate is checked again: the verifier pinned
+    /// the expected device, and the finished connection must say the same.
+    fn established(
+        &self,
+        conn: quinn::Connection,
+        instance: u64,
+    ) -> Result<Established, TransportError> {
+        match remote_device(&conn) {
+            Some(id) if id == self.expected => Ok(Established {
+                conn,
+                peer: id,
+                instance,
+            }),
+            other => {
+                conn.close(CLOSE_WRONG_DEVICE, b"wrong device");
+                Err(match other {
+                    Some(presented) => TransportError::WrongDevice {
+                        addr: self.addr,
+                        expected: self.expected,
+                        presented,
+                    },
+                    None => self.connect_err("the peer presented no usable certificate".into()),
+                })
+            }
         }
     }
 }
@@ -816,46 +959,149 @@ pub async fn write_message(
 /// frames. A length over [`MAX_FRAME_LEN`] is refused before anything is allocated or read
 /// for it; such a stream, or one with a malformed or truncated frame, is stopped with
 /// [`STOP_BAD_FRAME`] and yields [`TransportError::Frame`].
+///
+/// The first byte may take as long as it takes (an idle control stream; keep-alives watch
+/// the connection). Once it has come, the frame must go on within [`FRAME_STALL`] and be
+/// complete by [`frame_deadline`], or the stream is stopped with [`STOP_BAD_FRAME`] and this
+/// yields [`TransportError::Stalled`].
 pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<Option<Message>, TransportError> {
+    read_frame(recv, None).await
+}
+
+/// [`read_message`] on a stream where a message of a known kind is due: its first byte too
+/// must come within `wait`, and its frame declare at most `max_len` bytes (refused from the
+/// header otherwise, like one over [`MAX_FRAME_LEN`]).
+pub async fn read_message_within(
+    recv: &mut quinn::RecvStream,
+    wait: Duration,
+    max_len: usize,
+) -> Result<Option<Message>, TransportError> {
+    read_frame(recv, Some((wait, max_len))).await
+}
+
+/// How long a frame declaring `len` payload bytes may take from its first byte to its last.
+pub fn frame_deadline(len: usize) -> Duration {
+    FRAME_TIME_BASE + Duration::from_secs(len as u64 / FRAME_MIN_RATE)
+}
+
+/// Reads one frame; `due`: the wait for its first byte and its longest length, when a
+/// message of a known kind is due.
+async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    due: Option<(Duration, usize)>,
+) -> Result<Option<Message>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_LEN];
-    let mut filled = 0;
+    let first = recv.read(&mut header);
+    let first = match due {
+        None => first.await?,
+        Some((wait, _)) => match tokio::time::timeout(wait, first).await {
+            Ok(read) => read?,
+            Err(_) => return Err(stall(recv, 0, None, wait)),
+        },
+    };
+    let Some(mut filled) = first else {
+        return Ok(None);
+    };
+    let mut clock = FrameClock::new();
     while filled < FRAME_HEADER_LEN {
-        match recv.read(&mut header[filled..]).await? {
-            Some(n) => filled += n,
-            None if filled == 0 => return Ok(None),
-            None => {
-                return Err(bad_frame(
-                    recv,
-                    CodecError::Malformed(format!(
-                        "stream ended after {filled} bytes of a frame header"
-                    )),
-                ))
-            }
+        match clock.next(recv.read(&mut header[filled..])).await {
+            Some(read) => match read? {
+                Some(n) => filled += n,
+                None => {
+                    return Err(bad_frame(
+                        recv,
+                        CodecError::Malformed(format!(
+                            "stream ended after {filled} bytes of a frame header"
+                        )),
+                    ))
+                }
+            },
+            None => return Err(stall(recv, filled, None, clock.waited())),
         }
     }
     let len = frame_len(header).map_err(|e| bad_frame(recv, e))?;
     debug_assert!(len <= MAX_FRAME_LEN);
+    if let Some((_, max_len)) = due.filter(|&(_, max_len)| len > max_len) {
+        let e = format!("a frame of {len} bytes where at most {max_len} are expected");
+        return Err(bad_frame(recv, CodecError::Malformed(e)));
+    }
+    clock.declared(len);
     // Grow with what arrives instead of allocating the declared length up front: a peer that
-    // announces 16 MiB frames on a thousand streams and sends nothing costs 64 KiB each, and
-    // what it does send is bounded by the connection's flow-control window.
+    // announces 16 MiB frames on a thousand streams and sends nothing costs 64 KiB for each
+    // stream being read. What it does send is held only for the streams read at once: its
+    // control stream, the request streams being served (each frame a few KiB at most) and the
+    // responses to this device's own requests.
     let mut payload = Vec::with_capacity(len.min(FRAME_PREALLOC));
     while payload.len() < len {
-        match recv.read_chunk(len - payload.len(), true).await? {
-            Some(chunk) => payload.extend_from_slice(&chunk.bytes),
-            None => {
-                let got = payload.len();
-                return Err(bad_frame(
-                    recv,
-                    CodecError::Malformed(format!(
-                        "stream ended after {got} of {len} bytes of a frame"
-                    )),
-                ));
-            }
+        let got = FRAME_HEADER_LEN + payload.len();
+        match clock.next(recv.read_chunk(len - payload.len(), true)).await {
+            Some(read) => match read? {
+                Some(chunk) => payload.extend_from_slice(&chunk.bytes),
+                None => {
+                    let got = payload.len();
+                    return Err(bad_frame(
+                        recv,
+                        CodecError::Malformed(format!(
+                            "stream ended after {got} of {len} bytes of a frame"
+                        )),
+                    ));
+                }
+            },
+            None => return Err(stall(recv, got, Some(len), clock.waited())),
         }
     }
     decode_payload(&payload)
         .map(Some)
         .map_err(|e| bad_frame(recv, e))
+}
+
+/// The deadlines of one frame being read: each read within [`FRAME_STALL`] of the last
+/// progress, all of it within [`frame_deadline`] of its first byte.
+struct FrameClock {
+    started: tokio::time::Instant,
+    progress: tokio::time::Instant,
+    /// Until the header is complete, the deadline of a frame of unknown length.
+    end: tokio::time::Instant,
+}
+
+impl FrameClock {
+    fn new() -> FrameClock {
+        let now = tokio::time::Instant::now();
+        FrameClock {
+            started: now,
+            progress: now,
+            end: now + FRAME_TIME_BASE,
+        }
+    }
+
+    /// The header said how long the frame is.
+    fn declared(&mut self, len: usize) {
+        self.end = self.started + frame_deadline(len);
+    }
+
+    /// Runs one read of the frame; `None` if it missed a deadline.
+    async fn next<T>(&mut self, read: impl std::future::Future<Output = T>) -> Option<T> {
+        let by = (self.progress + FRAME_STALL).min(self.end);
+        let out = tokio::time::timeout_at(by, read).await.ok()?;
+        self.progress = tokio::time::Instant::now();
+        Some(out)
+    }
+
+    fn waited(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+/// Stops a stream whose peer stalled (see [`TransportError::Stalled`]).
+fn stall(
+    recv: &mut quinn::RecvStream,
+    got: usize,
+    len: Option<usize>,
+    waited: Duration,
+) -> TransportError {
+    // Fails only if the stream is already finished or stopped: nothing left to stop.
+    let _ = recv.stop(STOP_BAD_FRAME);
+    TransportError::Stalled { got, len, waited }
 }
 
 fn bad_frame(recv: &mut quinn::RecvStream, e: CodecError) -> TransportError {
@@ -972,12 +1218,20 @@ impl ClientCertVerifier for TrustedClients {
         if self.trust.contains(&id) {
             return Ok(ClientCertVerified::assertion());
         }
-        if self.trust.record_refusal(id) {
-            tracing::warn!(
+        match self
+            .trust
+            .record_refusal(id, Instant::now(), SystemTime::now())
+        {
+            RefusalNote::Warn => tracing::warn!(
                 "refused a connection from unknown device {id}: if it is yours, run `meshfs peer add {id} --addr HOST:PORT` (its address)"
-            );
-        } else {
-            tracing::debug!("refused unknown device {id} again");
+            ),
+            RefusalNote::Again => tracing::debug!("refused unknown device {id} again"),
+            RefusalNote::Counted { summary_at } => {
+                tracing::debug!("refused unknown device {id}");
+                if let Some(at) = summary_at {
+                    log_unlogged_refusals(self.trust.clone(), at);
+                }
+            }
         }
         Err(rustls::Error::InvalidCertificate(CertificateError::Other(
             rustls::OtherError(Arc::new(Untrusted(id))),
@@ -1012,6 +1266,25 @@ impl ClientCertVerifier for TrustedClients {
             .signature_verification_algorithms
             .supported_schemes()
     }
+}
+
+/// At `at`, logs in one line how many refusals went without a warning of their own.
+fn log_unlogged_refusals(trust: TrustStore, at: Instant) {
+    // Verifiers run on quinn's tasks, inside the runtime; without one there is no log to
+    // keep tidy.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        tokio::time::sleep_until(at.into()).await;
+        let n = trust.take_unlogged();
+        if n > 0 {
+            tracing::warn!(
+                "refused {n} more connections from unknown devices in the last {} s without a line each (a device making a new key for every attempt?); `meshfs status` lists the most recent",
+                REFUSAL_LOG_WINDOW.as_secs()
+            );
+        }
+    });
 }
 
 /// The dialer's check of a listener: its device id must be the one dialed.
@@ -1240,14 +1513,50 @@ mod tests {
     #[test]
     fn refusals_are_bounded_and_most_recent_first() {
         let trust = TrustStore::default();
+        let (now, wall) = (Instant::now(), SystemTime::now());
         for i in 0..40u8 {
-            assert!(trust.record_refusal(DeviceId::from_bytes([i; 32])));
+            let note = trust.record_refusal(DeviceId::from_bytes([i; 32]), now, wall);
+            assert_ne!(note, RefusalNote::Again);
         }
-        assert!(!trust.record_refusal(DeviceId::from_bytes([39; 32])));
+        assert_eq!(
+            trust.record_refusal(DeviceId::from_bytes([39; 32]), now, wall),
+            RefusalNote::Again
+        );
         let refused = trust.refused();
         assert_eq!(refused.len(), REFUSED_CAPACITY);
         assert_eq!(refused[0].0, DeviceId::from_bytes([39; 32]));
         trust.add(DeviceId::from_bytes([39; 32]));
         assert_eq!(trust.refused().len(), REFUSED_CAPACITY - 1);
+    }
+
+    #[test]
+    fn a_device_with_a_new_key_every_time_gets_a_few_warnings_and_a_count() {
+        let trust = TrustStore::default();
+        let start = Instant::now();
+        let wall = SystemTime::now();
+        let refuse = |i: u32, at: Duration| {
+            let mut id = [0u8; 32];
+            id[..4].copy_from_slice(&i.to_be_bytes());
+            trust.record_refusal(DeviceId::from_bytes(id), start + at, wall + at)
+        };
+        let notes: Vec<RefusalNote> = (0..10_000)
+            .map(|i| refuse(i, Duration::from_millis(u64::from(i))))
+            .collect();
+        let warned = notes.iter().filter(|n| **n == RefusalNote::Warn).count();
+        assert_eq!(warned, REFUSAL_WARNINGS_PER_WINDOW as usize);
+        let summaries: Vec<Instant> = notes
+            .iter()
+            .filter_map(|n| match n {
+                RefusalNote::Counted { summary_at } => *summary_at,
+                _ => None,
+            })
+            .collect();
+        // One summary for the window, at its end, counting everything past the warnings.
+        assert_eq!(summaries, vec![start + REFUSAL_LOG_WINDOW]);
+        assert_eq!(trust.take_unlogged(), 10_000 - warned as u64);
+        assert_eq!(trust.take_unlogged(), 0);
+        assert_eq!(trust.refused().len(), REFUSED_CAPACITY);
+        // The next window may warn again.
+        assert_eq!(refuse(20_000, REFUSAL_LOG_WINDOW * 2), RefusalNote::Warn);
     }
 }

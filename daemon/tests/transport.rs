@@ -3,8 +3,8 @@
 
 use meshfs_daemon::identity::{device_id_of_cert, Identity, IdentityError};
 use meshfs_daemon::transport::{
-    accept, dial, endpoint, link_stats, read_message, remote_device, write_message, TransportError,
-    TrustStore,
+    accept, dial, endpoint, link_stats, read_message, read_message_within, remote_device,
+    write_message, TransportError, TrustStore, FRAME_STALL,
 };
 use meshfs_protocol::{
     ChunkResponse, CodecError, DeviceId, Hash, Hello, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
@@ -67,8 +67,8 @@ struct Device {
 }
 
 impl Device {
-    fn new(name: &str) -> Device {
-        let identity = Identity::generate(name).unwrap();
+    fn new() -> Device {
+        let identity = Identity::generate().unwrap();
         let trust = TrustStore::default();
         let endpoint = endpoint(&identity, localhost(), trust.clone()).unwrap();
         Device {
@@ -181,8 +181,8 @@ async fn exchange(dialer: &quinn::Connection, listener: &quinn::Connection) {
 
 #[tokio::test]
 async fn trusted_devices_connect_both_ways_and_exchange_messages() {
-    let a = Device::new("a");
-    let b = Device::new("b");
+    let a = Device::new();
+    let b = Device::new();
     trust_each_other(&a, &b);
     let mut a_incoming = a.serve();
     let mut b_incoming = b.serve();
@@ -207,8 +207,8 @@ async fn trusted_devices_connect_both_ways_and_exchange_messages() {
 
 #[tokio::test]
 async fn an_unknown_device_is_refused_in_the_handshake_and_told_what_to_run() {
-    let server = Device::new("server");
-    let stranger = Device::new("stranger");
+    let server = Device::new();
+    let stranger = Device::new();
     stranger.trust.add(server.id()); // the stranger knows the server, not the reverse
     let mut incoming = server.serve();
 
@@ -271,11 +271,9 @@ async fn an_unknown_device_is_refused_in_the_handshake_and_told_what_to_run() {
 
 #[tokio::test]
 async fn a_dialer_refuses_a_listener_that_is_not_the_expected_device() {
-    let server = Device::new("server");
-    let client = Device::new("client");
-    let impostor_of = Identity::generate("the device the client meant")
-        .unwrap()
-        .device_id;
+    let server = Device::new();
+    let client = Device::new();
+    let impostor_of = Identity::generate().unwrap().device_id;
     trust_each_other(&server, &client);
     let mut incoming = server.serve();
 
@@ -306,8 +304,8 @@ async fn a_dialer_refuses_a_listener_that_is_not_the_expected_device() {
 
 #[tokio::test]
 async fn a_frame_longer_than_the_limit_is_refused_before_its_body_is_allocated() {
-    let server = Device::new("server");
-    let client = Device::new("client");
+    let server = Device::new();
+    let client = Device::new();
     trust_each_other(&server, &client);
     let mut incoming = server.serve();
     let conn = dial(&client.endpoint, server.addr(), server.id())
@@ -346,9 +344,9 @@ async fn a_frame_longer_than_the_limit_is_refused_before_its_body_is_allocated()
 
 #[tokio::test]
 async fn a_malformed_frame_is_an_error_and_the_endpoint_keeps_serving_other_connections() {
-    let server = Device::new("server");
-    let rogue = Device::new("rogue");
-    let honest = Device::new("honest");
+    let server = Device::new();
+    let rogue = Device::new();
+    let honest = Device::new();
     trust_each_other(&server, &rogue);
     trust_each_other(&server, &honest);
     let mut incoming = server.serve();
@@ -388,12 +386,84 @@ async fn a_malformed_frame_is_an_error_and_the_endpoint_keeps_serving_other_conn
     exchange(&good, &theirs).await;
 }
 
+#[tokio::test]
+async fn a_peer_that_stalls_in_a_frame_is_given_up_on_and_an_idle_stream_is_not() {
+    let server = Device::new();
+    let rogue = Device::new();
+    trust_each_other(&server, &rogue);
+    let mut incoming = server.serve();
+    let conn = dial(&rogue.endpoint, server.addr(), server.id())
+        .await
+        .unwrap();
+    let (theirs, _) = next_connection(&mut incoming).await;
+
+    // One stream carries a whole message, then nothing: idle between frames.
+    let (mut idle, _idle_recv) = conn.open_bi().await.unwrap();
+    write_message(&mut idle, &hello("first")).await.unwrap();
+    let (_s, mut idle_theirs) = theirs.accept_bi().await.unwrap();
+    assert_eq!(
+        read_message(&mut idle_theirs).await.unwrap(),
+        Some(hello("first"))
+    );
+    // Another carries half a frame, then nothing.
+    let (mut half, _half_recv) = conn.open_bi().await.unwrap();
+    half.write_all(&100u32.to_be_bytes()).await.unwrap();
+    half.write_all(&[7; 50]).await.unwrap();
+    let (_s, mut half_theirs) = theirs.accept_bi().await.unwrap();
+
+    let t0 = std::time::Instant::now();
+    let err = {
+        let idle_read = read_message(&mut idle_theirs);
+        tokio::pin!(idle_read);
+        tokio::select! {
+            r = &mut idle_read => panic!("a read on an idle stream ended: {r:?}"),
+            r = read_message(&mut half_theirs) => r.unwrap_err(),
+        }
+    };
+    let waited = t0.elapsed();
+    assert!(
+        matches!(
+            err,
+            TransportError::Stalled {
+                got: 54,
+                len: Some(100),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        waited >= FRAME_STALL - Duration::from_millis(100) && waited < FRAME_STALL * 2,
+        "given up after {waited:?}"
+    );
+    assert!(err.to_string().contains("50 of 100 bytes"), "{err}");
+    // The stalled sender is told: its stream was stopped.
+    let stopped = tokio::time::timeout(Duration::from_secs(5), half.stopped()).await;
+    assert!(matches!(stopped, Ok(Ok(Some(_)))), "{stopped:?}");
+
+    // Where a message is due, its first byte has a deadline too.
+    let err = read_message_within(&mut idle_theirs, Duration::from_millis(300), 1 << 10)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransportError::Stalled {
+                got: 0,
+                len: None,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
 #[test]
 fn identity_save_then_load_round_trips_the_device_id() {
     let dir = tempfile::tempdir().unwrap();
     let home = dir.path().join("keys");
     assert!(!Identity::exists(&home));
-    let identity = Identity::generate("laptop").unwrap();
+    let identity = Identity::generate().unwrap();
     identity.save(&home).unwrap();
     assert!(Identity::exists(&home));
 
@@ -412,10 +482,7 @@ fn identity_save_then_load_round_trips_the_device_id() {
 #[test]
 fn identity_key_file_is_readable_only_by_its_owner() {
     let dir = tempfile::tempdir().unwrap();
-    Identity::generate("laptop")
-        .unwrap()
-        .save(dir.path())
-        .unwrap();
+    Identity::generate().unwrap().save(dir.path()).unwrap();
     let mode = |f: &str| {
         std::fs::metadata(dir.path().join(f))
             .unwrap()
@@ -436,9 +503,9 @@ fn identity_key_file_is_readable_only_by_its_owner() {
 #[test]
 fn identity_save_refuses_to_overwrite_an_existing_identity() {
     let dir = tempfile::tempdir().unwrap();
-    let first = Identity::generate("first").unwrap();
+    let first = Identity::generate().unwrap();
     first.save(dir.path()).unwrap();
-    let second = Identity::generate("second").unwrap();
+    let second = Identity::generate().unwrap();
     let err = second.save(dir.path()).unwrap_err();
     assert!(matches!(err, IdentityError::Exists(_)), "{err:?}");
     assert!(err.to_string().contains("refusing to overwrite"), "{err}");
@@ -464,9 +531,9 @@ fn identity_save_refuses_to_overwrite_an_existing_identity() {
 #[test]
 fn identity_load_names_a_damaged_file() {
     let dir = tempfile::tempdir().unwrap();
-    Identity::generate("a").unwrap().save(dir.path()).unwrap();
+    Identity::generate().unwrap().save(dir.path()).unwrap();
     let other = tempfile::tempdir().unwrap();
-    Identity::generate("b").unwrap().save(other.path()).unwrap();
+    Identity::generate().unwrap().save(other.path()).unwrap();
     std::fs::copy(other.path().join("key.der"), dir.path().join("key.der")).unwrap();
     let err = Identity::load(dir.path()).unwrap_err();
     assert!(err.to_string().contains("key.der"), "{err}");
@@ -499,8 +566,8 @@ async fn chunk_responses_sent_on_parallel_streams_arrive_intact_and_in_order() {
     const STREAMS: usize = 4;
     const FRAMES: usize = 4;
     const LEN: usize = 256 << 10;
-    let sink = Device::new("sink");
-    let source = Device::new("source");
+    let sink = Device::new();
+    let source = Device::new();
     trust_each_other(&sink, &source);
     let mut incoming = sink.serve();
     let conn = dial(&source.endpoint, sink.addr(), sink.id())

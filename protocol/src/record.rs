@@ -7,7 +7,7 @@
 use crate::ids::ShortId;
 use crate::limits::{MAX_CHUNK_LEN, MAX_FRAME_LEN};
 use crate::path::RelPath;
-use crate::vv::VersionVector;
+use crate::vv::{VersionVector, MAX_VV_ENTRIES_KEPT};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -23,6 +23,17 @@ pub const MAX_CHUNKS_PER_RECORD: usize = MAX_FRAME_LEN / 32;
 /// [`MAX_CHUNK_LEN`]. Files chunk to about 1 MiB on average above 16 GiB, so in practice a
 /// record describes files up to about 450 GiB before its chunk list outgrows a frame.
 pub const MAX_FILE_SIZE: u64 = MAX_CHUNKS_PER_RECORD as u64 * MAX_CHUNK_LEN as u64;
+/// Largest encoded record a device keeps: an index batch holding it alone still fits in a
+/// frame after one more local edit (its vector one entry longer, its sequence a full varint),
+/// with room to spare for the batch's own fields.
+pub const MAX_KEPT_RECORD_LEN: usize = MAX_FRAME_LEN - 4096;
+/// Wire bytes of a record beyond its path, target, chunks and vector entries, at most: the
+/// length prefixes and every fixed or varint field at its longest.
+const RECORD_FIXED_MAX: usize = 96;
+/// Wire bytes of one chunk at most (a `u32` varint and the hash).
+const CHUNK_MAX: usize = 5 + 32;
+/// Wire bytes of one version vector entry at most (two `u64` varints).
+const VV_ENTRY_MAX: usize = 10 + 10;
 /// The blake3 derive-key context of a multi-chunk file's content hash ([`Hash::of_chunks`]).
 pub const FILE_HASH_CONTEXT: &str = "meshfs 2026-11-23 file content hash from its chunk list";
 
@@ -147,6 +158,14 @@ pub enum RecordError {
     /// The version vector is empty (every version has at least one edit).
     #[error("record for {0}: empty version vector")]
     NoVersion(RelPath),
+    /// A version vector longer than a device keeps ([`MAX_VV_ENTRIES_KEPT`]): after this
+    /// device's next edit no peer would accept it.
+    #[error("record for {0}: its version vector would have {1} entries, more than the {MAX_VV_ENTRIES_KEPT} a device keeps so that its edits stay sendable")]
+    VersionTooLong(RelPath, usize),
+    /// A record whose encoding is longer than a device keeps ([`MAX_KEPT_RECORD_LEN`]): it
+    /// could not be sent on in a frame.
+    #[error("record for {0}: {1} bytes encoded, more than the {MAX_KEPT_RECORD_LEN} a device keeps so that it stays sendable")]
+    TooLongToSend(RelPath, usize),
 }
 
 /// Everything a device knows about one path's current version (or its deletion).
@@ -250,6 +269,39 @@ impl FileRecord {
             return Err(RecordError::Chunks(self.path.clone(), self.size));
         }
         Ok(())
+    }
+
+    /// Bytes of this record's wire encoding.
+    pub fn encoded_len(&self) -> usize {
+        // The `Size` flavor only counts: it cannot fail, and allocates nothing.
+        postcard::serialize_with_flavor(self, postcard::ser_flavors::Size::default())
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Checks that a device may keep this record: every peer accepts it, also after one more
+    /// local edit. A received record passed the decoder, but the records a device makes from
+    /// it (a merge of two histories, a revived parent) can outgrow what a peer accepts; kept,
+    /// such a record would be refused by every peer, after every edit, for good. Costs little
+    /// unless the record is close to the frame limit (then one pass that counts its bytes).
+    pub fn check_sendable(&self) -> Result<(), RecordError> {
+        let entries = self.version.entries().len();
+        if entries > MAX_VV_ENTRIES_KEPT {
+            return Err(RecordError::VersionTooLong(self.path.clone(), entries));
+        }
+        let at_most = RECORD_FIXED_MAX
+            + self.path.as_str().len()
+            + self.target.len()
+            + self.chunks.len() * CHUNK_MAX
+            + entries * VV_ENTRY_MAX;
+        if at_most <= MAX_KEPT_RECORD_LEN {
+            return Ok(());
+        }
+        match self.encoded_len() {
+            len if len > MAX_KEPT_RECORD_LEN => {
+                Err(RecordError::TooLongToSend(self.path.clone(), len))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The chunks with their byte offsets.
@@ -425,5 +477,89 @@ mod tests {
             link(&"t".repeat(MAX_LINK_TARGET + 1)).validate(),
             Err(RecordError::Target(RelPath::new("f").unwrap()))
         );
+    }
+
+    /// A record with every field at its longest: the bound the cheap check uses must hold.
+    fn longest(chunks: usize, entries: usize) -> FileRecord {
+        // Two-byte characters: 127 of them make a 254-byte component.
+        let component = "\u{e9}".repeat(127);
+        let mut path = vec![component.as_str(); 13].join("/");
+        while path.len() > crate::MAX_PATH_LEN {
+            path.pop();
+        }
+        FileRecord {
+            path: RelPath::new(&path).unwrap(),
+            mode: MODE_SYNC_MASK,
+            mtime_ns: i64::MIN,
+            size: u64::MAX,
+            chunks: vec![
+                Chunk {
+                    len: u32::MAX,
+                    hash: Hash::ZERO
+                };
+                chunks
+            ],
+            version: VersionVector::from_pairs(
+                (0..entries as u64).map(|i| (ShortId(u64::MAX - i), u64::MAX)),
+            ),
+            modified_by: ShortId(u64::MAX),
+            sequence: u64::MAX,
+            ..file(Vec::new())
+        }
+    }
+
+    #[test]
+    fn the_cheap_length_bound_is_never_below_the_encoding() {
+        for (chunks, entries) in [(0, 0), (1, 1), (3, 4096), (1000, 10)] {
+            let r = longest(chunks, entries);
+            let bound = RECORD_FIXED_MAX
+                + r.path.as_str().len()
+                + r.target.len()
+                + chunks * CHUNK_MAX
+                + entries * VV_ENTRY_MAX;
+            assert!(
+                r.encoded_len() <= bound,
+                "{chunks} chunks, {entries} entries"
+            );
+            assert_eq!(r.encoded_len(), postcard::to_allocvec(&r).unwrap().len());
+        }
+        let link = FileRecord {
+            target: "t".repeat(MAX_LINK_TARGET),
+            ..longest(0, 1)
+        };
+        let bound = RECORD_FIXED_MAX + link.path.as_str().len() + MAX_LINK_TARGET + VV_ENTRY_MAX;
+        assert!(link.encoded_len() <= bound);
+    }
+
+    #[test]
+    fn a_record_is_kept_only_if_it_stays_sendable() {
+        let entries = |n: u64| VersionVector::from_pairs((1..=n).map(|d| (ShortId(d), 1)));
+        let kept = FileRecord {
+            version: entries(MAX_VV_ENTRIES_KEPT as u64),
+            ..file(vec![])
+        };
+        assert_eq!(kept.check_sendable(), Ok(()));
+        let long = FileRecord {
+            version: entries(MAX_VV_ENTRIES_KEPT as u64 + 1),
+            ..file(vec![])
+        };
+        assert_eq!(
+            long.check_sendable(),
+            Err(RecordError::VersionTooLong(
+                long.path.clone(),
+                MAX_VV_ENTRIES_KEPT + 1
+            ))
+        );
+        // One-byte chunks take 33 bytes each, less than the cheap bound counts: a record the
+        // bound alone would refuse is measured, and kept when it fits.
+        let c = chunk(b"x");
+        let fits = file(vec![c; MAX_KEPT_RECORD_LEN / 35]);
+        assert!(fits.chunks.len() * CHUNK_MAX > MAX_KEPT_RECORD_LEN);
+        assert_eq!(fits.check_sendable(), Ok(()));
+        let over = file(vec![c; MAX_KEPT_RECORD_LEN / 33 + 1]);
+        assert!(matches!(
+            over.check_sendable(),
+            Err(RecordError::TooLongToSend(_, n)) if n > MAX_KEPT_RECORD_LEN
+        ));
     }
 }

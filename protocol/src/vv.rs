@@ -76,10 +76,23 @@ impl VersionVector {
     /// The daemon passes the current Unix time in seconds as `floor`, so a device whose
     /// journal was lost and recreated still produces versions that are never *before* the
     /// ones it made earlier (they are concurrent or newer, and so never silently overwritten).
+    ///
+    /// No counter passes [`MAX_VV_COUNTER`], the most a peer accepts. Once `dev`'s is there (a
+    /// peer may send it so, to stop this device's edits of a path from reaching anyone), the
+    /// edit is counted under [`spill_id`]`(dev)` instead, and so on along that chain. The
+    /// result still strictly dominates `self`, and is the same on every device.
     pub fn increment(&mut self, dev: ShortId, floor: u64) {
-        // Saturating: received counters are capped far below (`MAX_VV_COUNTER`).
-        let next = self.get(dev).saturating_add(1).max(floor);
-        self.set(dev, next);
+        let mut dev = dev;
+        // Every id of the chain at the cap is an entry: within one more step than there are
+        // entries the chain reaches one that is not (a cycle would take a blake3 collision).
+        for _ in 0..=self.0.len() {
+            let counter = self.get(dev);
+            if counter < MAX_VV_COUNTER {
+                self.set(dev, (counter + 1).max(floor).min(MAX_VV_COUNTER));
+                return;
+            }
+            dev = spill_id(dev);
+        }
     }
 
     /// A copy with `dev`'s counter incremented (see [`VersionVector::increment`]).
@@ -185,11 +198,29 @@ impl std::fmt::Display for VersionVector {
     }
 }
 
+/// The id an edit by `dev` is counted under once `dev`'s counter is at [`MAX_VV_COUNTER`]
+/// ([`VersionVector::increment`]): 64 bits of blake3 of `dev`, like a resolver id; no real
+/// device has it.
+pub fn spill_id(dev: ShortId) -> ShortId {
+    let mut h = blake3::Hasher::new();
+    h.update(b"meshfs-vv-spill/1");
+    h.update(&dev.0.to_be_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&h.finalize().as_bytes()[..8]);
+    ShortId(u64::from_be_bytes(first))
+}
+
 /// Most entries a received vector may have. A vector gains an entry per device that edited the
 /// path and per distinct conflict resolution of it; a peer cannot make us hold or compare more.
 pub const MAX_VV_ENTRIES: usize = 4096;
+/// Most entries a vector kept by a device may have: one fewer than a peer accepts, so that the
+/// next local edit, which adds at most this device's own entry, still makes a vector every peer
+/// accepts. A peer's record whose decision would keep a longer vector (a merge of two long
+/// histories) is refused, never pruned: a pruned vector would forget edits it has seen.
+pub const MAX_VV_ENTRIES_KEPT: usize = MAX_VV_ENTRIES - 1;
 /// Largest counter a received vector may carry: counters are Unix seconds or small counts,
-/// and a counter near `u64::MAX` would make the next local increment wrap.
+/// and a counter near `u64::MAX` would make the next local increment wrap. No increment
+/// passes it either ([`VersionVector::increment`]).
 pub const MAX_VV_COUNTER: u64 = 1 << 62;
 
 struct PairsVisitor;
@@ -352,16 +383,54 @@ mod limits {
     }
 
     #[test]
-    fn a_counter_that_would_wrap_is_refused_and_increments_saturate() {
+    fn a_counter_that_would_wrap_is_refused_and_an_edit_at_the_cap_is_counted_apart() {
         let bytes = postcard::to_allocvec(&vec![(ShortId(1), u64::MAX)]).unwrap();
         assert!(postcard::from_bytes::<VersionVector>(&bytes).is_err());
         let ok = postcard::to_allocvec(&vec![(ShortId(1), MAX_VV_COUNTER)]).unwrap();
         let v: VersionVector = postcard::from_bytes(&ok).unwrap();
-        assert_eq!(
-            v.incremented(ShortId(1), 0).get(ShortId(1)),
-            MAX_VV_COUNTER + 1
-        );
-        let top = VersionVector::from_pairs([(ShortId(2), u64::MAX)]);
-        assert_eq!(top.incremented(ShortId(2), 0).get(ShortId(2)), u64::MAX);
+        let next = v.incremented(ShortId(1), 0);
+        assert_eq!(next.get(ShortId(1)), MAX_VV_COUNTER);
+        assert_eq!(next.get(spill_id(ShortId(1))), 1);
+        assert_eq!(next.compare(&v), VvOrdering::After);
+        // A later edit goes on counting there; a floor above the cap is held to it.
+        let later = next.incremented(ShortId(1), u64::MAX);
+        assert_eq!(later.get(spill_id(ShortId(1))), MAX_VV_COUNTER);
+        assert_eq!(later.compare(&next), VvOrdering::After);
+    }
+
+    fn at_cap(ids: impl IntoIterator<Item = ShortId>) -> VersionVector {
+        VersionVector::from_pairs(ids.into_iter().map(|d| (d, MAX_VV_COUNTER)))
+    }
+
+    #[test]
+    fn a_chain_of_spill_ids_at_the_cap_is_followed_to_its_end() {
+        let mut chain = vec![ShortId(5)];
+        for _ in 0..10 {
+            chain.push(spill_id(*chain.last().unwrap()));
+        }
+        let v = at_cap(chain.iter().copied());
+        let next = v.incremented(ShortId(5), 0);
+        assert_eq!(next.get(spill_id(chain[10])), 1);
+        assert_eq!(next.compare(&v), VvOrdering::After);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn an_increment_never_passes_the_cap_and_always_moves_forward(
+            capped in proptest::collection::vec(0u64..4, 0..4),
+            others in proptest::collection::vec((0u64..6, 0..=MAX_VV_COUNTER), 0..6),
+            dev in 0u64..4,
+            floor in proptest::prelude::any::<u64>(),
+        ) {
+            // Some devices and their spill ids at the cap, others anywhere up to it.
+            let ids = capped.iter().flat_map(|&d| [ShortId(d), spill_id(ShortId(d))]);
+            let v = at_cap(ids).merge(&VersionVector::from_pairs(
+                others.iter().map(|&(d, c)| (ShortId(d), c)),
+            ));
+            let next = v.incremented(ShortId(dev), floor);
+            proptest::prop_assert_eq!(next.compare(&v), VvOrdering::After);
+            proptest::prop_assert!(next.entries().iter().all(|e| e.1 <= MAX_VV_COUNTER));
+            proptest::prop_assert!(next.entries().len() <= v.entries().len() + 1);
+        }
     }
 }

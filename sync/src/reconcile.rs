@@ -28,6 +28,12 @@
 //! never a bare merged vector: see `concurrent` for the divergence the bare merge caused.
 //! Only identical states merge without a new version.
 //!
+//! Whatever a decision would keep must stay sendable: a step record whose vector is longer
+//! than [`MAX_VV_ENTRIES_KEPT`] (two long histories merged) or whose encoding outgrows a frame
+//! makes the whole decision [`Outcome::Refused`], with no steps. The local version stays as it
+//! is and the peer's is not applied; pruning the vector instead would forget edits it has seen
+//! and let an older version overwrite a newer one.
+//!
 //! Two rules look around the path, through the view:
 //! - a result that is not a live directory while live entries remain below the path keeps a
 //!   directory there instead ([`Outcome::DirKeptForLiveChildren`]), with a new local version
@@ -36,7 +42,11 @@
 //!   revived ([`Step::ReviveDir`]), and a file or symlink in an ancestor's place is moved to
 //!   its conflict sibling first.
 
-use meshfs_protocol::{FileKind, FileRecord, Hash, RelPath, ShortId, VersionVector, VvOrdering};
+#[cfg(doc)]
+use meshfs_protocol::MAX_VV_ENTRIES_KEPT;
+use meshfs_protocol::{
+    FileKind, FileRecord, Hash, RecordError, RelPath, ShortId, VersionVector, VvOrdering,
+};
 use meshfs_protocol::{MAX_NAME_LEN, MAX_PATH_LEN};
 
 pub use crate::error::ReadError;
@@ -117,6 +127,9 @@ pub enum Outcome {
     },
     /// A directory was kept (not deleted or replaced) because live entries remain below it.
     DirKeptForLiveChildren,
+    /// Nothing is done: a record the decision would keep could not be sent on
+    /// ([`FileRecord::check_sendable`]). The driver shows the peer's record as not applied.
+    Refused(RecordError),
 }
 
 /// The decision for one incoming record.
@@ -146,8 +159,21 @@ pub fn new_local_version(prev: Option<&FileRecord>, ctx: &Context) -> VersionVec
 }
 
 /// Decides what to do with `remote`, a peer's record, given this replica's records. Fails
-/// only when the view cannot be read: no decision is made on a guess.
+/// only when the view cannot be read: no decision is made on a guess. A decision that would
+/// keep a record no peer could accept is [`Outcome::Refused`] instead.
 pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
+    let decision = decide_unchecked(view, remote)?;
+    let unsendable = decision
+        .steps
+        .iter()
+        .find_map(|s| step_record(s).check_sendable().err());
+    Ok(match unsendable {
+        Some(e) => none(Outcome::Refused(e)),
+        None => decision,
+    })
+}
+
+fn decide_unchecked(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
     let Some(local) = view.get(&remote.path)? else {
         let plan = Plan::new(Outcome::ApplyRemote, remote.clone(), false);
         return plan.finish(view, None);
@@ -1269,6 +1295,148 @@ mod tests {
             let live = |v: &View| v.0.values().filter(|r| !r.deleted && r.path != parent.path)
                 .map(|r| (r.hash, r.kind.as_str())).collect::<std::collections::BTreeSet<_>>();
             prop_assert_eq!(live(&one), live(&two));
+        }
+    }
+}
+
+#[cfg(test)]
+mod long_histories {
+    //! Vectors near the entry cap: what a decision keeps stays sendable, and a decision that
+    //! could not keep it so is refused whole.
+    use super::*;
+    use meshfs_protocol::{
+        decode_frame, encode_frame, Chunk, FolderId, IndexBatch, Message, MAX_VV_COUNTER,
+        MAX_VV_ENTRIES, MAX_VV_ENTRIES_KEPT,
+    };
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    const A: ShortId = ShortId(0xA000_0000_0000_0000);
+    const B: ShortId = ShortId(0xB000_0000_0000_0000);
+    const C: ShortId = ShortId(0xC000_0000_0000_0000);
+
+    struct View(BTreeMap<RelPath, FileRecord>);
+
+    impl ReplicaView for View {
+        fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError> {
+            Ok(self.0.get(path).cloned())
+        }
+        fn has_live_below(&self, _: &RelPath) -> Result<bool, ReadError> {
+            Ok(false)
+        }
+    }
+
+    fn view(records: &[&FileRecord]) -> View {
+        View(
+            records
+                .iter()
+                .map(|r| (r.path.clone(), (*r).clone()))
+                .collect(),
+        )
+    }
+
+    /// `len` devices from `first` on, each with `counter`.
+    fn history(first: u64, len: usize, counter: u64) -> VersionVector {
+        VersionVector::from_pairs((first..first + len as u64).map(|d| (ShortId(d * 7919), counter)))
+    }
+
+    fn file(content: &[u8], by: ShortId, version: VersionVector) -> FileRecord {
+        FileRecord {
+            path: RelPath::new("f").unwrap(),
+            kind: FileKind::File,
+            deleted: false,
+            mode: 0o644,
+            mtime_ns: 1_000_000_000,
+            size: content.len() as u64,
+            hash: Hash::of(content),
+            chunks: vec![Chunk {
+                len: content.len() as u32,
+                hash: Hash::of(content),
+            }],
+            target: String::new(),
+            version,
+            modified_by: by,
+            sequence: 9,
+        }
+    }
+
+    /// `r` after one more edit on a device it has not seen, framed alone and decoded again.
+    fn sendable_after_an_edit(r: &FileRecord) -> bool {
+        let mut r = r.clone();
+        r.version.increment(C, MAX_VV_COUNTER);
+        r.sequence = u64::MAX;
+        let batch = Message::Index(IndexBatch {
+            folder: FolderId::new(&"f".repeat(64)).unwrap(),
+            records: vec![r],
+            up_to: u64::MAX,
+            inline: Vec::new(),
+        });
+        encode_frame(&batch).is_ok_and(|f| decode_frame(&f).is_ok_and(|m| m.is_some()))
+    }
+
+    #[test]
+    fn two_long_histories_that_would_merge_past_the_cap_are_refused_not_pruned() {
+        let local = file(b"mine", A, history(0, 3000, 1));
+        let remote = file(b"theirs", B, history(3000, 3000, 1));
+        let d = super::decide(&view(&[&local]), &remote).unwrap();
+        assert_eq!(
+            d.outcome,
+            Outcome::Refused(RecordError::VersionTooLong(local.path.clone(), 6001))
+        );
+        assert!(d.steps.is_empty(), "nothing is written or journaled");
+    }
+
+    #[test]
+    fn a_new_record_is_kept_only_with_room_for_one_more_edit() {
+        let empty = view(&[]);
+        let at_cap = file(b"x", B, history(0, MAX_VV_ENTRIES, 1));
+        assert!(matches!(
+            super::decide(&empty, &at_cap).unwrap().outcome,
+            Outcome::Refused(RecordError::VersionTooLong(_, MAX_VV_ENTRIES))
+        ));
+        let kept = file(b"x", B, history(0, MAX_VV_ENTRIES_KEPT, 1));
+        let d = super::decide(&empty, &kept).unwrap();
+        assert_eq!(d.outcome, Outcome::ApplyRemote);
+        assert!(sendable_after_an_edit(step_record(&d.steps[0])));
+    }
+
+    /// Vectors of 2,500 to 4,096 entries over partly shared devices: their merges fall on both
+    /// sides of the cap.
+    fn long_vv() -> impl Strategy<Value = VersionVector> {
+        (0u64..1500, 2500usize..=MAX_VV_ENTRIES, 1u64..3)
+            .prop_map(|(first, len, counter)| history(first, len, counter))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn whatever_a_decision_keeps_stays_sendable_after_one_more_edit(
+            lv in long_vv(),
+            rv in long_vv(),
+            same_content in any::<bool>(),
+            known in any::<bool>(),
+        ) {
+            let local = file(b"mine", A, lv);
+            let theirs: &[u8] = if same_content { b"mine" } else { b"theirs" };
+            let remote = file(theirs, B, rv);
+            let v = if known { view(&[&local]) } else { view(&[]) };
+            let d = super::decide(&v, &remote).unwrap();
+            // Refused exactly when a record of the decision would have been too long.
+            let unchecked = decide_unchecked(&v, &remote).unwrap();
+            let too_long = unchecked
+                .steps
+                .iter()
+                .any(|s| step_record(s).version.entries().len() > MAX_VV_ENTRIES_KEPT);
+            prop_assert_eq!(matches!(d.outcome, Outcome::Refused(_)), too_long);
+            if too_long {
+                prop_assert!(d.steps.is_empty());
+            } else {
+                prop_assert_eq!(&d, &unchecked);
+            }
+            for s in &d.steps {
+                prop_assert!(sendable_after_an_edit(step_record(s)), "{:?}", d.outcome);
+            }
         }
     }
 }

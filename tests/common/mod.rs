@@ -2,6 +2,8 @@
 //! SQLite), driven through the CLI exactly as a user or script would.
 #![allow(dead_code)]
 
+pub mod hostile;
+
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};

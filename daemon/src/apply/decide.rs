@@ -8,7 +8,7 @@ use crate::journal::{Change, Journal, StoredRecord};
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
 use meshfs_sync::plan::{self, Disk, Planned};
-use meshfs_sync::reconcile::{ReadError, ReplicaView, Step};
+use meshfs_sync::reconcile::{Outcome, ReadError, ReplicaView, Step};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -163,6 +163,13 @@ impl Deciding<'_> {
             memo: &self.memo,
         };
         let plan = plan::plan(&view, &remote)?;
+        if let Outcome::Refused(why) = &plan.outcome {
+            // Keeping it would make a record no peer accepts: shown, the rest goes on.
+            if self.rt.skip(remote.path.clone(), why.to_string()) {
+                tracing::warn!(folder = %self.folder, path = %remote.path, error = %why, "a remote version is refused; skipped (see status)");
+            }
+            return Ok(());
+        }
         // Objects made without a temp file are journaled pending first: a crash after the
         // link or symlink is made and before its commit leaves a pending row that start-up
         // recognises (`recover_pending`), never an object the scan would take for an edit.
