@@ -8,6 +8,7 @@ mod journal_cmd;
 mod package_assets;
 mod status_cmd;
 mod status_pending;
+mod status_text;
 mod status_watch;
 
 use anyhow::{anyhow, bail, Context as _};

@@ -12,6 +12,9 @@ use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
+use crate::status_text::{folder_summary, local_time, peer_name, plural, s, u};
+use crate::status_text::{peer_state, peers_by_id};
+
 /// What `meshfs status` was asked.
 pub struct StatusArgs {
     /// Print the JSON document.
@@ -190,132 +193,6 @@ fn work_left(st: &Value) -> u64 {
                 + to_send
         })
         .sum()
-}
-
-/// A string field, or "".
-pub fn s<'a>(v: &'a Value, k: &str) -> &'a str {
-    v.get(k).and_then(Value::as_str).unwrap_or("")
-}
-
-/// A number field, or 0.
-pub fn u(v: &Value, k: &str) -> u64 {
-    v.get(k).and_then(Value::as_u64).unwrap_or(0)
-}
-
-/// `1 file`, `2 files`.
-pub fn plural(n: u64, one: &str, many: &str) -> String {
-    format!("{n} {}", if n == 1 { one } else { many })
-}
-
-/// A Unix time as the user's local `HH:MM`, with the date when it is not today.
-pub fn local_time(unix: u64) -> String {
-    let offset = time::UtcOffset::current_local_offset().unwrap_or(time::UtcOffset::UTC);
-    let Ok(t) = time::OffsetDateTime::from_unix_timestamp(unix as i64) else {
-        return "?".into();
-    };
-    let t = t.to_offset(offset);
-    let today = time::OffsetDateTime::now_utc().to_offset(offset).date();
-    let hm = format!("{:02}:{:02}", t.hour(), t.minute());
-    if t.date() == today {
-        hm
-    } else {
-        format!("{} {hm}", t.date())
-    }
-}
-
-/// Peers of the `peers` array by device id.
-fn peers_by_id(st: &Value) -> HashMap<&str, &Value> {
-    st["peers"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|p| (s(p, "device_id"), p))
-        .collect()
-}
-
-/// A peer's name, or its short id.
-pub fn peer_name(p: &Value) -> String {
-    match s(p, "name") {
-        "" => s(p, "device_id").chars().take(7).collect(),
-        n => n.to_string(),
-    }
-}
-
-/// Where a folder's peer stands, in words: `up to date`, `syncing (3 records to send)`,
-/// `offline since 10:42`.
-fn peer_state(p: &Value, started_unix: u64) -> String {
-    if p["connected"] != true {
-        return match p["last_seen_unix"].as_u64() {
-            Some(t) => format!("offline since {}", local_time(t)),
-            None => format!(
-                "never connected since the daemon started at {}",
-                local_time(started_unix)
-            ),
-        };
-    }
-    if p["in_sync"] == true {
-        return "up to date".into();
-    }
-    let pending = u(p, "pending_records");
-    if pending > 0 {
-        format!("syncing ({} to send)", plural(pending, "record", "records"))
-    } else {
-        "syncing".into()
-    }
-}
-
-/// One folder's sync state in words: `in sync with every peer that shares it (b)`, or `up to
-/// date with 1 of 2 peers; b offline since 10:42`.
-pub fn folder_summary(f: &Value, started_unix: u64) -> String {
-    let mut why = Vec::new();
-    if f["scanning"] == true {
-        why.push("first scan running".to_string());
-    }
-    let pending = u(f, "capture_pending");
-    if pending > 0 {
-        why.push(format!(
-            "{} being recorded",
-            plural(pending, "local change", "local changes")
-        ));
-    }
-    if let Some(b) = f["blocked"].as_str() {
-        why.push(format!("receiving stopped ({b})"));
-    }
-    let writers = u(f, "waiting_for_writers");
-    if writers > 0 {
-        why.push(format!(
-            "{} {} for files open for writing through the mount",
-            plural(writers, "remote version", "remote versions"),
-            if writers == 1 { "waits" } else { "wait" }
-        ));
-    }
-    let peers: Vec<&Value> = f["peers"].as_array().into_iter().flatten().collect();
-    let up: Vec<String> = peers
-        .iter()
-        .filter(|p| p["connected"] == true && p["in_sync"] == true)
-        .map(|p| peer_name(p))
-        .collect();
-    if why.is_empty() && up.len() == peers.len() {
-        return if peers.is_empty() {
-            "up to date (shared with no peer)".into()
-        } else {
-            format!("in sync with every peer that shares it ({})", up.join(", "))
-        };
-    }
-    if !peers.is_empty() {
-        why.push(format!(
-            "up to date with {} of {}",
-            up.len(),
-            plural(peers.len() as u64, "peer", "peers")
-        ));
-    }
-    for p in peers
-        .iter()
-        .filter(|p| !(p["connected"] == true && p["in_sync"] == true))
-    {
-        why.push(format!("{} {}", peer_name(p), peer_state(p, started_unix)));
-    }
-    why.join("; ")
 }
 
 /// Why the device is not in sync: each folder that is not, with its reasons.

@@ -4,7 +4,7 @@
 //! status documents of the last few seconds. On a terminal the view is redrawn in place; on a
 //! pipe or a file each refresh is one plain line.
 
-use crate::status_cmd::{folder_summary, local_time, peer_name, plural, s, u};
+use crate::status_text::{folder_summary, local_time, peer_name, plural, s, u};
 use crate::EXIT_NO_DAEMON;
 use meshfs_daemon::config::{Config, ConfigError, Home};
 use meshfs_daemon::control::{self, Request};
