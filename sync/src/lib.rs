@@ -15,3 +15,5 @@ pub mod plan;
 pub mod reconcile;
 pub mod session;
 pub mod sim;
+#[cfg(test)]
+mod testing;

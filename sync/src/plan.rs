@@ -300,22 +300,8 @@ pub enum Unavailable {
 mod tests {
     use super::*;
     use meshfs_protocol::{Hash, ShortId, VersionVector};
-    use std::collections::BTreeMap;
 
-    #[derive(Default)]
-    struct View(BTreeMap<RelPath, FileRecord>);
-
-    impl ReplicaView for View {
-        fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError> {
-            Ok(self.0.get(path).cloned())
-        }
-        fn has_live_below(&self, dir: &RelPath) -> Result<bool, ReadError> {
-            Ok(self
-                .0
-                .values()
-                .any(|r| !r.deleted && r.path != *dir && r.path.is_within(dir)))
-        }
-    }
+    use crate::testing::MapView as View;
 
     struct Broken;
 
@@ -346,12 +332,7 @@ mod tests {
     }
 
     fn view(records: &[&FileRecord]) -> View {
-        View(
-            records
-                .iter()
-                .map(|r| (r.path.clone(), (*r).clone()))
-                .collect(),
-        )
+        View::with(records)
     }
 
     #[test]

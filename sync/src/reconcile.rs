@@ -166,7 +166,7 @@ pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, R
     let unsendable = decision
         .steps
         .iter()
-        .find_map(|s| step_record(s).check_sendable().err());
+        .find_map(|s| s.record().check_sendable().err());
     Ok(match unsendable {
         Some(e) => none(Outcome::Refused(e)),
         None => decision,
@@ -359,7 +359,7 @@ impl Plan {
                 },
             };
             self.outcome = Outcome::DirKeptForLiveChildren;
-            self.result = step_record(&record).clone();
+            self.result = record.record().clone();
             last = Some(record);
         }
         let mut steps = Vec::new();
@@ -394,11 +394,6 @@ impl Step {
             | Step::ReviveDir { record } => record,
         }
     }
-}
-
-/// The record of `step` (as a function, for `map`).
-fn step_record(step: &Step) -> &FileRecord {
-    step.record()
 }
 
 /// Steps that make every ancestor of `path` a live directory, outermost first; `by` is the
@@ -648,40 +643,18 @@ mod tests {
     fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Decision {
         super::decide(view, remote).expect("an in-memory view cannot fail")
     }
-    use std::collections::BTreeMap;
 
     const A: ShortId = ShortId(0xA000_0000_0000_0000);
     const B: ShortId = ShortId(0xB000_0000_0000_0000);
     const C: ShortId = ShortId(0xC000_0000_0000_0000);
 
-    #[derive(Default, Clone)]
-    struct View(BTreeMap<RelPath, FileRecord>);
-
-    impl ReplicaView for View {
-        fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError> {
-            Ok(self.0.get(path).cloned())
-        }
-        fn has_live_below(&self, dir: &RelPath) -> Result<bool, ReadError> {
-            Ok(self
-                .0
-                .values()
-                .any(|r| !r.deleted && r.path != *dir && r.path.is_within(dir)))
-        }
-    }
+    use crate::testing::MapView as View;
 
     impl View {
-        fn with(records: &[&FileRecord]) -> View {
-            View(
-                records
-                    .iter()
-                    .map(|r| (r.path.clone(), (*r).clone()))
-                    .collect(),
-            )
-        }
         /// Executes a decision's steps on the model.
         fn apply(&mut self, d: &Decision) {
             for s in &d.steps {
-                let r = step_record(s);
+                let r = s.record();
                 if let Some(prev) = self.0.get(&r.path) {
                     assert!(
                         r.version.dominates(&prev.version),
@@ -915,8 +888,8 @@ mod tests {
             Outcome::DeleteLostToModify { kept_local: false }
         );
         let (ra, rb) = (
-            step_record(at_a.steps.last().unwrap()),
-            step_record(at_b.steps.last().unwrap()),
+            at_a.steps.last().unwrap().record(),
+            at_b.steps.last().unwrap().record(),
         );
         assert!(ra.same_state(rb) && !ra.deleted);
         let mut views = [(View::with(&[&chmod]), A), (View::with(&[&del]), B)];
@@ -1085,7 +1058,7 @@ mod tests {
             merged.incremented(resolver_id(&merged, record), 1)
         );
         let on_b = decide(&View::with(&[&r]), &l);
-        assert_eq!(on_b.steps.last().map(step_record), Some(record));
+        assert_eq!(on_b.steps.last().map(Step::record), Some(record));
         // Identical states merge without one.
         let mut same = l.clone();
         same.version = vv(&[(B, 1)]);
@@ -1309,30 +1282,15 @@ mod long_histories {
         MAX_VV_ENTRIES, MAX_VV_ENTRIES_KEPT,
     };
     use proptest::prelude::*;
-    use std::collections::BTreeMap;
 
     const A: ShortId = ShortId(0xA000_0000_0000_0000);
     const B: ShortId = ShortId(0xB000_0000_0000_0000);
     const C: ShortId = ShortId(0xC000_0000_0000_0000);
 
-    struct View(BTreeMap<RelPath, FileRecord>);
+    use crate::testing::MapView;
 
-    impl ReplicaView for View {
-        fn get(&self, path: &RelPath) -> Result<Option<FileRecord>, ReadError> {
-            Ok(self.0.get(path).cloned())
-        }
-        fn has_live_below(&self, _: &RelPath) -> Result<bool, ReadError> {
-            Ok(false)
-        }
-    }
-
-    fn view(records: &[&FileRecord]) -> View {
-        View(
-            records
-                .iter()
-                .map(|r| (r.path.clone(), (*r).clone()))
-                .collect(),
-        )
+    fn view(records: &[&FileRecord]) -> MapView {
+        MapView::with(records)
     }
 
     /// `len` devices from `first` on, each with `counter`.
@@ -1397,7 +1355,7 @@ mod long_histories {
         let kept = file(b"x", B, history(0, MAX_VV_ENTRIES_KEPT, 1));
         let d = super::decide(&empty, &kept).unwrap();
         assert_eq!(d.outcome, Outcome::ApplyRemote);
-        assert!(sendable_after_an_edit(step_record(&d.steps[0])));
+        assert!(sendable_after_an_edit(d.steps[0].record()));
     }
 
     /// Vectors of 2,500 to 4,096 entries over partly shared devices: their merges fall on both
@@ -1427,7 +1385,7 @@ mod long_histories {
             let too_long = unchecked
                 .steps
                 .iter()
-                .any(|s| step_record(s).version.entries().len() > MAX_VV_ENTRIES_KEPT);
+                .any(|s| s.record().version.entries().len() > MAX_VV_ENTRIES_KEPT);
             prop_assert_eq!(matches!(d.outcome, Outcome::Refused(_)), too_long);
             if too_long {
                 prop_assert!(d.steps.is_empty());
@@ -1435,7 +1393,7 @@ mod long_histories {
                 prop_assert_eq!(&d, &unchecked);
             }
             for s in &d.steps {
-                prop_assert!(sendable_after_an_edit(step_record(s)), "{:?}", d.outcome);
+                prop_assert!(sendable_after_an_edit(s.record()), "{:?}", d.outcome);
             }
         }
     }

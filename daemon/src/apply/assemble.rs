@@ -37,21 +37,10 @@ pub(super) fn assemble(
     let mut metas = Vec::with_capacity(work.len());
     let mut work = work.into_iter();
     while let Some(t) = work.next() {
-        let Transfer {
-            record,
-            op,
-            source,
-            expect,
-            basis,
-            detail,
-            remote,
-            temp,
-            then,
-            ..
-        } = t;
+        let Transfer { meta, temp, .. } = t;
         let kept = temps.len() < MAX_OPEN_TEMPS;
         let made = temp.map_or_else(
-            || rt.store.create_temp_in(&mut dirs, &record.path, kept),
+            || rt.store.create_temp_in(&mut dirs, &meta.record.path, kept),
             Ok,
         );
         let mut temp = match made {
@@ -66,16 +55,7 @@ pub(super) fn assemble(
             rt.store.close_temp(&mut temp);
         }
         temps.push(Some(temp));
-        metas.push(Meta {
-            record,
-            op,
-            source,
-            expect,
-            basis,
-            detail,
-            remote,
-            then,
-        });
+        metas.push(meta);
     }
     // Chunks the peer attached to the index need no request; a bad one is asked for.
     let mut wanted: Vec<(Hash, u32)> = Vec::new();

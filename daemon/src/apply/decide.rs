@@ -2,7 +2,7 @@
 //! content (metadata, directories, symlinks, deletions, copies of local losers), journaling
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
-use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Transfer, MAX_OPEN_TEMPS};
+use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, StoredRecord};
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
@@ -210,7 +210,7 @@ impl Deciding<'_> {
                 self.rt.unskip(&c.record.path);
                 self.rt.invalidator.invalidate(&c.record.path);
                 match waits {
-                    Some(i) => self.transfers[i].then.push(c),
+                    Some(i) => self.transfers[i].meta.then.push(c),
                     None => {
                         self.memo.put(&c);
                         self.done.push(c);
@@ -241,19 +241,23 @@ impl Deciding<'_> {
             return Ok(None);
         }
         let stored = self.stored(&planned.record().path)?;
-        let source = planned.from_peer.then_some(self.peer);
+        let (expect, basis) = seen_of(stored.as_ref());
+        let meta = Meta {
+            record: planned.record().clone(),
+            op: planned.op,
+            source: planned.from_peer.then_some(self.peer),
+            expect,
+            basis,
+            detail,
+            remote: remote.clone(),
+            then: Vec::new(),
+        };
         let keep_open = self.transfers.len() < MAX_OPEN_TEMPS;
-        let record = planned.record().clone();
         let t = prepare(
             self.journal,
             self.rt,
             self.folder,
-            record,
-            planned.op,
-            source,
-            seen_of(stored.as_ref()),
-            detail,
-            remote.clone(),
+            meta,
             keep_open,
             &mut self.dirs,
         )?;

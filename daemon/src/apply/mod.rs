@@ -56,7 +56,7 @@ impl InFlight {
     fn of(transfers: &[transfer::Transfer]) -> InFlight {
         let mut f = InFlight::default();
         for t in transfers {
-            let p = &t.record.path;
+            let p = &t.meta.record.path;
             if f.files.insert(p.clone()) {
                 f.dirs.extend(p.ancestors());
             }

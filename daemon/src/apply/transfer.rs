@@ -86,25 +86,14 @@ pub(super) fn expect_of(stored: Option<&StoredRecord>) -> Expect {
     }
 }
 
-/// A file content to assemble.
+/// A file content to assemble: what its install will journal, and where its chunks are.
 pub(super) struct Transfer {
-    pub(super) record: FileRecord,
-    pub(super) op: Op,
-    pub(super) source: Option<DeviceId>,
-    pub(super) expect: Expect,
-    pub(super) basis: Basis,
-    pub(super) detail: Option<String>,
-    /// The remote record this transfer serves (for re-deciding after a failed install).
-    pub(super) remote: FileRecord,
+    pub(super) meta: Meta,
     /// The temp file, already holding every chunk found locally; none yet when no chunk was
     /// (it is made after the decision, outside the folder lock).
     pub(super) temp: Option<TempFile>,
     /// Chunks still to fetch: (hash, length, offset in this file).
     pub(super) missing: Vec<(Hash, u32, u64)>,
-    /// Journal changes of the same decision that may only be committed once this file is
-    /// installed (a local winner's merged vector must not exist without the remote loser's
-    /// sibling, or a crash in between would lose the loser everywhere).
-    pub(super) then: Vec<Change>,
 }
 
 /// Starts a transfer: copies every chunk this device already has (any file of the folder,
@@ -113,25 +102,20 @@ pub(super) struct Transfer {
 /// the local copy away first. A file none of whose chunks is here gets its temp file later,
 /// outside the lock (`transfer`): creating a thousand files was a fifth of a receiving
 /// daemon's time under the lock, which the next batch's decision waits for.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn prepare(
     journal: &Journal,
     rt: &FolderRt,
     folder: &FolderId,
-    record: FileRecord,
-    op: Op,
-    source: Option<DeviceId>,
-    (expect, basis): (Expect, Basis),
-    detail: Option<String>,
-    remote: FileRecord,
+    meta: Meta,
     keep_open: bool,
     dirs: &mut DirCache,
 ) -> Result<Transfer, ApplyError> {
+    let record = &meta.record;
     // A record declares its size (a peer can declare terabytes in a few bytes, one chunk
     // listed many times): nothing is written that would leave the disk less than a margin.
     if let Err(free) = crate::store::room_for(rt.store.root(), record.size) {
         return Err(ApplyError::NoRoom {
-            path: record.path,
+            path: record.path.clone(),
             size: record.size,
             free,
         });
@@ -170,20 +154,13 @@ pub(super) fn prepare(
         rt.store.close_temp(t);
     }
     Ok(Transfer {
-        record,
-        op,
-        source,
-        expect,
-        basis,
-        detail,
-        remote,
+        meta,
         temp,
         missing,
-        then: Vec::new(),
     })
 }
 
-/// A transfer's record and bookkeeping once its temp file is handed to the fetcher.
+/// A transfer's record and bookkeeping: what its install checks and journals.
 pub(super) struct Meta {
     pub(super) record: FileRecord,
     pub(super) op: Op,
@@ -191,7 +168,11 @@ pub(super) struct Meta {
     pub(super) expect: Expect,
     pub(super) basis: Basis,
     pub(super) detail: Option<String>,
+    /// The remote record this transfer serves (for re-deciding after a failed install).
     pub(super) remote: FileRecord,
+    /// Journal changes of the same decision that may only be committed once this file is
+    /// installed (a local winner's merged vector must not exist without the remote loser's
+    /// sibling, or a crash in between would lose the loser everywhere).
     pub(super) then: Vec<Change>,
 }
 
