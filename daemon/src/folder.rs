@@ -408,7 +408,7 @@ impl Folders {
         self.ignore_dir.join(folder.as_str())
     }
 
-    /// Tells sessions that `folder`'s journal gained entries.
+    /// Tells sessions that `folder`'s journal gained entries, or that its first scan moved on.
     pub fn changes_notify(&self, folder: &FolderId) {
         let _ = self.changes.send(folder.clone());
     }
@@ -476,6 +476,8 @@ impl Folders {
                         .fold((0, 0), |(n, b), c| (n + 1, b + c.record.size));
                     rt.first_scan.hashed(files, bytes, to_hash as u64);
                     if changes.is_empty() {
+                        // The walk is done: peers hear how many files are left to hash.
+                        self.changes_notify(folder);
                         return Ok(());
                     }
                     streamed += changes.len();

@@ -491,6 +491,7 @@ mod tests {
             their_known_max: 7,
             their_applied: 7,
             receiving: false,
+            their_scan: None,
             in_sync,
         }
     }
