@@ -78,7 +78,9 @@ pub struct FolderRt {
     /// Some of them (sorted, each with whether it waits for its writer's close), and whether
     /// a rescan waits: what `status --pending` lists.
     pub(crate) capture_waiting: Mutex<(Vec<(RelPath, bool)>, bool)>,
-    /// The folder's first scan is still running (the folder is not in sync meanwhile).
+    /// The folder's first scan is still running, or failed and the rescan after it has not
+    /// succeeded yet: the folder is not in sync meanwhile, here or with its peers (told in
+    /// the Hello, then by `Scan`). Set before the folder is visible to sessions.
     pub scanning: std::sync::atomic::AtomicBool,
     /// Notified when the first scan has walked the tree and found more than a slice of files
     /// to hash: starting the folder stops waiting for the scan to end.
