@@ -173,7 +173,8 @@ impl Drop for WaitBar {
     }
 }
 
-/// The work a status document shows left, in records and files.
+/// The work a status document shows left, in records and files (a peer's first scan: the files
+/// it has left to hash).
 fn work_left(st: &Value) -> u64 {
     st["folders"]
         .as_array()
@@ -184,7 +185,7 @@ fn work_left(st: &Value) -> u64 {
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|p| u(p, "pending_records"))
+                .map(|p| u(p, "pending_records") + u(&p["scan"], "left"))
                 .sum();
             u(f, "capture_pending")
                 + u(f, "waiting_for_writers")

@@ -53,8 +53,18 @@ pub fn peer_name(p: &Value) -> String {
     }
 }
 
+/// How far a peer's first scan got, from a folder peer's `scan`: `1000 files hashed so far,
+/// 1400 left`.
+pub fn scan_words(scan: &Value) -> String {
+    let hashed = format!("{} hashed so far", plural(u(scan, "done"), "file", "files"));
+    match u(scan, "left") {
+        0 => hashed,
+        left => format!("{hashed}, {left} left"),
+    }
+}
+
 /// Where a folder's peer stands, in words: `up to date`, `syncing (3 records to send)`,
-/// `offline since 10:42`.
+/// `waiting for its first scan: 1000 files hashed so far, 1400 left`, `offline since 10:42`.
 pub fn peer_state(p: &Value, started_unix: u64) -> String {
     if p["connected"] != true {
         return match p["last_seen_unix"].as_u64() {
@@ -68,6 +78,9 @@ pub fn peer_state(p: &Value, started_unix: u64) -> String {
     if p["in_sync"] == true {
         return "up to date".into();
     }
+    if p["scanning"] == true {
+        return format!("waiting for its first scan: {}", scan_words(&p["scan"]));
+    }
     let pending = u(p, "pending_records");
     if pending > 0 {
         format!("syncing ({} to send)", plural(pending, "record", "records"))
@@ -77,7 +90,8 @@ pub fn peer_state(p: &Value, started_unix: u64) -> String {
 }
 
 /// One folder's sync state in words: `in sync with every peer that shares it (b)`, or `up to
-/// date with 1 of 2 peers; b offline since 10:42`.
+/// date with 1 of 2 peers; b offline since 10:42`, or `up to date with 0 of 1 peer; waiting for
+/// a's first scan: 1000 files hashed so far, 1400 left`.
 pub fn folder_summary(f: &Value, started_unix: u64) -> String {
     let mut why = Vec::new();
     if f["scanning"] == true {
@@ -125,7 +139,15 @@ pub fn folder_summary(f: &Value, started_unix: u64) -> String {
         .iter()
         .filter(|p| !(p["connected"] == true && p["in_sync"] == true))
     {
-        why.push(format!("{} {}", peer_name(p), peer_state(p, started_unix)));
+        if p["connected"] == true && p["scanning"] == true {
+            why.push(format!(
+                "waiting for {}'s first scan: {}",
+                peer_name(p),
+                scan_words(&p["scan"])
+            ));
+        } else {
+            why.push(format!("{} {}", peer_name(p), peer_state(p, started_unix)));
+        }
     }
     why.join("; ")
 }

@@ -222,10 +222,30 @@ fn folder_work(f: &Value, st: &Value, h: &History) -> Vec<String> {
         ));
     }
     for p in f["peers"].as_array().into_iter().flatten() {
+        let name = find(st, "peers", "device_id", s(p, "device_id"))
+            .map_or_else(|| peer_name(p), peer_name);
+        if p["scanning"] == true {
+            let (folder, dev) = (id.clone(), s(p, "device_id").to_string());
+            let files = h.rate(move |d| {
+                find(
+                    find(d, "folders", "id", &folder)?,
+                    "peers",
+                    "device_id",
+                    &dev,
+                )?["scan"]["done"]
+                    .as_u64()
+            });
+            let scan = &p["scan"];
+            let left = u(scan, "left");
+            work.push(format!(
+                "scan on {name}: {} hashed ({}), {left} left{}",
+                plural(u(scan, "done"), "file", "files"),
+                bytes(u(scan, "bytes_done") as f64),
+                rate_and_eta(files, Some(left as f64), |r| format!("{r:.0} files"))
+            ));
+        }
         let n = u(p, "pending_records");
         if n > 0 {
-            let name = find(st, "peers", "device_id", s(p, "device_id"))
-                .map_or_else(|| peer_name(p), peer_name);
             work.push(format!(
                 "send: {} not acknowledged by {name}",
                 plural(n, "record", "records")
@@ -378,6 +398,52 @@ mod tests {
             "receive: 0 records applied (0 B), 10 (40.0 MiB) waiting"
         );
         assert!(peer_words(&st["peers"][0], &h).ends_with("up -, down -"));
+    }
+
+    /// Peer a shares the folder and is in its first scan, `done` files hashed of 2,400.
+    fn scanning_doc(done: u64) -> Value {
+        json!({
+            "device": {"name": "b", "started_unix": 0},
+            "in_sync": false,
+            "folders": [{
+                "id": "work", "path": "/w", "files": 0, "bytes": 0, "in_sync": false,
+                "scanning": false, "capture_pending": 0, "waiting_for_writers": 0,
+                "progress": {
+                    "scan": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
+                    "receive": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
+                },
+                "peers": [{"device_id": "A", "name": "a", "connected": true, "in_sync": false,
+                           "pending_records": 0, "scanning": true,
+                           "scan": {"done": done, "bytes_done": done << 18,
+                                    "left": 2400 - done, "bytes_left": null}}],
+            }],
+            "peers": [{"device_id": "A", "name": "a", "connected": true, "rtt_ms": 0.4,
+                       "bytes_sent": 0, "bytes_received": 0}],
+        })
+    }
+
+    #[test]
+    fn a_peer_in_its_first_scan_is_what_the_folder_waits_for_with_its_rate() {
+        let mut h = History::default();
+        let t = Instant::now();
+        h.push(t, scanning_doc(1000));
+        h.push(t + Duration::from_secs(2), scanning_doc(1400));
+        let st = h.latest().unwrap().clone();
+        let f = &st["folders"][0];
+        assert_eq!(
+            folder_summary(f, 0),
+            "up to date with 0 of 1 peer; waiting for a's first scan: 1400 files hashed so far, 1000 left"
+        );
+        assert_eq!(
+            crate::status_text::peer_state(&f["peers"][0], 0),
+            "waiting for its first scan: 1400 files hashed so far, 1000 left"
+        );
+        assert_eq!(
+            folder_work(f, &st, &h),
+            ["scan on a: 1400 files hashed (350.0 MiB), 1000 left, 200 files/s, ETA 5s"]
+        );
+        assert!(line(&st, &h)
+            .contains("not in sync (up to date with 0 of 1 peer; waiting for a's first scan"));
     }
 
     #[test]

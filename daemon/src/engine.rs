@@ -358,6 +358,10 @@ impl Engine {
                 }
             }
         }
+        // Before the folder is visible to sessions: a Hello never says a first scan is not
+        // running and a `Scan` later that it is (a first scan runs once).
+        rt.scanning
+            .store(fresh, std::sync::atomic::Ordering::Relaxed);
         self.folders.insert(rt.clone());
         let started = Instant::now();
         let path = f.path.clone();
@@ -365,21 +369,20 @@ impl Engine {
             // Nothing journaled yet: the first scan journals and announces as it hashes, so
             // the daemon goes on to listen and dial at once and peers get the first files
             // while the rest are read (`scan_blocking`).
-            rt.scanning
-                .store(true, std::sync::atomic::Ordering::Relaxed);
             let engine = self.clone();
             let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
             let waiting = rt.clone();
             tokio::spawn(async move {
                 let scanned = engine.scan_paths(&rt.id, Vec::new()).await;
-                rt.scanning
-                    .store(false, std::sync::atomic::Ordering::Relaxed);
                 let _ = done_tx.send(());
                 match scanned {
                     Ok(n) => {
+                        first_scan_done(&engine, &rt);
                         tracing::info!(folder = %rt.id, path = %path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned")
                     }
                     Err(e) => {
+                        // Still scanning, to this device and its peers, until a whole-folder
+                        // rescan has journaled what this one did not (`capture_loop`).
                         tracing::error!(folder = %rt.id, error = %e, "first scan failed; retrying with a rescan");
                         rt.last_error.set(format_args!("first scan failed: {e}"));
                         let _ = rt.capture.send(CaptureMsg::Rescan);
@@ -757,6 +760,9 @@ async fn capture_loop(
                     match engine.scan_paths(&rt.id, scopes).await {
                         Ok(changes) => {
                             tracing::debug!(folder = %rt.id, rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured");
+                            if rescan {
+                                first_scan_done(&engine, &rt);
+                            }
                             if scan_failing.take().is_some() && rt.unblock() {
                                 tracing::info!(folder = %rt.id, "the journal's disk has room again; capture resumed");
                             }
@@ -794,6 +800,17 @@ async fn capture_loop(
             }
             _ = stopping.changed() => return,
         }
+    }
+}
+
+/// The folder's first scan (or the rescan after it failed) has journaled the whole folder: it
+/// is no longer scanning, and the sessions tell their peers (`Session::scan_progress`).
+fn first_scan_done(engine: &Engine, rt: &FolderRt) {
+    if rt
+        .scanning
+        .swap(false, std::sync::atomic::Ordering::Relaxed)
+    {
+        engine.changes_notify(&rt.id);
     }
 }
 

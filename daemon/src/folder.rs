@@ -78,7 +78,9 @@ pub struct FolderRt {
     /// Some of them (sorted, each with whether it waits for its writer's close), and whether
     /// a rescan waits: what `status --pending` lists.
     pub(crate) capture_waiting: Mutex<(Vec<(RelPath, bool)>, bool)>,
-    /// The folder's first scan is still running (the folder is not in sync meanwhile).
+    /// The folder's first scan is still running, or failed and the rescan after it has not
+    /// succeeded yet: the folder is not in sync meanwhile, here or with its peers (told in
+    /// the Hello, then by `Scan`). Set before the folder is visible to sessions.
     pub scanning: std::sync::atomic::AtomicBool,
     /// Notified when the first scan has walked the tree and found more than a slice of files
     /// to hash: starting the folder stops waiting for the scan to end.
@@ -408,7 +410,7 @@ impl Folders {
         self.ignore_dir.join(folder.as_str())
     }
 
-    /// Tells sessions that `folder`'s journal gained entries.
+    /// Tells sessions that `folder`'s journal gained entries, or that its first scan moved on.
     pub fn changes_notify(&self, folder: &FolderId) {
         let _ = self.changes.send(folder.clone());
     }
@@ -476,6 +478,8 @@ impl Folders {
                         .fold((0, 0), |(n, b), c| (n + 1, b + c.record.size));
                     rt.first_scan.hashed(files, bytes, to_hash as u64);
                     if changes.is_empty() {
+                        // The walk is done: peers hear how many files are left to hash.
+                        self.changes_notify(folder);
                         return Ok(());
                     }
                     streamed += changes.len();

@@ -17,7 +17,9 @@ use crate::last_error::LastError;
 use crate::transport::{self, LinkStats};
 use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message};
 use meshfs_sync::reconcile::ReadError;
-use meshfs_sync::session::{Action, FolderSyncStatus, IndexSource, Session, SessionFolder};
+use meshfs_sync::session::{
+    Action, FolderSyncStatus, IndexSource, ScanCounts, Session, SessionFolder,
+};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
@@ -477,7 +479,16 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
             .journal
             .lock()
             .map_err(|_| "journal lock poisoned")?;
-        session.start(&mut JournalSource { journal: &mut j })
+        let mut src = JournalSource { journal: &mut j };
+        let mut first = session.start(&mut src);
+        // A first scan that moved on (or ended) between reading it for the session and
+        // subscribing to the changes was not announced on the channel.
+        for f in net.shared_with(&peer) {
+            if let Some((scanning, counts)) = our_scan(net, &f) {
+                first.extend(session.scan_progress(&f, scanning, counts, &mut src));
+            }
+        }
+        first
     };
     let mut pending = first;
     // Per folder, what the next Receive waits on (the receive pipeline, `apply::Turn`).
@@ -535,6 +546,9 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
                 let mut src = JournalSource { journal: &mut j };
                 for f in folders {
                     pending.extend(session.local_changed(&f, &mut src));
+                    if let Some((scanning, counts)) = our_scan(net, &f) {
+                        pending.extend(session.scan_progress(&f, scanning, counts, &mut src));
+                    }
                 }
             }
             _ = net.shutdown.notified() => {
@@ -546,6 +560,22 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
             }
         }
     }
+}
+
+/// Our first scan of `folder`: whether it still runs, and how far it got.
+fn our_scan(net: &Net, folder: &FolderId) -> Option<(bool, ScanCounts)> {
+    let rt = net.folders.get(folder)?;
+    // The flag first: once it is down, the counts are the scan's totals.
+    let scanning = rt.scanning.load(std::sync::atomic::Ordering::Relaxed);
+    let c = rt.first_scan.counts();
+    Some((
+        scanning,
+        ScanCounts {
+            files_hashed: c.done,
+            bytes_hashed: c.bytes_done,
+            files_left: c.left,
+        },
+    ))
 }
 
 /// Stores the progress the session reports (an action that only saves).

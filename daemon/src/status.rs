@@ -303,6 +303,12 @@ pub struct FolderPeerStatus {
     pub applied_from_peer: u64,
     /// Our records it has not acknowledged (0 before its session reported).
     pub pending_records: u64,
+    /// Its first scan of the folder is still running, as it last said: files on its disk
+    /// may not be in its index yet, so it is not caught up whatever else holds.
+    pub scanning: bool,
+    /// How far that scan got, as it last said: files hashed (`done`, `bytes_done`) and files
+    /// left to hash (`left`; `bytes_left` is null). Zero when it is not scanning.
+    pub scan: Counts,
     /// When it connected or disconnected last, or null: never.
     pub last_seen_unix: Option<u64>,
 }
@@ -402,6 +408,16 @@ fn folder_status(
                 their_sequence: s.map_or(0, |s| s.their_known_max),
                 applied_from_peer: s.map_or(0, |s| s.their_applied),
                 pending_records: s.map_or(0, |s| max.saturating_sub(s.our_acked)),
+                scanning: connected && s.is_some_and(|s| s.their_scan.is_some()),
+                scan: s
+                    .and_then(|s| s.their_scan)
+                    .filter(|_| connected)
+                    .map_or_else(Counts::default, |c| Counts {
+                        done: c.files_hashed,
+                        bytes_done: c.bytes_hashed,
+                        left: c.files_left,
+                        bytes_left: None,
+                    }),
                 last_seen_unix: p.last_seen_unix,
             }
         })
@@ -491,6 +507,7 @@ mod tests {
             their_known_max: 7,
             their_applied: 7,
             receiving: false,
+            their_scan: None,
             in_sync,
         }
     }
@@ -709,6 +726,14 @@ mod tests {
         let me = DeviceId::from_bytes([1; 32]);
         let idle = DeviceId::from_bytes([3; 32]);
         let got = serde_json::to_value(build(snapshot())).unwrap();
+        let folder_peer = json!({
+            "device_id": peer_id().to_string(), "name": "server", "connected": true,
+            "in_sync": true, "our_sequence": 42, "acked_by_peer": 42,
+            "their_sequence": 7, "applied_from_peer": 7, "pending_records": 0,
+            "scanning": false,
+            "scan": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
+            "last_seen_unix": 1_790_000_000,
+        });
         let want = json!({
             "device": {"id": me.to_string(), "short_id": me.short().display7(), "name": "laptop",
                        "listen": "0.0.0.0:7788", "uptime_secs": 12, "started_unix": 1_790_000_000},
@@ -725,10 +750,7 @@ mod tests {
                 },
                 "blocked": null, "mount": null,
                 "in_sync": true, "in_sync_with_connected": true, "peers_connected": true,
-                "peers": [{"device_id": peer_id().to_string(), "name": "server", "connected": true,
-                           "in_sync": true, "our_sequence": 42, "acked_by_peer": 42,
-                           "their_sequence": 7, "applied_from_peer": 7, "pending_records": 0,
-                           "last_seen_unix": 1_790_000_000}],
+                "peers": [folder_peer],
             }],
             "peers": [
                 {"device_id": peer_id().to_string(), "short_id": peer_id().short().display7(),
@@ -783,6 +805,45 @@ mod tests {
         assert_eq!(p.last_seen_unix, None);
         assert_eq!((p.acked_by_peer, p.pending_records), (0, 0));
         assert!(!st.folders[0].in_sync && st.folders[0].in_sync_with_connected);
+    }
+
+    /// The session does not report in sync while the peer scans; the document says why, with
+    /// the peer's progress, and the folder is not in sync.
+    #[test]
+    fn a_peer_still_in_its_first_scan_is_shown_scanning_and_keeps_the_folder_out_of_sync() {
+        let mut s = snapshot();
+        let scan = meshfs_sync::session::ScanCounts {
+            files_hashed: 1000,
+            bytes_hashed: 256 << 20,
+            files_left: 1400,
+        };
+        s.sync.insert(
+            (peer_id(), work()),
+            FolderSyncStatus {
+                their_scan: Some(scan),
+                in_sync: false,
+                ..sync(42, true)
+            },
+        );
+        let st = build(s.clone());
+        let p = &st.folders[0].peers[0];
+        assert!(p.connected && p.scanning && !p.in_sync);
+        assert_eq!(
+            p.scan,
+            Counts {
+                done: 1000,
+                bytes_done: 256 << 20,
+                left: 1400,
+                bytes_left: None
+            }
+        );
+        assert!(!st.folders[0].in_sync && !st.in_sync && !st.in_sync_with_connected);
+        // Once it is offline, its last report is stale: shown offline, not scanning.
+        s.peers[0].rtt = None;
+        let st = build(s);
+        let p = &st.folders[0].peers[0];
+        assert!(!p.connected && !p.scanning);
+        assert_eq!(p.scan, Counts::default());
     }
 
     #[test]

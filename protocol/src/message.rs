@@ -1,7 +1,8 @@
 //! The messages peers exchange. `docs/protocol.md` describes them field by field.
 //!
 //! A connection carries one *control stream* (the first bidirectional stream, opened by the
-//! dialing side) with [`Message::Hello`], [`Message::Index`] and [`Message::IndexAck`], and any
+//! dialing side) with [`Message::Hello`], [`Message::Index`], [`Message::IndexAck`] and
+//! [`Message::Scan`], and any
 //! number of *request streams* (bidirectional, opened by whichever side needs data), each
 //! carrying one [`Message::Request`] answered by one [`Message::Response`] per requested chunk.
 //!
@@ -15,7 +16,7 @@ use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
 pub const MAX_RECORDS_PER_BATCH: usize = 1000;
@@ -85,6 +86,9 @@ pub enum Message {
         /// For people and logs.
         message: String,
     },
+    /// How far the sender's first scan of a folder got since its Hello said it was scanning,
+    /// or that it has finished (control stream only; version 6).
+    Scan(ScanState),
 }
 
 /// Opening message of a session.
@@ -114,8 +118,30 @@ pub struct HelloFolder {
     /// The sender's highest journal sequence for this folder when it said hello.
     pub max_sequence: u64,
     /// The sender's first scan of this folder is still running: files on its disk may not be
-    /// in its journal yet, so its `max_sequence` says nothing about what content it has.
+    /// in its journal yet, so its `max_sequence` says nothing about what content it has. While
+    /// it is true the sender reports the scan's progress and its end in [`Message::Scan`].
     pub scanning: bool,
+}
+
+/// The sender's first scan of a folder, after a [`Hello`] that said it was scanning: still
+/// running (with its progress), or finished. A sender says `scanning = false` once, last; the
+/// receiver is not caught up with the sender until that has come and everything up to its
+/// `max_sequence` is applied.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScanState {
+    /// The folder.
+    pub folder: FolderId,
+    /// The scan is still running; `false`: it has finished, and every file it found is in the
+    /// sender's index at a sequence ≤ `max_sequence`.
+    pub scanning: bool,
+    /// The sender's highest journal sequence of the folder when it sent this.
+    pub max_sequence: u64,
+    /// Files the scan has hashed so far (journaled with them, or about to be).
+    pub files_hashed: u64,
+    /// Their bytes.
+    pub bytes_hashed: u64,
+    /// Files the scan found and has not hashed yet (0 until its walk of the tree is done).
+    pub files_left: u64,
 }
 
 /// A batch of one folder's records.
@@ -217,7 +243,7 @@ impl Message {
                 }
                 b.inline.iter().try_for_each(chunk)?;
             }
-            Message::IndexAck(_) => {}
+            Message::IndexAck(_) | Message::Scan(_) => {}
             Message::Request(r) => {
                 if r.hashes.len() > MAX_HASHES_PER_REQUEST {
                     return Err(LimitError::Hashes(r.folder.clone(), r.hashes.len()));

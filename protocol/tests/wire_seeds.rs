@@ -10,7 +10,7 @@
 use meshfs_protocol::{
     decode_payload, encode_frame, Chunk, ChunkRequest, ChunkResponse, ErrorCode, FileKind,
     FileRecord, FolderId, Hash, Hello, HelloFolder, IndexAck, IndexBatch, Message, RelPath,
-    ShortId, VersionVector, FRAME_HEADER_LEN, PROTOCOL_VERSION,
+    ScanState, ShortId, VersionVector, FRAME_HEADER_LEN, PROTOCOL_VERSION,
 };
 use std::path::PathBuf;
 
@@ -151,6 +151,28 @@ fn messages() -> Vec<(&'static str, Message)> {
             Message::IndexAck(IndexAck {
                 folder: folder(),
                 sequence: 12,
+            }),
+        ),
+        (
+            "scan",
+            Message::Scan(ScanState {
+                folder: FolderId::new("work.2026").unwrap(),
+                scanning: true,
+                max_sequence: 1001,
+                files_hashed: 1000,
+                bytes_hashed: 262_144_000,
+                files_left: 1400,
+            }),
+        ),
+        (
+            "scan-finished",
+            Message::Scan(ScanState {
+                folder: FolderId::new("work.2026").unwrap(),
+                scanning: false,
+                max_sequence: 2401,
+                files_hashed: 2400,
+                bytes_hashed: 629_145_600,
+                files_left: 0,
             }),
         ),
         (

@@ -19,12 +19,16 @@
 //! - at most [`RECEIVE_DEPTH`] `Receive`s per folder are outstanding at a time (further
 //!   batches queue behind them), and the driver reports them applied in the order it got
 //!   them: the receiver decides and assembles one batch while the one before it installs;
-//! - progress (sequences applied, acknowledged, known) never moves backwards.
+//! - progress (sequences applied, acknowledged, known) never moves backwards;
+//! - a folder whose first scan runs says so in its Hello, then reports the scan's progress
+//!   and, once, its end in `Scan` messages ([`Session::scan_progress`]); a peer is not in sync
+//!   with us while it is scanning, and a `Scan` for a folder the peer did not say it scans is a
+//!   protocol violation.
 
 use crate::error::ReadError;
 use meshfs_protocol::{
     ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder, IndexAck,
-    IndexBatch, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
+    IndexBatch, Message, ScanState, MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
 use std::collections::{BTreeMap, VecDeque};
 
@@ -114,8 +118,20 @@ pub struct SessionFolder {
     pub their_sequence: u64,
     /// Highest of our sequences the peer acknowledged.
     pub our_acked: u64,
-    /// Our first scan of this folder is still running (told to the peer in the Hello).
+    /// Our first scan of this folder is still running (told to the peer in the Hello; its
+    /// progress and end follow through [`Session::scan_progress`]).
     pub scanning: bool,
+}
+
+/// How far a folder's first scan got.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScanCounts {
+    /// Files hashed.
+    pub files_hashed: u64,
+    /// Their bytes.
+    pub bytes_hashed: u64,
+    /// Files found and not hashed yet.
+    pub files_left: u64,
 }
 
 /// What the driver must do, in order.
@@ -176,7 +192,11 @@ pub struct FolderSyncStatus {
     pub their_applied: u64,
     /// A Receive is outstanding (or batches are queued behind one).
     pub receiving: bool,
-    /// established ∧ hello seen ∧ our_acked ≥ our_max ∧ their_applied ≥ their_known_max ∧ !receiving.
+    /// The peer's first scan of the folder is still running, with how far it got as it last
+    /// said: files on its disk may not be in its index yet.
+    pub their_scan: Option<ScanCounts>,
+    /// established ∧ hello seen ∧ our_acked ≥ our_max ∧ their_applied ≥ their_known_max ∧
+    /// !receiving ∧ the peer is not scanning.
     pub in_sync: bool,
 }
 
@@ -205,6 +225,15 @@ struct FolderState {
     queued: VecDeque<IndexBatch>,
     /// Our records with a sequence above this are new to the peer (see [`Session::inline_after`]).
     inline_after: u64,
+    /// Our first scan, as the driver last reported it: `Some` while it runs.
+    our_scan: Option<ScanCounts>,
+    /// Its counts when it ended.
+    our_scan_end: ScanCounts,
+    /// What the peer was last told of our first scan (in the Hello, then in `Scan`s): `Some`
+    /// while it believes the scan runs.
+    told_scan: Option<ScanCounts>,
+    /// The peer's first scan, as it last said: `Some` while it runs.
+    their_scan: Option<ScanCounts>,
 }
 
 /// One peer session. See the module docs.
@@ -264,6 +293,7 @@ impl Session {
             .folders
             .values_mut()
             .map(|f| {
+                f.told_scan = f.our_scan.map(|_| ScanCounts::default());
                 f.our_max = f.our_max.max(src.max_sequence(&f.cfg.folder));
                 HelloFolder {
                     folder: f.cfg.folder.clone(),
@@ -271,7 +301,7 @@ impl Session {
                     your_index_id: f.cfg.their_index_id,
                     your_sequence: f.their_applied,
                     max_sequence: f.our_max,
-                    scanning: f.cfg.scanning,
+                    scanning: f.our_scan.is_some(),
                 }
             })
             .collect();
@@ -305,6 +335,7 @@ impl Session {
             Message::Hello(h) => out.extend(self.on_hello(h, src)),
             Message::Index(batch) => out.extend(self.on_index(batch)),
             Message::IndexAck(ack) => out.extend(self.on_ack(ack, src)),
+            Message::Scan(scan) => out.extend(self.on_scan(scan, src)),
             Message::Error { code, message } => {
                 self.closed = true;
                 out.push(Action::Close {
@@ -335,6 +366,42 @@ impl Session {
                 Vec::new()
             }
             None => Vec::new(),
+        };
+        self.settle(out, src)
+    }
+
+    /// Our first scan of `folder` has got this far (`scanning`: it still runs; `false`: it has
+    /// finished and everything it found is journaled). Tells the peer, if it was told the scan
+    /// runs and this is news: progress while it runs, then its end once, with our highest
+    /// sequence, after sending what the window allows. A first scan runs once: after its end,
+    /// `scanning = true` is ignored.
+    pub fn scan_progress(
+        &mut self,
+        folder: &FolderId,
+        scanning: bool,
+        counts: ScanCounts,
+        src: &mut dyn IndexSource,
+    ) -> Vec<Action> {
+        if self.closed {
+            return Vec::new();
+        }
+        let mut src = Reader::new(src);
+        let established = self.is_established();
+        let peer = self.peer;
+        let Some(f) = self.folders.get_mut(folder) else {
+            return Vec::new();
+        };
+        if f.our_scan.is_none() {
+            return Vec::new();
+        }
+        f.our_scan = scanning.then_some(counts);
+        f.our_scan_end = counts;
+        let out = if established && f.shared {
+            let mut out = f.pump(&peer, &mut src);
+            out.extend(f.tell_scan(&mut src));
+            out
+        } else {
+            Vec::new()
         };
         self.settle(out, src)
     }
@@ -397,11 +464,13 @@ impl Session {
             their_known_max: f.their_known_max,
             their_applied: f.their_applied,
             receiving,
+            their_scan: f.their_scan,
             in_sync: self.is_established()
                 && f.shared
                 && f.our_acked >= f.our_max
                 && f.their_applied >= f.their_known_max
-                && !receiving,
+                && !receiving
+                && f.their_scan.is_none(),
         })
     }
 
@@ -458,9 +527,49 @@ impl Session {
             } else {
                 f.our_max
             };
+            f.their_scan = hf.scanning.then(ScanCounts::default);
         }
         out.extend(self.pump_all(src));
+        // Our scan may have moved on (or ended) since our Hello went out.
+        for f in self.folders.values_mut().filter(|f| f.shared) {
+            out.extend(f.tell_scan(src));
+        }
         out
+    }
+
+    fn on_scan(&mut self, scan: ScanState, src: &mut Reader<'_>) -> Vec<Action> {
+        if self.peer_name.is_none() {
+            return self.fail(ErrorCode::BadFrame, "scan state before hello");
+        }
+        let Some(f) = self.folders.get_mut(&scan.folder).filter(|f| f.shared) else {
+            let msg = format!("folder {} is not shared with this device", scan.folder);
+            return self.fail(ErrorCode::NotShared, &msg);
+        };
+        if f.their_scan.is_none() {
+            let msg = format!(
+                "scan state of folder {} from a device that did not say it was scanning it",
+                scan.folder
+            );
+            return self.fail(ErrorCode::BadFrame, &msg);
+        }
+        // Its index reaches at least this far: not caught up before it is applied here.
+        f.their_known_max = f.their_known_max.max(scan.max_sequence);
+        if scan.scanning {
+            f.their_scan = Some(ScanCounts {
+                files_hashed: scan.files_hashed,
+                bytes_hashed: scan.bytes_hashed,
+                files_left: scan.files_left,
+            });
+        } else {
+            f.their_scan = None;
+            // Its journal now lists what its disk holds: as after a Hello from a device that
+            // scanned its own copy, what we journal from now on is new to it.
+            if f.inline_after == u64::MAX {
+                f.our_max = f.our_max.max(src.max_sequence(&scan.folder));
+                f.inline_after = f.our_max;
+            }
+        }
+        Vec::new()
     }
 
     fn on_index(&mut self, batch: IndexBatch) -> Vec<Action> {
@@ -567,7 +676,6 @@ impl FolderState {
             their_applied: cfg.their_sequence,
             their_known_max: cfg.their_sequence,
             their_received: 0,
-            cfg,
             shared: false,
             our_max: 0,
             sent_up_to: 0,
@@ -575,7 +683,36 @@ impl FolderState {
             receiving: VecDeque::new(),
             queued: VecDeque::new(),
             inline_after: u64::MAX,
+            our_scan: cfg.scanning.then(ScanCounts::default),
+            our_scan_end: ScanCounts::default(),
+            told_scan: None,
+            their_scan: None,
+            cfg,
         }
+    }
+
+    /// Tells the peer what changed in our first scan since it was last told: its progress
+    /// while it runs; once it has ended, that it has, with our highest sequence. Nothing when
+    /// the peer was never told the scan runs.
+    fn tell_scan(&mut self, src: &mut Reader<'_>) -> Vec<Action> {
+        let Some(told) = self.told_scan else {
+            return Vec::new();
+        };
+        let (scanning, counts) = match self.our_scan {
+            Some(now) if now == told => return Vec::new(),
+            Some(now) => (true, now),
+            None => (false, self.our_scan_end),
+        };
+        self.told_scan = self.our_scan;
+        self.our_max = self.our_max.max(src.max_sequence(&self.cfg.folder));
+        vec![Action::Send(Message::Scan(ScanState {
+            folder: self.cfg.folder.clone(),
+            scanning,
+            max_sequence: self.our_max,
+            files_hashed: counts.files_hashed,
+            bytes_hashed: counts.bytes_hashed,
+            files_left: if scanning { counts.files_left } else { 0 },
+        }))]
     }
 
     /// Sends batches while the window allows and records remain.
@@ -924,6 +1061,268 @@ mod tests {
         );
         assert_eq!(b.received.last().unwrap().path.as_str(), "late");
         assert!(status(&a, "f").in_sync && status(&b, "f").in_sync);
+    }
+
+    fn scanning(name: &str, index_id: u64) -> SessionFolder {
+        SessionFolder {
+            scanning: true,
+            ..folder(name, index_id)
+        }
+    }
+
+    fn counts(files_hashed: u64, files_left: u64) -> ScanCounts {
+        ScanCounts {
+            files_hashed,
+            bytes_hashed: files_hashed * 4096,
+            files_left,
+        }
+    }
+
+    /// The `Scan` messages among `actions`.
+    fn scans(actions: &[Action]) -> Vec<ScanState> {
+        actions
+            .iter()
+            .filter_map(|x| match x {
+                Action::Send(Message::Scan(s)) => Some(s.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_peer_in_its_first_scan_is_not_in_sync_until_it_says_the_scan_ended_and_all_is_applied() {
+        let mut a = Side::new(1, 2, vec![scanning("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        // a's scan journaled its first slice before the session started.
+        for i in 0..5 {
+            a.journal.add(&format!("first{i}"), 1);
+        }
+        connect(&mut a, &mut b);
+        // b has everything a journaled so far, but a's disk holds more: b is not in sync.
+        assert_eq!(b.received.len(), 5);
+        let st = status(&b, "f");
+        assert_eq!(st.their_scan, Some(ScanCounts::default()));
+        assert!(!st.in_sync, "{st:?}");
+        // a's view of b is not affected: b is not scanning and has acknowledged everything.
+        assert!(status(&a, "f").in_sync);
+
+        // The next slice: journaled, then its progress told.
+        for i in 0..1000 {
+            a.journal.add(&format!("second{i}"), 1);
+        }
+        let mut acts = a.session.local_changed(&fid("f"), &mut a.journal);
+        acts.extend(
+            a.session
+                .scan_progress(&fid("f"), true, counts(1005, 995), &mut a.journal),
+        );
+        assert_eq!(scans(&acts).len(), 1);
+        run(
+            &mut a,
+            &mut b,
+            VecDeque::new(),
+            VecDeque::new(),
+            [acts, vec![]],
+        );
+        let st = status(&b, "f");
+        assert_eq!(st.their_scan, Some(counts(1005, 995)));
+        assert!(!st.in_sync);
+        // The same progress again is not news.
+        assert!(a
+            .session
+            .scan_progress(&fid("f"), true, counts(1005, 995), &mut a.journal)
+            .is_empty());
+
+        // The last slice is journaled and the scan ends before the session heard of the
+        // change: the end is told after the batches, with the highest sequence.
+        for i in 0..995 {
+            a.journal.add(&format!("last{i}"), 1);
+        }
+        let acts = a
+            .session
+            .scan_progress(&fid("f"), false, counts(2000, 0), &mut a.journal);
+        let told = scans(&acts);
+        assert_eq!(told.len(), 1);
+        assert!(!told[0].scanning);
+        assert_eq!(
+            (
+                told[0].max_sequence,
+                told[0].files_hashed,
+                told[0].files_left
+            ),
+            (2000, 2000, 0)
+        );
+        assert!(
+            matches!(acts.last(), Some(Action::Send(Message::Scan(_)))),
+            "the batches the window allows go first"
+        );
+        run(
+            &mut a,
+            &mut b,
+            VecDeque::new(),
+            VecDeque::new(),
+            [acts, vec![]],
+        );
+        assert_eq!(b.received.len(), 2000);
+        let st = status(&b, "f");
+        assert_eq!(st.their_scan, None);
+        assert!(st.in_sync, "{st:?}");
+        assert!(status(&a, "f").in_sync);
+        // A first scan runs once: a later report of one is not sent.
+        assert!(a
+            .session
+            .scan_progress(&fid("f"), true, counts(1, 1), &mut a.journal)
+            .is_empty());
+    }
+
+    #[test]
+    fn the_end_of_a_scan_is_not_in_sync_before_every_record_up_to_its_max_sequence_is_applied() {
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        b.session.start(&mut b.journal);
+        let hello = Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            device_name: "a".into(),
+            folders: vec![HelloFolder {
+                folder: fid("f"),
+                index_id: 11,
+                your_index_id: 0,
+                your_sequence: 0,
+                max_sequence: 0,
+                scanning: true,
+            }],
+        });
+        b.session.handle(hello, &mut b.journal);
+        // The end overtakes the batches (a full window): it carries a's highest sequence.
+        let end = Message::Scan(ScanState {
+            folder: fid("f"),
+            scanning: false,
+            max_sequence: 3,
+            files_hashed: 3,
+            bytes_hashed: 3,
+            files_left: 0,
+        });
+        assert!(b.session.handle(end, &mut b.journal).is_empty());
+        let st = status(&b, "f");
+        assert_eq!((st.their_scan, st.their_known_max), (None, 3));
+        assert!(!st.in_sync, "nothing of a applied yet: {st:?}");
+        let batch = Message::Index(IndexBatch {
+            folder: fid("f"),
+            records: vec![record("x", 1, 1), record("y", 1, 3)],
+            up_to: 3,
+            inline: Vec::new(),
+        });
+        b.session.handle(batch, &mut b.journal);
+        assert!(!status(&b, "f").in_sync, "received, not applied");
+        b.session.applied(&fid("f"), 3);
+        assert!(status(&b, "f").in_sync);
+    }
+
+    #[test]
+    fn a_scan_state_the_peer_may_not_send_ends_the_session() {
+        let hello = |scanning| {
+            Message::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                device_name: "a".into(),
+                folders: vec![HelloFolder {
+                    folder: fid("f"),
+                    index_id: 11,
+                    your_index_id: 0,
+                    your_sequence: 0,
+                    max_sequence: 0,
+                    scanning,
+                }],
+            })
+        };
+        let scan = |folder: &str, scanning| {
+            Message::Scan(ScanState {
+                folder: fid(folder),
+                scanning,
+                max_sequence: 0,
+                files_hashed: 0,
+                bytes_hashed: 0,
+                files_left: 0,
+            })
+        };
+        let refused = |acts: Vec<Action>, code: ErrorCode| matches!(&acts[..], [Action::Send(Message::Error { code: c, .. }), Action::Close { .. }] if *c == code);
+        // Before the hello.
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        b.session.start(&mut b.journal);
+        let acts = b.session.handle(scan("f", true), &mut b.journal);
+        assert!(refused(acts, ErrorCode::BadFrame));
+        // For a folder the peer did not say it was scanning.
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        b.session.handle(hello(false), &mut b.journal);
+        let acts = b.session.handle(scan("f", false), &mut b.journal);
+        assert!(refused(acts, ErrorCode::BadFrame));
+        // Scanning again after saying the scan ended.
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        b.session.handle(hello(true), &mut b.journal);
+        assert!(b
+            .session
+            .handle(scan("f", false), &mut b.journal)
+            .is_empty());
+        let acts = b.session.handle(scan("f", true), &mut b.journal);
+        assert!(refused(acts, ErrorCode::BadFrame));
+        // For a folder not shared in both hellos.
+        let mut b = Side::new(2, 1, vec![folder("f", 22), folder("g", 23)]);
+        b.session.handle(hello(true), &mut b.journal);
+        let acts = b.session.handle(scan("g", false), &mut b.journal);
+        assert!(refused(acts, ErrorCode::NotShared));
+    }
+
+    #[test]
+    fn a_scan_that_moved_on_before_the_peer_said_hello_is_told_once_the_peer_has() {
+        let mut a = Side::new(1, 2, vec![scanning("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        let sa = a.session.start(&mut a.journal);
+        let Some(Action::Send(Message::Hello(h))) = sa.first() else {
+            panic!("{sa:?}")
+        };
+        assert!(h.folders[0].scanning);
+        // Not established: nothing is sent yet.
+        a.journal.add("x", 1);
+        assert!(a
+            .session
+            .scan_progress(&fid("f"), false, counts(1, 0), &mut a.journal)
+            .is_empty());
+        let sb = b.session.start(&mut b.journal);
+        run(&mut a, &mut b, VecDeque::new(), VecDeque::new(), [sa, sb]);
+        let st = status(&b, "f");
+        assert_eq!(st.their_scan, None);
+        assert!(st.in_sync, "{st:?}");
+        assert_eq!(b.received.len(), 1);
+        // A Hello built after the scan ended says it is not scanning, and no Scan follows.
+        reconnect(&mut a, 2, 11);
+        reconnect(&mut b, 1, 22);
+        let sa = a.session.start(&mut a.journal);
+        let Some(Action::Send(Message::Hello(h))) = sa.first() else {
+            panic!("{sa:?}")
+        };
+        assert!(!h.folders[0].scanning);
+    }
+
+    #[test]
+    fn once_the_peer_ends_its_first_scan_what_we_journal_next_carries_its_content() {
+        let mut e = Side::new(5, 6, vec![folder("f", 55)]);
+        let mut g = Side::new(6, 5, vec![scanning("f", 66)]);
+        e.journal.add("y", 5);
+        connect(&mut e, &mut g);
+        assert_eq!(e.session.inline_after(&fid("f")), u64::MAX);
+        let acts = g
+            .session
+            .scan_progress(&fid("f"), false, counts(0, 0), &mut g.journal);
+        run(
+            &mut e,
+            &mut g,
+            VecDeque::new(),
+            VecDeque::new(),
+            [vec![], acts],
+        );
+        assert_eq!(
+            e.session.inline_after(&fid("f")),
+            1,
+            "records journaled from now on are new to g"
+        );
+        assert!(status(&e, "f").in_sync && status(&g, "f").in_sync);
     }
 
     #[test]
