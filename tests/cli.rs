@@ -460,3 +460,124 @@ fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_running() {
     assert_eq!(a.status()["folders"][0]["id"], "work");
     a.stop();
 }
+
+#[test]
+fn folder_remove_stops_syncing_the_folder_and_leaves_its_files_on_disk() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    write(&a.path("docs/report.txt"), b"kept on disk");
+    a.start();
+    assert_eq!(a.status()["folders"][0]["id"], "work");
+    let staging = a.home.join("state/staging/work");
+    assert!(
+        staging.is_dir(),
+        "the running folder has its staging directory"
+    );
+    let files = tree(&a.dir);
+    let config = std::fs::read(a.home.join("config.toml")).unwrap();
+
+    // The main error path: an unknown folder is named, exit 1, and nothing changes.
+    let (code, err) = fails(&a.home, &["folder", "remove", "nope"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("no folder \"nope\"") && err.contains("meshfs folder list"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(a.home.join("config.toml")).unwrap(), config);
+    assert_eq!(a.status()["folders"][0]["id"], "work");
+
+    assert_eq!(ok(&a.home, &["folder", "remove", "work"]), "");
+    // The running daemon let it go at once: no reload, no restart.
+    assert_eq!(a.status()["folders"], serde_json::json!([]));
+    assert!(ok(&a.home, &["status"]).contains("no folders"));
+    assert_eq!(ok(&a.home, &["folder", "list"]), "");
+    assert_eq!(ok(&a.home, &["folder", "list", "--json"]).trim(), "[]");
+    let (code, err) = fails(&a.home, &["scan", "work"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no folder \"work\""), "{err}");
+    // The user's files are left exactly as they were; only meshfs's staging is gone.
+    assert_eq!(tree(&a.dir), files);
+    assert_eq!(
+        std::fs::read(a.path("docs/report.txt")).unwrap(),
+        b"kept on disk"
+    );
+    assert!(!staging.exists());
+    let (code, _) = fails(&a.home, &["folder", "remove", "work"]);
+    assert_eq!(code, 1, "a second remove finds nothing to remove");
+    a.stop();
+}
+
+#[test]
+fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_running_daemon() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    let c = Device::new(&t, "c");
+    // A peer that only dials us, sharing nothing.
+    ok(&a.home, &["peer", "add", &c.id, "--name", "phone"]);
+
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["peer", "list", "--json"])).unwrap();
+    let peers = listed.as_array().unwrap();
+    assert_eq!(peers.len(), 2, "{listed}");
+    let pb = &peers[0];
+    assert_eq!(pb["device_id"], b.id.as_str());
+    assert_eq!(pb["name"], "b");
+    assert_eq!(pb["addr"], b.addr.as_str());
+    assert_eq!(pb["folders"], serde_json::json!(["work"]));
+    assert_eq!(pb.as_object().unwrap().len(), 4, "no other field: {pb}");
+    let pc = &peers[1];
+    assert_eq!(pc["device_id"], c.id.as_str());
+    assert_eq!(pc["name"], "phone");
+    assert_eq!(pc["addr"], "");
+    assert_eq!(pc["folders"], serde_json::json!([]));
+    let text = ok(&a.home, &["peer", "list"]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    let words = |l: &str| l.split_whitespace().map(String::from).collect::<Vec<_>>();
+    assert_eq!(words(lines[0]), [&b.id, "b", &b.addr, "work"]);
+    assert_eq!(words(lines[1]), [&c.id, "phone", "(dials", "us)"]);
+
+    Device::start_together(&mut [&mut a, &mut b]);
+    wait_synced(&[&a, &b], 30);
+    // The main error path: a peer that is not known, exit 1, nothing changes.
+    let config = std::fs::read(a.home.join("config.toml")).unwrap();
+    let unknown = Device::new(&t, "d").id.clone();
+    let (code, err) = fails(&a.home, &["peer", "remove", &unknown]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!("no peer {unknown}")) && err.contains("meshfs peer list"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(a.home.join("config.toml")).unwrap(), config);
+
+    assert_eq!(ok(&a.home, &["peer", "remove", &b.id]), "");
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["peer", "list", "--json"])).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert_eq!(listed[0]["device_id"], c.id.as_str());
+    // The running daemon dropped it: no longer a peer of the folder, and b, which still
+    // dials, is refused as an unknown device.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let s = a.status();
+        let gone = s["peers"].as_array().unwrap().len() == 1
+            && s["folders"][0]["peers"] == serde_json::json!([]);
+        let refused = s["refused_devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d == b.id.as_str());
+        if gone && refused {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b was not refused after peer remove: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    a.stop();
+    b.stop();
+}
