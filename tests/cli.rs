@@ -581,3 +581,95 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     a.stop();
     b.stop();
 }
+
+/// Runs `meshfs demo` (under `under`, a command prefix; empty: none) with its temporary
+/// directory in `tmp`, and checks the tour's key lines, exit 0, and that it leaves no
+/// directory, mount or process behind. Returns what it printed.
+fn run_demo(tmp: &std::path::Path, under: &[&str]) -> String {
+    let mut cmd = match under.split_first() {
+        Some((first, rest)) => {
+            let mut c = std::process::Command::new(first);
+            c.args(rest).arg(bin());
+            c
+        }
+        None => std::process::Command::new(bin()),
+    };
+    let out = cmd
+        .arg("demo")
+        .env("TMPDIR", tmp)
+        .env_remove("MESHFS_HOME")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "== two devices, laptop and server, each with its own identity and a folder `demo`",
+        "both daemons running; they found each other over QUIC with pinned ids",
+        "10 new files, save → readable on the server: median ",
+        "renamed on the laptop; the server has renamed-project/ with 1000 files; ",
+        "  report.txt = \"server's version (saved later)\"",
+        "    belongs to report.txt; losing version by ",
+        "conflict report.txt",
+        "sync    in sync: every folder is up to date with every peer that shares it",
+        "demo finished; both daemons stopped",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+    let sibling = text
+        .lines()
+        .find(|l| l.contains(".sync-conflict-") && l.contains(" = "))
+        .unwrap_or_else(|| panic!("no conflict sibling shown:\n{text}"));
+    assert!(sibling.ends_with("= \"laptop's version\""), "{sibling}");
+    // Everything it made is gone: its directory, so no mount point, and no daemon of it runs.
+    assert_eq!(listing(tmp), Vec::<std::path::PathBuf>::new(), "{text}");
+    let here = tmp.to_str().unwrap();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(here), "{mounts}");
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&cmdline).contains(here),
+            "process {:?} of the demo is still running",
+            p.file_name()
+        );
+    }
+    text
+}
+
+#[test]
+fn the_demo_tours_two_devices_and_leaves_nothing_behind() {
+    let t = tmp();
+    let text = run_demo(t.path(), &[]);
+    // Mounted where FUSE is usable; elsewhere it says so once and tours the replicas.
+    let mounted = text.contains("each folder is mounted (FUSE, served by its daemon)");
+    assert!(mounted || text.contains("no FUSE mount here ("), "{text}");
+    if mounted {
+        assert!(text.contains("server: git status = clean"), "{text}");
+    }
+}
+
+#[test]
+fn the_demo_without_fuse_says_so_and_tours_the_replica_directories() {
+    // Without CAP_SYS_ADMIN in its bounding set no process of the demo can mount, not even
+    // through the setuid fusermount3: FUSE is unusable as on a machine without it.
+    let probe = std::process::Command::new("setpriv")
+        .args(["--bounding-set=-sys_admin", "--", "true"])
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: setpriv cannot drop CAP_SYS_ADMIN here");
+        return;
+    }
+    let t = tmp();
+    let text = run_demo(t.path(), &["setpriv", "--bounding-set=-sys_admin", "--"]);
+    assert!(
+        text.contains("no FUSE mount here (")
+            && text.contains("the tour works in the replica directories"),
+        "{text}"
+    );
+    assert!(!text.contains("each folder is mounted"), "{text}");
+    assert!(!text.contains("git status"), "{text}");
+}
