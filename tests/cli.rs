@@ -673,3 +673,44 @@ fn the_demo_without_fuse_says_so_and_tours_the_replica_directories() {
     assert!(!text.contains("each folder is mounted"), "{text}");
     assert!(!text.contains("git status"), "{text}");
 }
+
+#[test]
+fn a_peer_that_removed_the_folder_is_shown_as_not_sharing_it_not_as_syncing() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("x.txt"), b"from a");
+    Device::start_together(&mut [&mut a, &mut b]);
+    wait_synced(&[&a, &b], 30);
+    ok(&b.home, &["folder", "remove", "work"]);
+    // b reconnects with a hello that no longer offers work: a sees it soon.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let s = loop {
+        let s = a.status();
+        if s["folders"][0]["peers"][0]["not_shared"] == true {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b still looks like it shares work: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let p = &s["folders"][0]["peers"][0];
+    assert_eq!(p["device_id"], b.id.as_str());
+    assert_eq!(p["connected"], true);
+    assert_eq!(p["in_sync"], false);
+    assert_eq!(s["folders"][0]["in_sync"], false);
+    let text = ok(&a.home, &["status"]);
+    assert!(
+        text.contains("up to date with 0 of 1 peer; b connected, but it does not share this folder with this device")
+            && text.contains("with b: connected, but it does not share this folder with this device"),
+        "{text}"
+    );
+    assert!(!text.contains("syncing"), "{text}");
+    // b's files are still there, untouched by the removal.
+    assert_eq!(std::fs::read(b.path("x.txt")).unwrap(), b"from a");
+    a.stop();
+    b.stop();
+}
