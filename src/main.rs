@@ -243,7 +243,7 @@ enum FolderCmd {
     },
     /// Stop replicating a folder (its files stay on disk).
     #[command(
-        after_help = "Example: meshfs folder remove work\nPrints nothing and exits 0; a running daemon stops syncing the folder at once. The files in\nits directory are left as they are. An unknown id exits 1."
+        after_help = "Example: meshfs folder remove work\nPrints nothing and exits 0; a running daemon stops syncing the folder at once and ends its\nmount, if any. The files in its directory are left as they are. An unknown id exits 1."
     )]
     Remove {
         /// The folder id.
