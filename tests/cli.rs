@@ -619,6 +619,8 @@ fn run_demo(tmp: &std::path::Path, under: &[&str]) -> String {
     ] {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
     }
+    // The server's restart in the tour is an orderly stop, not an error of the peer.
+    assert!(!text.contains("daemon stopping"), "{text}");
     let sibling = text
         .lines()
         .find(|l| l.contains(".sync-conflict-") && l.contains(" = "))

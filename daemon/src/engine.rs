@@ -476,7 +476,9 @@ impl Engine {
         self.unmount_all();
         self.net.shutdown.notify_waiters();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        self.net.endpoint.close(0u32.into(), b"daemon stopping");
+        self.net
+            .endpoint
+            .close(transport::CLOSE_STOPPING, b"daemon stopping");
         if let Ok(d) = self.dialers.lock() {
             for (_, stop) in d.values() {
                 stop.notify_one();
