@@ -539,6 +539,26 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     assert_eq!(words(lines[0]), [&b.id, "b", &b.addr, "work"]);
     assert_eq!(words(lines[1]), [&c.id, "phone", "(dials", "us)"]);
 
+    // The folder's side of the same: who it is shared with.
+    let folders: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["folder", "list", "--json"])).unwrap();
+    assert_eq!(
+        folders,
+        serde_json::json!([{"id": "work", "path": a.dir.to_str().unwrap(), "watch": true,
+                            "shared_with": [b.id.as_str()]}])
+    );
+    assert_eq!(
+        words(&ok(&a.home, &["folder", "list"])),
+        [
+            "work",
+            a.dir.to_str().unwrap(),
+            "(shared",
+            "with",
+            "1",
+            "peer)"
+        ]
+    );
+
     Device::start_together(&mut [&mut a, &mut b]);
     wait_synced(&[&a, &b], 30);
     // The main error path: a peer that is not known, exit 1, nothing changes.
