@@ -164,7 +164,11 @@ fn demo(root: &Path) -> anyhow::Result<u8> {
             b.work().display()
         );
     } else {
-        a.mnt = None;
+        // The laptop may have mounted before the server could not: the tour then works in
+        // the replica directories on both, with no mount left serving beside them.
+        if a.mnt.take().is_some() {
+            run(&a.home, &["unmount", "demo"])?;
+        }
         b.mnt = None;
     }
     notes_arrive(&a, &b)?;

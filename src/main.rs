@@ -50,7 +50,7 @@ struct Cli {
 enum Command {
     /// Create this device's identity and config (refuses to overwrite).
     #[command(
-        after_help = "Example: meshfs --home /tmp/a init --name laptop --listen 127.0.0.1:7788"
+        after_help = "Example: meshfs --home /tmp/a init --name laptop --listen 127.0.0.1:7788\n  SPBYD5N-L35BW72-NR64EQN-7PSGRHE-WPY7EXS-6WJFN6O-LT5UFPA-L7BYXQX\nPrints the new device id (and on stderr where the config is); exits 1, changing nothing, if\nthe home is already initialised."
     )]
     Init {
         /// A name for this device.
@@ -61,15 +61,26 @@ enum Command {
         listen: String,
     },
     /// Print this device's id (give it to your other devices' `peer add`).
+    #[command(
+        after_help = "Example: meshfs id\n  SPBYD5N-L35BW72-NR64EQN-7PSGRHE-WPY7EXS-6WJFN6O-LT5UFPA-L7BYXQX\nOn a home that was never initialised it exits 1 and says to run `meshfs init`."
+    )]
     Id,
     /// Replicated folders.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  meshfs folder add ~/work --id work\n  meshfs folder list\n  meshfs folder remove work"
+    )]
     Folder(FolderCmd),
     /// Known peers.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  meshfs peer add QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP --addr server.lan:7788 --share work\n  meshfs peer list\n  meshfs peer remove QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP"
+    )]
     Peer(PeerCmd),
     /// Share a folder with a known peer.
-    #[command(after_help = "Example: meshfs share work MFZWI3D-BONSGYC-...")]
+    #[command(
+        after_help = "Example: meshfs share work QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP\nPrints nothing and exits 0; a running daemon reconnects to the peer, which then gets the folder."
+    )]
     Share {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
@@ -79,9 +90,12 @@ enum Command {
         device: DeviceId,
     },
     /// Check the config without starting anything.
-    #[command(subcommand)]
+    #[command(subcommand, after_help = "Example: meshfs config check")]
     Config(ConfigCmd),
     /// Run the engine in the foreground until SIGINT/SIGTERM.
+    #[command(
+        after_help = "Example: meshfs daemon\nLogs to stderr (info level by default), e.g.\n  INFO meshfs_daemon::engine: folder scanned folder=work path=/home/u/work changes=1 ms=1\n  INFO meshfs_daemon::engine: meshfs daemon running device=SPBYD5N-L35BW72-NR64EQN-7PSGRHE-WPY7EXS-6WJFN6O-LT5UFPA-L7BYXQX listen=0.0.0.0:7788\nExits 1 if another daemon runs on the same home or the listen address is in use.\nAs a service: `systemctl --user enable --now meshfs` (the unit the package installs)."
+    )]
     Daemon,
     /// Mount a folder through the running daemon (an empty directory; the replica stays where it is).
     #[command(
@@ -98,6 +112,9 @@ enum Command {
         read_only: bool,
     },
     /// Unmount a folder (it keeps syncing).
+    #[command(
+        after_help = "Example: meshfs unmount work\n  folder work unmounted from /home/u/work\nExits 3 when no daemon runs (then nothing of it is mounted)."
+    )]
     Unmount {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
@@ -106,10 +123,13 @@ enum Command {
     /// Rebuild a damaged journal: move it aside (nothing is deleted) so the next daemon start
     /// rescans every folder and reconciles with its peers; differences become conflicts.
     #[command(
-        after_help = "Run it with the daemon stopped, when the daemon says the journal is damaged.\nThe change history kept in the old journal is not carried over; the files are untouched."
+        after_help = "Run it with the daemon stopped, when the daemon says the journal is damaged.\nThe change history kept in the old journal is not carried over; the files are untouched.\n\nExample: meshfs repair\n  kept the old journal as /home/u/.local/share/meshfs/journal.db.damaged-1795634291\n  the next `meshfs daemon` rescans every folder into a new journal and reconciles with its peers: files that differ become conflicts, nothing is overwritten\nExits 1 while the daemon runs."
     )]
     Repair,
     /// Rescan a folder now (the daemon also scans at start and watches for changes).
+    #[command(
+        after_help = "Example: meshfs scan work\n  1 change(s) journaled\nExits 3 when no daemon runs (changes are then picked up when it starts)."
+    )]
     Scan {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
@@ -154,6 +174,9 @@ enum Command {
     )]
     Journal(journal_cmd::JournalArgs),
     /// Conflict files that still exist.
+    #[command(
+        after_help = "Example: meshfs conflicts work\n  report.sync-conflict-20261125-191740-EXAK3F4.txt\n      belongs to report.txt; losing version by EXAK3F4 at 20261125-191740 (17 bytes); kept version by LQB2QJV (31 bytes)\nor `no conflicts in work`. With --json: an array of objects (fields in docs/cli.md)."
+    )]
     Conflicts {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
@@ -163,12 +186,18 @@ enum Command {
         json: bool,
     },
     /// A self-contained tour: two devices on loopback in a temp dir, edits, a conflict, the journal.
+    #[command(
+        after_help = "Example: meshfs demo\nTakes a few seconds and prints each step, e.g.\n  == a file saved on the laptop appears on the server\n  10 new files, save → readable on the server: median 9.6 ms, worst 10.8 ms\n  ...\n  demo finished; both daemons stopped\nEach folder is mounted where FUSE is usable; elsewhere the tour says so and works in the\nreplica directories. Both daemons are stopped and the directory removed at the end."
+    )]
     Demo {
         /// Keep the temporary directory afterwards.
         #[arg(long)]
         keep: bool,
     },
     /// Print shell completions.
+    #[command(
+        after_help = "Example: meshfs completions bash > ~/.local/share/bash-completion/completions/meshfs"
+    )]
     Completions {
         /// bash, zsh, fish, elvish or powershell.
         shell: clap_complete::Shell,
@@ -204,12 +233,18 @@ enum FolderCmd {
         id: Option<FolderId>,
     },
     /// List folders.
+    #[command(
+        after_help = "Example: meshfs folder list\n  work             /home/u/work  (shared with 1 peer)\nWith --json: [{\"id\": \"work\", \"path\": \"/home/u/work\", \"watch\": true, \"shared_with\": [DEVICE-ID, ...]}]"
+    )]
     List {
         /// JSON output.
         #[arg(long)]
         json: bool,
     },
     /// Stop replicating a folder (its files stay on disk).
+    #[command(
+        after_help = "Example: meshfs folder remove work\nPrints nothing and exits 0; a running daemon stops syncing the folder at once and ends its\nmount, if any. The files in its directory are left as they are. An unknown id exits 1."
+    )]
     Remove {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
@@ -221,7 +256,7 @@ enum FolderCmd {
 enum PeerCmd {
     /// Trust a device and (optionally) share folders with it.
     #[command(
-        after_help = "Example: meshfs peer add MFZWI3D-BONSGYC-... --addr 192.168.1.20:7788 --share work"
+        after_help = "Example: meshfs peer add QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP --addr 192.168.1.20:7788 --share work\nPrints nothing and exits 0; adding a known peer again updates its address, name and shares."
     )]
     Add {
         /// The peer's device id (`meshfs id` on that device).
@@ -238,12 +273,18 @@ enum PeerCmd {
         share: Vec<String>,
     },
     /// List peers.
+    #[command(
+        after_help = "Example: meshfs peer list\n  QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP  server       192.168.1.20:7788      work\n(device id, name, address or \"(dials us)\", shared folders). With --json:\n[{\"device_id\": ..., \"name\": \"server\", \"addr\": \"192.168.1.20:7788\", \"folders\": [\"work\"]}]"
+    )]
     List {
         /// JSON output.
         #[arg(long)]
         json: bool,
     },
     /// Forget a peer (it is refused from then on).
+    #[command(
+        after_help = "Example: meshfs peer remove QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP\nPrints nothing and exits 0; a running daemon closes its connection and refuses it from then\non. The folders stay as they are. An unknown peer exits 1."
+    )]
     Remove {
         /// The peer's device id.
         #[arg(value_parser = parse_device)]
@@ -820,4 +861,109 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         return Err(e);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// The command lines an `after_help` shows: the text after `Example: `, and the lines of an
+    /// `Examples:` block, each cut at a comment and split at `&`, `|`, `>` into the `meshfs …`
+    /// commands they run.
+    fn example_commands(help: &str) -> Vec<Vec<String>> {
+        let mut lines = Vec::new();
+        let mut in_block = false;
+        for line in help.lines() {
+            if let Some(rest) = line.strip_prefix("Example: ") {
+                lines.push(rest);
+                in_block = false;
+            } else if line.starts_with("Examples:") {
+                in_block = true;
+            } else if in_block && line.starts_with("  ") {
+                lines.push(line.trim());
+            } else {
+                in_block = false;
+            }
+        }
+        lines
+            .into_iter()
+            .flat_map(|l| {
+                l.split(" #")
+                    .next()
+                    .unwrap_or_default()
+                    .split(['&', '|', '>'])
+                    .map(str::trim)
+                    .filter(|c| c.starts_with("meshfs "))
+                    .map(|c| c.split_whitespace().map(String::from).collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The names of the subcommands `m` selects, outermost first.
+    fn selected(mut m: &clap::ArgMatches) -> Vec<String> {
+        let mut path = Vec::new();
+        while let Some((name, sub)) = m.subcommand() {
+            path.push(name.to_string());
+            m = sub;
+        }
+        path
+    }
+
+    /// Every visible subcommand, at any depth, with the names that lead to it.
+    fn subcommands(
+        cmd: &clap::Command,
+        above: &[String],
+        out: &mut Vec<(Vec<String>, clap::Command)>,
+    ) {
+        for sub in cmd.get_subcommands() {
+            if sub.is_hide_set() || sub.get_name() == "help" {
+                continue;
+            }
+            let mut path = above.to_vec();
+            path.push(sub.get_name().to_string());
+            out.push((path.clone(), sub.clone()));
+            subcommands(sub, &path, out);
+        }
+    }
+
+    #[test]
+    fn every_subcommand_has_a_help_example_that_parses_and_runs_that_subcommand() {
+        let root = Cli::command();
+        root.clone().debug_assert();
+        let mut all = Vec::new();
+        subcommands(&root, &[], &mut all);
+        assert!(all.len() > 20, "the walk found the tree: {}", all.len());
+        for (path, cmd) in all {
+            let help = cmd
+                .get_after_help()
+                .map(|h| h.to_string())
+                .unwrap_or_default();
+            let examples = example_commands(&help);
+            assert!(
+                !examples.is_empty(),
+                "`meshfs {}` has no example in its --help",
+                path.join(" ")
+            );
+            let mut runs_itself = false;
+            for args in examples {
+                let m = Cli::command()
+                    .try_get_matches_from(&args)
+                    .unwrap_or_else(|e| {
+                        panic!(
+                            "example `{}` of `meshfs {}`: {e}",
+                            args.join(" "),
+                            path.join(" ")
+                        )
+                    });
+                runs_itself |= selected(&m).starts_with(&path);
+            }
+            assert!(
+                runs_itself,
+                "no example of `meshfs {}` runs it",
+                path.join(" ")
+            );
+        }
+    }
 }

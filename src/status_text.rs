@@ -64,7 +64,8 @@ pub fn scan_words(scan: &Value) -> String {
 }
 
 /// Where a folder's peer stands, in words: `up to date`, `syncing (3 records to send)`,
-/// `waiting for its first scan: 1000 files hashed so far, 1400 left`, `offline since 10:42`.
+/// `waiting for its first scan: 1000 files hashed so far, 1400 left`, `offline since 10:42`,
+/// `connected, but it does not share this folder with this device`.
 pub fn peer_state(p: &Value, started_unix: u64) -> String {
     if p["connected"] != true {
         return match p["last_seen_unix"].as_u64() {
@@ -77,6 +78,9 @@ pub fn peer_state(p: &Value, started_unix: u64) -> String {
     }
     if p["in_sync"] == true {
         return "up to date".into();
+    }
+    if p["not_shared"] == true {
+        return "connected, but it does not share this folder with this device".into();
     }
     if p["scanning"] == true {
         return format!("waiting for its first scan: {}", scan_words(&p["scan"]));

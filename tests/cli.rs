@@ -460,3 +460,279 @@ fn a_second_daemon_on_the_same_home_is_refused_and_the_first_keeps_running() {
     assert_eq!(a.status()["folders"][0]["id"], "work");
     a.stop();
 }
+
+#[test]
+fn folder_remove_stops_syncing_the_folder_and_leaves_its_files_on_disk() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    write(&a.path("docs/report.txt"), b"kept on disk");
+    a.start();
+    assert_eq!(a.status()["folders"][0]["id"], "work");
+    let staging = a.home.join("state/staging/work");
+    assert!(
+        staging.is_dir(),
+        "the running folder has its staging directory"
+    );
+    let files = tree(&a.dir);
+    let config = std::fs::read(a.home.join("config.toml")).unwrap();
+
+    // The main error path: an unknown folder is named, exit 1, and nothing changes.
+    let (code, err) = fails(&a.home, &["folder", "remove", "nope"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("no folder \"nope\"") && err.contains("meshfs folder list"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(a.home.join("config.toml")).unwrap(), config);
+    assert_eq!(a.status()["folders"][0]["id"], "work");
+
+    assert_eq!(ok(&a.home, &["folder", "remove", "work"]), "");
+    // The running daemon let it go at once: no reload, no restart.
+    assert_eq!(a.status()["folders"], serde_json::json!([]));
+    assert!(ok(&a.home, &["status"]).contains("no folders"));
+    assert_eq!(ok(&a.home, &["folder", "list"]), "");
+    assert_eq!(ok(&a.home, &["folder", "list", "--json"]).trim(), "[]");
+    let (code, err) = fails(&a.home, &["scan", "work"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no folder \"work\""), "{err}");
+    // The user's files are left exactly as they were; only meshfs's staging is gone.
+    assert_eq!(tree(&a.dir), files);
+    assert_eq!(
+        std::fs::read(a.path("docs/report.txt")).unwrap(),
+        b"kept on disk"
+    );
+    assert!(!staging.exists());
+    let (code, _) = fails(&a.home, &["folder", "remove", "work"]);
+    assert_eq!(code, 1, "a second remove finds nothing to remove");
+    a.stop();
+}
+
+#[test]
+fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_running_daemon() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    let c = Device::new(&t, "c");
+    // A peer that only dials us, sharing nothing.
+    ok(&a.home, &["peer", "add", &c.id, "--name", "phone"]);
+
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["peer", "list", "--json"])).unwrap();
+    let peers = listed.as_array().unwrap();
+    assert_eq!(peers.len(), 2, "{listed}");
+    let pb = &peers[0];
+    assert_eq!(pb["device_id"], b.id.as_str());
+    assert_eq!(pb["name"], "b");
+    assert_eq!(pb["addr"], b.addr.as_str());
+    assert_eq!(pb["folders"], serde_json::json!(["work"]));
+    assert_eq!(pb.as_object().unwrap().len(), 4, "no other field: {pb}");
+    let pc = &peers[1];
+    assert_eq!(pc["device_id"], c.id.as_str());
+    assert_eq!(pc["name"], "phone");
+    assert_eq!(pc["addr"], "");
+    assert_eq!(pc["folders"], serde_json::json!([]));
+    let text = ok(&a.home, &["peer", "list"]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    let words = |l: &str| l.split_whitespace().map(String::from).collect::<Vec<_>>();
+    assert_eq!(words(lines[0]), [&b.id, "b", &b.addr, "work"]);
+    assert_eq!(words(lines[1]), [&c.id, "phone", "(dials", "us)"]);
+
+    // The folder's side of the same: who it is shared with.
+    let folders: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["folder", "list", "--json"])).unwrap();
+    assert_eq!(
+        folders,
+        serde_json::json!([{"id": "work", "path": a.dir.to_str().unwrap(), "watch": true,
+                            "shared_with": [b.id.as_str()]}])
+    );
+    assert_eq!(
+        words(&ok(&a.home, &["folder", "list"])),
+        [
+            "work",
+            a.dir.to_str().unwrap(),
+            "(shared",
+            "with",
+            "1",
+            "peer)"
+        ]
+    );
+
+    Device::start_together(&mut [&mut a, &mut b]);
+    wait_synced(&[&a, &b], 30);
+    // The main error path: a peer that is not known, exit 1, nothing changes.
+    let config = std::fs::read(a.home.join("config.toml")).unwrap();
+    let unknown = Device::new(&t, "d").id.clone();
+    let (code, err) = fails(&a.home, &["peer", "remove", &unknown]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!("no peer {unknown}")) && err.contains("meshfs peer list"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(a.home.join("config.toml")).unwrap(), config);
+
+    assert_eq!(ok(&a.home, &["peer", "remove", &b.id]), "");
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["peer", "list", "--json"])).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert_eq!(listed[0]["device_id"], c.id.as_str());
+    // The running daemon dropped it: no longer a peer of the folder, and b, which still
+    // dials, is refused as an unknown device.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let s = a.status();
+        let gone = s["peers"].as_array().unwrap().len() == 1
+            && s["folders"][0]["peers"] == serde_json::json!([]);
+        let refused = s["refused_devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d == b.id.as_str());
+        if gone && refused {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b was not refused after peer remove: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    a.stop();
+    b.stop();
+}
+
+/// Runs `meshfs demo` (under `under`, a command prefix; empty: none) with its temporary
+/// directory in `tmp`, and checks the tour's key lines, exit 0, and that it leaves no
+/// directory, mount or process behind. Returns what it printed.
+fn run_demo(tmp: &std::path::Path, under: &[&str]) -> String {
+    let mut cmd = match under.split_first() {
+        Some((first, rest)) => {
+            let mut c = std::process::Command::new(first);
+            c.args(rest).arg(bin());
+            c
+        }
+        None => std::process::Command::new(bin()),
+    };
+    let out = cmd
+        .arg("demo")
+        .env("TMPDIR", tmp)
+        .env_remove("MESHFS_HOME")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "== two devices, laptop and server, each with its own identity and a folder `demo`",
+        "both daemons running; they found each other over QUIC with pinned ids",
+        "10 new files, save → readable on the server: median ",
+        "renamed on the laptop; the server has renamed-project/ with 1000 files; ",
+        "  report.txt = \"server's version (saved later)\"",
+        "    belongs to report.txt; losing version by ",
+        "conflict report.txt",
+        "sync    in sync: every folder is up to date with every peer that shares it",
+        "demo finished; both daemons stopped",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+    // The server's restart in the tour is an orderly stop, not an error of the peer.
+    assert!(!text.contains("daemon stopping"), "{text}");
+    let sibling = text
+        .lines()
+        .find(|l| l.contains(".sync-conflict-") && l.contains(" = "))
+        .unwrap_or_else(|| panic!("no conflict sibling shown:\n{text}"));
+    assert!(sibling.ends_with("= \"laptop's version\""), "{sibling}");
+    // Everything it made is gone: its directory, so no mount point, and no daemon of it runs.
+    assert_eq!(listing(tmp), Vec::<std::path::PathBuf>::new(), "{text}");
+    let here = tmp.to_str().unwrap();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(here), "{mounts}");
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&cmdline).contains(here),
+            "process {:?} of the demo is still running",
+            p.file_name()
+        );
+    }
+    text
+}
+
+#[test]
+fn the_demo_tours_two_devices_and_leaves_nothing_behind() {
+    let t = tmp();
+    let text = run_demo(t.path(), &[]);
+    // Mounted where FUSE is usable; elsewhere it says so once and tours the replicas.
+    let mounted = text.contains("each folder is mounted (FUSE, served by its daemon)");
+    assert!(mounted || text.contains("no FUSE mount here ("), "{text}");
+    if mounted {
+        assert!(text.contains("server: git status = clean"), "{text}");
+    }
+}
+
+#[test]
+fn the_demo_without_fuse_says_so_and_tours_the_replica_directories() {
+    // Without CAP_SYS_ADMIN in its bounding set no process of the demo can mount, not even
+    // through the setuid fusermount3: FUSE is unusable as on a machine without it.
+    let probe = std::process::Command::new("setpriv")
+        .args(["--bounding-set=-sys_admin", "--", "true"])
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: setpriv cannot drop CAP_SYS_ADMIN here");
+        return;
+    }
+    let t = tmp();
+    let text = run_demo(t.path(), &["setpriv", "--bounding-set=-sys_admin", "--"]);
+    assert!(
+        text.contains("no FUSE mount here (")
+            && text.contains("the tour works in the replica directories"),
+        "{text}"
+    );
+    assert!(!text.contains("each folder is mounted"), "{text}");
+    assert!(!text.contains("git status"), "{text}");
+}
+
+#[test]
+fn a_peer_that_removed_the_folder_is_shown_as_not_sharing_it_not_as_syncing() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("x.txt"), b"from a");
+    Device::start_together(&mut [&mut a, &mut b]);
+    wait_synced(&[&a, &b], 30);
+    ok(&b.home, &["folder", "remove", "work"]);
+    // b reconnects with a hello that no longer offers work: a sees it soon.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let s = loop {
+        let s = a.status();
+        if s["folders"][0]["peers"][0]["not_shared"] == true {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b still looks like it shares work: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let p = &s["folders"][0]["peers"][0];
+    assert_eq!(p["device_id"], b.id.as_str());
+    assert_eq!(p["connected"], true);
+    assert_eq!(p["in_sync"], false);
+    assert_eq!(s["folders"][0]["in_sync"], false);
+    let text = ok(&a.home, &["status"]);
+    assert!(
+        text.contains("up to date with 0 of 1 peer; b connected, but it does not share this folder with this device")
+            && text.contains("with b: connected, but it does not share this folder with this device"),
+        "{text}"
+    );
+    assert!(!text.contains("syncing"), "{text}");
+    // b's files are still there, untouched by the removal.
+    assert_eq!(std::fs::read(b.path("x.txt")).unwrap(), b"from a");
+    a.stop();
+    b.stop();
+}

@@ -169,6 +169,34 @@ fn a_bad_mount_point_gets_an_error_naming_it() {
 }
 
 #[test]
+fn folder_remove_ends_the_folders_mount_and_leaves_its_files() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    write(&a.path("kept.txt"), b"stays in the replica");
+    a.start();
+    let point = t.path().join("mnt");
+    mount(&a, &point);
+    assert!(is_mounted(&point));
+    assert_eq!(
+        std::fs::read(point.join("kept.txt")).unwrap(),
+        b"stays in the replica"
+    );
+    ok(&a.home, &["folder", "remove", "work"]);
+    // Unmounted by the time the command returns: `meshfs unmount work` could not reach a
+    // mount of a folder the config no longer has.
+    assert!(
+        !is_mounted(&point),
+        "the removed folder's mount is still served"
+    );
+    assert_eq!(std::fs::read_dir(&point).unwrap().count(), 0);
+    assert_eq!(
+        std::fs::read(a.path("kept.txt")).unwrap(),
+        b"stays in the replica"
+    );
+    a.stop();
+}
+
+#[test]
 fn a_mount_left_dead_by_a_killed_daemon_comes_back_with_the_next_start() {
     let t = tmp();
     let mut a = Device::new(&t, "a");

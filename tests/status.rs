@@ -714,3 +714,27 @@ fn watch_and_the_wait_synced_bar_draw_on_a_terminal_and_finish() {
         "{json}"
     );
 }
+
+#[test]
+fn a_peer_that_stops_is_shown_offline_and_its_stopping_is_not_its_last_error() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    Device::start_together(&mut [&mut a, &mut b]);
+    for round in 0..3 {
+        wait_synced(&[&a, &b], 30);
+        // a redials at once when b's session ends, and reaches b while it is going down.
+        b.stop();
+        let st = a.status();
+        let message = st["peers"][0]["last_error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(!message.contains("stopping"), "round {round}: {st}");
+        let (_, out, _) = run(&a.home, &["status"]);
+        assert!(out.contains("b offline since "), "round {round}: {out}");
+        assert!(!out.contains("daemon stopping"), "round {round}: {out}");
+        b.start();
+    }
+}

@@ -263,17 +263,7 @@ impl Engine {
     /// Unmounts every mounted folder (the daemon is stopping).
     pub fn unmount_all(&self) {
         for rt in self.folders.all() {
-            let m = rt.mount.lock().ok().and_then(|mut s| s.take());
-            if let Some(m) = m {
-                rt.mount_slot.detach();
-                let point = m.info().mountpoint;
-                match m.unmount() {
-                    Ok(()) => {
-                        tracing::info!(folder = %rt.id, mountpoint = %point.display(), "unmounted")
-                    }
-                    Err(e) => tracing::warn!(folder = %rt.id, error = %e, "unmount failed"),
-                }
-            }
+            unmount_folder(&rt);
         }
     }
 
@@ -464,6 +454,9 @@ impl Engine {
             if let Ok(mut w) = rt.watcher.lock() {
                 *w = None;
             }
+            // A removed folder's mount would go on serving a replica nothing journals any
+            // more, out of reach of `meshfs unmount` (which knows only configured folders).
+            unmount_folder(&rt);
         }
         let links = self.net.links();
         for (id, conn) in links {
@@ -483,7 +476,9 @@ impl Engine {
         self.unmount_all();
         self.net.shutdown.notify_waiters();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        self.net.endpoint.close(0u32.into(), b"daemon stopping");
+        self.net
+            .endpoint
+            .close(transport::CLOSE_STOPPING, b"daemon stopping");
         if let Ok(d) = self.dialers.lock() {
             for (_, stop) in d.values() {
                 stop.notify_one();
@@ -829,3 +824,17 @@ const RESCAN_AFTER_FAILURE: Duration = Duration::from_secs(2);
 
 /// How long starting a folder waits for its first scan before going on while it runs.
 const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);
+
+/// Ends `rt`'s mount, if it has one (a busy mount is detached). The slot's lock is let go
+/// before the unmount, which waits for the kernel.
+fn unmount_folder(rt: &FolderRt) {
+    let m = rt.mount.lock().ok().and_then(|mut s| s.take());
+    if let Some(m) = m {
+        rt.mount_slot.detach();
+        let point = m.info().mountpoint;
+        match m.unmount() {
+            Ok(()) => tracing::info!(folder = %rt.id, mountpoint = %point.display(), "unmounted"),
+            Err(e) => tracing::warn!(folder = %rt.id, error = %e, "unmount failed"),
+        }
+    }
+}

@@ -175,7 +175,7 @@ fn register(net: &Net, est: transport::Established, dialer: DeviceId) -> Option<
     } = est;
     // A stopping daemon starts no session: the peer would only see it end at once and redial.
     if *net.stopping.borrow() {
-        conn.close(0u32.into(), b"daemon stopping");
+        conn.close(transport::CLOSE_STOPPING, b"daemon stopping");
         return None;
     }
     let mut peers = net.peers.lock().ok()?;
@@ -304,6 +304,11 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, addr: String, stop: Arc<No
                 Err(e @ transport::TransportError::Duplicate { .. }) => {
                     tracing::debug!(peer = %peer.short(), %addr, reason = %e, "crossed dial")
                 }
+                // Its daemon is going down: shown as offline, not as an error (the same as a
+                // session it ends with a Shutdown message).
+                Err(e @ transport::TransportError::Stopping { .. }) => {
+                    tracing::debug!(peer = %peer.short(), %addr, reason = %e, "peer stopping")
+                }
                 Err(e) => {
                     net.peer_error(peer, &e);
                     if !retrying {
@@ -397,7 +402,7 @@ async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
     let closed_as_duplicate = conn
         .close_reason()
         .is_some_and(|e| transport::closed_as_duplicate(&e));
-    conn.close(0u32.into(), b"session ended");
+    conn.close(transport::CLOSE_STOPPING, b"session ended");
     unregister(&net, &peer, serial);
     // Another connection to the peer is live, or the peer closed this one as the duplicate of
     // one it keeps: this one lost a crossed dial (or was replaced by a newer one), and the peer

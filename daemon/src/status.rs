@@ -311,6 +311,10 @@ pub struct FolderPeerStatus {
     pub scan: Counts,
     /// When it connected or disconnected last, or null: never.
     pub last_seen_unix: Option<u64>,
+    /// Connected, but it did not offer the folder: it does not share it with this device
+    /// (it has no folder of that id, or has not shared it with this device), so it can
+    /// never be in sync until it does.
+    pub not_shared: bool,
 }
 
 /// One element of `peers` in [`Status`]: a configured peer.
@@ -419,6 +423,7 @@ fn folder_status(
                         bytes_left: None,
                     }),
                 last_seen_unix: p.last_seen_unix,
+                not_shared: connected && s.is_some_and(|s| s.not_shared),
             }
         })
         .collect();
@@ -509,6 +514,7 @@ mod tests {
             receiving: false,
             their_scan: None,
             in_sync,
+            not_shared: false,
         }
     }
 
@@ -732,7 +738,7 @@ mod tests {
             "their_sequence": 7, "applied_from_peer": 7, "pending_records": 0,
             "scanning": false,
             "scan": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
-            "last_seen_unix": 1_790_000_000,
+            "last_seen_unix": 1_790_000_000, "not_shared": false,
         });
         let want = json!({
             "device": {"id": me.to_string(), "short_id": me.short().display7(), "name": "laptop",

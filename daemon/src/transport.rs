@@ -86,6 +86,9 @@ pub const HELLO: u8 = 0x02;
 const GREETING_LEN: usize = 9;
 /// How long a dialer waits for the welcome after its side of the handshake completed.
 pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(10);
+/// Application close code: the daemon is stopping, or the session on the connection ended; an
+/// orderly close, not a failure.
+pub const CLOSE_STOPPING: VarInt = VarInt::from_u32(0);
 /// Application close code: the welcome was missing or wrong.
 pub const CLOSE_BAD_WELCOME: VarInt = VarInt::from_u32(1);
 /// Application close code: the handshake completed with a device other than the expected one.
@@ -306,6 +309,13 @@ pub enum TransportError {
     /// moment (both dialed; see `peers`). Not a failure: the pair is connected.
     #[error("peer {addr} kept the connection it dialed to us at the same moment")]
     Duplicate {
+        /// The dialed address.
+        addr: SocketAddr,
+    },
+    /// The peer closed our dial because its daemon is stopping ([`CLOSE_STOPPING`]). Not a
+    /// failure of either device: it is going offline.
+    #[error("peer {addr} is stopping")]
+    Stopping {
         /// The dialed address.
         addr: SocketAddr,
     },
@@ -695,7 +705,8 @@ async fn send_greeting(conn: &quinn::Connection, tag: u8) -> Result<(), Transpor
 /// Fails with [`TransportError::Refused`] if the peer does not trust us,
 /// [`TransportError::WrongDevice`] if another device answers at `addr`,
 /// [`TransportError::Duplicate`] if it keeps the connection it dialed to us at the same moment,
-/// and [`TransportError::Connect`] otherwise.
+/// [`TransportError::Stopping`] if its daemon is stopping, and [`TransportError::Connect`]
+/// otherwise.
 pub async fn dial(
     endpoint: &quinn::Endpoint,
     addr: SocketAddr,
@@ -807,6 +818,10 @@ impl Dial {
         }
         if closed_as_duplicate(&e) {
             return TransportError::Duplicate { addr: self.addr };
+        }
+        if matches!(&e, ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_STOPPING)
+        {
+            return TransportError::Stopping { addr: self.addr };
         }
         match self.pin.presented() {
             Some(presented) if presented != self.expected => TransportError::WrongDevice {

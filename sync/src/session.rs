@@ -198,6 +198,9 @@ pub struct FolderSyncStatus {
     /// established ∧ hello seen ∧ our_acked ≥ our_max ∧ their_applied ≥ their_known_max ∧
     /// !receiving ∧ the peer is not scanning.
     pub in_sync: bool,
+    /// The peer's hello did not list the folder: it does not share it with this device, so
+    /// nothing of it flows either way on this connection (never in sync until it does).
+    pub not_shared: bool,
 }
 
 /// One folder's exchange state.
@@ -471,6 +474,7 @@ impl Session {
                 && f.their_applied >= f.their_known_max
                 && !receiving
                 && f.their_scan.is_none(),
+            not_shared: self.peer_name.is_some() && !f.shared,
         })
     }
 
@@ -1454,6 +1458,8 @@ mod tests {
         let mut c = Side::new(3, 4, vec![folder("f", 1), folder("only-mine", 2)]);
         let mut d = Side::new(4, 3, vec![folder("f", 3)]);
         connect(&mut c, &mut d);
+        assert!(status(&c, "only-mine").not_shared && !status(&c, "only-mine").in_sync);
+        assert!(!status(&c, "f").not_shared && status(&c, "f").in_sync);
         let ack = Message::IndexAck(IndexAck {
             folder: fid("only-mine"),
             sequence: 0,
