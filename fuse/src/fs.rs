@@ -741,7 +741,16 @@ impl Filesystem for Passthrough {
         match res {
             Ok(fd) => {
                 let fh = self.sh.handles.add_dir(fd);
-                reply.opened(FileHandle(fh), FopenFlags::empty());
+                // The kernel keeps the listing across opens: a warm `find` or `ls` costs an
+                // OPENDIR and a RELEASEDIR per directory instead of READDIRPLUS and a statx
+                // per entry. It drops the cache itself when a change through the mount
+                // touches the directory, when the directory's mtime is seen to change (after
+                // the attribute TTL), and when the engine's invalidation names a child
+                // (`invalidate`).
+                reply.opened(
+                    FileHandle(fh),
+                    FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
+                );
             }
             Err(e) => reply.error(err(e)),
         }
