@@ -4,7 +4,8 @@
 //! plus the small interface through which it plugs into the engine (DESIGN §2, §4):
 //!
 //! - **the mount:** [`mount`] serves a backing directory at a mount point with multi-threaded
-//!   request handling, long kernel entry/attribute caching, readdirplus, and kernel
+//!   request handling, long kernel entry/attribute caching, readdirplus, directory listings
+//!   kept by the kernel across opens (`FOPEN_CACHE_DIR`), and kernel
 //!   passthrough of reads and writes where the kernel allows it (Linux ≥ 6.9, root), with
 //!   ordinary forwarding as the fallback. [`Mount`] unmounts on [`Mount::unmount`] or drop;
 //!   a dead mount point ("transport endpoint is not connected", left by a killed daemon) is

@@ -983,7 +983,11 @@ fn a_cached_directory_listing_follows_changes_through_the_mount_and_invalidation
     assert_eq!(listing(&fx.m("d")), ["behind", "c", "link", "sub"]);
     fs::remove_file(fx.b("d/c")).unwrap();
     fs::create_dir_all(fx.b("d/sub/deeper/still")).unwrap();
-    assert_eq!(listing(&fx.m("d/sub")), ["deeper"], "never listed: read fresh");
+    assert_eq!(
+        listing(&fx.m("d/sub")),
+        ["deeper"],
+        "never listed: read fresh"
+    );
     assert_eq!(listing(&fx.m("d/sub/deeper")), ["still"]);
     for _ in 0..2 {
         assert_eq!(listing(&fx.m("d/sub/deeper/still")), Vec::<String>::new());
