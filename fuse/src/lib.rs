@@ -5,7 +5,8 @@
 //!
 //! - **the mount:** [`mount`] serves a backing directory at a mount point with multi-threaded
 //!   request handling, long kernel entry/attribute caching, readdirplus, directory listings
-//!   kept by the kernel across opens (`FOPEN_CACHE_DIR`), and kernel
+//!   kept by the kernel across opens (no directory handles: OPENDIR is answered `ENOSYS`,
+//!   which makes the kernel cache listings and stop sending OPENDIR), and kernel
 //!   passthrough of reads and writes where the kernel allows it (Linux ≥ 6.9, root), with
 //!   ordinary forwarding as the fallback. [`Mount`] unmounts on [`Mount::unmount`] or drop;
 //!   a dead mount point ("transport endpoint is not connected", left by a killed daemon) is
@@ -33,7 +34,7 @@
 //! path is resolved beneath an `O_PATH` descriptor of the backing root.
 //!
 //! **File descriptors are a budget** (the open-file limit is 20,000 and shared with the
-//! engine): the mount holds one descriptor per open handle, the backing root, and at most
+//! engine): the mount holds one descriptor per open file, the backing root, and at most
 //! 1,024 cached directory descriptors, whatever the size of the tree. Known inodes cost
 //! memory (a table entry), not descriptors.
 //!
