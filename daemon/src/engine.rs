@@ -718,23 +718,21 @@ async fn capture_loop(
             msg = rx.recv() => {
                 let Some(msg) = msg else { return };
                 let now = Instant::now();
+                let mut final_now = false;
                 for m in std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
                     match m {
                         CaptureMsg::Released(p) => {
                             released = true;
                             c.finalize(&p, now, quiet);
+                            final_now = true;
                         }
                         m => c.add(m, now),
                     }
                 }
                 publish_capture(&rt, &c, 1);
-                // A file whose last writer let go through the mount is ready at the next pass
-                // (the quiet time only guesses when a burst of inotify events is over), and
-                // that pass runs one quiet time after the first event that wakes the loop, not
-                // at once: `tar -x` or a checkout through the mount releases thousands of
-                // files a second, and a pass (a blocking task, the folder's lock, a journal
-                // transaction) per release took a core from the mount's request threads.
-                let due = now + quiet;
+                // A file whose last writer let go through the mount is captured at once:
+                // the quiet time only guesses when a burst of inotify events is over.
+                let due = if final_now { now } else { now + quiet };
                 next = Some(next.map_or(due, |n| n.min(due)));
             }
             _ = sleep => {
@@ -793,10 +791,6 @@ async fn capture_loop(
                     }
                 }
                 publish_capture(&rt, &c, 0);
-                // Passes are at least one quiet time apart: paths that become ready one after
-                // the other (each waits from its own last event) are taken together.
-                let earliest = Instant::now() + quiet;
-                next = next.map(|t| t.max(earliest));
             }
             _ = stopping.changed() => return,
         }
