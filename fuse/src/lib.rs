@@ -48,6 +48,10 @@
 //!   other users create is given to them (when the mount runs as root), and set-id bits
 //!   are cleared on their writes and truncates (`FUSE_HANDLE_KILLPRIV_V2`, which also spares every `write(2)` a
 //!   `security.capability` lookup).
+//! - **No directory handles:** OPENDIR is answered `ENOSYS`, so the kernel keeps each
+//!   directory's listing across opens (until a change through the mount, a changed mtime seen
+//!   after the TTL, or an engine invalidation of a child drops it) and an open costs no round
+//!   trip; READDIR and FSYNCDIR open the directory for the request alone.
 //! - **Locks** (POSIX and BSD) are the kernel's local ones: they work between processes of
 //!   this machine, which is all a replica directory can offer.
 //! - **Not used:** the writeback cache (a write must reach the backing before the engine
