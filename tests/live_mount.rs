@@ -102,6 +102,38 @@ fn a_directory_renamed_in_mount_a_is_renamed_in_mount_b_with_no_data_on_the_wire
     );
 }
 
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_directory_listing_cached_in_mount_b_shows_files_created_and_removed_in_mount_a() {
+    let t = tmp();
+    let (a, b) = two_mounts(&t);
+    write(&a.mnt.join("shared/keep.txt"), b"keep");
+    write(&a.mnt.join("shared/old.txt"), b"old");
+    until("b lists both files", 10, || {
+        b.mnt.join("shared").is_dir() && names(&b.mnt.join("shared")) == ["keep.txt", "old.txt"]
+    });
+    // Listed again: the kernel now answers from its cached listing.
+    assert_eq!(names(&b.mnt.join("shared")), ["keep.txt", "old.txt"]);
+
+    write(&a.mnt.join("shared/new.txt"), b"new");
+    std::fs::remove_file(a.mnt.join("shared/old.txt")).unwrap();
+    wait_synced(&[&a.dev, &b.dev], 30);
+    until(
+        "b's cached listing shows the creation and the removal",
+        10,
+        || names(&b.mnt.join("shared")) == ["keep.txt", "new.txt"],
+    );
+    assert_eq!(read(&b.mnt.join("shared/new.txt")).unwrap(), b"new");
+}
+
 #[test]
 fn a_reader_in_mount_b_keeps_consistent_data_and_sees_the_new_version_on_reopen() {
     let t = tmp();

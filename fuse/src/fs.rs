@@ -23,7 +23,7 @@ use crate::backing::{
     file_type, generation, is_internal, kill_suidgid, rel_path, zero_stat, zero_umask, Shared,
     Target,
 };
-use crate::handles::{Handle, MakeBacking};
+use crate::handles::MakeBacking;
 use crate::inodes::ROOT;
 use crate::sys::{self, SetTime, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind};
@@ -138,55 +138,54 @@ impl Passthrough {
             .emit(self.sh.child_path(parent, name), ChangeKind::Created);
     }
 
+    /// Reads directory `ino` from `offset` (0, or a cookie an earlier reply gave the kernel),
+    /// handing `emit` each entry until it reports the reply full. The directory is opened for
+    /// this request alone (the mount holds no directory handles: OPENDIR is answered
+    /// `ENOSYS`); the cookies are the backing's own, so each request resumes where the last
+    /// one stopped.
     fn fill_dir(
         &self,
-        fh: u64,
+        ino: u64,
         offset: u64,
         mut emit: impl FnMut(BorrowedFd<'_>, &sys::DirEntry) -> Fill,
     ) -> Result<(), Errno> {
-        let handle = self.sh.handles.get(fh).ok_or(Errno::EBADF)?;
-        let Handle::Dir(d) = &*handle else {
-            return Err(Errno::ENOTDIR);
+        let fd = match self.open_dir(ino) {
+            Ok(fd) => fd,
+            // Removed while a process had it open: an empty directory, as on ext4.
+            Err(libc::ENOENT) => return Ok(()),
+            Err(e) => return Err(err(e)),
         };
-        let fd = d.fd.as_fd();
-        let mut s = lock(&d.stream);
-        let offset = offset as i64;
-        if offset != s.cookie {
-            sys::lseek(fd, offset, libc::SEEK_SET).map_err(err)?;
-            s.pending.clear();
-            s.cookie = offset;
-            s.eof = false;
+        let fd = fd.as_fd();
+        if offset != 0 {
+            sys::lseek(fd, offset as i64, libc::SEEK_SET).map_err(err)?;
         }
-        let mut buf = Vec::new();
+        let mut buf = vec![0u8; DIRENT_BUF];
+        let mut entries = Vec::new();
         loop {
-            if s.pending.is_empty() {
-                if s.eof {
-                    break;
-                }
-                if buf.is_empty() {
-                    buf = vec![0u8; DIRENT_BUF];
-                }
-                let mut entries = Vec::new();
-                if sys::getdents(fd, &mut buf, &mut entries).map_err(err)? == 0 {
-                    s.eof = true;
-                    break;
-                }
-                s.pending.extend(entries);
+            entries.clear();
+            if sys::getdents(fd, &mut buf, &mut entries).map_err(err)? == 0 {
+                return Ok(());
             }
-            let Some(entry) = s.pending.front() else {
-                break;
-            };
-            if !is_internal(&entry.name) {
-                match emit(fd, entry) {
-                    Fill::Full => break,
-                    Fill::Added | Fill::Skipped => {}
+            for entry in &entries {
+                if is_internal(&entry.name) {
+                    continue;
                 }
-            }
-            if let Some(done) = s.pending.pop_front() {
-                s.cookie = done.next;
+                if let Fill::Full = emit(fd, entry) {
+                    return Ok(());
+                }
             }
         }
-        Ok(())
+    }
+
+    /// Directory node `ino`, open for reading, through its (verified) cached descriptor.
+    fn open_dir(&self, ino: u64) -> SysResult<std::os::fd::OwnedFd> {
+        let dir = self.sh.dir(ino)?;
+        sys::openat(
+            dir.as_fd(),
+            c".",
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            0,
+        )
     }
 }
 
@@ -312,7 +311,7 @@ impl Filesystem for Passthrough {
         }
         let ino = ino.0;
         let open = fh
-            .and_then(|fh| self.sh.handles.file(fh.0))
+            .and_then(|fh| self.sh.handles.get(fh.0))
             .map(Target::Open);
         let target = match open.map_or_else(|| self.sh.target_open_first(ino), Ok) {
             Ok(t) => t,
@@ -331,9 +330,7 @@ impl Filesystem for Passthrough {
             }
             if let Some(size) = size {
                 match &target {
-                    Target::Open(h) if matches!(&**h, Handle::File(f) if f.writable) => {
-                        sys::ftruncate(fd, size)?
-                    }
+                    Target::Open(h) if h.writable => sys::ftruncate(fd, size)?,
                     _ => sys::truncate_fd(fd, size)?,
                 }
                 if req.uid() != 0 {
@@ -612,7 +609,7 @@ impl Filesystem for Passthrough {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        let Some(h) = self.sh.handles.file(fh.0) else {
+        let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
         match sys::pread(h.fd(), offset, size as usize) {
@@ -633,12 +630,10 @@ impl Filesystem for Passthrough {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        let Some(h) = self.sh.handles.file(fh.0) else {
+        let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
-        let Handle::File(f) = &*h else {
-            return reply.error(Errno::EBADF);
-        };
+        let f = &*h;
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             if let Err(e) = kill_suidgid(f.fd.as_fd(), None) {
                 return reply.error(err(e));
@@ -682,9 +677,7 @@ impl Filesystem for Passthrough {
         let Some(r) = released else {
             return;
         };
-        let Handle::File(f) = &*r.handle else {
-            return;
-        };
+        let f = &*r.handle;
         if !f.writable {
             return;
         }
@@ -706,12 +699,10 @@ impl Filesystem for Passthrough {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(h) = self.sh.handles.file(fh.0) else {
+        let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
-        let Handle::File(f) = &*h else {
-            return reply.error(Errno::EBADF);
-        };
+        let f = &*h;
         match sys::fsync(f.fd.as_fd(), datasync) {
             Ok(()) => {
                 reply.ok();
@@ -723,39 +714,26 @@ impl Filesystem for Passthrough {
         }
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        let ino = ino.0;
-        let res = (|| {
-            let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW;
-            if ino == ROOT {
-                return sys::openat(self.sh.root.as_fd(), c".", flags, 0);
-            }
-            let (dir, name) = self.sh.locate(ino)?;
-            let fd = sys::openat(dir.as_fd(), &name, flags, 0)?;
-            let st = sys::fstat(fd.as_fd())?;
-            if self.sh.nodeid(st.ino) != ino {
-                return Err(libc::ESTALE);
-            }
-            Ok(fd)
-        })();
-        match res {
-            Ok(fd) => {
-                let fh = self.sh.handles.add_dir(fd);
-                reply.opened(FileHandle(fh), FopenFlags::empty());
-            }
-            Err(e) => reply.error(err(e)),
-        }
+    /// Answered `ENOSYS`: the kernel then never sends OPENDIR or RELEASEDIR again, and gives
+    /// every directory open `FOPEN_KEEP_CACHE | FOPEN_CACHE_DIR` (its default without
+    /// opendir): listings stay cached across opens, and an open costs no round trip. A warm
+    /// `find` or `ls` then asks at most a GETATTR per directory (its mtime, to check the
+    /// cached listing). The kernel drops a directory's listing itself when a change through
+    /// the mount touches it, when it sees the directory's mtime change (after the attribute
+    /// TTL), and when the engine's invalidation names a child (`invalidate`).
+    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        reply.error(Errno::ENOSYS);
     }
 
     fn readdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
-        fh: FileHandle,
+        ino: INodeNo,
+        _fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let res = self.fill_dir(fh.0, offset, |dir, e| {
+        let res = self.fill_dir(ino.0, offset, |dir, e| {
             let kind = match dtype_kind(e.dtype) {
                 Some(k) => k,
                 None => match sys::cstr(&e.name).and_then(|n| sys::statx(dir, &n)) {
@@ -779,12 +757,12 @@ impl Filesystem for Passthrough {
         &self,
         _req: &Request,
         ino: INodeNo,
-        fh: FileHandle,
+        _fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
         let mut added: Vec<(std::ffi::OsString, Stat)> = Vec::new();
-        let res = self.fill_dir(fh.0, offset, |dir, e| {
+        let res = self.fill_dir(ino.0, offset, |dir, e| {
             if is_dot(&e.name) {
                 // The kernel takes no lookup for these; they only need an inode number.
                 let mut st = zero_stat();
@@ -837,30 +815,19 @@ impl Filesystem for Passthrough {
         }
     }
 
-    fn releasedir(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        fh: FileHandle,
-        _flags: OpenFlags,
-        reply: ReplyEmpty,
-    ) {
-        self.sh.handles.release(fh.0);
-        reply.ok();
-    }
-
     fn fsyncdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
-        fh: FileHandle,
+        ino: INodeNo,
+        _fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let Some(h) = self.sh.handles.get(fh.0) else {
-            return reply.error(Errno::EBADF);
-        };
-        match sys::fsync(h.fd(), datasync) {
+        // No directory handles (see `opendir`): the directory itself is synced.
+        match self
+            .open_dir(ino.0)
+            .and_then(|fd| sys::fsync(fd.as_fd(), datasync))
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(err(e)),
         }
@@ -1038,12 +1005,10 @@ impl Filesystem for Passthrough {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        let Some(h) = self.sh.handles.file(fh.0) else {
+        let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
-        let Handle::File(f) = &*h else {
-            return reply.error(Errno::EBADF);
-        };
+        let f = &*h;
         match sys::fallocate(f.fd.as_fd(), mode, offset, length) {
             Ok(()) => {
                 f.wrote.store(true, Ordering::Relaxed);
@@ -1080,7 +1045,7 @@ impl Filesystem for Passthrough {
         whence: i32,
         reply: ReplyLseek,
     ) {
-        let Some(h) = self.sh.handles.file(fh.0) else {
+        let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
         match sys::lseek(h.fd(), offset, whence) {
@@ -1102,15 +1067,11 @@ impl Filesystem for Passthrough {
         _flags: CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
-        let (Some(hin), Some(hout)) = (
-            self.sh.handles.file(fh_in.0),
-            self.sh.handles.file(fh_out.0),
-        ) else {
+        let (Some(hin), Some(hout)) = (self.sh.handles.get(fh_in.0), self.sh.handles.get(fh_out.0))
+        else {
             return reply.error(Errno::EBADF);
         };
-        let (Handle::File(fin), Handle::File(fout)) = (&*hin, &*hout) else {
-            return reply.error(Errno::EBADF);
-        };
+        let (fin, fout) = (&*hin, &*hout);
         let len = len.min(u64::from(u32::MAX) & !0xfff) as usize;
         match sys::copy_file_range(fin.fd.as_fd(), offset_in, fout.fd.as_fd(), offset_out, len) {
             Ok(n) => {

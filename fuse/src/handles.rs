@@ -1,7 +1,7 @@
 //! Open handles and the per-inode open state.
 //!
-//! Owns the descriptors of open files and directories (the only per-file descriptors the
-//! mount holds), which inode each belongs to, how many of an inode's opens may write (the
+//! Owns the descriptors of open files (the only per-file descriptors the mount holds;
+//! directories are not opened: the mount answers OPENDIR with `ENOSYS`, see `fs`), which inode each belongs to, how many of an inode's opens may write (the
 //! engine's writer registry), and the kernel-passthrough backing id an inode's opens share.
 //!
 //! **Invariants:** while an inode has opens, they are all passthrough (sharing one backing
@@ -10,9 +10,8 @@
 //! release. `opens`/`writers` count exactly the handles in the map.
 
 use crate::lock;
-use crate::sys::DirEntry;
 use fuser::BackingId;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -22,7 +21,7 @@ pub(crate) type MakeBacking<'a> = &'a mut dyn FnMut(BorrowedFd<'_>) -> Option<Ba
 
 /// An open regular file (or fifo, socket…).
 #[derive(Debug)]
-pub(crate) struct FileHandle {
+pub(crate) struct Handle {
     /// The node it was opened through.
     pub ino: u64,
     /// The backing descriptor.
@@ -37,42 +36,10 @@ pub(crate) struct FileHandle {
     _backing: Option<Arc<BackingId>>,
 }
 
-/// The reading position of an open directory.
-#[derive(Debug)]
-pub(crate) struct DirStream {
-    /// Entries read from the backing but not yet given to the kernel.
-    pub pending: VecDeque<DirEntry>,
-    /// The cookie at which `pending` starts (0: the beginning).
-    pub cookie: i64,
-    /// The backing stream is exhausted after `pending`.
-    pub eof: bool,
-}
-
-/// An open directory.
-#[derive(Debug)]
-pub(crate) struct DirHandle {
-    /// The backing directory, open for reading; its position belongs to `stream`.
-    pub fd: OwnedFd,
-    /// Its stream; one reader at a time.
-    pub stream: Mutex<DirStream>,
-}
-
-/// An open file or directory.
-#[derive(Debug)]
-pub(crate) enum Handle {
-    /// A file.
-    File(FileHandle),
-    /// A directory.
-    Dir(DirHandle),
-}
-
 impl Handle {
     /// The backing descriptor.
     pub fn fd(&self) -> BorrowedFd<'_> {
-        match self {
-            Handle::File(f) => f.fd.as_fd(),
-            Handle::Dir(d) => d.fd.as_fd(),
-        }
+        self.fd.as_fd()
     }
 }
 
@@ -110,12 +77,6 @@ impl Handles {
             map: Mutex::new(HashMap::new()),
             inodes: Mutex::new(HashMap::new()),
         }
-    }
-
-    fn insert(&self, h: Handle) -> u64 {
-        let fh = self.next.fetch_add(1, Ordering::Relaxed);
-        lock(&self.map).insert(fh, Arc::new(h));
-        fh
     }
 
     /// Registers an open file. `make_backing` (when passthrough is wanted) registers `fd`
@@ -159,28 +120,16 @@ impl Handles {
         // the map (and then finds nothing), never a handle its inode does not count.
         lock(&self.map).insert(
             fh,
-            Arc::new(Handle::File(FileHandle {
+            Arc::new(Handle {
                 ino,
                 fd,
                 writable,
                 wrote: AtomicBool::new(false),
                 passthrough: backing.is_some(),
                 _backing: backing.clone(),
-            })),
+            }),
         );
         (fh, backing)
-    }
-
-    /// Registers an open directory.
-    pub fn add_dir(&self, fd: OwnedFd) -> u64 {
-        self.insert(Handle::Dir(DirHandle {
-            fd,
-            stream: Mutex::new(DirStream {
-                pending: VecDeque::new(),
-                cookie: 0,
-                eof: false,
-            }),
-        }))
     }
 
     /// The handle `fh`.
@@ -188,26 +137,21 @@ impl Handles {
         lock(&self.map).get(&fh).cloned()
     }
 
-    /// The open file `fh`.
-    pub fn file(&self, fh: u64) -> Option<Arc<Handle>> {
-        self.get(fh).filter(|h| matches!(**h, Handle::File(_)))
-    }
-
     /// Takes `fh` out.
     pub fn release(&self, fh: u64) -> Option<Released> {
         let handle = lock(&self.map).remove(&fh)?;
         let mut last_writer = false;
-        if let Handle::File(f) = &*handle {
+        {
             let mut inodes = lock(&self.inodes);
-            if let Some(st) = inodes.get_mut(&f.ino) {
+            if let Some(st) = inodes.get_mut(&handle.ino) {
                 st.opens = st.opens.saturating_sub(1);
                 st.handles.retain(|&h| h != fh);
-                if f.writable {
+                if handle.writable {
                     st.writers = st.writers.saturating_sub(1);
                     last_writer = st.writers == 0;
                 }
                 if st.opens == 0 {
-                    inodes.remove(&f.ino);
+                    inodes.remove(&handle.ino);
                 }
             }
         }

@@ -4,8 +4,10 @@
 //! [`crate::Invalidator::invalidate`] only queues a path (it never blocks and never makes a
 //! syscall on the caller's thread); this thread then, for the deepest name of the path the
 //! kernel knows, sends `inval_inode` for the node (attributes and pages) and — unless the
-//! name still leads to that same inode — `inval_entry` on its parent (the dentry, and with
-//! it the parent's attributes and cached listing).
+//! name still leads to that same inode — `inval_entry` on its parent (the dentry) and
+//! `inval_inode` of the parent: its attributes and the pages of its cached listing
+//! (`FOPEN_CACHE_DIR`; the kernel drops the listing by itself only when the dentry was in
+//! its cache, and a name the kernel never looked up is exactly what a remote creation adds).
 //!
 //! **Why a thread of its own:** an `inval_entry` takes the parent directory's lock in the
 //! kernel, which a request in flight in that directory may hold while it waits for a FUSE
@@ -69,6 +71,10 @@ fn invalidate(sh: &Shared, notifier: &Notifier, path: &RelPath) {
     }
     if let Err(e) = notifier.inval_entry(INodeNo(parent), OsStr::new(&name)) {
         debug!(%path, error = %e, "inval_entry");
+    }
+    // The parent's entries changed: its cached listing and mtime are stale.
+    if let Err(e) = notifier.inval_inode(INodeNo(parent), 0, 0) {
+        debug!(%path, error = %e, "inval_inode of the parent");
     }
 }
 

@@ -4,7 +4,9 @@
 //! plus the small interface through which it plugs into the engine (DESIGN §2, §4):
 //!
 //! - **the mount:** [`mount`] serves a backing directory at a mount point with multi-threaded
-//!   request handling, long kernel entry/attribute caching, readdirplus, and kernel
+//!   request handling, long kernel entry/attribute caching, readdirplus, directory listings
+//!   kept by the kernel across opens (no directory handles: OPENDIR is answered `ENOSYS`,
+//!   which makes the kernel cache listings and stop sending OPENDIR), and kernel
 //!   passthrough of reads and writes where the kernel allows it (Linux ≥ 6.9, root), with
 //!   ordinary forwarding as the fallback. [`Mount`] unmounts on [`Mount::unmount`] or drop;
 //!   a dead mount point ("transport endpoint is not connected", left by a killed daemon) is
@@ -32,7 +34,7 @@
 //! path is resolved beneath an `O_PATH` descriptor of the backing root.
 //!
 //! **File descriptors are a budget** (the open-file limit is 20,000 and shared with the
-//! engine): the mount holds one descriptor per open handle, the backing root, and at most
+//! engine): the mount holds one descriptor per open file, the backing root, and at most
 //! 1,024 cached directory descriptors, whatever the size of the tree. Known inodes cost
 //! memory (a table entry), not descriptors.
 //!
@@ -46,6 +48,10 @@
 //!   other users create is given to them (when the mount runs as root), and set-id bits
 //!   are cleared on their writes and truncates (`FUSE_HANDLE_KILLPRIV_V2`, which also spares every `write(2)` a
 //!   `security.capability` lookup).
+//! - **No directory handles:** OPENDIR is answered `ENOSYS`, so the kernel keeps each
+//!   directory's listing across opens (until a change through the mount, a changed mtime seen
+//!   after the TTL, or an engine invalidation of a child drops it) and an open costs no round
+//!   trip; READDIR and FSYNCDIR open the directory for the request alone.
 //! - **Locks** (POSIX and BSD) are the kernel's local ones: they work between processes of
 //!   this machine, which is all a replica directory can offer.
 //! - **Not used:** the writeback cache (a write must reach the backing before the engine

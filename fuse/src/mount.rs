@@ -139,7 +139,7 @@ pub struct MountInfo {
     pub read_only: bool,
     /// Reads and writes go through kernel passthrough (negotiated and not refused).
     pub passthrough: bool,
-    /// Open file and directory handles.
+    /// Open files (the mount keeps no directory handles).
     pub open_handles: usize,
     /// Inodes the kernel holds (the inode table's size).
     pub known_inodes: usize,

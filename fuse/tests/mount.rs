@@ -931,6 +931,81 @@ fn an_invalidation_shows_a_change_made_behind_the_mount_at_once() {
     assert!(!fx.events().iter().any(|e| e.path.as_str() == "d/new"));
 }
 
+fn listing(dir: &Path) -> Vec<String> {
+    sorted(
+        fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect(),
+    )
+}
+
+#[test]
+fn a_cached_directory_listing_follows_changes_through_the_mount_and_invalidations() {
+    // Long TTLs: the listing is cached across opens, and nothing but the changes themselves
+    // or an invalidation may refresh it within the test.
+    let fx = Fixture::with(MountOptions {
+        ttl: Duration::from_secs(60),
+        ..MountOptions::default()
+    });
+    fs::create_dir(fx.m("d")).unwrap();
+    fs::write(fx.m("d/a"), b"a").unwrap();
+    fs::write(fx.m("d/b"), b"b").unwrap();
+    assert_eq!(listing(&fx.m("d")), ["a", "b"]);
+
+    // Changes through the mount: the kernel drops the cached listing itself.
+    fs::write(fx.m("d/c"), b"c").unwrap();
+    assert_eq!(listing(&fx.m("d")), ["a", "b", "c"]);
+    fs::remove_file(fx.m("d/a")).unwrap();
+    assert_eq!(listing(&fx.m("d")), ["b", "c"]);
+    fs::rename(fx.m("d/b"), fx.m("moved")).unwrap();
+    assert_eq!(listing(&fx.m("d")), ["c"]);
+    assert_eq!(listing(&fx.mnt), ["d", "moved"]);
+    fs::create_dir(fx.m("d/sub")).unwrap();
+    fs::hard_link(fx.m("moved"), fx.m("d/link")).unwrap();
+    assert_eq!(listing(&fx.m("d")), ["c", "link", "sub"]);
+
+    // A change behind the mount's back is not seen before the TTL: the listing is cached.
+    // (The open after a listing read from the mount checks the directory's mtime once more;
+    // the one after a cached listing does not.)
+    assert_eq!(listing(&fx.m("d")), ["c", "link", "sub"]);
+    fs::write(fx.b("d/behind"), b"x").unwrap();
+    assert_eq!(listing(&fx.m("d")), ["c", "link", "sub"]);
+
+    // The engine's invalidations: a name the kernel never looked up, a removal, a directory
+    // below one the kernel has not listed.
+    let handle = fx.mount().handle();
+    handle.invalidate(&rel("d/behind"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while listing(&fx.m("d")).len() != 4 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(listing(&fx.m("d")), ["behind", "c", "link", "sub"]);
+    fs::remove_file(fx.b("d/c")).unwrap();
+    fs::create_dir_all(fx.b("d/sub/deeper/still")).unwrap();
+    assert_eq!(
+        listing(&fx.m("d/sub")),
+        ["deeper"],
+        "never listed: read fresh"
+    );
+    assert_eq!(listing(&fx.m("d/sub/deeper")), ["still"]);
+    for _ in 0..2 {
+        assert_eq!(listing(&fx.m("d/sub/deeper/still")), Vec::<String>::new());
+    }
+    fs::write(fx.b("d/sub/deeper/still/f"), b"f").unwrap();
+    assert_eq!(listing(&fx.m("d/sub/deeper/still")), Vec::<String>::new());
+    handle.invalidate(&rel("d/c"));
+    handle.invalidate(&rel("d/sub/deeper/still/f"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while (listing(&fx.m("d")).len() != 3 || listing(&fx.m("d/sub/deeper/still")).is_empty())
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(listing(&fx.m("d")), ["behind", "link", "sub"]);
+    assert_eq!(listing(&fx.m("d/sub/deeper/still")), ["f"]);
+}
+
 #[test]
 fn a_busy_mount_unmounts_by_detaching() {
     let mut fx = Fixture::new();
