@@ -723,7 +723,7 @@ async fn capture_loop(
                     match m {
                         CaptureMsg::Released(p) => {
                             released = true;
-                            c.finalize(&p, now, quiet);
+                            c.finalize(&p, now);
                             final_now = true;
                         }
                         m => c.add(m, now),
