@@ -239,7 +239,7 @@ impl Engine {
                     &folder,
                     peer,
                     &conn,
-                    vec![record],
+                    vec![record.clone()],
                     HashMap::new(),
                     turn,
                 )
@@ -248,9 +248,23 @@ impl Engine {
                     Ok(()) => {
                         tracing::info!(%folder, %path, "applied the remote version that waited for the mount's writer");
                         engine.changes_notify(&folder);
+                        // Decided: its row is no longer needed (unless a writer opened the
+                        // path again meanwhile and it waits once more, under the same row).
+                        if engine.folder(&folder).is_some_and(|rt| rt.waits(&record)) {
+                            return;
+                        }
+                        let folders = engine.folders.clone();
+                        let cleared = tokio::task::spawn_blocking(move || {
+                            folders.journal()?.clear_deferred(&folder, &record)?;
+                            Ok::<(), FolderError>(())
+                        })
+                        .await;
+                        if let Ok(Err(e)) = cleared {
+                            tracing::warn!(%path, error = %e, "cannot forget a decided deferred version; the next start decides it again (no change)");
+                        }
                     }
                     Err(e) => {
-                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; the peer's next change of it brings it again");
+                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; it is decided again at the next start, or with the peer's next change of it");
                         if let Some(rt) = engine.folder(&folder) {
                             rt.last_error.set(format_args!("applying the remote version of {path} that waited for the mount's writer failed: {e}"));
                         }
@@ -400,6 +414,17 @@ impl Engine {
         }
         let n = self.scan_paths(&id, Vec::new()).await?;
         tracing::info!(folder = %id, path = %path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned");
+        // Remote versions that waited for a writer when the daemon stopped (a folder that was
+        // never scanned has none): no writer holds them now, and what the user saved is
+        // journaled by the scan above, so they are decided again as soon as their peer is
+        // connected (`traffic_loop`).
+        let waiting = self.folders.journal()?.deferred(&id)?;
+        if !waiting.is_empty() {
+            tracing::info!(folder = %id, n = waiting.len(), "remote versions that waited for a writer before the restart are decided again");
+        }
+        for (record, peer) in waiting {
+            rt.defer(record, peer);
+        }
         tokio::spawn(capture_loop(self.clone(), rt, rx));
         Ok(())
     }
@@ -655,6 +680,17 @@ async fn traffic_loop(engine: Arc<Engine>) {
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
             engine.tick_progress();
+        }
+        // Remote versions kept from before a restart wait for their peer's link; nothing
+        // else wakes them when no local change comes.
+        for rt in engine.folders.all() {
+            let capturing = rt
+                .capture_pending
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > 0;
+            if rt.deferred_count() > 0 && !capturing {
+                engine.apply_deferred(&rt);
+            }
         }
         tokio::select! {
             _ = changed => {}

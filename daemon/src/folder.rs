@@ -294,6 +294,13 @@ impl FolderRt {
         out
     }
 
+    /// Whether `remote` itself waits for a writer (deferred again after being taken).
+    pub fn waits(&self, remote: &FileRecord) -> bool {
+        self.deferred
+            .lock()
+            .is_ok_and(|d| d.get(&remote.path).is_some_and(|(r, _)| r == remote))
+    }
+
     /// Remote versions waiting for a writer to let go.
     pub fn deferred_count(&self) -> usize {
         self.deferred.lock().map_or(0, |d| d.len())
