@@ -1129,10 +1129,15 @@ impl Journal {
         })
     }
 
-    /// Forgets the peer's progress in every folder.
+    /// Forgets the peer's progress in every folder, and the versions from it that waited for
+    /// a writer: they could only be fetched from it, and would keep every folder waiting.
     pub fn forget_peer(&mut self, peer: &DeviceId) -> Result<()> {
         self.write(|tx| {
             tx.execute("DELETE FROM peers WHERE peer = ?1", [&peer.as_bytes()[..]])?;
+            tx.execute(
+                "DELETE FROM deferred WHERE source = ?1",
+                [&peer.as_bytes()[..]],
+            )?;
             Ok(())
         })
     }

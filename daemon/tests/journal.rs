@@ -832,6 +832,13 @@ fn a_deferred_version_outlives_a_reopen_until_that_version_is_cleared() {
     j.clear_deferred(&f, &a).unwrap();
     assert_eq!(j.deferred(&f).unwrap(), vec![(b2.clone(), dev(2))]);
     assert!(j.deferred(&other_folder()).unwrap().is_empty());
+    j.put_deferred(&f, &a, &dev(3)).unwrap();
+    j.forget_peer(&dev(3)).unwrap();
+    assert_eq!(
+        j.deferred(&f).unwrap(),
+        vec![(b2.clone(), dev(2))],
+        "a removed peer's versions go with it"
+    );
     j.remove_folder(&f).unwrap();
     assert!(j.deferred(&f).unwrap().is_empty());
 }
