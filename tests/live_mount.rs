@@ -230,12 +230,25 @@ fn a_version_waiting_for_a_writer_that_saved_before_b_restarted_ends_as_a_confli
     ok(&b.dev.home, &["mount", "work", b.mnt.to_str().unwrap()]);
     wait_synced(&[&a.dev, &b.dev], 30);
     for m in [&a, &b] {
-        let mut versions: Vec<Vec<u8>> = std::fs::read_dir(&m.mnt)
+        let mut files: Vec<(String, String)> = std::fs::read_dir(&m.mnt)
             .unwrap()
-            .map(|e| std::fs::read(e.unwrap().path()).unwrap())
+            .map(|e| e.unwrap().path())
+            .map(|p| {
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                (
+                    name,
+                    String::from_utf8_lossy(&std::fs::read(&p).unwrap()).into_owned(),
+                )
+            })
             .collect();
-        versions.sort();
-        assert_eq!(versions, [b"a's plan".to_vec(), b"b's plan".to_vec()]);
+        files.sort_by(|x, y| x.1.cmp(&y.1));
+        let versions: Vec<&str> = files.iter().map(|(_, c)| c.as_str()).collect();
+        assert_eq!(
+            versions,
+            ["a's plan", "b's plan"],
+            "{}: {files:?}",
+            m.dev.name
+        );
     }
 }
 
