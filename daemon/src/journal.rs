@@ -5,8 +5,9 @@
 //! the current record of every path (tombstones included) with the local stat of the file
 //! that backs it and the peer it came from; the local sequence counter and index id; the
 //! append-only history of every change applied here; per-peer progress; the chunk index
-//! (chunk hash → where a local copy lives); and the *pending* rows of the apply bracket
-//! (DESIGN §6).
+//! (chunk hash → where a local copy lives); the *pending* rows of the apply bracket
+//! (DESIGN §6); and the *deferred* rows, remote versions waiting for a writer through the
+//! mount to let go.
 //!
 //! **What it never does.** It opens no file but its database and decides nothing: it does
 //! not compare versions, pick winners or look at replica directories. It stores what the
