@@ -227,7 +227,8 @@ impl Engine {
     pub fn apply_deferred(self: &Arc<Self>, rt: &Arc<FolderRt>) {
         let links: HashMap<DeviceId, quinn::Connection> = self.net.links().into_iter().collect();
         let connected: HashSet<DeviceId> = links.keys().copied().collect();
-        for (record, peer) in rt.take_ready_deferred(&connected) {
+        for waiting in rt.take_ready_deferred(&connected) {
+            let (record, peer) = (waiting.remote.clone(), waiting.peer);
             let Some(conn) = links.get(&peer).cloned() else {
                 continue;
             };
@@ -264,8 +265,11 @@ impl Engine {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; it is decided again at the next start, or with the peer's next change of it");
+                        // Right after a start the first link to the peer can be a crossed
+                        // dial that closes under the chunk requests: tried again shortly.
+                        tracing::warn!(%folder, %path, error = %e, failed = waiting.failed + 1, "applying a deferred remote version failed; it is tried again later");
                         if let Some(rt) = engine.folder(&folder) {
+                            rt.defer_again(waiting, DEFERRED_RETRY);
                             rt.last_error.set(format_args!("applying the remote version of {path} that waited for the mount's writer failed: {e}"));
                         }
                     }
@@ -842,6 +846,10 @@ fn publish_capture(rt: &FolderRt, c: &Coalescer, at_least: usize) {
         *w = c.waiting(crate::pending::LISTED);
     }
 }
+
+/// How long a deferred remote version whose apply failed first waits before it is tried again
+/// (doubled at each further failure).
+const DEFERRED_RETRY: Duration = Duration::from_secs(2);
 
 /// How long the capture loop waits before rescanning a folder whose scan failed.
 const RESCAN_AFTER_FAILURE: Duration = Duration::from_secs(2);
