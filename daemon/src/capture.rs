@@ -120,6 +120,8 @@ pub fn relative(root: &Path, p: &Path) -> Option<RelPath> {
 #[derive(Debug, Default)]
 pub struct Coalescer {
     waiting: HashMap<RelPath, Waiting>,
+    /// Paths put back once because a writer through the mount held them when they were due.
+    held: std::collections::HashSet<RelPath>,
     rescan: bool,
 }
 
@@ -187,6 +189,35 @@ impl Coalescer {
                 open: false,
                 released: true,
             };
+        }
+    }
+
+    /// `p` was due but a handle through the mount still has it open for writing (an
+    /// `O_TRUNC` open is reported before the writes that follow it): it waits for that
+    /// writer's release, or a second of quiet, like a written path. Returns false, and
+    /// keeps nothing, when `p` was already put back once: then it is captured now, so a file
+    /// held open for long is still journaled.
+    pub fn hold(&mut self, p: &RelPath, now: Instant) -> bool {
+        if self.held.remove(p) {
+            return false;
+        }
+        self.held.insert(p.clone());
+        let e = self.waiting.entry(p.clone()).or_insert(Waiting {
+            at: now,
+            open: true,
+            released: false,
+        });
+        if !e.released {
+            e.at = e.at.max(now);
+            e.open = true;
+        }
+        true
+    }
+
+    /// `p` is captured: whatever held it is over.
+    pub fn captured(&mut self, p: &RelPath) {
+        if !self.held.is_empty() {
+            self.held.remove(p);
         }
     }
 
@@ -294,6 +325,31 @@ mod tests {
         let g = RelPath::new("g").unwrap();
         c.finalize(&g, t0);
         assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn a_path_due_while_its_writer_holds_it_waits_once_for_the_release() {
+        let mut c = Coalescer::default();
+        let t0 = Instant::now();
+        let (q, oq) = (Duration::from_millis(5), Duration::from_secs(1));
+        let f = RelPath::new("f").unwrap();
+        // An O_TRUNC open reported as a metadata change: due after the quiet time.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Other), t0);
+        let (_, ready, _) = c.take_ready(t0 + q, q, oq);
+        assert_eq!(ready, vec![f.clone()]);
+        assert!(c.hold(&f, t0 + q), "the writer still has it: put back");
+        assert!(c.take_ready(t0 + q * 2, q, oq).1.is_empty());
+        // The release makes it ready at once, and the capture clears the hold.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Closed), t0 + q * 3);
+        c.finalize(&f, t0 + q * 3);
+        assert_eq!(c.take_ready(t0 + q * 3, q, oq).1, vec![f.clone()]);
+        c.captured(&f);
+        // Held for longer than a second of quiet: put back once, then captured anyway.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Other), t0);
+        assert!(c.hold(&f, t0));
+        assert_eq!(c.take_ready(t0 + oq, q, oq).1, vec![f.clone()]);
+        assert!(!c.hold(&f, t0 + oq), "captured this time");
+        assert!(c.is_empty());
     }
 
     #[test]

@@ -776,7 +776,23 @@ async fn capture_loop(
                 next = Some(next.map_or(due, |n| n.min(due)));
             }
             _ = sleep => {
-                let (rescan, paths, n) = c.take_ready(Instant::now(), quiet, open_quiet);
+                let now = Instant::now();
+                let (rescan, paths, n) = c.take_ready(now, quiet, open_quiet);
+                // A path a writer through the mount still holds waits for its release (once).
+                let paths: Vec<RelPath> = paths
+                    .into_iter()
+                    .filter(|p| {
+                        let held = rt.writers.has_writer(p) && c.hold(p, now);
+                        if !held {
+                            c.captured(p);
+                        }
+                        !held
+                    })
+                    .collect();
+                let n = match c.is_empty() {
+                    true => n,
+                    false => Some(n.map_or(now + open_quiet, |t| t.min(now + open_quiet))),
+                };
                 next = n;
                 let scopes = if rescan {
                     Vec::new()
