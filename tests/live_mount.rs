@@ -194,6 +194,97 @@ fn a_file_open_for_writing_in_mount_b_while_a_changes_it_keeps_both_versions() {
 }
 
 #[test]
+fn a_remote_version_waiting_for_a_writer_in_mount_b_is_decided_again_after_b_restarts() {
+    let t = tmp();
+    let (a, mut b) = two_mounts(&t);
+    write(&a.mnt.join("plan.txt"), b"first plan");
+    until("the first plan in b", 10, || {
+        read(&b.mnt.join("plan.txt")).as_deref() == Some(b"first plan".as_slice())
+    });
+    // b's editor holds the file open for writing and has saved nothing yet.
+    let held = std::fs::OpenOptions::new()
+        .write(true)
+        .open(b.mnt.join("plan.txt"))
+        .unwrap();
+    write(&a.mnt.join("plan.txt"), b"second plan, from a");
+    let waiting = |d: &Device| d.status()["folders"][0]["waiting_for_writers"].as_u64();
+    until("b holds a's version back for its writer", 10, || {
+        waiting(&b.dev) == Some(1)
+    });
+    // b's batch was acknowledged, so a will not send that version again: b stops while it
+    // waits, its editor goes away with the mount, and b starts again.
+    b.dev.stop();
+    drop(held);
+    assert_eq!(
+        read(&b.dev.path("plan.txt")).as_deref(),
+        Some(b"first plan".as_slice()),
+        "not applied under the writer"
+    );
+    b.dev.start();
+    ok(&b.dev.home, &["mount", "work", b.mnt.to_str().unwrap()]);
+    wait_synced(&[&a.dev, &b.dev], 30);
+    for m in [&a, &b] {
+        assert_eq!(
+            read(&m.mnt.join("plan.txt")).as_deref(),
+            Some(b"second plan, from a".as_slice())
+        );
+        let names: Vec<String> = std::fs::read_dir(&m.mnt)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["plan.txt"], "nothing to resolve: b saved nothing");
+    }
+    assert_eq!(waiting(&b.dev), Some(0));
+}
+
+#[test]
+fn a_version_waiting_for_a_writer_that_saved_before_b_restarted_ends_as_a_conflict_with_both_kept()
+{
+    let t = tmp();
+    let (a, mut b) = two_mounts(&t);
+    write(&a.mnt.join("plan.txt"), b"first plan");
+    until("the first plan in b", 10, || {
+        read(&b.mnt.join("plan.txt")).as_deref() == Some(b"first plan".as_slice())
+    });
+    let mut held = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(b.mnt.join("plan.txt"))
+        .unwrap();
+    held.write_all(b"b's plan").unwrap();
+    write(&a.mnt.join("plan.txt"), b"a's plan");
+    until("b holds a's version back for its writer", 10, || {
+        b.dev.status()["folders"][0]["waiting_for_writers"].as_u64() == Some(1)
+    });
+    b.dev.stop();
+    drop(held);
+    b.dev.start();
+    ok(&b.dev.home, &["mount", "work", b.mnt.to_str().unwrap()]);
+    wait_synced(&[&a.dev, &b.dev], 30);
+    for m in [&a, &b] {
+        let mut files: Vec<(String, String)> = std::fs::read_dir(&m.mnt)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .map(|p| {
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                (
+                    name,
+                    String::from_utf8_lossy(&std::fs::read(&p).unwrap()).into_owned(),
+                )
+            })
+            .collect();
+        files.sort_by(|x, y| x.1.cmp(&y.1));
+        let versions: Vec<&str> = files.iter().map(|(_, c)| c.as_str()).collect();
+        assert_eq!(
+            versions,
+            ["a's plan", "b's plan"],
+            "{}: {files:?}",
+            m.dev.name
+        );
+    }
+}
+
+#[test]
 fn a_directory_renamed_in_a_while_b_writes_a_file_inside_it_loses_neither_side() {
     let t = tmp();
     let (a, b) = two_mounts(&t);

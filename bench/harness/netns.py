@@ -116,6 +116,12 @@ class Topology:
     def exec_argv(self, host, argv):
         return ["ip", "netns", "exec", ns_of(host)] + list(argv)
 
+    def exec_net_argv(self, host, argv):
+        """Like exec_argv, but only the network namespace: `ip netns exec` also gives the
+        process a private mount namespace (the root filesystem here is mounted `private`), so
+        a FUSE mount made inside it would be invisible to every other process."""
+        return ["nsenter", f"--net=/run/netns/{ns_of(host)}", "--"] + list(argv)
+
     def counters(self):
         """{host: {tx_bytes, rx_bytes, tx_packets, rx_packets, tx_dropped}} of the host's
         network interface. Bytes are IP bytes as the kernel hands them to the device (a GSO

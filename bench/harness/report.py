@@ -12,7 +12,7 @@ from pathlib import Path
 from .scenarios import SCENARIOS
 
 ORDER = list(SCENARIOS)
-TOOL_ORDER = ["meshfs", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison"]
+TOOL_ORDER = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison"]
 
 
 def load(results_dir: Path):
@@ -80,6 +80,9 @@ def summarize(recs):
                 s["p90"] = ok[0].get("p90_ms")
                 s["n_samples"] = len(samples)
                 s["latency_note"] = ok[0].get("na_note")
+            writes = [r.get("write_s") for r in ok if r.get("write_s") is not None]
+            if writes:
+                s["write_median"] = statistics.median(writes)
             content = [r.get("content_s") for r in ok if r.get("content_s") is not None]
             if content:
                 s["content_median"] = statistics.median(content)
@@ -110,7 +113,8 @@ def table(prof, summ, meta):
         tools = summ[scen]
         vals = {t: _metric(s, scen) for t, s in tools.items() if _metric(s, scen)}
         fastest = min(vals.values()) if vals else None
-        best_other = min((v for t, v in vals.items() if t != "meshfs"), default=None)
+        best_other = min((v for t, v in vals.items() if not t.startswith("meshfs")),
+                         default=None)
         for tool in sorted(tools, key=_tool_key):
             s = tools[tool]
             notes = []
@@ -129,13 +133,15 @@ def table(prof, summ, meta):
                 t = f"{_fmt_s(s['median'])} s ({_fmt_s(s['min'])}–{_fmt_s(s['max'])})"
             v = vals.get(tool)
             ratio = f"{v / fastest:.2f}×" if v and fastest else "–"
-            if tool == "meshfs" and v and best_other:
+            if tool.startswith("meshfs") and v and best_other:
                 ratio += f" (vs best other {v / best_other:.2f}×)"
             if s["n_ok"] < s["n"]:
                 notes.append(f"{s['n_ok']}/{s['n']} runs ok: " + _clean("; ".join(s["errors"]), 200))
             if (s.get("content_median") is not None and scen not in ("latency", "nochange")
                     and s["content_median"] < s["median"] - 0.0005):
                 notes.append(f"content complete at {_fmt_s(s['content_median'])} s")
+            if s.get("write_median") is not None:
+                notes.append(f"writing took {_fmt_s(s['write_median'])} s")
             if s.get("meta_diffs"):
                 notes.append(f"{s['meta_diffs']} files differ in mode/mtime")
             rss = f"{s['rss_kb'] / 1024:.0f}" if s.get("rss_kb") else "–"

@@ -35,6 +35,7 @@ SCENARIOS = {
     "rename": ("rename", "rename of a directory holding {rename_mib} MiB ({rename_files} files)"),
     "nochange": ("scan", "no-change re-sync / restart, {scan} (already in sync)"),
     "latency": ("latency", "small new file written on A until its content is readable on B"),
+    "write-small": ("write", "{small} copied into A (`cp -a`, timed) until all readable on B"),
     "fanout": ("fanout", "three peers: initial sync A -> B and C, {rename}"),
 }
 CHAINS = {
@@ -46,15 +47,24 @@ CHAINS = {
     "scan": {"dataset": "scan", "hosts": 2, "steps": ["seed-scan", "nochange"]},
     "latency": {"dataset": None, "hosts": 2, "steps": ["seed-latency", "latency"]},
     "fanout": {"dataset": "rename", "hosts": 3, "steps": ["fanout"]},
+    # A starts empty: the dataset is written into A while the tool runs.
+    "write": {"dataset": "small", "hosts": 2, "steps": ["seed-write", "write-small"],
+              "empty": True},
 }
-CHAIN_ORDER = ["small", "large", "mixed", "tree", "rename", "fanout", "scan", "latency"]
+CHAIN_ORDER = ["small", "large", "mixed", "tree", "rename", "fanout", "scan", "write",
+               "latency"]
 # Syncthing with a shorter watcher delay only differs where the watcher matters.
-WATCHER_ONLY = {"delta", "rename", "latency"}
+WATCHER_ONLY = {"delta", "rename", "latency", "write-small"}
+# Through mounts on both sides: initial sync, files written in mount A, a directory renamed in
+# mount A, and the latency from a write in mount A to the content readable in mount B.
+MOUNT_SCENARIOS = {"initial-small", "write-small", "rename", "latency"}
 
 
 def eligible(tool_name, scenario):
     if tool_name.startswith("syncthing-"):
         return scenario in WATCHER_ONLY
+    if tool_name == "meshfs-mount":
+        return scenario in MOUNT_SCENARIOS
     return True
 
 
@@ -167,11 +177,14 @@ class ChainRun:
         self.spec = spec
         self.hosts = HOSTS[:spec["hosts"]]
         self.dsts = self.hosts[1:]
-        self.base = ctx.rep / ctx.profile / tool.name / f"{chain}-r{run}"
+        self.base = ctx.rep / ctx.profile / tool.dir_name / f"{chain}-r{run}"
         self.roots = {h: str(self.base / h) for h in self.hosts}
         self.ds = ctx.dataset(spec["dataset"]) if spec["dataset"] else None
         self.selected = selected
         self.timeout = ctx.step_timeout
+        # Where the scenario writes and reads on each host (a mount, for a tool that serves
+        # its replicas through one); set once the tool is configured.
+        self.views = dict(self.roots)
 
     # -- records -------------------------------------------------------------------
     def record(self, scenario, **kw):
@@ -195,7 +208,7 @@ class ChainRun:
             self.base.rename(self.base.with_name(self.base.name + f".old{time.time_ns()}"))
         self.base.mkdir(parents=True)
         src = self.roots["A"]
-        if self.ds is not None:
+        if self.ds is not None and not self.spec.get("empty"):
             # A: a hard-link farm of the cached dataset (read-only use); files that a step
             # modifies in place get a private copy (copy_files).
             sh(["cp", "-al", str(self.ds.data), src], timeout=600)
@@ -219,10 +232,10 @@ class ChainRun:
     def verify(self, expected=None):
         """Compare every destination with the source (content) — expected defaults to a
         fresh manifest of A."""
-        src = expected if expected is not None else tree.manifest(self.roots["A"])
+        src = expected if expected is not None else tree.manifest(self.views["A"])
         out, ok = {}, True
         for d in self.dsts:
-            c = tree.compare(src, tree.manifest(self.roots[d]))
+            c = tree.compare(src, tree.manifest(self.views[d]))
             out[d] = c
             ok = ok and c["content_diffs"] == 0
         return ok, out
@@ -295,12 +308,12 @@ class ChainRun:
 
     def sizes_pred(self, expected, under=None):
         def pred():
-            return all(tree.sizes(self.roots[d], under) == expected for d in self.dsts)
+            return all(tree.sizes(self.views[d], under) == expected for d in self.dsts)
         return pred
 
     # -- generic transfer step -----------------------------------------------------
     def transfer(self, scenario, pred, mutate=None, expected_manifest=None, drop=False,
-                 since_wall=False, timeout=None, quick_verify=None):
+                 since_wall=False, timeout=None, quick_verify=None, extra=None):
         """Measure one propagation: for one-shot tools mutate (untimed) then run the tool;
         for continuous tools start the clock, mutate (or start the daemons), wait.
         quick_verify: an expected {path: size} used instead of hashing (repeated no-change
@@ -333,7 +346,7 @@ class ChainRun:
         if quick_verify is not None:
             ver = {}
             for d in self.dsts:
-                got = tree.sizes(self.roots[d])
+                got = tree.sizes(self.views[d])
                 bad = sorted(k for k in set(got) | set(quick_verify)
                              if got.get(k) != quick_verify.get(k))
                 ver[d] = {"content_diffs": len(bad), "content_examples": bad[:5],
@@ -342,7 +355,7 @@ class ChainRun:
         else:
             ok, ver = self.verify(expected_manifest)
         rec = dict(m, wall_s=round(t1 - t0, 3), verified=ok, verify=ver,
-                   dropped_caches=bool(drop and ctx.drop_caches))
+                   dropped_caches=bool(drop and ctx.drop_caches), **(extra or {}))
         if t_content is not None:
             rec["content_s"] = round(t_content - t0, 3)
         if not ok:
@@ -370,6 +383,7 @@ def run_chain(ctx, tool, chain, run, selected):
     try:
         cr.prepare(copy_dst=(chain == "scan"))
         tool.configure(ctx.topo, cr.roots, cr.base / "state")
+        cr.views = tool.views()
         fn = globals()[f"chain_{chain}"]
         fn(cr, done)
     except Exception as e:  # noqa: BLE001 - a tool failure must not abort the suite
@@ -436,7 +450,7 @@ def chain_fanout(cr, done):
 
 def chain_large(cr, done):
     _initial(cr, done, "initial-large")
-    path = Path(cr.roots["A"], "big.bin")
+    path = Path(cr.views["A"], "big.bin")
     size = path.stat().st_size
     off = (size // 2) // 4096 * 4096
     rng = random.Random(1000 + cr.run)
@@ -452,7 +466,7 @@ def chain_large(cr, done):
 
     def pred():
         for d in cr.dsts:
-            p = Path(cr.roots[d], "big.bin")
+            p = Path(cr.views[d], "big.bin")
             try:
                 if p.stat().st_size != size + 1024:
                     return False
@@ -475,18 +489,18 @@ def chain_large(cr, done):
 def chain_rename(cr, done):
     _initial(cr, done, "initial-rename")
     old, new = "mv100", f"mv100-renamed-r{cr.run}"
-    exp = {k.replace(old, new, 1): v for k, v in tree.sizes(cr.roots["A"], old).items()}
+    exp = {k.replace(old, new, 1): v for k, v in tree.sizes(cr.views["A"], old).items()}
     exp[new] = "d"
     exp_sub = {k: v for k, v in exp.items() if k != new}
 
     def mutate():
-        os.rename(Path(cr.roots["A"], old), Path(cr.roots["A"], new))
+        os.rename(Path(cr.views["A"], old), Path(cr.views["A"], new))
 
     def pred():
         for d in cr.dsts:
-            if Path(cr.roots[d], old).exists():
+            if Path(cr.views[d], old).exists():
                 return False
-            if tree.sizes(cr.roots[d], new) != exp_sub:
+            if tree.sizes(cr.views[d], new) != exp_sub:
                 return False
         return True
 
@@ -528,9 +542,10 @@ def chain_latency(cr, done):
                   "latency of its own)")
         done.extend(["seed-latency", "latency"])
         return
-    lat = Path(cr.roots["A"], "lat")
-    lat.mkdir()
-    Path(lat, "seed.txt").write_text("seed\n")
+    # Made before the daemons start, in the replica; the samples go through the views.
+    Path(cr.roots["A"], "lat").mkdir()
+    Path(cr.roots["A"], "lat", "seed.txt").write_text("seed\n")
+    lat = Path(cr.views["A"], "lat")
     exp = tree.sizes(cr.roots["A"])
     cr.transfer("seed-latency", cr.sizes_pred(exp),
                 mutate=tool.start if tool.continuous else None)
@@ -538,7 +553,7 @@ def chain_latency(cr, done):
     time.sleep(ctx.quiet_s)
     n = ctx.latency_samples
     rng = random.Random(77)
-    poller = subprocess.Popen(ctx.topo.exec_argv("B", [sys.executable, "-m", "harness.poller"]),
+    poller = subprocess.Popen(tool.probe_argv("B", [sys.executable, "-m", "harness.poller"]),
                               cwd=str(ctx.bench_dir), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     import queue
@@ -560,7 +575,7 @@ def chain_latency(cr, done):
             raise BenchError("latency poller exited")
         return line
 
-    samples, errors = [], []
+    samples, errors, starts = [], [], []
     client = {"client_cpu_s": 0.0}
     meter = Meter(ctx, tool)
     try:
@@ -570,12 +585,13 @@ def chain_latency(cr, done):
         for i in range(n):
             data = (f"sample {i} " + rng.randbytes(480).hex()).encode()[:1024]
             name = f"f{i:03d}.txt"
-            dst = Path(cr.roots["B"], "lat", name)
+            dst = Path(cr.views["B"], "lat", name)
             poller.stdin.write(f"{dst} {len(data)} {hashlib.sha256(data).hexdigest()} "
                                f"{ctx.latency_timeout}\n")
             poller.stdin.flush()
             time.sleep(0.05)  # let the poller enter its loop
             t0 = time.monotonic_ns()
+            starts.append(time.time())
             with open(lat / name, "wb") as f:
                 f.write(data)
             if not tool.continuous:
@@ -603,7 +619,10 @@ def chain_latency(cr, done):
             poller.kill()
     m = meter.end(client if not tool.continuous else None)
     ok_v, ver = cr.verify()
+    # Each sample's start in wall-clock time, to line it up with the daemons' logs
+    # (MESHFS_BENCH_LOG=debug timestamps every step of a change's path).
     rec = dict(m, wall_s=round(t_end - t_begin, 3), samples_ms=[round(s, 2) for s in samples],
+               starts_unix_s=[round(t, 6) for t in starts],
                n_samples=len(samples), p50_ms=pctl(samples, 50), p90_ms=pctl(samples, 90),
                verified=ok_v, verify=ver)
     if not tool.continuous:
@@ -615,3 +634,26 @@ def chain_latency(cr, done):
         rec["error"] = "destination differs after latency samples"
     cr.record("latency", **rec)
     done.append("latency")
+
+
+def chain_write(cr, done):
+    """The small set written into A while the tool runs (A starts empty): `cp -a` of the
+    dataset into A's view (a mount, for meshfs-mount), until every file is on B. For the
+    continuous tools the clock covers the copy itself (its time is `write_s`); one-shot tools
+    copy first (untimed) and are timed by their run, as everywhere."""
+    tool = cr.tool
+    cr.transfer("seed-write", cr.sizes_pred({}), mutate=tool.start if tool.continuous else None)
+    done.append("seed-write")
+    time.sleep(cr.ctx.quiet_s)
+    exp = {k: v for k, v in cr.ds.manifest.items() if not tree.is_internal(k)}
+    sizes = tree.sizes(str(cr.ds.data))
+    extra = {}
+
+    def mutate():
+        t = time.monotonic()
+        sh(["cp", "-a", "--", f"{cr.ds.data}/.", cr.views["A"]], timeout=cr.timeout)
+        extra["write_s"] = round(time.monotonic() - t, 3)
+
+    cr.transfer("write-small", cr.sizes_pred(sizes), mutate=mutate, expected_manifest=exp,
+                extra=extra)
+    done.append("write-small")

@@ -29,6 +29,12 @@ class Tool:
     name = "?"
     continuous = False
     note = ""
+    short_name = None
+
+    @property
+    def dir_name(self):
+        """The directory of its replicas under the profile's directory."""
+        return self.short_name or self.name
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -45,6 +51,15 @@ class Tool:
 
     def logf(self, what):
         return self.state / f"{what}.log"
+
+    def views(self):
+        """{host: directory} where the scenarios write and read on each host: the replica
+        directory itself, except for a tool that serves it through a mount."""
+        return dict(self.roots)
+
+    def probe_argv(self, host, argv):
+        """argv to run a probe (the latency poller) on `host`, seeing that host's views."""
+        return self.topo.exec_argv(host, argv)
 
     # --- accounting (CPU seconds and peak RSS of the tool's own processes) ------------
     def daemon_procs(self):
@@ -437,10 +452,13 @@ class MeshFS(Tool):
                     self.cli(h, ["peer", "add", self.ids[o], "--addr", f"{ip_of(o)}:{self.PORT}",
                                  "--name", o, "--share", "bench"])
 
+    def daemon_argv(self, h, argv):
+        return self.topo.exec_argv(h, argv)
+
     def start(self):
         for h in self.hosts:
             home = self.state / f"mf-{h}"
-            self.procs[h] = PROCS.start(f"meshfs-{h}", self.topo.exec_argv(
+            self.procs[h] = PROCS.start(f"meshfs-{h}", self.daemon_argv(
                 h, [self.bin, "--home", str(home), "daemon"]), self.logf(f"meshfs-{h}"),
                 env={"RUST_LOG": os.environ.get("MESHFS_BENCH_LOG", "info"), "NO_COLOR": "1"})
         for h in self.hosts:
@@ -488,6 +506,60 @@ class MeshFS(Tool):
         return all(rc == 0 for rc in rcs.values())
 
 
+class MeshFSMount(MeshFS):
+    """meshfs with every host's folder mounted (`meshfs mount`, FUSE): the scenarios write in
+    mount A and read in mount B, the replica directories behind them are only the mounts'
+    backing stores. The daemons enter only their host's network namespace (not a private
+    mount namespace), so their mounts are visible to the harness and the probes."""
+    name = "meshfs-mount"
+    # Short: the control socket's path under it must fit a Unix socket address (107 bytes).
+    short_name = "mfsm"
+    note = "meshfs daemon, each folder mounted (FUSE); written and read through the mounts"
+
+    def configure(self, topo, roots, state):
+        super().configure(topo, roots, state)
+        self.mnts = {h: str(Path(roots[h]).parent / f"mnt-{h}") for h in self.hosts}
+        for m in self.mnts.values():
+            Path(m).mkdir(parents=True, exist_ok=True)
+
+    def views(self):
+        return dict(self.mnts)
+
+    def probe_argv(self, host, argv):
+        return self.topo.exec_net_argv(host, argv)
+
+    def daemon_argv(self, h, argv):
+        return self.topo.exec_net_argv(h, argv)
+
+    def start(self):
+        super().start()
+        for h in self.hosts:
+            self.cli(h, ["mount", "bench", self.mnts[h]])
+        for h in self.hosts:
+            if not _mounted(self.mnts[h]):
+                raise BenchError(f"meshfs mount on {h}: {self.mnts[h]} is not a mount point")
+
+    def stop(self):
+        # SIGTERM unmounts; a daemon that died or was killed may leave a dead mount behind.
+        super().stop()
+        for m in getattr(self, "mnts", {}).values():
+            if _mounted(m):
+                log(f"  {m} still mounted after the daemon stopped: umount -l")
+                sh(["umount", "-l", m], check=False)
+
+
+def _mounted(path):
+    """Whether `path` is a mount point in our mount namespace (a dead FUSE mount included,
+    which `os.path.ismount` cannot stat)."""
+    want = os.path.realpath(path)
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    return any(len(f) > 1 and f[1].replace("\\040", " ") == want
+               for f in (line.split() for line in lines))
+
+
 def _find_key(obj, key):
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -500,12 +572,14 @@ def _find_key(obj, key):
             yield from _find_key(v, key)
 
 
-ALL_TOOLS = ["meshfs", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison"]
+ALL_TOOLS = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison"]
 
 
 def make(name, ctx):
     if name == "meshfs":
         return MeshFS(ctx)
+    if name == "meshfs-mount":
+        return MeshFSMount(ctx)
     if name == "rsync-ssh":
         return RsyncSsh(ctx)
     if name == "rsyncd":

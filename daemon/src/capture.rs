@@ -7,7 +7,12 @@
 //! journaled half-written. The scan of a path is idempotent: a path that already matches its
 //! record (for example one the engine itself just applied) yields no version.
 //!
-//! The FUSE layer (meshfs-fuse) plugs in here: its change events enter the same channel.
+//! The FUSE layer (meshfs-fuse) plugs in here: its change events enter the same channel. The
+//! mount knows what inotify can only guess: the release of a path's last writing handle is
+//! the end of that change, so a released path is ready at once and stays ready until the next
+//! pass, whatever the watcher reports of the same writes meanwhile (its events for them
+//! arrive late, from another thread; seen after the pass, they cost one more scan that finds
+//! nothing new).
 
 use crate::store::{LocalStat, Stat};
 use meshfs_protocol::{FileKind, RelPath, INTERNAL_PREFIX};
@@ -114,8 +119,33 @@ pub fn relative(root: &Path, p: &Path) -> Option<RelPath> {
 /// Paths waiting for their quiet period.
 #[derive(Debug, Default)]
 pub struct Coalescer {
-    waiting: HashMap<RelPath, (Instant, bool)>,
+    waiting: HashMap<RelPath, Waiting>,
+    /// Paths put back once because a writer through the mount held them when they were due.
+    held: std::collections::HashSet<RelPath>,
     rescan: bool,
+}
+
+/// One waiting path.
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    /// Its last event (its release, once released).
+    at: Instant,
+    /// Written and not closed yet: waits for its close.
+    open: bool,
+    /// Its last writer through the mount let go: ready now, whatever comes before the pass.
+    released: bool,
+}
+
+impl Waiting {
+    fn due(&self, quiet: Duration, open_quiet: Duration) -> Instant {
+        if self.released {
+            self.at
+        } else if self.open {
+            self.at + open_quiet
+        } else {
+            self.at + quiet
+        }
+    }
 }
 
 impl Coalescer {
@@ -130,24 +160,64 @@ impl Coalescer {
                 self.add(CaptureMsg::Changed(to, Hint::Other), now);
             }
             CaptureMsg::Changed(p, hint) => {
-                let e = self.waiting.entry(p).or_insert((now, false));
-                e.0 = now;
+                let e = self.waiting.entry(p).or_insert(Waiting {
+                    at: now,
+                    open: false,
+                    released: false,
+                });
+                if e.released {
+                    // The watcher's late report of writes the release already ended.
+                    return;
+                }
+                e.at = now;
                 match hint {
-                    Hint::Written => e.1 = true,
-                    Hint::Closed => e.1 = false,
+                    Hint::Written => e.open = true,
+                    Hint::Closed => e.open = false,
                     Hint::Other => {}
                 }
             }
         }
     }
 
-    /// The last writer of `p` let go (the mount knows it exactly): its content is final, so
-    /// it is captured at the next pass instead of after the quiet time.
-    pub fn finalize(&mut self, p: &RelPath, now: Instant, quiet: Duration) {
+    /// The last writer of `p` through the mount let go (the mount knows it exactly, no quiet
+    /// time guesses it): its content is final, so it is captured at the next pass, which the
+    /// caller starts at once.
+    pub fn finalize(&mut self, p: &RelPath, now: Instant) {
         if let Some(e) = self.waiting.get_mut(p) {
-            if !e.1 {
-                e.0 = now.checked_sub(quiet).unwrap_or(e.0.min(now));
-            }
+            *e = Waiting {
+                at: now,
+                open: false,
+                released: true,
+            };
+        }
+    }
+
+    /// `p` was due but a handle through the mount still has it open for writing (an
+    /// `O_TRUNC` open is reported before the writes that follow it): it waits for that
+    /// writer's release, or a second of quiet, like a written path. Returns false, and
+    /// keeps nothing, when `p` was already put back once: then it is captured now, so a file
+    /// held open for long is still journaled.
+    pub fn hold(&mut self, p: &RelPath, now: Instant) -> bool {
+        if self.held.remove(p) {
+            return false;
+        }
+        self.held.insert(p.clone());
+        let e = self.waiting.entry(p.clone()).or_insert(Waiting {
+            at: now,
+            open: true,
+            released: false,
+        });
+        if !e.released {
+            e.at = e.at.max(now);
+            e.open = true;
+        }
+        true
+    }
+
+    /// `p` is captured: whatever held it is over.
+    pub fn captured(&mut self, p: &RelPath) {
+        if !self.held.is_empty() {
+            self.held.remove(p);
         }
     }
 
@@ -168,7 +238,7 @@ impl Coalescer {
             .waiting
             .iter()
             .take(limit)
-            .map(|(p, (_, open))| (p.clone(), *open))
+            .map(|(p, w)| (p.clone(), w.open))
             .collect();
         some.sort();
         (some, self.rescan)
@@ -183,8 +253,8 @@ impl Coalescer {
     ) -> (bool, Vec<RelPath>, Option<Instant>) {
         let mut ready = Vec::new();
         let mut next: Option<Instant> = None;
-        self.waiting.retain(|p, (at, open)| {
-            let due = *at + if *open { open_quiet } else { quiet };
+        self.waiting.retain(|p, w| {
+            let due = w.due(quiet, open_quiet);
             if due <= now {
                 ready.push(p.clone());
                 false
@@ -228,6 +298,57 @@ mod tests {
         );
         let (_, ready, _) = c.take_ready(t0 + Duration::from_millis(17), q, oq);
         assert_eq!(ready, vec![f]);
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn a_release_through_the_mount_is_ready_at_once_whatever_the_watcher_adds() {
+        let mut c = Coalescer::default();
+        let t0 = Instant::now();
+        let (q, oq) = (Duration::from_millis(5), Duration::from_secs(1));
+        let f = RelPath::new("f").unwrap();
+        // The mount: created, written, its last writer closed and released.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Other), t0);
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Written), t0);
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Closed), t0);
+        c.finalize(&f, t0);
+        // The watcher's events for the same writes, arriving after the release.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Written), t0);
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Closed), t0);
+        let (_, ready, next) = c.take_ready(t0, q, oq);
+        assert_eq!(ready, vec![f.clone()], "no quiet time after a release");
+        assert!(next.is_none() && c.is_empty());
+        // A later event is a new change and waits as usual.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Written), t0);
+        assert!(c.take_ready(t0 + q, q, oq).1.is_empty());
+        // A release of a path that waits for nothing starts nothing.
+        let g = RelPath::new("g").unwrap();
+        c.finalize(&g, t0);
+        assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn a_path_due_while_its_writer_holds_it_waits_once_for_the_release() {
+        let mut c = Coalescer::default();
+        let t0 = Instant::now();
+        let (q, oq) = (Duration::from_millis(5), Duration::from_secs(1));
+        let f = RelPath::new("f").unwrap();
+        // An O_TRUNC open reported as a metadata change: due after the quiet time.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Other), t0);
+        let (_, ready, _) = c.take_ready(t0 + q, q, oq);
+        assert_eq!(ready, vec![f.clone()]);
+        assert!(c.hold(&f, t0 + q), "the writer still has it: put back");
+        assert!(c.take_ready(t0 + q * 2, q, oq).1.is_empty());
+        // The release makes it ready at once, and the capture clears the hold.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Closed), t0 + q * 3);
+        c.finalize(&f, t0 + q * 3);
+        assert_eq!(c.take_ready(t0 + q * 3, q, oq).1, vec![f.clone()]);
+        c.captured(&f);
+        // Held for longer than a second of quiet: put back once, then captured anyway.
+        c.add(CaptureMsg::Changed(f.clone(), Hint::Other), t0);
+        assert!(c.hold(&f, t0));
+        assert_eq!(c.take_ready(t0 + oq, q, oq).1, vec![f.clone()]);
+        assert!(!c.hold(&f, t0 + oq), "captured this time");
         assert!(c.is_empty());
     }
 

@@ -227,7 +227,8 @@ impl Engine {
     pub fn apply_deferred(self: &Arc<Self>, rt: &Arc<FolderRt>) {
         let links: HashMap<DeviceId, quinn::Connection> = self.net.links().into_iter().collect();
         let connected: HashSet<DeviceId> = links.keys().copied().collect();
-        for (record, peer) in rt.take_ready_deferred(&connected) {
+        for waiting in rt.take_ready_deferred(&connected) {
+            let (record, peer) = (waiting.remote.clone(), waiting.peer);
             let Some(conn) = links.get(&peer).cloned() else {
                 continue;
             };
@@ -239,7 +240,7 @@ impl Engine {
                     &folder,
                     peer,
                     &conn,
-                    vec![record],
+                    vec![record.clone()],
                     HashMap::new(),
                     turn,
                 )
@@ -248,10 +249,27 @@ impl Engine {
                     Ok(()) => {
                         tracing::info!(%folder, %path, "applied the remote version that waited for the mount's writer");
                         engine.changes_notify(&folder);
+                        // Decided: its row is no longer needed (unless a writer opened the
+                        // path again meanwhile and it waits once more, under the same row).
+                        if engine.folder(&folder).is_some_and(|rt| rt.waits(&record)) {
+                            return;
+                        }
+                        let folders = engine.folders.clone();
+                        let cleared = tokio::task::spawn_blocking(move || {
+                            folders.journal()?.clear_deferred(&folder, &record)?;
+                            Ok::<(), FolderError>(())
+                        })
+                        .await;
+                        if let Ok(Err(e)) = cleared {
+                            tracing::warn!(%path, error = %e, "cannot forget a decided deferred version; the next start decides it again (no change)");
+                        }
                     }
                     Err(e) => {
-                        tracing::warn!(%folder, %path, error = %e, "applying a deferred remote version failed; the peer's next change of it brings it again");
+                        // Right after a start the first link to the peer can be a crossed
+                        // dial that closes under the chunk requests: tried again shortly.
+                        tracing::warn!(%folder, %path, error = %e, failed = waiting.failed + 1, "applying a deferred remote version failed; it is tried again later");
                         if let Some(rt) = engine.folder(&folder) {
+                            rt.defer_again(waiting, DEFERRED_RETRY);
                             rt.last_error.set(format_args!("applying the remote version of {path} that waited for the mount's writer failed: {e}"));
                         }
                     }
@@ -393,6 +411,17 @@ impl Engine {
         }
         let n = self.scan_paths(&id, Vec::new()).await?;
         tracing::info!(folder = %id, path = %path.display(), changes = n, ms = started.elapsed().as_millis() as u64, "folder scanned");
+        // Remote versions that waited for a writer when the daemon stopped (a folder that was
+        // never scanned has none): no writer holds them now, and what the user saved is
+        // journaled by the scan above, so they are decided again as soon as their peer is
+        // connected (`traffic_loop`).
+        let waiting = self.folders.journal()?.deferred(&id)?;
+        if !waiting.is_empty() {
+            tracing::info!(folder = %id, n = waiting.len(), "remote versions that waited for a writer before the restart are decided again");
+        }
+        for (record, peer) in waiting {
+            rt.defer(record, peer);
+        }
         tokio::spawn(capture_loop(self.clone(), rt, rx));
         Ok(())
     }
@@ -654,6 +683,17 @@ async fn traffic_loop(engine: Arc<Engine>) {
             last_tick = Instant::now();
             engine.tick_progress();
         }
+        // Remote versions kept from before a restart wait for their peer's link; nothing
+        // else wakes them when no local change comes.
+        for rt in engine.folders.all() {
+            let capturing = rt
+                .capture_pending
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > 0;
+            if rt.deferred_count() > 0 && !capturing {
+                engine.apply_deferred(&rt);
+            }
+        }
         tokio::select! {
             _ = changed => {}
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -721,7 +761,7 @@ async fn capture_loop(
                     match m {
                         CaptureMsg::Released(p) => {
                             released = true;
-                            c.finalize(&p, now, quiet);
+                            c.finalize(&p, now);
                             final_now = true;
                         }
                         m => c.add(m, now),
@@ -734,7 +774,23 @@ async fn capture_loop(
                 next = Some(next.map_or(due, |n| n.min(due)));
             }
             _ = sleep => {
-                let (rescan, paths, n) = c.take_ready(Instant::now(), quiet, open_quiet);
+                let now = Instant::now();
+                let (rescan, paths, n) = c.take_ready(now, quiet, open_quiet);
+                // A path a writer through the mount still holds waits for its release (once).
+                let paths: Vec<RelPath> = paths
+                    .into_iter()
+                    .filter(|p| {
+                        let held = rt.writers.has_writer(p) && c.hold(p, now);
+                        if !held {
+                            c.captured(p);
+                        }
+                        !held
+                    })
+                    .collect();
+                let n = match c.is_empty() {
+                    true => n,
+                    false => Some(n.map_or(now + open_quiet, |t| t.min(now + open_quiet))),
+                };
                 next = n;
                 let scopes = if rescan {
                     Vec::new()
@@ -818,6 +874,10 @@ fn publish_capture(rt: &FolderRt, c: &Coalescer, at_least: usize) {
         *w = c.waiting(crate::pending::LISTED);
     }
 }
+
+/// How long a deferred remote version whose apply failed first waits before it is tried again
+/// (doubled at each further failure).
+const DEFERRED_RETRY: Duration = Duration::from_secs(2);
 
 /// How long the capture loop waits before rescanning a folder whose scan failed.
 const RESCAN_AFTER_FAILURE: Duration = Duration::from_secs(2);

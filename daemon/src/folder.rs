@@ -95,7 +95,7 @@ pub struct FolderRt {
     pub(crate) mount: Mutex<Option<meshfs_fuse::Mount>>,
     /// Remote versions waiting for a path's writer through the mount to let go, with the
     /// peer each came from (the newest per path).
-    pub(crate) deferred: Mutex<HashMap<RelPath, (FileRecord, DeviceId)>>,
+    pub(crate) deferred: Mutex<HashMap<RelPath, Deferred>>,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
     pub(crate) blocked: Mutex<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
@@ -160,11 +160,46 @@ impl Skipped {
     }
 }
 
+/// A remote version waiting for a writer through the mount to let go of its path.
+#[derive(Debug)]
+pub struct Deferred {
+    /// The remote version.
+    pub remote: FileRecord,
+    /// The peer it came from (and its content may have to be fetched from).
+    pub peer: DeviceId,
+    /// Its applies that failed so far.
+    pub failed: u32,
+    /// Not tried again before then (its last apply failed).
+    not_before: Option<Instant>,
+}
+
 impl FolderRt {
     /// Holds `remote` (from `peer`) until `remote.path` has no writer through the mount.
     pub fn defer(&self, remote: FileRecord, peer: DeviceId) {
         if let Ok(mut d) = self.deferred.lock() {
-            d.insert(remote.path.clone(), (remote, peer));
+            let path = remote.path.clone();
+            let (failed, not_before) = (0, None);
+            d.insert(
+                path,
+                Deferred {
+                    remote,
+                    peer,
+                    failed,
+                    not_before,
+                },
+            );
+        }
+    }
+
+    /// Holds `w` again after its apply failed (its peer's link closed under the chunk
+    /// requests, the peer no longer has the content, …): it is tried again after `first`,
+    /// twice that after a second failure, and so on up to 256 times `first`, unless a newer
+    /// version waits at its path by then.
+    pub fn defer_again(&self, mut w: Deferred, first: std::time::Duration) {
+        if let Ok(mut d) = self.deferred.lock() {
+            w.not_before = Some(Instant::now() + first * (1 << w.failed.min(8)));
+            w.failed = w.failed.saturating_add(1);
+            d.entry(w.remote.path.clone()).or_insert(w);
         }
     }
 
@@ -290,10 +325,17 @@ impl FolderRt {
         let mut out: Vec<(RelPath, DeviceId)> = self
             .deferred
             .lock()
-            .map(|d| d.iter().map(|(p, (_, peer))| (p.clone(), *peer)).collect())
+            .map(|d| d.iter().map(|(p, w)| (p.clone(), w.peer)).collect())
             .unwrap_or_default();
         out.sort();
         out
+    }
+
+    /// Whether `remote` itself waits for a writer (deferred again after being taken).
+    pub fn waits(&self, remote: &FileRecord) -> bool {
+        self.deferred
+            .lock()
+            .is_ok_and(|d| d.get(&remote.path).is_some_and(|w| &w.remote == remote))
     }
 
     /// Remote versions waiting for a writer to let go.
@@ -302,17 +344,20 @@ impl FolderRt {
     }
 
     /// Takes the deferred versions whose paths no longer have a writer and whose peer is
-    /// connected (the content may have to be fetched from it).
-    pub(crate) fn take_ready_deferred(
-        &self,
-        connected: &HashSet<DeviceId>,
-    ) -> Vec<(FileRecord, DeviceId)> {
+    /// connected (the content may have to be fetched from it), except those whose last
+    /// apply failed a moment ago.
+    pub(crate) fn take_ready_deferred(&self, connected: &HashSet<DeviceId>) -> Vec<Deferred> {
         let Ok(mut d) = self.deferred.lock() else {
             return Vec::new();
         };
+        let now = Instant::now();
         let ready: Vec<RelPath> = d
             .iter()
-            .filter(|(p, (_, peer))| connected.contains(peer) && !self.writers.has_writer(p))
+            .filter(|(p, w)| {
+                connected.contains(&w.peer)
+                    && w.not_before.is_none_or(|t| t <= now)
+                    && !self.writers.has_writer(p)
+            })
             .map(|(p, _)| p.clone())
             .collect();
         ready.into_iter().filter_map(|p| d.remove(&p)).collect()

@@ -5,8 +5,9 @@
 //! the current record of every path (tombstones included) with the local stat of the file
 //! that backs it and the peer it came from; the local sequence counter and index id; the
 //! append-only history of every change applied here; per-peer progress; the chunk index
-//! (chunk hash → where a local copy lives); and the *pending* rows of the apply bracket
-//! (DESIGN §6).
+//! (chunk hash → where a local copy lives); the *pending* rows of the apply bracket
+//! (DESIGN §6); and the *deferred* rows, remote versions waiting for a writer through the
+//! mount to let go.
 //!
 //! **What it never does.** It opens no file but its database and decides nothing: it does
 //! not compare versions, pick winners or look at replica directories. It stores what the
@@ -715,14 +716,16 @@ impl Journal {
         })
     }
 
-    /// Deletes every row of the folder (records, history, peers, chunks, pending) in one
-    /// transaction. Nothing happens if the folder is unknown.
+    /// Deletes every row of the folder (records, history, peers, chunks, pending, deferred) in
+    /// one transaction. Nothing happens if the folder is unknown.
     pub fn remove_folder(&mut self, folder: &FolderId) -> Result<()> {
         self.write(|tx| {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(());
             };
-            for table in ["chunks", "history", "records", "pending", "peers"] {
+            for table in [
+                "chunks", "history", "records", "pending", "deferred", "peers",
+            ] {
                 tx.execute(&format!("DELETE FROM {table} WHERE folder = ?1"), [key])?;
             }
             tx.execute("DELETE FROM folders WHERE id = ?1", [key])?;
@@ -1127,10 +1130,15 @@ impl Journal {
         })
     }
 
-    /// Forgets the peer's progress in every folder.
+    /// Forgets the peer's progress in every folder, and the versions from it that waited for
+    /// a writer: they could only be fetched from it, and would keep every folder waiting.
     pub fn forget_peer(&mut self, peer: &DeviceId) -> Result<()> {
         self.write(|tx| {
             tx.execute("DELETE FROM peers WHERE peer = ?1", [&peer.as_bytes()[..]])?;
+            tx.execute(
+                "DELETE FROM deferred WHERE source = ?1",
+                [&peer.as_bytes()[..]],
+            )?;
             Ok(())
         })
     }
@@ -1268,6 +1276,79 @@ impl Journal {
             for p in paths {
                 st.execute(params![key, p.as_str()])?;
             }
+            Ok(())
+        })
+    }
+
+    /// Keeps `record`, a remote version from `peer` that waits for a writer through the mount
+    /// to let go of its path (replacing what waited there before). The peer counts it as
+    /// received once its batch is acknowledged: without this row a restart would forget it.
+    pub fn put_deferred(
+        &mut self,
+        folder: &FolderId,
+        record: &FileRecord,
+        peer: &DeviceId,
+    ) -> Result<()> {
+        record
+            .validate()
+            .map_err(|source| JournalError::InvalidRecord {
+                folder: folder.clone(),
+                source,
+            })?;
+        let blob = encode(record, "deferred record")?;
+        self.write(|tx| {
+            let (key, _) = ensure_folder(tx, folder)?;
+            tx.prepare_cached(
+                "INSERT OR REPLACE INTO deferred (folder, path, record, source) \
+                 VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute(params![
+                key,
+                record.path.as_str(),
+                blob,
+                &peer.as_bytes()[..]
+            ])?;
+            Ok(())
+        })
+    }
+
+    /// The remote versions of the folder that wait for a writer, with the peer each came
+    /// from, ordered by path.
+    pub fn deferred(&self, folder: &FolderId) -> Result<Vec<(FileRecord, DeviceId)>> {
+        self.read(|c| {
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(
+                "SELECT path, record, source FROM deferred WHERE folder = ?1 ORDER BY path",
+            )?;
+            let mut rows = st.query([key])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let (record, source) = rows::pending_item(folder, r)?;
+                let Some(peer) = source else {
+                    return Err(JournalError::Corrupt {
+                        what: format!("folder {folder}: deferred {} names no peer", record.path),
+                    });
+                };
+                out.push((record, peer));
+            }
+            Ok(out)
+        })
+    }
+
+    /// Forgets the waiting version `record` once it has been decided; a newer version that
+    /// waits at the same path since (the writer opened it again) is kept.
+    pub fn clear_deferred(&mut self, folder: &FolderId, record: &FileRecord) -> Result<()> {
+        let blob = encode(record, "deferred record")?;
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(());
+            };
+            tx.prepare_cached(
+                "DELETE FROM deferred WHERE folder = ?1 AND path = ?2 AND record = ?3",
+            )?
+            .execute(params![key, record.path.as_str(), blob])?;
             Ok(())
         })
     }

@@ -218,10 +218,12 @@ fn schema_3_gives_multi_chunk_files_their_chunk_list_hash() {
             [&old.0[..]],
         )
         .unwrap();
-        c.execute_batch("PRAGMA user_version = 2;").unwrap();
+        // Without what later migrations added (4: the deferred table).
+        c.execute_batch("DROP TABLE deferred; PRAGMA user_version = 2;")
+            .unwrap();
     }
     let j = Journal::open(&path).unwrap();
-    assert_eq!(j.schema_version(), 3);
+    assert!(j.schema_version() >= 3);
     let got = |path: &str| j.get(&folder(), &p(path)).unwrap().unwrap();
     assert_eq!(got("big").record.hash, Hash::of_chunks(&big.chunks));
     assert_eq!(got("small").record.hash, Hash::of(b"one chunk"));
@@ -805,6 +807,40 @@ fn the_chunk_index_follows_a_files_changes_and_deletion() {
         j.find_chunk_anywhere(&h(c3)).unwrap(),
         vec![loc(&g, "z", 0, 5)]
     );
+}
+
+#[test]
+fn a_deferred_version_outlives_a_reopen_until_that_version_is_cleared() {
+    let tmp = TempDir::new().unwrap();
+    let (mut j, path) = open(&tmp);
+    let f = folder();
+    let a = file("a", b"remote a", vv(&[(2, 1)]));
+    let b = file("b", b"remote b", vv(&[(2, 2)]));
+    let b2 = file("b", b"remote b, newer", vv(&[(2, 3)]));
+    j.put_deferred(&f, &b, &dev(2)).unwrap();
+    j.put_deferred(&f, &a, &dev(3)).unwrap();
+    drop(j);
+    let mut j = Journal::open(&path).unwrap();
+    assert_eq!(
+        j.deferred(&f).unwrap(),
+        vec![(a.clone(), dev(3)), (b.clone(), dev(2))],
+        "kept across a reopen, ordered by path"
+    );
+    j.put_deferred(&f, &b2, &dev(2)).unwrap();
+    // The older version of b was decided meanwhile: clearing it keeps the newer one.
+    j.clear_deferred(&f, &b).unwrap();
+    j.clear_deferred(&f, &a).unwrap();
+    assert_eq!(j.deferred(&f).unwrap(), vec![(b2.clone(), dev(2))]);
+    assert!(j.deferred(&other_folder()).unwrap().is_empty());
+    j.put_deferred(&f, &a, &dev(3)).unwrap();
+    j.forget_peer(&dev(3)).unwrap();
+    assert_eq!(
+        j.deferred(&f).unwrap(),
+        vec![(b2.clone(), dev(2))],
+        "a removed peer's versions go with it"
+    );
+    j.remove_folder(&f).unwrap();
+    assert!(j.deferred(&f).unwrap().is_empty());
 }
 
 #[test]

@@ -237,7 +237,7 @@ impl Deciding<'_> {
         remote: &FileRecord,
         detail: Option<String>,
     ) -> Result<Option<usize>, ApplyError> {
-        if self.deferred(&planned, remote) {
+        if self.deferred(&planned, remote)? {
             return Ok(None);
         }
         let stored = self.stored(&planned.record().path)?;
@@ -268,14 +268,17 @@ impl Deciding<'_> {
     /// A remote version of a path open for writing through the mount is never replaced,
     /// renamed away or deleted under its writer. The rest of the batch goes on; the path is
     /// decided again after the last writing handle is released (`Engine::apply_deferred`).
-    fn deferred(&self, planned: &Planned, remote: &FileRecord) -> bool {
+    /// The version is journaled first: the batch is acknowledged, so the peer will not send
+    /// it again, and a restart must still find it (a journal error fails the batch instead).
+    fn deferred(&mut self, planned: &Planned, remote: &FileRecord) -> Result<bool, ApplyError> {
         let path = &planned.record().path;
         if !matches!(planned.step, Step::ApplyRemote { .. }) || !self.rt.writers.has_writer(path) {
-            return false;
+            return Ok(false);
         }
         tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
+        self.journal.put_deferred(self.folder, remote, &self.peer)?;
         self.rt.defer(remote.clone(), self.peer);
-        true
+        Ok(true)
     }
 
     /// A step without content: does its disk work and returns its journal change.
@@ -285,7 +288,7 @@ impl Deciding<'_> {
         remote: &FileRecord,
         conflict: Option<String>,
     ) -> Result<(Option<Change>, Flow), ApplyError> {
-        if self.deferred(&planned, remote) {
+        if self.deferred(&planned, remote)? {
             return Ok((None, Flow::Next));
         }
         let stored = self.stored(&planned.record().path)?;

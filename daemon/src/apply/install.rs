@@ -57,9 +57,12 @@ pub(super) fn install(
     let reread_at = t0.elapsed();
     // The watcher's event for a file can come as soon as it is in place: its echo is
     // expected from then on, not after the whole batch (else the event, seen first, is
-    // rescanned, waiting for this lock).
+    // rescanned, waiting for this lock). The mount shows it from then on too: the
+    // invalidation is only queued (the notifier thread calls the kernel), and the reader in
+    // the mount need not wait for the batch's directory fsyncs and commit.
     let results = rt.store.install_synced_in(dirs, batch, &|path, local| {
-        rt.echoes.expect(path.clone(), Some(*local))
+        rt.echoes.expect(path.clone(), Some(*local));
+        rt.invalidator.invalidate(path);
     });
     let renamed_at = t0.elapsed();
     let mut journal = folders.journal()?;
@@ -70,7 +73,6 @@ pub(super) fn install(
         match r {
             Ok(local) => {
                 rt.unskip(&t.record.path);
-                rt.invalidator.invalidate(&t.record.path);
                 changes.push(Change {
                     record: t.record,
                     op: t.op,

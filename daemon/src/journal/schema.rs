@@ -28,6 +28,7 @@ const MIGRATIONS: &[Migration] = &[
     Migration::Sql(SCHEMA_1),
     Migration::Sql(CONFLICT_INDEX_2),
     Migration::Code(file_hash_from_chunks_3),
+    Migration::Sql(DEFERRED_4),
 ];
 
 const SCHEMA_1: &str =
@@ -168,6 +169,18 @@ fn file_hash_from_chunks_3(tx: &Transaction) -> Result<()> {
     }
     Ok(())
 }
+
+// 4: remote versions waiting for a writer through the mount, kept across a restart: the peer
+// had them acknowledged and does not send them again.
+const DEFERRED_4: &str = r#"
+    CREATE TABLE deferred (
+        folder INTEGER NOT NULL,
+        path   TEXT NOT NULL,
+        record BLOB NOT NULL,
+        source BLOB NOT NULL,
+        PRIMARY KEY (folder, path)
+    ) STRICT;
+    "#;
 
 /// The schema version this build writes and understands.
 pub(super) const LATEST_VERSION: u32 = MIGRATIONS.len() as u32;
