@@ -666,9 +666,10 @@ mod tests {
                     mode: "read-only",
                     passthrough: false,
                     open_handles: 0,
+                    invalidations_pending: 0,
                 }),
                 json!({"ok": true, "mount": {"mountpoint": "/m", "mode": "read-only",
-                       "passthrough": false, "open_handles": 0}}),
+                       "passthrough": false, "open_handles": 0, "invalidations_pending": 0}}),
             ),
             (
                 Reply::failed("folder work is not mounted"),

@@ -596,29 +596,35 @@ impl Engine {
         let folders = folders
             .into_iter()
             .zip(journaled)
-            .map(|(rt, (counts, sequence, conflicts))| FolderSnapshot {
-                id: rt.id.clone(),
-                path: rt.store.root().to_path_buf(),
-                counts,
-                sequence,
-                conflicts,
-                local: LocalWork {
-                    capture_pending: rt.capture_pending.load(relaxed),
-                    scanning: rt.scanning.load(relaxed),
-                    waiting_for_writers: rt.deferred_count(),
-                    blocked: rt.blocked(),
-                },
-                skipped: rt.skipped(),
-                unreadable: rt.unreadable(),
-                last_error: rt.last_error.get(),
-                progress: crate::status::FolderProgress {
-                    scan: rt.first_scan.counts(),
-                    receive: rt.receiving.counts(),
-                },
-                mount: rt.mount.lock().ok().and_then(|m| {
+            .map(|(rt, (counts, sequence, conflicts))| {
+                let mount = rt.mount.lock().ok().and_then(|m| {
                     m.as_ref()
                         .map(|m| crate::mounts::MountStatus::from(m.info()))
-                }),
+                });
+                FolderSnapshot {
+                    id: rt.id.clone(),
+                    path: rt.store.root().to_path_buf(),
+                    counts,
+                    sequence,
+                    conflicts,
+                    local: LocalWork {
+                        capture_pending: rt.capture_pending.load(relaxed),
+                        scanning: rt.scanning.load(relaxed),
+                        waiting_for_writers: rt.deferred_count(),
+                        blocked: rt.blocked(),
+                        invalidations_pending: mount
+                            .as_ref()
+                            .map_or(0, |m| m.invalidations_pending),
+                    },
+                    skipped: rt.skipped(),
+                    unreadable: rt.unreadable(),
+                    last_error: rt.last_error.get(),
+                    progress: crate::status::FolderProgress {
+                        scan: rt.first_scan.counts(),
+                        receive: rt.receiving.counts(),
+                    },
+                    mount,
+                }
             })
             .collect();
         let peers = self.net.peers.lock().ok();

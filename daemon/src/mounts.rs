@@ -119,6 +119,9 @@ pub struct MountStatus {
     pub passthrough: bool,
     /// Handles open through the mount.
     pub open_handles: usize,
+    /// Invalidations of what the kernel caches, queued and not yet sent (a folder is not in
+    /// sync until they are: the mount could still show a path's previous state).
+    pub invalidations_pending: usize,
 }
 
 impl From<MountInfo> for MountStatus {
@@ -132,6 +135,7 @@ impl From<MountInfo> for MountStatus {
             },
             passthrough: i.passthrough,
             open_handles: i.open_handles,
+            invalidations_pending: i.invalidations_pending,
         }
     }
 }

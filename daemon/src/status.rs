@@ -118,6 +118,9 @@ pub struct LocalWork {
     pub waiting_for_writers: usize,
     /// Why receiving is stopped (the disk is full), if it is.
     pub blocked: Option<String>,
+    /// The mount's invalidations not yet sent to the kernel: a change applied here that the
+    /// mount may not show yet.
+    pub invalidations_pending: usize,
 }
 
 impl LocalWork {
@@ -128,6 +131,7 @@ impl LocalWork {
             && !self.scanning
             && self.waiting_for_writers == 0
             && self.blocked.is_none()
+            && self.invalidations_pending == 0
     }
 }
 
@@ -489,6 +493,7 @@ mod tests {
         scanning: false,
         waiting_for_writers: 0,
         blocked: None,
+        invalidations_pending: 0,
     };
     const UP: PeerProgress = PeerProgress {
         connected: true,
@@ -551,6 +556,13 @@ mod tests {
                 "remote versions waiting for writers through the mount",
                 LocalWork {
                     waiting_for_writers: 1,
+                    ..DONE
+                },
+            ),
+            (
+                "an applied change the mount may not show yet",
+                LocalWork {
+                    invalidations_pending: 2,
                     ..DONE
                 },
             ),

@@ -24,7 +24,7 @@ use std::cell::Cell;
 use std::ffi::{CString, OsStr};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
@@ -62,6 +62,9 @@ pub(crate) struct Shared {
     pub egid: u32,
     /// The queue of the notifier thread; `None` once the mount is going away.
     pub invalidations: Mutex<Option<Sender<RelPath>>>,
+    /// Invalidations queued and not yet sent to the kernel: until it is 0 the kernel may
+    /// still show a path's previous state, so the engine's "in sync" waits for it.
+    pub invalidations_pending: AtomicUsize,
 }
 
 impl std::fmt::Debug for Shared {

@@ -22,6 +22,7 @@ use meshfs_protocol::RelPath;
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -38,6 +39,7 @@ pub(crate) fn spawn(
         .spawn(move || {
             while let Ok(path) = rx.recv() {
                 invalidate(&sh, &notifier, &path);
+                sh.invalidations_pending.fetch_sub(1, Ordering::SeqCst);
             }
         })
 }

@@ -20,7 +20,7 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -147,6 +147,8 @@ pub struct MountInfo {
     pub cached_dirs: usize,
     /// Request threads.
     pub threads: usize,
+    /// Invalidations queued for the kernel and not yet sent.
+    pub invalidations_pending: usize,
 }
 
 /// The part of a mount the engine keeps: its [`Invalidator`] and [`WriterRegistry`].
@@ -159,8 +161,12 @@ pub struct MountHandle {
 impl Invalidator for MountHandle {
     fn invalidate(&self, path: &RelPath) {
         if let Some(tx) = lock(&self.sh.invalidations).as_ref() {
+            // Counted before it is queued, so the count never misses a queued path.
+            self.sh.invalidations_pending.fetch_add(1, Ordering::SeqCst);
             // Unbounded: never blocks. A closed queue means the mount is going away.
-            let _ = tx.send(path.clone());
+            if tx.send(path.clone()).is_err() {
+                self.sh.invalidations_pending.fetch_sub(1, Ordering::SeqCst);
+            }
         }
     }
 }
@@ -328,6 +334,7 @@ fn shared(
         euid,
         egid,
         invalidations: Mutex::new(None),
+        invalidations_pending: AtomicUsize::new(0),
     })
 }
 
@@ -413,6 +420,7 @@ impl Mount {
             known_inodes: lock(&sh.table).len(),
             cached_dirs: sh.dirs.len(),
             threads: self.threads,
+            invalidations_pending: sh.invalidations_pending.load(Ordering::SeqCst),
         }
     }
 
