@@ -60,7 +60,11 @@ fn a_file_written_in_mount_a_is_read_stat_and_listed_in_mount_b() {
     wait_synced(&[&a.dev, &b.dev], 30);
     // At once, with no retry: "in sync" waits until the mount has told the kernel.
     let md = std::fs::metadata(b.mnt.join("notes/today.txt")).unwrap();
-    assert_eq!(md.len(), longer.len() as u64, "stat right after wait-synced");
+    assert_eq!(
+        md.len(),
+        longer.len() as u64,
+        "stat right after wait-synced"
+    );
     assert_eq!(md.modified().unwrap(), mtime_a);
     assert_eq!(read(&b.mnt.join("notes/today.txt")).unwrap(), longer);
     let names: Vec<String> = std::fs::read_dir(b.mnt.join("notes"))
