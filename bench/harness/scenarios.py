@@ -32,6 +32,12 @@ SCENARIOS = {
     "delta": ("large", "4 KiB overwritten in the middle of the {big_mib} MiB file + 1 KiB appended"),
     "initial-mixed": ("mixed", "initial sync, {mixed}"),
     "initial-tree": ("tree", "initial sync, {tree}"),
+    # The same initial syncs with the source's pages in memory (read just before the clock):
+    # a user's first sync of files they just worked on.
+    "initial-small-warm": ("small-w", "initial sync, {small}, page cache warm"),
+    "initial-large-warm": ("large-w", "initial sync, {big}, page cache warm"),
+    "initial-mixed-warm": ("mixed-w", "initial sync, {mixed}, page cache warm"),
+    "initial-tree-warm": ("tree-w", "initial sync, {tree}, page cache warm"),
     "rename": ("rename", "rename of a directory holding {rename_mib} MiB ({rename_files} files)"),
     "nochange": ("scan", "no-change re-sync / restart, {scan} (already in sync)"),
     "latency": ("latency", "small new file written on A until its content is readable on B"),
@@ -43,6 +49,10 @@ CHAINS = {
     "large": {"dataset": "big", "hosts": 2, "steps": ["initial-large", "delta"]},
     "mixed": {"dataset": "mixed", "hosts": 2, "steps": ["initial-mixed"]},
     "tree": {"dataset": "tree", "hosts": 2, "steps": ["initial-tree"]},
+    "small-w": {"dataset": "small", "hosts": 2, "steps": ["initial-small-warm"]},
+    "large-w": {"dataset": "big", "hosts": 2, "steps": ["initial-large-warm"]},
+    "mixed-w": {"dataset": "mixed", "hosts": 2, "steps": ["initial-mixed-warm"]},
+    "tree-w": {"dataset": "tree", "hosts": 2, "steps": ["initial-tree-warm"]},
     "rename": {"dataset": "rename", "hosts": 2, "steps": ["initial-rename", "rename"]},
     "scan": {"dataset": "scan", "hosts": 2, "steps": ["seed-scan", "nochange"]},
     "latency": {"dataset": None, "hosts": 2, "steps": ["seed-latency", "latency"]},
@@ -51,8 +61,10 @@ CHAINS = {
     "write": {"dataset": "small", "hosts": 2, "steps": ["seed-write", "write-small"],
               "empty": True},
 }
-CHAIN_ORDER = ["small", "large", "mixed", "tree", "rename", "fanout", "scan", "write",
-               "latency"]
+# A chain's name is part of its replicas' paths, which hold the daemons' control sockets: kept
+# short (a Unix socket address is at most 107 bytes), hence "-w" for the warm variants.
+CHAIN_ORDER = ["small", "small-w", "large", "large-w", "mixed", "mixed-w", "tree", "tree-w",
+               "rename", "fanout", "scan", "write", "latency"]
 # Syncthing with a shorter watcher delay only differs where the watcher matters.
 WATCHER_ONLY = {"delta", "rename", "latency", "write-small"}
 # Through mounts on both sides: initial sync, files written in mount A, a directory renamed in
@@ -384,7 +396,7 @@ def run_chain(ctx, tool, chain, run, selected):
         cr.prepare(copy_dst=(chain == "scan"))
         tool.configure(ctx.topo, cr.roots, cr.base / "state")
         cr.views = tool.views()
-        fn = globals()[f"chain_{chain}"]
+        fn = globals()[f"chain_{chain.replace('-', '_')}"]
         fn(cr, done)
     except Exception as e:  # noqa: BLE001 - a tool failure must not abort the suite
         msg = str(e) or e.__class__.__name__
@@ -420,6 +432,8 @@ def _current(steps, done):
 
 def _initial(cr, done, scenario, drop=True):
     exp = tree.sizes(cr.roots["A"])
+    if not drop:
+        _read_all(cr.roots["A"])
     expected_manifest = _dataset_manifest(cr)
     cr.transfer(scenario, cr.sizes_pred(exp),
                 mutate=cr.tool.start if cr.tool.continuous else None,
@@ -432,8 +446,36 @@ def _dataset_manifest(cr):
     return {k: v for k, v in cr.ds.manifest.items() if not tree.is_internal(k)}
 
 
+def _read_all(root):
+    """Reads every file under root once, untimed: its pages are in memory for a warm run."""
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if os.path.islink(p):
+                continue
+            with open(p, "rb") as fh:
+                while fh.read(1 << 20):
+                    pass
+
+
 def chain_small(cr, done):
     _initial(cr, done, "initial-small")
+
+
+def chain_small_w(cr, done):
+    _initial(cr, done, "initial-small-warm", drop=False)
+
+
+def chain_large_w(cr, done):
+    _initial(cr, done, "initial-large-warm", drop=False)
+
+
+def chain_mixed_w(cr, done):
+    _initial(cr, done, "initial-mixed-warm", drop=False)
+
+
+def chain_tree_w(cr, done):
+    _initial(cr, done, "initial-tree-warm", drop=False)
 
 
 def chain_mixed(cr, done):
