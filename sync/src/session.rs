@@ -141,10 +141,11 @@ pub enum Action {
     Send(Message),
     /// Reconcile and apply these records of the peer, in order; then call
     /// [`Session::applied`]`(folder, up_to)`. Up to [`RECEIVE_DEPTH`] Receives of a folder may
-    /// be outstanding; `applied` is called for them in the order they were handed out. If
-    /// some record cannot be applied yet (content unavailable), call `applied` with the
-    /// sequence just below it: the peer gets a partial acknowledgement, the Receive stays
-    /// outstanding, and the driver retries the rest and calls `applied` again up to `up_to`.
+    /// be outstanding; `applied` may be called for them in any order (each is acknowledged
+    /// once every older one is applied too). If some record of the *oldest* cannot be applied
+    /// yet (content unavailable), call `applied` with the sequence just below it: the peer
+    /// gets a partial acknowledgement, the Receive stays outstanding, and the driver retries
+    /// the rest and calls `applied` again up to `up_to`.
     Receive {
         /// The folder.
         folder: FolderId,
@@ -222,9 +223,10 @@ struct FolderState {
     their_applied: u64,
     /// Highest `up_to` of their batches received in this session.
     their_received: u64,
-    /// Outstanding Receives, oldest first: their `up_to`, and how far applying it lets us
-    /// acknowledge (further, when empty batches arrived behind it).
-    receiving: VecDeque<(u64, u64)>,
+    /// Outstanding Receives, oldest first: their `up_to`, how far applying it lets us
+    /// acknowledge (further, when empty batches arrived behind it), and whether it is applied
+    /// already (its report overtook an older one's: it waits to be acknowledged in order).
+    receiving: VecDeque<(u64, u64, bool)>,
     queued: VecDeque<IndexBatch>,
     /// Our records with a sequence above this are new to the peer (see [`Session::inline_after`]).
     inline_after: u64,
@@ -419,14 +421,23 @@ impl Session {
         let Some(f) = self.folders.get_mut(folder) else {
             return Vec::new();
         };
-        let Some(&(outstanding, ack_to)) = f.receiving.front() else {
+        let Some(&(oldest, _, _)) = f.receiving.front() else {
             return Vec::new();
         };
-        if up_to < outstanding {
+        if up_to < oldest {
             return f.progress(up_to);
         }
-        f.receiving.pop_front();
-        let mut out = f.progress(ack_to);
+        // A Receive is applied: the oldest, or a later one whose report overtook the oldest's
+        // (the driver's applies install in order, but each reports from its own task, and the
+        // newer one can report first). It is acknowledged once everything before it is.
+        let i = f.receiving.iter().position(|r| r.0 == up_to).unwrap_or(0);
+        f.receiving[i].2 = true;
+        let mut ack = None;
+        while let Some(&(_, ack_to, true)) = f.receiving.front() {
+            f.receiving.pop_front();
+            ack = Some(ack_to);
+        }
+        let mut out = ack.map(|a| f.progress(a)).unwrap_or_default();
         out.extend(f.deliver());
         out
     }
@@ -768,11 +779,11 @@ impl FolderState {
             };
             if batch.records.is_empty() {
                 match self.receiving.back_mut() {
-                    Some((_, ack_to)) => *ack_to = batch.up_to,
+                    Some((_, ack_to, _)) => *ack_to = batch.up_to,
                     None => out.extend(self.progress(batch.up_to)),
                 }
             } else {
-                self.receiving.push_back((batch.up_to, batch.up_to));
+                self.receiving.push_back((batch.up_to, batch.up_to, false));
                 out.push(Action::Receive {
                     folder: batch.folder,
                     records: batch.records,
@@ -1544,6 +1555,56 @@ mod tests {
         assert_eq!(b2.received.len(), 10_501);
         assert!(a2.max_in_flight <= MAX_IN_FLIGHT, "{}", a2.max_in_flight);
         assert!(status(&a2, "f").in_sync);
+    }
+
+    #[test]
+    fn a_receive_reported_before_an_older_one_is_acknowledged_once_both_are_applied() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        a.session.start(&mut a.journal);
+        let hello = Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            device_name: "b".into(),
+            folders: vec![HelloFolder {
+                folder: fid("f"),
+                index_id: 5,
+                your_index_id: 0,
+                your_sequence: 0,
+                max_sequence: 3,
+                scanning: false,
+            }],
+        });
+        a.session.handle(hello, &mut a.journal);
+        let batch = |records: Vec<FileRecord>, up_to| {
+            Message::Index(IndexBatch {
+                folder: fid("f"),
+                records,
+                up_to,
+                inline: Vec::new(),
+            })
+        };
+        a.session
+            .handle(batch(vec![record("x", 2, 1)], 2), &mut a.journal);
+        a.session
+            .handle(batch(vec![record("y", 2, 3)], 3), &mut a.journal);
+        // The newer Receive reports first (each apply reports from its own task): nothing is
+        // acknowledged past what is applied in order...
+        let early = a.session.applied(&fid("f"), 3);
+        assert!(
+            !early
+                .iter()
+                .any(|x| matches!(x, Action::Send(Message::IndexAck(_)))),
+            "{early:?}"
+        );
+        assert!(!status(&a, "f").in_sync);
+        // ... and once the older one reports, both are: the folder is in sync, nothing waits.
+        let late = a.session.applied(&fid("f"), 2);
+        assert!(acks_through(&late, 3), "{late:?}");
+        let st = status(&a, "f");
+        assert_eq!(
+            (st.their_applied, st.their_known_max, st.receiving),
+            (3, 3, false)
+        );
+        assert!(st.in_sync, "{st:?}");
     }
 
     #[test]
