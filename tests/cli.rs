@@ -578,8 +578,10 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     assert_eq!(listed.as_array().unwrap().len(), 1);
     assert_eq!(listed[0]["device_id"], c.id.as_str());
     // The running daemon dropped it: no longer a peer of the folder, and b, which still
-    // dials, is refused as an unknown device.
+    // dials, is refused as an unknown device. Once a has dropped it, b is restarted so that it
+    // dials at once: the link a closed leaves b waiting out its redial backoff otherwise.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut restarted = false;
     loop {
         let s = a.status();
         let gone = s["peers"].as_array().unwrap().len() == 1
@@ -591,6 +593,11 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
             .any(|d| d == b.id.as_str());
         if gone && refused {
             break;
+        }
+        if gone && !restarted {
+            b.stop();
+            b.start();
+            restarted = true;
         }
         assert!(
             std::time::Instant::now() < deadline,
