@@ -1249,13 +1249,24 @@ impl Journal {
 
     /// The pending rows of the folder, ordered by path.
     pub fn pending(&self, folder: &FolderId) -> Result<Vec<(FileRecord, Option<DeviceId>)>> {
+        self.held_records(
+            folder,
+            "SELECT path, record, source FROM pending WHERE folder = ?1 ORDER BY path",
+        )
+    }
+
+    /// The (record, source) rows `sql` selects for the folder (`pending` and `deferred`
+    /// have the same shape).
+    fn held_records(
+        &self,
+        folder: &FolderId,
+        sql: &str,
+    ) -> Result<Vec<(FileRecord, Option<DeviceId>)>> {
         self.read(|c| {
             let Some(key) = self.key(c, folder)? else {
                 return Ok(Vec::new());
             };
-            let mut st = c.prepare_cached(
-                "SELECT path, record, source FROM pending WHERE folder = ?1 ORDER BY path",
-            )?;
+            let mut st = c.prepare_cached(sql)?;
             let mut rows = st.query([key])?;
             let mut out = Vec::new();
             while let Some(r) = rows.next()? {
@@ -1315,26 +1326,18 @@ impl Journal {
     /// The remote versions of the folder that wait for a writer, with the peer each came
     /// from, ordered by path.
     pub fn deferred(&self, folder: &FolderId) -> Result<Vec<(FileRecord, DeviceId)>> {
-        self.read(|c| {
-            let Some(key) = self.key(c, folder)? else {
-                return Ok(Vec::new());
-            };
-            let mut st = c.prepare_cached(
-                "SELECT path, record, source FROM deferred WHERE folder = ?1 ORDER BY path",
-            )?;
-            let mut rows = st.query([key])?;
-            let mut out = Vec::new();
-            while let Some(r) = rows.next()? {
-                let (record, source) = rows::pending_item(folder, r)?;
-                let Some(peer) = source else {
-                    return Err(JournalError::Corrupt {
-                        what: format!("folder {folder}: deferred {} names no peer", record.path),
-                    });
-                };
-                out.push((record, peer));
-            }
-            Ok(out)
+        self.held_records(
+            folder,
+            "SELECT path, record, source FROM deferred WHERE folder = ?1 ORDER BY path",
+        )?
+        .into_iter()
+        .map(|(record, source)| match source {
+            Some(peer) => Ok((record, peer)),
+            None => Err(JournalError::Corrupt {
+                what: format!("folder {folder}: deferred {} names no peer", record.path),
+            }),
         })
+        .collect()
     }
 
     /// Forgets the waiting version `record` once it has been decided; a newer version that

@@ -1557,8 +1557,9 @@ mod tests {
         assert!(status(&a2, "f").in_sync);
     }
 
-    #[test]
-    fn a_receive_reported_before_an_older_one_is_acknowledged_once_both_are_applied() {
+    /// Side a of folder `f`, established with b, whose hello says it has records up to
+    /// `max_sequence`.
+    fn hearing_b(max_sequence: u64) -> Side {
         let mut a = Side::new(1, 2, vec![folder("f", 11)]);
         a.session.start(&mut a.journal);
         let hello = Message::Hello(Hello {
@@ -1569,23 +1570,31 @@ mod tests {
                 index_id: 5,
                 your_index_id: 0,
                 your_sequence: 0,
-                max_sequence: 3,
+                max_sequence,
                 scanning: false,
             }],
         });
         a.session.handle(hello, &mut a.journal);
-        let batch = |records: Vec<FileRecord>, up_to| {
-            Message::Index(IndexBatch {
-                folder: fid("f"),
-                records,
-                up_to,
-                inline: Vec::new(),
-            })
-        };
+        a
+    }
+
+    /// b's index batch of folder `f`.
+    fn index_batch(records: Vec<FileRecord>, up_to: u64) -> Message {
+        Message::Index(IndexBatch {
+            folder: fid("f"),
+            records,
+            up_to,
+            inline: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn a_receive_reported_before_an_older_one_is_acknowledged_once_both_are_applied() {
+        let mut a = hearing_b(3);
         a.session
-            .handle(batch(vec![record("x", 2, 1)], 2), &mut a.journal);
+            .handle(index_batch(vec![record("x", 2, 1)], 2), &mut a.journal);
         a.session
-            .handle(batch(vec![record("y", 2, 3)], 3), &mut a.journal);
+            .handle(index_batch(vec![record("y", 2, 3)], 3), &mut a.journal);
         // The newer Receive reports first (each apply reports from its own task): nothing is
         // acknowledged past what is applied in order...
         let early = a.session.applied(&fid("f"), 3);
@@ -1609,50 +1618,28 @@ mod tests {
 
     #[test]
     fn receives_are_pipelined_three_deep_and_acknowledged_in_order() {
-        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
-        a.session.start(&mut a.journal);
-        let hello = Message::Hello(Hello {
-            protocol_version: PROTOCOL_VERSION,
-            device_name: "b".into(),
-            folders: vec![HelloFolder {
-                folder: fid("f"),
-                index_id: 5,
-                your_index_id: 0,
-                your_sequence: 0,
-                max_sequence: 9,
-                scanning: false,
-            }],
-        });
-        a.session.handle(hello, &mut a.journal);
-        let batch = |records: Vec<FileRecord>, up_to| {
-            Message::Index(IndexBatch {
-                folder: fid("f"),
-                records,
-                up_to,
-                inline: Vec::new(),
-            })
-        };
+        let mut a = hearing_b(9);
         let r1 = a
             .session
-            .handle(batch(vec![record("x", 2, 1)], 2), &mut a.journal);
+            .handle(index_batch(vec![record("x", 2, 1)], 2), &mut a.journal);
         assert!(matches!(&r1[..], [Action::Receive { up_to: 2, .. }]));
         // The second and third are handed out before the first is applied
         // (RECEIVE_DEPTH = 3) ...
         assert_eq!(RECEIVE_DEPTH, 3);
         let r2 = a
             .session
-            .handle(batch(vec![record("y", 2, 3)], 4), &mut a.journal);
+            .handle(index_batch(vec![record("y", 2, 3)], 4), &mut a.journal);
         assert!(matches!(&r2[..], [Action::Receive { up_to: 4, .. }]));
         let r3 = a
             .session
-            .handle(batch(vec![record("w", 2, 5)], 6), &mut a.journal);
+            .handle(index_batch(vec![record("w", 2, 5)], 6), &mut a.journal);
         assert!(matches!(&r3[..], [Action::Receive { up_to: 6, .. }]));
         // ... an empty batch waits, and nothing is acknowledged yet. That is the sender's
         // whole window (MAX_IN_FLIGHT = 4): one more would be refused.
         assert_eq!(MAX_IN_FLIGHT, 4);
         assert!(a
             .session
-            .handle(batch(vec![], 7), &mut a.journal)
+            .handle(index_batch(vec![], 7), &mut a.journal)
             .is_empty());
         assert!(!status(&a, "f").in_sync);
         // Partial progress keeps the first Receive outstanding.
@@ -1673,7 +1660,7 @@ mod tests {
         // The sender's window has room again: its next batch is handed out at once.
         let next = a
             .session
-            .handle(batch(vec![record("z", 2, 8)], 9), &mut a.journal);
+            .handle(index_batch(vec![record("z", 2, 8)], 9), &mut a.journal);
         assert!(
             matches!(next.last(), Some(Action::Receive { up_to: 9, .. })),
             "{next:?}"
@@ -1693,7 +1680,7 @@ mod tests {
         );
         assert!(st.in_sync);
         // Progress never goes backwards; an out-of-order batch is a protocol violation.
-        let old = batch(vec![record("z", 2, 3)], 3);
+        let old = index_batch(vec![record("z", 2, 3)], 3);
         assert!(matches!(
             a.session.handle(old, &mut a.journal).last(),
             Some(Action::Close { .. })
