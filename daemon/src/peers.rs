@@ -422,7 +422,10 @@ async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
     if let Err(reason) = &result {
         tracing::info!(peer = %peer.short(), %reason, "session ended");
     }
-    tracing::info!(peer = %peer.short(), "peer disconnected");
+    let s = transport::link_stats(&conn);
+    tracing::info!(peer = %peer.short(), sent = s.bytes_sent, received = s.bytes_received,
+        lost_packets = s.lost_packets, congestion_events = s.congestion_events,
+        rtt_us = s.rtt.as_micros() as u64, "peer disconnected");
 }
 
 /// Waits until the filesystem of `path` has more free room than now (checked every second),
