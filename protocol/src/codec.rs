@@ -42,6 +42,50 @@ pub fn encode_frame(msg: &Message) -> Result<Vec<u8>, CodecError> {
     Ok(out)
 }
 
+/// The frame of `Message::Response { hash, data: Some(data), compressed }` in three parts:
+/// the bytes before `data`, `data` itself (not copied) and the bytes after it, so a sender can
+/// hand the chunk to its stream as it was read. Concatenated, they are exactly
+/// [`encode_frame`]'s output for the same message.
+pub fn encode_response_frame(
+    hash: crate::Hash,
+    data: &[u8],
+    compressed: bool,
+) -> Result<(Vec<u8>, [u8; 1]), CodecError> {
+    // The message without its data ends `.., 0 (None), compressed`; with it, the `0` becomes
+    // `1 (Some), varint(len)` followed by the bytes.
+    let bare = encode_frame(&Message::Response(crate::ChunkResponse {
+        hash,
+        data: None,
+        compressed,
+    }))?;
+    let [.., none, after] = bare[..] else {
+        return Err(CodecError::Malformed(
+            "a response frame without fields".into(),
+        ));
+    };
+    if none != 0 {
+        return Err(CodecError::Malformed("unexpected response layout".into()));
+    }
+    let mut prefix = bare[..bare.len() - 2].to_vec();
+    prefix.push(1);
+    let mut n = data.len();
+    loop {
+        let low = (n & 0x7f) as u8;
+        n >>= 7;
+        if n == 0 {
+            prefix.push(low);
+            break;
+        }
+        prefix.push(low | 0x80);
+    }
+    let len = prefix.len() - FRAME_HEADER_LEN + data.len() + 1;
+    if len > MAX_FRAME_LEN {
+        return Err(CodecError::TooLarge(len));
+    }
+    prefix[..FRAME_HEADER_LEN].copy_from_slice(&(len as u32).to_be_bytes());
+    Ok((prefix, [after]))
+}
+
 /// Reads the payload length from a frame header, refusing lengths over the limit.
 pub fn frame_len(header: [u8; FRAME_HEADER_LEN]) -> Result<usize, CodecError> {
     let len = u32::from_be_bytes(header) as usize;
@@ -323,6 +367,25 @@ mod tests {
                 }
             }
             prop_assert_eq!(out, msgs);
+        }
+
+        #[test]
+        fn a_response_frame_in_parts_is_the_whole_frame(
+            hash in any::<[u8; 32]>(),
+            // Lengths across every varint width a chunk can have, up to the largest chunk.
+            len in prop_oneof![0usize..300, 16_000usize..17_000, (crate::MAX_CHUNK_LEN as usize - 70_000)..=crate::MAX_CHUNK_LEN as usize],
+            compressed in any::<bool>(),
+        ) {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+            let whole = encode_frame(&Message::Response(crate::ChunkResponse {
+                hash: crate::Hash(hash),
+                data: Some(data.clone()),
+                compressed,
+            }))
+            .unwrap();
+            let (prefix, suffix) = encode_response_frame(crate::Hash(hash), &data, compressed).unwrap();
+            let parts = [&prefix[..], &data[..], &suffix[..]].concat();
+            prop_assert!(parts == whole, "{} bytes of data", len);
         }
     }
 
