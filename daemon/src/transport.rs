@@ -57,8 +57,8 @@
 
 use crate::identity::{device_id_of_cert, Identity};
 use meshfs_protocol::{
-    decode_payload, encode_frame, frame_len, CodecError, DeviceId, Message, FRAME_HEADER_LEN,
-    MAX_FRAME_LEN,
+    decode_payload, encode_frame, frame_len, ChunkResponse, CodecError, DeviceId, Message,
+    FRAME_HEADER_LEN, MAX_FRAME_LEN,
 };
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{ConnectionError, TransportConfig, VarInt};
@@ -430,7 +430,7 @@ impl Default for Tuning {
             keep_alive_interval: Duration::from_secs(1),
             max_idle_timeout: Duration::from_secs(5),
             initial_rtt: Duration::from_millis(100),
-            socket_buffer: 8 << 20,
+            socket_buffer: 32 << 20,
             cwnd_floor: 256 << 10,
         }
     }
@@ -967,6 +967,39 @@ pub async fn write_message(
     let len = frame.len();
     // Handed over, not copied: quinn keeps the buffer until the peer acknowledges it.
     send.write_chunk(bytes::Bytes::from(frame)).await?;
+    Ok(len)
+}
+
+/// Writes a chunk response as one frame without copying its bytes: the frame's head and tail
+/// go around the chunk as it was read ([`meshfs_protocol::encode_response_frame`]).
+pub async fn write_response(
+    send: &mut quinn::SendStream,
+    resp: ChunkResponse,
+) -> Result<usize, TransportError> {
+    let ChunkResponse {
+        hash,
+        data,
+        compressed,
+    } = resp;
+    let Some(data) = data else {
+        return write_message(
+            send,
+            &Message::Response(ChunkResponse {
+                hash,
+                data: None,
+                compressed,
+            }),
+        )
+        .await;
+    };
+    let (head, tail) = meshfs_protocol::encode_response_frame(hash, &data, compressed)?;
+    let len = head.len() + data.len() + tail.len();
+    let mut parts = [
+        bytes::Bytes::from(head),
+        bytes::Bytes::from(data),
+        bytes::Bytes::copy_from_slice(&tail),
+    ];
+    send.write_all_chunks(&mut parts).await?;
     Ok(len)
 }
 

@@ -9,6 +9,7 @@ use crate::folder::FolderRt;
 use crate::store::{DirCache, StoreError, TempFile};
 use meshfs_protocol::{ChunkResponse, Hash};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Chunks wanted by a batch: each hash's length and where it goes (file index, offset).
 pub(super) type Wanted = HashMap<Hash, (u32, Vec<(usize, u64)>)>;
@@ -91,7 +92,21 @@ pub(super) fn discard_all(rt: &FolderRt, temps: impl IntoIterator<Item = TempFil
 }
 
 /// Writes a verified chunk everywhere a batch wants it.
-pub(super) fn write_chunk(
+/// The temp files of a batch while their chunks arrive from a peer ([`chunks::fetch`]).
+pub(super) struct TempWriter {
+    pub(super) rt: Arc<FolderRt>,
+    /// Where each chunk goes.
+    pub(super) missing: Wanted,
+    pub(super) temps: Vec<Option<TempFile>>,
+}
+
+impl chunks::ChunkSink for TempWriter {
+    fn put(&mut self, hash: Hash, data: &[u8]) -> Result<(), StoreError> {
+        write_chunk(&self.rt.store, &self.missing, &mut self.temps, hash, data)
+    }
+}
+
+fn write_chunk(
     store: &crate::store::Store,
     missing: &Wanted,
     temps: &mut [Option<TempFile>],

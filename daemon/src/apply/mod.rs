@@ -32,8 +32,7 @@ pub use transfer::ApplyError;
 
 use crate::chunks;
 use crate::folder::{FolderRt, Folders};
-use crate::store::StoreError;
-use assemble::{assemble, discard_all, finish_all, write_chunk, Assembled, Wanted};
+use assemble::{assemble, discard_all, finish_all, Assembled, TempWriter, Wanted};
 use decide::Decided;
 use install::install;
 use meshfs_protocol::{ChunkResponse, DeviceId, FileRecord, FolderId, Hash, RelPath};
@@ -265,7 +264,7 @@ async fn transfer(
     // Temp files, and writing what is at hand into them, are a thousand system calls and more
     // for a batch of small files: on a blocking thread, not on the runtime that moves packets.
     let Assembled {
-        mut temps,
+        temps,
         metas,
         missing,
         wanted,
@@ -274,12 +273,24 @@ async fn transfer(
         let rt = rt.clone();
         on_blocking(move || assemble(&rt, dirs, work, missing, attached)).await?
     };
-    if !wanted.is_empty() {
-        let store = &rt.store;
-        let mut sink = |hash: Hash, data: Vec<u8>| -> Result<(), StoreError> {
-            write_chunk(store, &missing, &mut temps, hash, &data)
-        };
-        match chunks::fetch(conn, folder, wanted, &mut sink).await {
+    let temps = if wanted.is_empty() {
+        temps
+    } else {
+        let (got, back) = chunks::fetch(
+            conn,
+            folder,
+            wanted,
+            TempWriter {
+                rt: rt.clone(),
+                missing,
+                temps,
+            },
+        )
+        .await;
+        let TempWriter {
+            missing, mut temps, ..
+        } = back;
+        match got {
             Ok(absent) => {
                 // The peer no longer has these chunks: the version was superseded there, and its
                 // successor follows in the index. Skip the files that need them (retrying would
@@ -298,7 +309,8 @@ async fn transfer(
                 return Err(e.into());
             }
         }
-    }
+        temps
+    };
     let fetched_at = started.elapsed();
     // Step 3: check every file is covered by its verified chunks, and flush them. The flush
     // needs no lock: it overlaps the install of the batch before this one.
@@ -317,7 +329,8 @@ async fn transfer(
     if !changed.is_empty() {
         rescan(folders, folder, &changed).await?;
     }
-    if files >= 100 {
+    // Logged for batches of many files, and for any that took a while (a large file).
+    if files >= 100 || started.elapsed() >= std::time::Duration::from_millis(200) {
         tracing::info!(%folder, files, decide_ms, fetch_ms = fetched_at.as_millis() as u64,
             verify_ms = (verified_at - fetched_at).as_millis() as u64,
             install_ms = (started.elapsed() - verified_at).as_millis() as u64, "batch applied");
