@@ -750,7 +750,6 @@ async fn capture_loop(
     let mut released = false;
     // Set while scans fail (the journal's disk full): the next success says it is over.
     let mut scan_failing: Option<Instant> = None;
-    let mut listed = Listed::default();
     let mut stopping = engine.net.stopping.subscribe();
     loop {
         let sleep = async {
@@ -774,12 +773,11 @@ async fn capture_loop(
                         m => c.add(m, now),
                     }
                 }
-                let list_due = listed.publish(&rt, &c, 1, now);
+                publish_capture(&rt, &c, 1);
                 // A file whose last writer let go through the mount is captured at once:
                 // the quiet time only guesses when a burst of inotify events is over.
                 let due = if final_now { now } else { now + quiet };
                 next = Some(next.map_or(due, |n| n.min(due)));
-                next = earliest(next, list_due);
             }
             _ = sleep => {
                 let now = Instant::now();
@@ -855,8 +853,7 @@ async fn capture_loop(
                         released = true;
                     }
                 }
-                let list_due = listed.publish(&rt, &c, 0, Instant::now());
-                next = earliest(next, list_due);
+                publish_capture(&rt, &c, 0);
             }
             _ = stopping.changed() => return,
         }
@@ -874,57 +871,13 @@ fn first_scan_done(engine: &Engine, rt: &FolderRt) {
     }
 }
 
-/// The earlier of two optional instants.
-fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// How often at most the capture loop copies its waiting paths out for `status --pending`
-/// while paths keep arriving. Each copy clones and sorts up to [`crate::pending::LISTED`]
-/// paths; made at every wake-up, during an `rm -rf` through the mount (an event per
-/// entry from the mount, another from the watcher) that was done tens of thousands of times.
-const LIST_EVERY: Duration = Duration::from_millis(100);
-
-/// What the capture loop last showed `status --pending` of its waiting paths.
-#[derive(Default)]
-struct Listed {
-    /// When the list was last copied out, and whether it was empty.
-    at: Option<(Instant, bool)>,
-}
-
-impl Listed {
-    /// Tells status how many paths wait in the capture loop (at least `at_least`: events were
-    /// just read), at once; and `status --pending` the first of them, at once when nothing
-    /// waits, when the last list was empty, or when it is [`LIST_EVERY`] old, else later.
-    /// Returns when the loop must wake to publish a list held back (`None`: none is).
-    fn publish(
-        &mut self,
-        rt: &FolderRt,
-        c: &Coalescer,
-        at_least: usize,
-        now: Instant,
-    ) -> Option<Instant> {
-        rt.capture_pending
-            .store(c.len().max(at_least), std::sync::atomic::Ordering::Relaxed);
-        if let Some(due) = self.held_back(now, c.is_empty()) {
-            return Some(due);
-        }
-        if let Ok(mut w) = rt.capture_waiting.lock() {
-            *w = c.waiting(crate::pending::LISTED);
-        }
-        self.at = Some((now, c.is_empty()));
-        None
-    }
-
-    /// When a list of waiting paths (`empty`: none wait) is to be copied out, if not now.
-    fn held_back(&self, now: Instant, empty: bool) -> Option<Instant> {
-        match self.at {
-            Some((at, false)) if !empty && now < at + LIST_EVERY => Some(at + LIST_EVERY),
-            _ => None,
-        }
+/// Tells status how many paths wait in the capture loop (at least `at_least`: events were
+/// just read), and `status --pending` the first of them.
+fn publish_capture(rt: &FolderRt, c: &Coalescer, at_least: usize) {
+    rt.capture_pending
+        .store(c.len().max(at_least), std::sync::atomic::Ordering::Relaxed);
+    if let Ok(mut w) = rt.capture_waiting.lock() {
+        *w = c.waiting(crate::pending::LISTED);
     }
 }
 
@@ -949,39 +902,5 @@ fn unmount_folder(rt: &FolderRt) {
             Ok(()) => tracing::info!(folder = %rt.id, mountpoint = %point.display(), "unmounted"),
             Err(e) => tracing::warn!(folder = %rt.id, error = %e, "unmount failed"),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_capture_list_is_copied_out_at_once_when_it_empties_or_starts_and_else_every_100_ms() {
-        let t0 = Instant::now();
-        let ms = Duration::from_millis;
-        let mut l = Listed::default();
-        // Nothing shown yet: copied at once, empty or not.
-        assert_eq!(l.held_back(t0, false), None);
-        l.at = Some((t0, true));
-        // The last list shown was empty: the first path of a burst is shown at once.
-        assert_eq!(l.held_back(t0 + ms(1), false), None);
-        l.at = Some((t0 + ms(1), false));
-        // Paths keep arriving: held back until 100 ms after the last copy...
-        assert_eq!(l.held_back(t0 + ms(2), false), Some(t0 + ms(101)));
-        assert_eq!(l.held_back(t0 + ms(100), false), Some(t0 + ms(101)));
-        assert_eq!(l.held_back(t0 + ms(101), false), None);
-        // ...but an emptied queue is shown at once.
-        assert_eq!(l.held_back(t0 + ms(2), true), None);
-    }
-
-    #[test]
-    fn earliest_takes_the_sooner_of_what_is_set() {
-        let t0 = Instant::now();
-        let t1 = t0 + Duration::from_millis(1);
-        assert_eq!(earliest(Some(t1), Some(t0)), Some(t0));
-        assert_eq!(earliest(None, Some(t1)), Some(t1));
-        assert_eq!(earliest(Some(t0), None), Some(t0));
-        assert_eq!(earliest(None, None), None);
     }
 }
