@@ -68,6 +68,13 @@ def summarize(recs):
             s["min"], s["max"] = (min(walls), max(walls)) if walls else (None, None)
             s["wire"] = statistics.median([r.get("wire_bytes") or 0 for r in ok])
             s["cpu"] = statistics.median([r.get("cpu_s") or 0 for r in ok])
+            fwd = [r["fwd"] for r in ok if (r.get("fwd") or {}).get("wire_bytes")
+                   and "queue_drop_wire_bytes" in r["fwd"]]
+            if fwd:
+                # Dropped at the forwarder's queue, against what it delivered: the share of the
+                # bytes that had to be sent again.
+                s["dropped_pct"] = statistics.median(
+                    [100.0 * f["queue_drop_wire_bytes"] / f["wire_bytes"] for f in fwd])
             rss = [r.get("peak_rss_kb") for r in ok if r.get("peak_rss_kb")]
             s["rss_kb"] = max(rss) if rss else None
             s["verified"] = sum(1 for r in ok if r.get("verified"))
@@ -142,6 +149,8 @@ def table(prof, summ, meta):
                 notes.append(f"content complete at {_fmt_s(s['content_median'])} s")
             if s.get("write_median") is not None:
                 notes.append(f"writing took {_fmt_s(s['write_median'])} s")
+            if s.get("dropped_pct") is not None:
+                notes.append(f"{s['dropped_pct']:.1f} % of the bytes dropped at the forwarder")
             if s.get("meta_diffs"):
                 notes.append(f"{s['meta_diffs']} files differ in mode/mtime")
             rss = f"{s['rss_kb'] / 1024:.0f}" if s.get("rss_kb") else "–"

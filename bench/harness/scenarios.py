@@ -128,6 +128,12 @@ class Meter:
                                   for n in f1["hosts"]),
                 "queue_drops": sum(f1["hosts"][n]["drop_queue"] - self.f0["hosts"][n]["drop_queue"]
                                    for n in f1["hosts"]),
+                # Wire bytes tail-dropped at the bottleneck: what the tool has to send again.
+                # (A forwarder from before this counter reports none.)
+                "queue_drop_wire_bytes": sum(
+                    f1["hosts"][n].get("drop_queue_wire_bytes", 0)
+                    - self.f0["hosts"][n].get("drop_queue_wire_bytes", 0)
+                    for n in f1["hosts"]),
                 "max_late_us": max(f1["hosts"][n]["max_late_us"] for n in f1["hosts"])}
         cpu_by_host = {}
         for k, v in cpu1.items():

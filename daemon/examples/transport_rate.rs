@@ -7,11 +7,12 @@
 //! `cargo run --release -p meshfs-daemon --example transport_rate [-- --relay]`
 //!
 //! - by default over loopback: 256 MiB (`MESHFS_THROUGHPUT_MIB`) with the default congestion
-//!   controller (`MESHFS_COMPARE_CONGESTION=1`: BBR, then CUBIC);
+//!   controller (`MESHFS_COMPARE_CONGESTION=1`: the rate window, quinn's BBR, CUBIC);
 //! - `--relay`: through a userspace UDP relay on 127.0.0.1 that adds 45 ms each way behind a
 //!   rate-limited drop-tail queue of one bandwidth-delay product (tc netem is not available
 //!   everywhere): 400 Mbit/s (`MESHFS_RELAY_MBIT`), 256 MiB (`MESHFS_RELAY_MIB`), no random
-//!   loss (`MESHFS_RELAY_LOSS_PPM`, packets per million), CUBIC then BBR.
+//!   loss (`MESHFS_RELAY_LOSS_PPM`, packets per million), CUBIC, quinn's BBR, then
+//!   the window from the delivery rate (meshfs's default).
 //!
 //! One line per controller: MB/s of payload (10^6 bytes a second), UDP bytes sent per byte of
 //! payload, round-trip time and lost packets (and, through the relay, congestion events).
@@ -51,7 +52,11 @@ async fn loopback() -> anyhow::Result<()> {
     let mib: usize = env_or("MESHFS_THROUGHPUT_MIB", 256);
     let mut controllers = vec![Tuning::default().congestion];
     if std::env::var_os("MESHFS_COMPARE_CONGESTION").is_some() {
-        controllers = vec![CongestionControl::Bbr, CongestionControl::Cubic];
+        controllers = vec![
+            CongestionControl::Rate,
+            CongestionControl::Bbr,
+            CongestionControl::Cubic,
+        ];
     }
     for congestion in controllers {
         let tuning = Tuning {
@@ -79,17 +84,23 @@ async fn through_relay() -> anyhow::Result<()> {
         queue_bytes: (mbit * 1_000_000 / 8 * 90 / 1000) as usize,
         loss_per_million: env_or("MESHFS_RELAY_LOSS_PPM", 0),
     };
-    for congestion in [CongestionControl::Cubic, CongestionControl::Bbr] {
+    let variants = [
+        CongestionControl::Cubic,
+        CongestionControl::Bbr,
+        CongestionControl::Rate,
+    ];
+    for congestion in variants {
         let tuning = Tuning {
             congestion,
             ..Tuning::default()
         };
         let (mb_s, stats) = measure(&tuning, mib << 20, Some(link)).await?;
         println!(
-            "relay {mbit} Mbit/s x 90 ms, {} ppm random loss, {congestion:?}: {mb_s:.1} MB/s (UDP bytes sent / payload {:.2}, {} lost packets, {} congestion events, rtt {:?})",
+            "relay {mbit} Mbit/s x 90 ms, {} ppm random loss, {congestion:?}: {mb_s:.1} MB/s (UDP bytes sent / payload {:.2}, {} lost packets, {:.1} % of the payload lost, {} congestion events, rtt {:?})",
             link.loss_per_million,
             stats.bytes_sent as f64 / (mib << 20) as f64,
             stats.lost_packets,
+            100.0 * stats.lost_bytes as f64 / (mib << 20) as f64,
             stats.congestion_events,
             stats.rtt
         );

@@ -179,6 +179,7 @@ struct HostStats {
     rx_bytes: AtomicU64,    // IP bytes as read (GSO packets counted once)
     wire_bytes: AtomicU64,  // IP bytes with every GSO segment's headers counted
     drop_queue: AtomicU64,  // tail drops: egress queue full
+    drop_queue_wire_bytes: AtomicU64, // their wire bytes (every GSO segment's headers counted)
     drop_noroute: AtomicU64,
     tx_pkts: AtomicU64, // packets written into this host's TUN (received by the host)
     tx_bytes: AtomicU64,
@@ -300,6 +301,7 @@ fn reader(
             let waited = start - now;
             if waited > max_backlog {
                 st.drop_queue.fetch_add(1, Relaxed);
+                st.drop_queue_wire_bytes.fetch_add(wire, Relaxed);
                 continue;
             }
             fetch_max(&st.max_queue_us, waited.as_micros() as u64);
@@ -395,13 +397,14 @@ fn stats_json(seq: u64, names: &[String], stats: &[HostStats], uso: bool) -> Str
         }
         s += &format!(
             "\"{name}\":{{\"rx_pkts\":{},\"rx_gso_pkts\":{},\"rx_bytes\":{},\"wire_bytes\":{},\
-             \"drop_queue\":{},\"drop_noroute\":{},\"tx_pkts\":{},\"tx_bytes\":{},\
+             \"drop_queue\":{},\"drop_queue_wire_bytes\":{},\"drop_noroute\":{},\"tx_pkts\":{},\"tx_bytes\":{},\
              \"write_errs\":{},\"max_queue_us\":{},\"max_late_us\":{},\"late_over_1ms\":{}}}",
             h.rx_pkts.load(Relaxed),
             h.rx_gso_pkts.load(Relaxed),
             h.rx_bytes.load(Relaxed),
             h.wire_bytes.load(Relaxed),
             h.drop_queue.load(Relaxed),
+            h.drop_queue_wire_bytes.load(Relaxed),
             h.drop_noroute.load(Relaxed),
             h.tx_pkts.load(Relaxed),
             h.tx_bytes.load(Relaxed),
