@@ -1894,7 +1894,7 @@ mod tests {
 
     #[test]
     fn the_rate_window_never_falls_below_the_floor() {
-        use quinn::congestion::{Controller, ControllerFactory};
+        use quinn::congestion::ControllerFactory;
         let now = std::time::Instant::now();
         let c = Arc::new(RateWindowConfig { floor: 256 << 10 }).build(now, 1200);
         assert_eq!(c.window(), 256 << 10);
