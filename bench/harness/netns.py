@@ -1,4 +1,7 @@
-"""Benchmark network: hosts A, B, C as network namespaces on 198.18.0.0/24 (RFC 2544).
+"""Benchmark network: hosts A, B, C, D as network namespaces on 198.18.0.0/24 (RFC 2544).
+
+Every profile sets up all four; a chain uses the first N (2, or 4 for the fan-out), and a
+host it does not use runs nothing.
 
 lan: each host has a veth `eth0` whose peer is a port of bridge `br0` in a hub namespace;
      no shaping.
@@ -19,7 +22,7 @@ from pathlib import Path
 from .util import PROCS, BenchError, log, port_listening, sh, wait_until
 
 PREFIX = "mfsb"
-HOSTS = ["A", "B", "C"]
+HOSTS = ["A", "B", "C", "D"]
 TCP_MEM = "4096 131072 33554432"  # 32 MiB autotuning max (1 Gbit/s x 90 ms = 11 MB)
 
 

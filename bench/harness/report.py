@@ -93,8 +93,48 @@ def summarize(recs):
             content = [r.get("content_s") for r in ok if r.get("content_s") is not None]
             if content:
                 s["content_median"] = statistics.median(content)
+            if per_gb_row(scen):
+                s.update(cpu_per_gb(ok))
         out.setdefault(prof, {}).setdefault(scen, {})[tool] = s
     return out
+
+
+def per_gb_row(scen):
+    """Initial syncs (fan-out included): rows where CPU seconds per GB of dataset compare."""
+    return scen.startswith("initial-") or scen.startswith("fanout")
+
+
+def cpu_per_gb(ok):
+    """Medians over the runs of CPU seconds per GB (10^9 bytes) of the dataset, from each
+    record's `cpu_by_host`: the sender (host A: its daemon, or the one-shot clients), the
+    receivers summed (the hosts verified as destinations) and each receiver alone."""
+    send, recv, per = [], [], {}
+    for r in ok:
+        nbytes = (r.get("dataset") or {}).get("bytes")
+        cbh = r.get("cpu_by_host")
+        if not nbytes or cbh is None:
+            continue
+        gb = nbytes / 1e9
+        dsts = sorted(r.get("verify") or {}) or sorted(h for h in cbh if h != "A")
+        send.append((cbh.get("A") or 0.0) / gb)
+        recv.append(sum(cbh.get(h) or 0.0 for h in dsts) / gb)
+        for h in dsts:
+            per.setdefault(h, []).append((cbh.get(h) or 0.0) / gb)
+    if not send:
+        return {}
+    return {"cpu_gb_send": statistics.median(send), "cpu_gb_recv": statistics.median(recv),
+            "cpu_gb_per_recv": {h: statistics.median(v) for h, v in sorted(per.items())}}
+
+
+def _fmt_gb(s):
+    """The sender's and the receivers' cells of CPU s per GB."""
+    if s.get("cpu_gb_send") is None:
+        return "–", "–"
+    recv = f"{s['cpu_gb_recv']:.1f}"
+    per = s.get("cpu_gb_per_recv") or {}
+    if len(per) > 1:
+        recv += " (" + ", ".join(f"{h} {v:.1f}" for h, v in per.items()) + ")"
+    return f"{s['cpu_gb_send']:.1f}", recv
 
 
 def _clean(msg, n=300):
@@ -112,8 +152,8 @@ def table(prof, summ, meta):
     lines = []
     runs = meta.get("runs", "?")
     lines.append(f"| scenario | tool | time: median (min–max) | × fastest | wire MB | CPU s | "
-                 f"peak RSS MB | verified | notes |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+                 f"CPU s/GB sender | CPU s/GB receivers | peak RSS MB | verified | notes |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for scen in ORDER:
         if scen not in summ:
             continue
@@ -126,11 +166,11 @@ def table(prof, summ, meta):
             s = tools[tool]
             notes = []
             if s.get("na"):
-                lines.append(f"| {scen} | {tool} | n/a | | | | | | {_clean(s['na'])} |")
+                lines.append(f"| {scen} | {tool} | n/a | | | | | | | | {_clean(s['na'])} |")
                 continue
             if s["n_ok"] == 0:
                 err = _clean(s["errors"][0] if s["errors"] else "failed")
-                lines.append(f"| {scen} | {tool} | **failed** | | | | | 0/{s['n']} | {err} |")
+                lines.append(f"| {scen} | {tool} | **failed** | | | | | | | 0/{s['n']} | {err} |")
                 continue
             if scen == "latency":
                 t = f"p50 {s['p50']:.0f} ms, p90 {s['p90']:.0f} ms (n={s['n_samples']})"
@@ -154,8 +194,10 @@ def table(prof, summ, meta):
             if s.get("meta_diffs"):
                 notes.append(f"{s['meta_diffs']} files differ in mode/mtime")
             rss = f"{s['rss_kb'] / 1024:.0f}" if s.get("rss_kb") else "–"
+            gb_send, gb_recv = _fmt_gb(s)
             lines.append(f"| {scen} | {tool} | {t} | {ratio} | {_fmt_mb(s.get('wire'))} | "
-                         f"{s.get('cpu', 0):.1f} | {rss} | {s['verified']}/{s['n']} | "
+                         f"{s.get('cpu', 0):.1f} | {gb_send} | {gb_recv} | {rss} | "
+                         f"{s['verified']}/{s['n']} | "
                          f"{_clean('; '.join(notes), 400)} |")
     return "\n".join(lines)
 

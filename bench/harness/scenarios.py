@@ -42,7 +42,9 @@ SCENARIOS = {
     "nochange": ("scan", "no-change re-sync / restart, {scan} (already in sync)"),
     "latency": ("latency", "small new file written on A until its content is readable on B"),
     "write-small": ("write", "{small} copied into A (`cp -a`, timed) until all readable on B"),
-    "fanout": ("fanout", "three peers: initial sync A -> B and C, {rename}"),
+    "fanout": ("fanout", "fan-out to 3 peers: initial sync A -> B, C and D, {rename}"),
+    "fanout-warm": ("fan-w", "fan-out to 3 peers: initial sync A -> B, C and D, {rename}, "
+                             "page cache warm"),
 }
 CHAINS = {
     "small": {"dataset": "small", "hosts": 2, "steps": ["initial-small"]},
@@ -56,15 +58,17 @@ CHAINS = {
     "rename": {"dataset": "rename", "hosts": 2, "steps": ["initial-rename", "rename"]},
     "scan": {"dataset": "scan", "hosts": 2, "steps": ["seed-scan", "nochange"]},
     "latency": {"dataset": None, "hosts": 2, "steps": ["seed-latency", "latency"]},
-    "fanout": {"dataset": "rename", "hosts": 3, "steps": ["fanout"]},
+    "fanout": {"dataset": "rename", "hosts": 4, "steps": ["fanout"]},
+    "fan-w": {"dataset": "rename", "hosts": 4, "steps": ["fanout-warm"]},
     # A starts empty: the dataset is written into A while the tool runs.
     "write": {"dataset": "small", "hosts": 2, "steps": ["seed-write", "write-small"],
               "empty": True},
 }
 # A chain's name is part of its replicas' paths, which hold the daemons' control sockets: kept
-# short (a Unix socket address is at most 107 bytes), hence "-w" for the warm variants.
+# short (a Unix socket address is at most 107 bytes), hence "-w" for the warm variants
+# ("fan-w" for the fan-out's).
 CHAIN_ORDER = ["small", "small-w", "large", "large-w", "mixed", "mixed-w", "tree", "tree-w",
-               "rename", "fanout", "scan", "write", "latency"]
+               "rename", "fanout", "fan-w", "scan", "write", "latency"]
 # Syncthing with a shorter watcher delay only differs where the watcher matters.
 WATCHER_ONLY = {"delta", "rename", "latency", "write-small"}
 # Through mounts on both sides: initial sync, files written in mount A, a directory renamed in
@@ -494,6 +498,10 @@ def chain_tree(cr, done):
 
 def chain_fanout(cr, done):
     _initial(cr, done, "fanout")
+
+
+def chain_fan_w(cr, done):
+    _initial(cr, done, "fanout-warm", drop=False)
 
 
 def chain_large(cr, done):
