@@ -327,3 +327,60 @@ fn a_receiver_killed_mid_transfer_never_shows_a_partial_file_and_completes_after
     );
     assert_eq!(temps(&b.dir) + temps(&staging), 0, "temp files left behind");
 }
+
+#[test]
+fn a_new_tree_reaches_three_peers_of_a_full_mesh_fetched_from_one_peer_each() {
+    // Four devices, each paired with every other: B, C and D hear of A's new files from A and
+    // again from each other as they install them. Each version is fetched from one peer at a
+    // time; the others' offers of it wait for that fetch instead of fetching it again (before,
+    // a device received the tree from A and again from each of the two others: up to 3.7×).
+    let t = tmp();
+    let mut devs: Vec<Device> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|n| Device::new(&t, n))
+        .collect();
+    for i in 0..devs.len() {
+        for j in i + 1..devs.len() {
+            pair(&devs[i], &devs[j]);
+        }
+    }
+    for d in &mut devs {
+        d.start();
+    }
+    let refs: Vec<&Device> = devs.iter().collect();
+    wait_synced(&refs, 60);
+    let before: Vec<u64> = devs.iter().map(from_others_than_a).collect();
+    const FILES: usize = 40;
+    const LEN: usize = 512 << 10;
+    for i in 0..FILES {
+        write(
+            &devs[0].path(&format!("new/f{i}")),
+            &noise(LEN, 7000 + i as u64),
+        );
+    }
+    wait_synced(&refs, 120);
+    let data = (FILES * LEN) as u64;
+    for (d, before) in devs.iter().zip(before).skip(1) {
+        assert_eq!(tree(&d.dir), tree(&devs[0].dir));
+        // A's index reaches every device first, so each fetches (nearly all of) the tree from
+        // A; the others send their index and acknowledgements, and on a loaded machine maybe
+        // a file they offered first, never a second copy of the tree.
+        let got = from_others_than_a(d) - before;
+        assert!(
+            got < data / 2,
+            "{} received {got} bytes from B, C and D for {data} bytes of new files on A",
+            d.name
+        );
+    }
+}
+
+/// Bytes `d` received from its peers other than "a".
+fn from_others_than_a(d: &Device) -> u64 {
+    d.status()["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["name"] != "a")
+        .map(|p| p["bytes_received"].as_u64().unwrap())
+        .sum()
+}
