@@ -38,9 +38,6 @@ pub enum CaptureMsg {
     /// The last handle open for writing on this path through the mount was released: a
     /// remote version deferred for it may be applied once the path is captured.
     Released(RelPath),
-    /// A fetch that other peers' offers of the same version waited for has ended: the
-    /// versions deferred for it may be decided again.
-    FetchEnded,
 }
 
 /// What kind of event a path saw.
@@ -157,7 +154,7 @@ impl Coalescer {
         match msg {
             CaptureMsg::Rescan => self.rescan = true,
             // The capture loop handles releases itself.
-            CaptureMsg::Released(_) | CaptureMsg::FetchEnded => {}
+            CaptureMsg::Released(_) => {}
             CaptureMsg::Renamed(from, to) => {
                 self.add(CaptureMsg::Changed(from, Hint::Other), now);
                 self.add(CaptureMsg::Changed(to, Hint::Other), now);

@@ -247,7 +247,7 @@ impl Engine {
                 .await;
                 match r {
                     Ok(()) => {
-                        tracing::info!(%folder, %path, "applied a remote version that had waited (for the mount's writer, or for the same version's fetch from another peer)");
+                        tracing::info!(%folder, %path, "applied the remote version that waited for the mount's writer");
                         engine.changes_notify(&folder);
                         // Decided: its row is no longer needed (unless a writer opened the
                         // path again meanwhile and it waits once more, under the same row).
@@ -337,7 +337,6 @@ impl Engine {
             mount_slot: slot,
             mount: Mutex::new(None),
             deferred: Mutex::new(HashMap::new()),
-            fetching: Arc::default(),
             blocked: Mutex::new(None),
             skipped: Mutex::new(Default::default()),
             unreadable: Default::default(),
@@ -771,7 +770,6 @@ async fn capture_loop(
                             c.finalize(&p, now);
                             final_now = true;
                         }
-                        CaptureMsg::FetchEnded => released = true,
                         m => c.add(m, now),
                     }
                 }

@@ -14,7 +14,7 @@ use crate::last_error::LastErrorSlot;
 use crate::progress::Progress;
 use crate::scanner::{self, ScanError, ScanTarget};
 use crate::store::{Store, StoreError};
-use meshfs_protocol::{DeviceId, FileRecord, FolderId, Hash, RelPath, ShortId};
+use meshfs_protocol::{DeviceId, FileRecord, FolderId, RelPath, ShortId};
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -96,9 +96,6 @@ pub struct FolderRt {
     /// Remote versions waiting for a path's writer through the mount to let go, with the
     /// peer each came from (the newest per path).
     pub(crate) deferred: Mutex<HashMap<RelPath, Deferred>>,
-    /// The versions being fetched, by path: their content hash and the peer they come from
-    /// ([`FolderRt::claim_fetch`]).
-    pub(crate) fetching: Arc<Mutex<HashMap<RelPath, (Hash, DeviceId)>>>,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
     pub(crate) blocked: Mutex<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
@@ -341,29 +338,6 @@ impl FolderRt {
             .is_ok_and(|d| d.get(&remote.path).is_some_and(|w| &w.remote == remote))
     }
 
-    /// Claims the fetch of content `hash` at `path` from `peer`. While a claim is held, the
-    /// same content offered there by another peer is deferred, not fetched a second time
-    /// ([`Claim::Busy`]): devices that share a folder with several peers hear of a new file
-    /// from each of them, and fetched it from each (three times the data at one receiver of
-    /// a fan-out, `bench/README.md`).
-    pub(crate) fn claim_fetch(&self, path: &RelPath, hash: Hash, peer: DeviceId) -> Claim {
-        let Ok(mut f) = self.fetching.lock() else {
-            return Claim::Unclaimed;
-        };
-        match f.get(path) {
-            Some((h, p)) if *h == hash && *p != peer => Claim::Busy,
-            Some(_) => Claim::Unclaimed,
-            None => {
-                f.insert(path.clone(), (hash, peer));
-                Claim::Held(FetchClaim {
-                    fetching: self.fetching.clone(),
-                    path: path.clone(),
-                    wake: self.capture.clone(),
-                })
-            }
-        }
-    }
-
     /// Remote versions waiting for a writer to let go.
     pub fn deferred_count(&self) -> usize {
         self.deferred.lock().map_or(0, |d| d.len())
@@ -383,38 +357,10 @@ impl FolderRt {
                 connected.contains(&w.peer)
                     && w.not_before.is_none_or(|t| t <= now)
                     && !self.writers.has_writer(p)
-                    && !self.fetching.lock().is_ok_and(|f| f.contains_key(p))
             })
             .map(|(p, _)| p.clone())
             .collect();
         ready.into_iter().filter_map(|p| d.remove(&p)).collect()
-    }
-}
-
-/// What [`FolderRt::claim_fetch`] found.
-pub(crate) enum Claim {
-    /// This fetch is the path's: held until the guard is dropped (after the install, or with
-    /// the failed batch).
-    Held(FetchClaim),
-    /// Another peer's fetch of the same content at the path is running: defer this one.
-    Busy,
-    /// Another version of the path is being fetched (or by this same peer): fetch as before.
-    Unclaimed,
-}
-
-/// A path's fetch, claimed; released when dropped, which wakes the versions deferred for it.
-pub(crate) struct FetchClaim {
-    fetching: Arc<Mutex<HashMap<RelPath, (Hash, DeviceId)>>>,
-    path: RelPath,
-    wake: mpsc::UnboundedSender<CaptureMsg>,
-}
-
-impl Drop for FetchClaim {
-    fn drop(&mut self) {
-        if let Ok(mut f) = self.fetching.lock() {
-            f.remove(&self.path);
-        }
-        let _ = self.wake.send(CaptureMsg::FetchEnded);
     }
 }
 

@@ -3,7 +3,7 @@
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
 use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
-use crate::folder::{Claim, FolderError, FolderRt, Folders};
+use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, StoredRecord};
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
@@ -240,18 +240,6 @@ impl Deciding<'_> {
         if self.deferred(&planned, remote)? {
             return Ok(None);
         }
-        let record = planned.record();
-        let claim = match self.rt.claim_fetch(&record.path, record.hash, self.peer) {
-            Claim::Held(c) => Some(c),
-            Claim::Unclaimed => None,
-            Claim::Busy => {
-                // Acknowledged with its batch: journaled, so a restart still decides it.
-                tracing::debug!(folder = %self.folder, path = %record.path, "the same version is being fetched from another peer; this offer waits for it");
-                self.journal.put_deferred(self.folder, remote, &self.peer)?;
-                self.rt.defer(remote.clone(), self.peer);
-                return Ok(None);
-            }
-        };
         let stored = self.stored(&planned.record().path)?;
         let (expect, basis) = seen_of(stored.as_ref());
         let meta = Meta {
@@ -263,7 +251,6 @@ impl Deciding<'_> {
             detail,
             remote: remote.clone(),
             then: Vec::new(),
-            _claim: claim,
         };
         let keep_open = self.transfers.len() < MAX_OPEN_TEMPS;
         let t = prepare(

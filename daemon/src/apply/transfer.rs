@@ -174,8 +174,6 @@ pub(super) struct Meta {
     /// installed (a local winner's merged vector must not exist without the remote loser's
     /// sibling, or a crash in between would lose the loser everywhere).
     pub(super) then: Vec<Change>,
-    /// This device's claim on fetching the version (dropped with the transfer).
-    pub(super) _claim: Option<crate::folder::FetchClaim>,
 }
 
 /// A record that cannot be applied here (its parent is a symlink or not a directory, a
