@@ -1000,19 +1000,11 @@ pub async fn write_response(
 ) -> Result<usize, TransportError> {
     let ChunkResponse {
         hash,
-        data,
+        data: Some(data),
         compressed,
-    } = resp;
-    let Some(data) = data else {
-        return write_message(
-            send,
-            &Message::Response(ChunkResponse {
-                hash,
-                data: None,
-                compressed,
-            }),
-        )
-        .await;
+    } = resp
+    else {
+        return write_message(send, &Message::Response(resp)).await;
     };
     let (head, tail) = meshfs_protocol::encode_response_frame(hash, &data, compressed)?;
     let len = head.len() + data.len() + tail.len();
