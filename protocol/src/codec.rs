@@ -68,16 +68,9 @@ pub fn encode_response_frame(
     }
     let mut prefix = bare[..bare.len() - 2].to_vec();
     prefix.push(1);
-    let mut n = data.len();
-    loop {
-        let low = (n & 0x7f) as u8;
-        n >>= 7;
-        if n == 0 {
-            prefix.push(low);
-            break;
-        }
-        prefix.push(low | 0x80);
-    }
+    // A byte string's length is the varint postcard writes for a `usize`.
+    let mut prefix = postcard::to_extend(&data.len(), prefix)
+        .map_err(|e| CodecError::Malformed(e.to_string()))?;
     let len = prefix.len() - FRAME_HEADER_LEN + data.len() + 1;
     if len > MAX_FRAME_LEN {
         return Err(CodecError::TooLarge(len));

@@ -91,7 +91,6 @@ pub(super) fn discard_all(rt: &FolderRt, temps: impl IntoIterator<Item = TempFil
     }
 }
 
-/// Writes a verified chunk everywhere a batch wants it.
 /// The temp files of a batch while their chunks arrive from a peer ([`chunks::fetch`]).
 pub(super) struct TempWriter {
     pub(super) rt: Arc<FolderRt>,
@@ -106,6 +105,7 @@ impl chunks::ChunkSink for TempWriter {
     }
 }
 
+/// Writes a verified chunk everywhere a batch wants it.
 fn write_chunk(
     store: &crate::store::Store,
     missing: &Wanted,
