@@ -208,8 +208,12 @@ fn wait_synced_on_the_peer_of_a_device_in_its_first_scan_returns_only_with_every
         if a.status()["folders"][0]["scanning"] != true {
             break;
         }
-        let (code, out, err) = run(&b.home, &["status"]);
+        // The JSON first, then the text: b learns of a's scan once connected and forgets it
+        // only when a's scan ends (checked after both), so a text taken after a JSON answer
+        // that shows the scan shows it too. The other order raced: the text could be taken
+        // the moment before b heard of the scan.
         let st = b.status();
+        let (code, out, err) = run(&b.home, &["status"]);
         if a.status()["folders"][0]["scanning"] != true {
             break;
         }
