@@ -423,6 +423,15 @@ fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<()> {
 }
 
 /// A daemon's reply said `"ok": true`.
+/// "on" or "off", as the status and mount lines show a switch.
+fn on_off(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
+    }
+}
+
 fn reply_ok(r: &serde_json::Value) -> bool {
     r.get("ok").and_then(|v| v.as_bool()) == Some(true)
 }
@@ -668,14 +677,11 @@ fn mount(
         Some(r) if reply_ok(&r) => {
             let m = &r["mount"];
             println!(
-                "folder {folder} mounted at {} ({}, kernel passthrough {})",
+                "folder {folder} mounted at {} ({}, kernel passthrough {}, io_uring {})",
                 point.display(),
                 m["mode"].as_str().unwrap_or("read-write"),
-                if m["passthrough"] == true {
-                    "on"
-                } else {
-                    "off"
-                }
+                on_off(m["passthrough"] == true),
+                on_off(m["io_uring"] == true),
             );
             Ok(0)
         }

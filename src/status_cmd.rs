@@ -300,14 +300,11 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
     if m.is_object() {
         let _ = writeln!(
             o,
-            "          mounted at {} ({}, kernel passthrough {}, {} open handle(s))",
+            "          mounted at {} ({}, kernel passthrough {}, io_uring {}, {} open handle(s))",
             s(m, "mountpoint"),
             s(m, "mode"),
-            if m["passthrough"] == true {
-                "on"
-            } else {
-                "off"
-            },
+            crate::on_off(m["passthrough"] == true),
+            crate::on_off(m["io_uring"] == true),
             u(m, "open_handles")
         );
     }

@@ -117,6 +117,9 @@ pub struct MountStatus {
     pub mode: &'static str,
     /// Whether the kernel passes reads and writes straight to the backing files.
     pub passthrough: bool,
+    /// Whether requests come over io_uring, answered on the caller's CPU
+    /// (`meshfs_fuse::MountOptions::io_uring`).
+    pub io_uring: bool,
     /// Handles open through the mount.
     pub open_handles: usize,
     /// Invalidations of what the kernel caches, queued and not yet sent (a folder is not in
@@ -134,6 +137,7 @@ impl From<MountInfo> for MountStatus {
                 "read-write"
             },
             passthrough: i.passthrough,
+            io_uring: i.io_uring,
             open_handles: i.open_handles,
             invalidations_pending: i.invalidations_pending,
         }

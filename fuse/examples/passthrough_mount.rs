@@ -2,7 +2,7 @@
 //! change events the mount reported.
 //!
 //! ```text
-//! passthrough_mount [--no-passthrough] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>
+//! passthrough_mount [--no-passthrough] [--no-io-uring] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>
 //! ```
 //!
 //! Used to run conformance suites (pjdfstest) and timings against the mount.
@@ -25,6 +25,7 @@ fn main() {
         match arg.as_str() {
             "--threads" => opts.n_threads = args.next().and_then(|n| n.parse().ok()).unwrap_or(2),
             "--no-passthrough" => opts.passthrough = false,
+            "--no-io-uring" => opts.io_uring = false,
             "--ro" => opts.read_only = true,
             "--print-events" => print = true,
             "--allow-other" => opts.allow_other = true,
@@ -32,7 +33,7 @@ fn main() {
         }
     }
     let [backing, mountpoint] = paths.as_slice() else {
-        eprintln!("usage: passthrough_mount [--no-passthrough] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>");
+        eprintln!("usage: passthrough_mount [--no-passthrough] [--no-io-uring] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>");
         std::process::exit(2);
     };
 
@@ -66,11 +67,12 @@ fn main() {
     };
     let info = mount.info();
     println!(
-        "mounted {} at {} (passthrough: {}, threads: {})",
+        "mounted {} at {} (passthrough: {}, threads: {}, io_uring: {})",
         info.backing.display(),
         info.mountpoint.display(),
         info.passthrough,
-        info.threads
+        info.threads,
+        info.io_uring
     );
 
     let mut sig: libc::c_int = 0;

@@ -56,6 +56,8 @@ pub(crate) struct Shared {
     pub want_passthrough: bool,
     /// Kernel passthrough is negotiated and has not been refused.
     pub passthrough: AtomicBool,
+    /// The caller asked for FUSE over io_uring where the kernel offers it.
+    pub want_io_uring: bool,
     /// The effective ids of this process (the owner of what the backing creates).
     pub euid: u32,
     /// See `euid`.

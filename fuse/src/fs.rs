@@ -216,6 +216,13 @@ impl Filesystem for Passthrough {
             // In exchange the mount clears set-id bits itself (see `kill_suidgid`).
             | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         let _ = config.add_capabilities(wanted & caps);
+        // The kernel offers io_uring only where it is enabled (see `MountOptions::io_uring`).
+        if self.sh.want_io_uring {
+            let _ = config.add_capabilities(InitFlags::FUSE_OVER_IO_URING & caps);
+        }
+        // Writes never exceed the kernel's 256 pages (`max_pages_limit`) whatever this says;
+        // it also sizes each io_uring entry's payload buffer.
+        let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_background(64);
         if self.sh.want_passthrough && caps.contains(InitFlags::FUSE_PASSTHROUGH) {
             // Depth 1: the backing is a plain filesystem, and the mount itself may still be

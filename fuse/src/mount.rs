@@ -48,6 +48,12 @@ pub struct MountOptions {
     /// (made with that user's identity) suffice: the kernel then skips refreshing a
     /// directory's attributes for a permission check after every create in it.
     pub allow_other: bool,
+    /// Serve requests over io_uring (one queue per CPU, answered on the caller's CPU) when
+    /// the kernel offers it: Linux 6.14 or later with `enable_uring` set on the `fuse`
+    /// module (`/sys/module/fuse/parameters/enable_uring`, off by default). Otherwise, and
+    /// for what the kernel never sends that way (forgets, interrupts), requests come through
+    /// `/dev/fuse` to the request threads.
+    pub io_uring: bool,
 }
 
 impl Default for MountOptions {
@@ -59,6 +65,7 @@ impl Default for MountOptions {
             passthrough: true,
             ttl: Duration::from_secs(2),
             allow_other: false,
+            io_uring: true,
         }
     }
 }
@@ -145,8 +152,10 @@ pub struct MountInfo {
     pub known_inodes: usize,
     /// Directory descriptors cached.
     pub cached_dirs: usize,
-    /// Request threads.
+    /// Request threads (on `/dev/fuse`).
     pub threads: usize,
+    /// Requests come over io_uring, one queue per CPU (negotiated at mount).
+    pub io_uring: bool,
     /// Invalidations queued for the kernel and not yet sent.
     pub invalidations_pending: usize,
 }
@@ -185,6 +194,7 @@ pub struct Mount {
     mountpoint: PathBuf,
     backing: PathBuf,
     threads: usize,
+    io_uring: bool,
     handle: Arc<MountHandle>,
     unmounter: Option<fuser::SessionUnmounter>,
     session: Option<JoinHandle<io::Result<()>>>,
@@ -295,6 +305,7 @@ pub fn mount(
         mountpoint: mp,
         backing: backing_abs,
         threads,
+        io_uring: session.io_uring,
         handle: Arc::new(MountHandle { sh }),
         unmounter: Some(session.unmounter),
         session: Some(session.thread),
@@ -305,6 +316,7 @@ pub fn mount(
         mountpoint = %m.mountpoint.display(),
         backing = %m.backing.display(),
         passthrough = m.handle.sh.passthrough.load(Ordering::Relaxed),
+        io_uring = m.io_uring,
         "mounted"
     );
     Ok(m)
@@ -330,6 +342,7 @@ fn shared(
         ttl: opts.ttl,
         read_only: opts.read_only,
         want_passthrough: opts.passthrough,
+        want_io_uring: opts.io_uring,
         passthrough: AtomicBool::new(false),
         euid,
         egid,
@@ -374,6 +387,8 @@ struct Session {
     unmounter: fuser::SessionUnmounter,
     /// For the invalidation thread.
     notifier: fuser::Notifier,
+    /// FUSE_INIT agreed to io_uring.
+    io_uring: bool,
 }
 
 /// Mounts at `mp` and starts the session's thread. If the thread cannot start, the session is
@@ -390,6 +405,7 @@ fn start_session(
     let mut session =
         fuser::Session::new(Passthrough::new(sh.clone()), mp, config).map_err(mount_err)?;
     let notifier = session.notifier();
+    let io_uring = session.io_uring();
     let mut unmounter = session.unmount_callable();
     let session_thread = std::thread::Builder::new()
         .name("meshfs-fuse".into())
@@ -399,6 +415,7 @@ fn start_session(
             thread,
             unmounter,
             notifier,
+            io_uring,
         }),
         Err(e) => {
             let _ = unmounter.unmount();
@@ -420,6 +437,7 @@ impl Mount {
             known_inodes: lock(&sh.table).len(),
             cached_dirs: sh.dirs.len(),
             threads: self.threads,
+            io_uring: self.io_uring,
             invalidations_pending: sh.invalidations_pending.load(Ordering::SeqCst),
         }
     }
