@@ -154,7 +154,7 @@ pub struct MountInfo {
     pub cached_dirs: usize,
     /// Request threads (on `/dev/fuse`).
     pub threads: usize,
-    /// Requests come over io_uring, one queue per CPU (negotiated at mount).
+    /// Requests come over io_uring: FUSE_INIT agreed and every queue (one per CPU) is up.
     pub io_uring: bool,
     /// Invalidations queued for the kernel and not yet sent.
     pub invalidations_pending: usize,
@@ -194,7 +194,7 @@ pub struct Mount {
     mountpoint: PathBuf,
     backing: PathBuf,
     threads: usize,
-    io_uring: bool,
+    io_uring: fuser::UringQueues,
     handle: Arc<MountHandle>,
     unmounter: Option<fuser::SessionUnmounter>,
     session: Option<JoinHandle<io::Result<()>>>,
@@ -298,6 +298,24 @@ pub fn mount(
         source,
     };
     let session = start_session(&sh, &mp, &config)?;
+    // Once FUSE_INIT has agreed to io_uring the kernel holds every request until all queues
+    // have registered (they start with the session's thread, within milliseconds). A queue
+    // that cannot start would leave the mount hanging: end that connection and mount again
+    // over /dev/fuse only.
+    if session.io_uring.negotiated() && !session.io_uring.wait_serving(URING_START) {
+        warn!(
+            mountpoint = %mp.display(),
+            "the io_uring queues did not start; mounting again with requests through /dev/fuse"
+        );
+        abandon_session(session, &mp);
+        let sink = sh.sink.clone();
+        drop(sh);
+        let opts = MountOptions {
+            io_uring: false,
+            ..opts
+        };
+        return mount(backing, mountpoint, opts, sink);
+    }
     let (tx, rx) = mpsc::channel();
     *lock(&sh.invalidations) = Some(tx);
     let notifier_thread = invalidate::spawn(sh.clone(), session.notifier, rx).map_err(mount_err);
@@ -316,10 +334,44 @@ pub fn mount(
         mountpoint = %m.mountpoint.display(),
         backing = %m.backing.display(),
         passthrough = m.handle.sh.passthrough.load(Ordering::Relaxed),
-        io_uring = m.io_uring,
+        io_uring = m.io_uring.serving(),
         "mounted"
     );
     Ok(m)
+}
+
+/// How long a mount waits for its io_uring queues to register.
+const URING_START: Duration = Duration::from_secs(5);
+
+/// Ends a session whose kernel connection no request can get through: aborts the connection
+/// (fusectl), unmounts, and joins the session's thread if it ends.
+fn abandon_session(session: Session, mp: &Path) {
+    let aborted = connection_id(mp).is_some_and(|id| {
+        std::fs::write(format!("/sys/fs/fuse/connections/{id}/abort"), "1").is_ok()
+    });
+    let mut unmounter = session.unmounter;
+    if let Err(e) = unmounter.unmount() {
+        warn!(mountpoint = %mp.display(), error = %e, "unmounting the abandoned session failed; detaching it");
+        let _ = sys::umount2(&cpath(mp), libc::MNT_DETACH);
+    }
+    if aborted {
+        let _ = session.thread.join();
+    }
+}
+
+/// The FUSE connection id of the mount at `mp` (its device's minor number), read from
+/// `/proc/self/mountinfo`: a `stat` of the mount point would be a request to the connection.
+fn connection_id(mp: &Path) -> Option<u32> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = mp.to_str()?;
+    info.lines().rev().find_map(|l| {
+        let mut f = l.split(' ');
+        let dev = f.nth(2)?;
+        let point = f.nth(1)?;
+        (point == want)
+            .then(|| dev.split_once(':')?.1.parse().ok())
+            .flatten()
+    })
 }
 
 /// The state the request threads share, for the backing directory `root` (whose stat is
@@ -387,8 +439,8 @@ struct Session {
     unmounter: fuser::SessionUnmounter,
     /// For the invalidation thread.
     notifier: fuser::Notifier,
-    /// FUSE_INIT agreed to io_uring.
-    io_uring: bool,
+    /// The io_uring queues, if FUSE_INIT agreed to them.
+    io_uring: fuser::UringQueues,
 }
 
 /// Mounts at `mp` and starts the session's thread. If the thread cannot start, the session is
@@ -405,7 +457,7 @@ fn start_session(
     let mut session =
         fuser::Session::new(Passthrough::new(sh.clone()), mp, config).map_err(mount_err)?;
     let notifier = session.notifier();
-    let io_uring = session.io_uring();
+    let io_uring = session.io_uring_queues();
     let mut unmounter = session.unmount_callable();
     let session_thread = std::thread::Builder::new()
         .name("meshfs-fuse".into())
@@ -437,7 +489,7 @@ impl Mount {
             known_inodes: lock(&sh.table).len(),
             cached_dirs: sh.dirs.len(),
             threads: self.threads,
-            io_uring: self.io_uring,
+            io_uring: self.io_uring.serving(),
             invalidations_pending: sh.invalidations_pending.load(Ordering::SeqCst),
         }
     }

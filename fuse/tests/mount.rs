@@ -202,9 +202,11 @@ fn a_file_written_through_the_mount_reads_back_when_forwarded() {
 }
 
 /// Whether this kernel offers FUSE over io_uring (Linux ≥ 6.14 with the `fuse` module's
-/// `enable_uring` switch on; `.ci/run` turns it on).
+/// `enable_uring` switch on; `.ci/run` turns it on) and this process may use io_uring.
 fn kernel_offers_io_uring() -> bool {
     fs::read_to_string("/sys/module/fuse/parameters/enable_uring").is_ok_and(|s| s.trim() == "Y")
+        && fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+            .map_or(true, |s| s.trim() != "2")
 }
 
 #[test]
@@ -235,6 +237,40 @@ fn without_io_uring_requests_come_through_the_device_threads() {
         create_write_read_back(&fx);
         open_file_survives_unlink_and_rename_over(&fx);
     }
+}
+
+/// The child half of `a_mount_whose_io_uring_queues_cannot_start_comes_up_over_dev_fuse`: in
+/// a process where every queue fails to start (`FUSER_URING_FAIL_QUEUES`), a mount still comes
+/// up and serves. Does nothing when run as an ordinary test.
+#[test]
+fn uring_fallback_child() {
+    if std::env::var_os("FUSER_URING_FAIL_QUEUES").is_none() {
+        return;
+    }
+    let fx = Fixture::new();
+    assert!(!fx.mount().info().io_uring, "{:?}", fx.mount().info());
+    create_write_read_back(&fx);
+    println!("FALLBACK-SERVED");
+}
+
+#[test]
+fn a_mount_whose_io_uring_queues_cannot_start_comes_up_over_dev_fuse() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "uring_fallback_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("FUSER_URING_FAIL_QUEUES", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("FALLBACK-SERVED"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -142,6 +142,43 @@ pub struct Session<FS: Filesystem> {
     /// meshfs: the payload buffer size of each FUSE-over-io_uring entry, when the kernel
     /// agreed to io_uring in FUSE_INIT (see `uring.rs`).
     pub(crate) uring_payload: Option<usize>,
+    /// meshfs: the io_uring queues serving (counted by their threads), and those that ended.
+    pub(crate) uring_live: Arc<std::sync::atomic::AtomicUsize>,
+    pub(crate) uring_ended: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// meshfs: whether the io_uring queues serve: every queue the kernel needs (one per possible
+/// CPU) has registered its entries and is running.
+#[derive(Clone, Debug)]
+pub struct UringQueues {
+    live: Arc<std::sync::atomic::AtomicUsize>,
+    ended: Arc<std::sync::atomic::AtomicUsize>,
+    needed: usize,
+}
+
+impl UringQueues {
+    /// FUSE_INIT agreed to io_uring: the kernel holds every request until all queues are up.
+    pub fn negotiated(&self) -> bool {
+        self.needed > 0
+    }
+
+    /// Every queue is up (and FUSE_INIT agreed to io_uring).
+    pub fn serving(&self) -> bool {
+        self.needed > 0 && self.live.load(std::sync::atomic::Ordering::Relaxed) == self.needed
+    }
+
+    /// Waits up to `timeout` for every queue to come up (they start with the session's
+    /// `run`); false at once when FUSE_INIT did not agree to io_uring, and as soon as a queue
+    /// has ended.
+    pub fn wait_serving(&self, timeout: std::time::Duration) -> bool {
+        let until = std::time::Instant::now() + timeout;
+        let ended = || self.ended.load(std::sync::atomic::Ordering::Relaxed) > 0;
+        while self.needed > 0 && !self.serving() && !ended() && std::time::Instant::now() < until
+        {
+            thread::sleep(std::time::Duration::from_millis(1));
+        }
+        self.serving()
+    }
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -190,6 +227,8 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config: options.clone(),
             uring_payload: None,
+            uring_live: Arc::default(),
+            uring_ended: Arc::default(),
         };
 
         session.handshake()?;
@@ -219,6 +258,8 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config,
             uring_payload: None,
+            uring_live: Arc::default(),
+            uring_ended: Arc::default(),
         };
 
         session.handshake()?;
@@ -258,6 +299,8 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: _,
             config,
             uring_payload,
+            uring_live,
+            uring_ended,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -328,7 +371,8 @@ impl<FS: Filesystem> Session<FS> {
                     allowed,
                     session_owner,
                 };
-                match crate::uring::spawn_queue(qid, payload, device.clone(), event_loop) {
+                let counts = (uring_live.clone(), uring_ended.clone());
+                match crate::uring::spawn_queue(qid, payload, device.clone(), event_loop, counts) {
                     Ok(q) => queues.push(q),
                     Err(e) => {
                         warn!("FUSE io_uring queue {qid} did not start: {e}");
@@ -338,7 +382,7 @@ impl<FS: Filesystem> Session<FS> {
             }
         }
         #[cfg(not(target_os = "linux"))]
-        let _ = uring_payload;
+        let _ = (uring_payload, uring_live, uring_ended);
 
         let mut reply: io::Result<()> = Ok(());
         for thread in threads {
@@ -473,6 +517,17 @@ impl<FS: Filesystem> Session<FS> {
                 return Err(error);
             }
 
+            // meshfs: once FUSE_INIT agrees to io_uring the kernel holds every request until
+            // all queues have registered, so ask only where this process can make the rings
+            // (io_uring may be disabled by sysctl or seccomp).
+            #[cfg(target_os = "linux")]
+            if config.requested.contains(InitFlags::FUSE_OVER_IO_URING)
+                && !crate::uring::usable()
+            {
+                debug!("io_uring with URING_CMD is not usable here; FUSE over io_uring not requested");
+                config.requested.remove(InitFlags::FUSE_OVER_IO_URING);
+            }
+
             // Remember the ABI version supported by kernel and mark the session initialized.
             self.proto_version = Some(v);
 
@@ -551,6 +606,23 @@ impl<FS: Filesystem> Session<FS> {
     /// the filesystem requests in `init`); `run` then serves one queue per possible CPU.
     pub fn io_uring(&self) -> bool {
         self.uring_payload.is_some()
+    }
+
+    /// meshfs: whether the io_uring queues are up, for as long as the session runs.
+    pub fn io_uring_queues(&self) -> UringQueues {
+        #[cfg(target_os = "linux")]
+        let needed = if self.io_uring() {
+            crate::uring::possible_cpus()
+        } else {
+            0
+        };
+        #[cfg(not(target_os = "linux"))]
+        let needed = 0;
+        UringQueues {
+            live: self.uring_live.clone(),
+            ended: self.uring_ended.clone(),
+            needed,
+        }
     }
 }
 

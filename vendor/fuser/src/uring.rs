@@ -10,10 +10,12 @@
 //! buffers with `FUSE_IO_URING_CMD_COMMIT_AND_FETCH`, which also hands the entry back for the
 //! next request.
 //!
-//! Requests reach the queues only once every queue has registered; until then (and for
-//! FORGET, INTERRUPT and notification replies always) they come through `/dev/fuse` and the
-//! session's ordinary threads. A queue that cannot start therefore leaves the mount working
-//! as before.
+//! Once FUSE_INIT has agreed to io_uring, the kernel holds every new request until every
+//! queue has registered (FORGET, INTERRUPT and notification replies still come through
+//! `/dev/fuse` to the session's ordinary threads). So the session asks for io_uring only where
+//! a probe ring with `URING_CMD` can be made ([`usable`]), and [`crate::UringQueues`] tells the
+//! filesystem whether the queues came up, so that it can give up on a connection whose queues
+//! did not (meshfs mounts again without io_uring).
 //!
 //! A request is reassembled into the layout a `/dev/fuse` read gives (in-header, the
 //! operation's own header, the rest) and dispatched through the same code; the reply the
@@ -25,6 +27,8 @@ use std::os::fd::AsRawFd;
 use std::os::fd::FromRawFd;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering;
 
 use io_uring::IoUring;
 use io_uring::cqueue;
@@ -89,6 +93,16 @@ pub(crate) fn possible_cpus() -> usize {
         let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
         usize::try_from(n).unwrap_or(1).max(1)
     })
+}
+
+/// Whether this process can make a ring with 128-byte entries that takes `URING_CMD`.
+pub(crate) fn usable() -> bool {
+    let Ok(ring) = IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(2) else {
+        return false;
+    };
+    let mut probe = io_uring::Probe::new();
+    ring.submitter().register_probe(&mut probe).is_ok()
+        && probe.is_supported(opcode::UringCmd80::CODE)
 }
 
 /// A buffer the kernel writes into between a command's submission and its completion: a
@@ -189,6 +203,7 @@ pub(crate) fn spawn_queue<FS: Filesystem>(
     payload_size: usize,
     device: Arc<DevFuse>,
     event_loop: SessionEventLoop<FS>,
+    (live, ended): (Arc<AtomicUsize>, Arc<AtomicUsize>),
 ) -> io::Result<(std::thread::JoinHandle<()>, QueueStop)> {
     // SAFETY: eventfd takes two integers; a negative result is an error, checked below.
     let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -201,9 +216,10 @@ pub(crate) fn spawn_queue<FS: Filesystem>(
     let handle = std::thread::Builder::new()
         .name(format!("fuse-ring-{qid}"))
         .spawn(move || {
-            if let Err(e) = serve_queue(qid, payload_size, &device, &event_loop, &efd) {
+            if let Err(e) = serve_queue(qid, payload_size, &device, &event_loop, &efd, &live) {
                 warn!("FUSE io_uring queue {qid} stopped: {e}");
             }
+            ended.fetch_add(1, Ordering::Relaxed);
         })?;
     Ok((handle, QueueStop(wake)))
 }
@@ -250,9 +266,14 @@ fn serve_queue<FS: Filesystem>(
     device: &Arc<DevFuse>,
     event_loop: &SessionEventLoop<FS>,
     stop: &OwnedFd,
+    live: &AtomicUsize,
 ) -> io::Result<()> {
     pin_to_cpu(qid);
     raise_priority(qid);
+    // Fault injection for meshfs's tests: a queue that cannot start.
+    if std::env::var_os("FUSER_URING_FAIL_QUEUES").is_some() {
+        return Err(io::Error::other("FUSER_URING_FAIL_QUEUES is set"));
+    }
     let depth = DEPTH;
     // Declared before the ring, so dropped after it: closing the ring cancels the commands
     // that name these buffers.
@@ -298,6 +319,7 @@ fn serve_queue<FS: Filesystem>(
     let mut request = Vec::with_capacity(IN_HEADER + OP_IN_MAX + payload_size);
     debug!("FUSE io_uring queue {qid}: {depth} entries of {payload_size} bytes registered");
     let mut held = depth;
+    live.fetch_add(1, Ordering::Relaxed);
     let end = run_queue(
         &mut ring,
         &mut entries,
@@ -308,6 +330,7 @@ fn serve_queue<FS: Filesystem>(
         &slot,
         &mut request,
     );
+    live.fetch_sub(1, Ordering::Relaxed);
     drop(ring);
     if held > 0 {
         // The kernel may still write into entries it holds after the ring closes (its
