@@ -90,14 +90,28 @@ impl Channel {
 #[derive(Clone, Debug)]
 pub(crate) struct ChannelSender(Arc<DevFuse>, Option<Arc<RingReply>>);
 
-/// The reply to the one request an io_uring queue thread is dispatching (meshfs).
+/// The reply to the one request an io_uring queue thread is dispatching (meshfs). Its buffer
+/// is swapped with the thread's, so no reply allocates once both have grown.
 #[derive(Debug, Default)]
-pub(crate) struct RingReply(parking_lot::Mutex<Option<Vec<u8>>>);
+pub(crate) struct RingReply(parking_lot::Mutex<(bool, Vec<u8>)>);
 
 impl RingReply {
-    /// Takes the reply sent since the last call, if any.
-    pub(crate) fn take(&self) -> Option<Vec<u8>> {
-        self.0.lock().take()
+    /// Forgets a reply not taken (before the next request is dispatched).
+    pub(crate) fn clear(&self) {
+        self.0.lock().0 = false;
+    }
+
+    /// Moves the reply sent since `clear` into `into` (its old contents are dropped); false,
+    /// leaving `into` as it is, if none was sent.
+    pub(crate) fn take_into(&self, into: &mut Vec<u8>) -> bool {
+        let mut slot = self.0.lock();
+        let (sent, bytes) = &mut *slot;
+        if std::mem::take(sent) {
+            std::mem::swap(into, bytes);
+            true
+        } else {
+            false
+        }
     }
 }
 
@@ -110,11 +124,13 @@ impl ChannelSender {
 
     pub(crate) fn send(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {
         if let Some(slot) = &self.1 {
-            let mut reply = Vec::with_capacity(bufs.iter().map(|b| b.len()).sum());
+            let mut slot = slot.0.lock();
+            let (sent, reply) = &mut *slot;
+            reply.clear();
             for b in bufs {
                 reply.extend_from_slice(b);
             }
-            *slot.0.lock() = Some(reply);
+            *sent = true;
             return Ok(());
         }
         let rc = nix::sys::uio::writev(&self.0, bufs)?;

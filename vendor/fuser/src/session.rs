@@ -142,21 +142,36 @@ pub struct Session<FS: Filesystem> {
     /// meshfs: the payload buffer size of each FUSE-over-io_uring entry, when the kernel
     /// agreed to io_uring in FUSE_INIT (see `uring.rs`).
     pub(crate) uring_payload: Option<usize>,
-    /// meshfs: the io_uring queues serving (counted by their threads), and those that ended.
-    pub(crate) uring_live: Arc<std::sync::atomic::AtomicUsize>,
-    pub(crate) uring_ended: Arc<std::sync::atomic::AtomicUsize>,
+    /// meshfs: the io_uring queues: how many the kernel needs, how many serve, how many ended.
+    pub(crate) uring: UringQueues,
 }
 
 /// meshfs: whether the io_uring queues serve: every queue the kernel needs (one per possible
 /// CPU) has registered its entries and is running.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct UringQueues {
     live: Arc<std::sync::atomic::AtomicUsize>,
     ended: Arc<std::sync::atomic::AtomicUsize>,
-    needed: usize,
+    /// One per possible CPU once FUSE_INIT agreed; 0 otherwise.
+    pub(crate) needed: usize,
 }
 
 impl UringQueues {
+    /// A queue registered its entries and serves.
+    pub(crate) fn started(&self) {
+        self.live.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A queue that served stopped.
+    pub(crate) fn stopped_serving(&self) {
+        self.live.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A queue's thread ended (served or not).
+    pub(crate) fn ended(&self) {
+        self.ended.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// FUSE_INIT agreed to io_uring: the kernel holds every request until all queues are up.
     pub fn negotiated(&self) -> bool {
         self.needed > 0
@@ -227,8 +242,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config: options.clone(),
             uring_payload: None,
-            uring_live: Arc::default(),
-            uring_ended: Arc::default(),
+            uring: UringQueues::default(),
         };
 
         session.handshake()?;
@@ -258,8 +272,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config,
             uring_payload: None,
-            uring_live: Arc::default(),
-            uring_ended: Arc::default(),
+            uring: UringQueues::default(),
         };
 
         session.handshake()?;
@@ -299,8 +312,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: _,
             config,
             uring_payload,
-            uring_live,
-            uring_ended,
+            uring,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -363,7 +375,7 @@ impl<FS: Filesystem> Session<FS> {
         let mut queues = Vec::new();
         #[cfg(target_os = "linux")]
         if let (Some(payload), Some(device)) = (uring_payload, device) {
-            for qid in 0..crate::uring::possible_cpus() {
+            for qid in 0..uring.needed {
                 let event_loop = SessionEventLoop {
                     thread_name: format!("fuse-ring-{qid}"),
                     filesystem: filesystem.clone(),
@@ -371,7 +383,7 @@ impl<FS: Filesystem> Session<FS> {
                     allowed,
                     session_owner,
                 };
-                let counts = (uring_live.clone(), uring_ended.clone());
+                let counts = uring.clone();
                 match crate::uring::spawn_queue(qid, payload, device.clone(), event_loop, counts) {
                     Ok(q) => queues.push(q),
                     Err(e) => {
@@ -382,7 +394,7 @@ impl<FS: Filesystem> Session<FS> {
             }
         }
         #[cfg(not(target_os = "linux"))]
-        let _ = (uring_payload, uring_live, uring_ended);
+        let _ = (uring_payload, uring);
 
         let mut reply: io::Result<()> = Ok(());
         for thread in threads {
@@ -575,6 +587,7 @@ impl<FS: Filesystem> Session<FS> {
                     .max(usize::from(config.max_pages()) * page)
                     .max(8192);
                 self.uring_payload = Some(payload.div_ceil(page) * page);
+                self.uring.needed = crate::uring::possible_cpus();
             }
 
             let response = init.reply(&config);
@@ -602,27 +615,11 @@ impl<FS: Filesystem> Session<FS> {
         Notifier::new(self.ch.sender())
     }
 
-    /// meshfs: whether FUSE_INIT agreed to FUSE over io_uring (`FUSE_OVER_IO_URING`, which
-    /// the filesystem requests in `init`); `run` then serves one queue per possible CPU.
-    pub fn io_uring(&self) -> bool {
-        self.uring_payload.is_some()
-    }
-
-    /// meshfs: whether the io_uring queues are up, for as long as the session runs.
+    /// meshfs: the io_uring queues (`FUSE_OVER_IO_URING`, which the filesystem requests in
+    /// `init`): whether FUSE_INIT agreed to them and whether they are up, for as long as the
+    /// session runs; `run` starts one per possible CPU.
     pub fn io_uring_queues(&self) -> UringQueues {
-        #[cfg(target_os = "linux")]
-        let needed = if self.io_uring() {
-            crate::uring::possible_cpus()
-        } else {
-            0
-        };
-        #[cfg(not(target_os = "linux"))]
-        let needed = 0;
-        UringQueues {
-            live: self.uring_live.clone(),
-            ended: self.uring_ended.clone(),
-            needed,
-        }
+        self.uring.clone()
     }
 }
 

@@ -27,8 +27,6 @@ use std::os::fd::AsRawFd;
 use std::os::fd::FromRawFd;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
-use std::sync::atomic::Ordering;
 
 use io_uring::IoUring;
 use io_uring::cqueue;
@@ -40,6 +38,7 @@ use log::error;
 use log::warn;
 
 use crate::Filesystem;
+use crate::UringQueues;
 use crate::channel::ChannelSender;
 use crate::channel::RingReply;
 use crate::dev_fuse::DevFuse;
@@ -74,17 +73,11 @@ pub(crate) fn possible_cpus() -> usize {
     let parsed = std::fs::read_to_string("/sys/devices/system/cpu/possible")
         .ok()
         .and_then(|s| {
+            // Ranges like "0-3,8-11": the highest CPU number plus one.
             let mut n = 0;
             for part in s.trim().split(',') {
-                let (a, b) = match part.split_once('-') {
-                    Some((a, b)) => (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?),
-                    None => {
-                        let a = part.parse::<usize>().ok()?;
-                        (a, a)
-                    }
-                };
-                n = n.max(b + 1);
-                let _ = a;
+                let last = part.rsplit('-').next()?.parse::<usize>().ok()?;
+                n = n.max(last + 1);
             }
             Some(n)
         });
@@ -203,7 +196,7 @@ pub(crate) fn spawn_queue<FS: Filesystem>(
     payload_size: usize,
     device: Arc<DevFuse>,
     event_loop: SessionEventLoop<FS>,
-    (live, ended): (Arc<AtomicUsize>, Arc<AtomicUsize>),
+    counts: UringQueues,
 ) -> io::Result<(std::thread::JoinHandle<()>, QueueStop)> {
     // SAFETY: eventfd takes two integers; a negative result is an error, checked below.
     let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -216,10 +209,10 @@ pub(crate) fn spawn_queue<FS: Filesystem>(
     let handle = std::thread::Builder::new()
         .name(format!("fuse-ring-{qid}"))
         .spawn(move || {
-            if let Err(e) = serve_queue(qid, payload_size, &device, &event_loop, &efd, &live) {
+            if let Err(e) = serve_queue(qid, payload_size, &device, &event_loop, &efd, &counts) {
                 warn!("FUSE io_uring queue {qid} stopped: {e}");
             }
-            ended.fetch_add(1, Ordering::Relaxed);
+            counts.ended();
         })?;
     Ok((handle, QueueStop(wake)))
 }
@@ -266,7 +259,7 @@ fn serve_queue<FS: Filesystem>(
     device: &Arc<DevFuse>,
     event_loop: &SessionEventLoop<FS>,
     stop: &OwnedFd,
-    live: &AtomicUsize,
+    counts: &UringQueues,
 ) -> io::Result<()> {
     pin_to_cpu(qid);
     raise_priority(qid);
@@ -316,10 +309,13 @@ fn serve_queue<FS: Filesystem>(
         .map_err(|_| io::Error::other("io_uring submission queue full"))?;
 
     let slot = Arc::new(RingReply::default());
-    let mut request = Vec::with_capacity(IN_HEADER + OP_IN_MAX + payload_size);
+    let mut bufs = Buffers {
+        request: Vec::with_capacity(IN_HEADER + OP_IN_MAX + payload_size),
+        reply: Vec::new(),
+    };
     debug!("FUSE io_uring queue {qid}: {depth} entries of {payload_size} bytes registered");
     let mut held = depth;
-    live.fetch_add(1, Ordering::Relaxed);
+    counts.started();
     let end = run_queue(
         &mut ring,
         &mut entries,
@@ -328,9 +324,9 @@ fn serve_queue<FS: Filesystem>(
         device,
         event_loop,
         &slot,
-        &mut request,
+        &mut bufs,
     );
-    live.fetch_sub(1, Ordering::Relaxed);
+    counts.stopped_serving();
     drop(ring);
     if held > 0 {
         // The kernel may still write into entries it holds after the ring closes (its
@@ -350,7 +346,7 @@ fn run_queue<FS: Filesystem>(
     device: &Arc<DevFuse>,
     event_loop: &SessionEventLoop<FS>,
     slot: &Arc<RingReply>,
-    request: &mut Vec<u8>,
+    bufs: &mut Buffers,
 ) -> io::Result<()> {
     let mut done = Vec::with_capacity(entries.len() + 1);
     loop {
@@ -391,7 +387,7 @@ fn run_queue<FS: Filesystem>(
                     }
                 }
             }
-            answer(ent, device, event_loop, slot, request);
+            answer(ent, device, event_loop, slot, bufs);
             ent.last_cmd = CMD_COMMIT_AND_FETCH;
             push(ring, ent, idx, qid)?;
         }
@@ -448,8 +444,9 @@ fn answer<FS: Filesystem>(
     device: &Arc<DevFuse>,
     event_loop: &SessionEventLoop<FS>,
     slot: &Arc<RingReply>,
-    request: &mut Vec<u8>,
+    bufs: &mut Buffers,
 ) {
+    let Buffers { request, reply } = bufs;
     ent.commit_id = ent.header.u64_at(ENT_COMMIT_ID);
     let len = ent.header.u32_at(0) as usize;
     let unique = ent.header.u64_at(8);
@@ -462,7 +459,7 @@ fn answer<FS: Filesystem>(
             && ent.header.read(OP_IN, request, op_in)
             && ent.payload.read(0, request, payload_sz)
     });
-    let _ = slot.take();
+    slot.clear();
     if ok {
         let sender = ChannelSender::for_ring(device.clone(), slot.clone());
         match RequestWithSender::new(sender, request) {
@@ -474,16 +471,13 @@ fn answer<FS: Filesystem>(
             "FUSE io_uring: request {unique} of {len} bytes with a payload of {payload_sz} does not fit its entry"
         );
     }
-    let reply = slot.take().unwrap_or_else(|| {
+    if !slot.take_into(reply) {
         // Nothing was sent before the method returned: the request fails rather than
         // holding its caller (and this entry) forever.
         error!("FUSE io_uring: no reply to request {unique}; answering EIO");
-        let mut h = Vec::with_capacity(OUT_HEADER);
-        h.extend_from_slice(&(OUT_HEADER as u32).to_ne_bytes());
-        h.extend_from_slice(&(-libc::EIO).to_ne_bytes());
-        h.extend_from_slice(&unique.to_ne_bytes());
-        h
-    });
+        reply.clear();
+        reply.extend_from_slice(&eio_reply(unique));
+    }
     let (head, body) = reply.split_at(OUT_HEADER.min(reply.len()));
     let written = ent.header.write(0, head)
         && ent.payload.write(0, body)
@@ -495,10 +489,24 @@ fn answer<FS: Filesystem>(
             "FUSE io_uring: reply to request {unique} ({} bytes) does not fit its entry",
             reply.len()
         );
-        let mut h = Vec::with_capacity(OUT_HEADER);
-        h.extend_from_slice(&(OUT_HEADER as u32).to_ne_bytes());
-        h.extend_from_slice(&(-libc::EIO).to_ne_bytes());
-        h.extend_from_slice(&unique.to_ne_bytes());
-        let _ = ent.header.write(0, &h) && ent.header.write(ENT_PAYLOAD_SZ, &0u32.to_ne_bytes());
+        let _ = ent.header.write(0, &eio_reply(unique))
+            && ent.header.write(ENT_PAYLOAD_SZ, &0u32.to_ne_bytes());
     }
+}
+
+/// A queue thread's buffers, reused from request to request.
+struct Buffers {
+    /// The request reassembled as a `/dev/fuse` read gives it.
+    request: Vec<u8>,
+    /// The reply, swapped out of the [`RingReply`] slot.
+    reply: Vec<u8>,
+}
+
+/// `struct fuse_out_header` answering request `unique` with `EIO`.
+fn eio_reply(unique: u64) -> [u8; OUT_HEADER] {
+    let mut h = [0u8; OUT_HEADER];
+    h[0..4].copy_from_slice(&(OUT_HEADER as u32).to_ne_bytes());
+    h[4..8].copy_from_slice(&(-libc::EIO).to_ne_bytes());
+    h[8..16].copy_from_slice(&unique.to_ne_bytes());
+    h
 }
