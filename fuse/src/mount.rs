@@ -227,7 +227,7 @@ fn prepare_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
     match sys::statfs_probe(&c) {
         Ok(_) => {}
         Err(libc::ENOENT) => return Err(MountError::MountPointMissing(mountpoint.into())),
-        Err(libc::ENOTCONN) | Err(libc::ECONNABORTED) => {
+        Err(e) if sys::is_dead_mount(e) => {
             warn!(mountpoint = %mountpoint.display(), "dead mount point (its daemon died); detaching it");
             sys::umount2(&c, libc::MNT_DETACH).map_err(|e| MountError::DeadMount {
                 path: mountpoint.into(),

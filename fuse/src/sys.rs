@@ -772,6 +772,13 @@ pub(crate) fn stat_path(path: &CStr) -> SysResult<Stat> {
     statx(cwd, path)
 }
 
+/// Whether `errno`, from a syscall on a FUSE mount, says its server is gone: `ENOTCONN` for a
+/// mount served over `/dev/fuse`; one served over io_uring answers `ECONNABORTED` or
+/// `ECANCELED` while the kernel tears its queues down (both seen after a `SIGKILL`).
+pub(crate) fn is_dead_mount(errno: Errno) -> bool {
+    matches!(errno, libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)
+}
+
 /// `statfs(path)`, for its verdict only. It always asks a FUSE server (it is never
 /// cached), so it tells a dead FUSE mount (`ENOTCONN`) from a live one.
 pub(crate) fn statfs_probe(path: &CStr) -> SysResult<()> {
