@@ -6,7 +6,7 @@
 //! interrupted applies ([`crate::apply::recover_pending`]), scan the whole folder (changes made
 //! while no daemon ran are journaled exactly once), start the watcher → listen → dial peers.
 
-use crate::capture::{self, CaptureMsg, Coalescer};
+use crate::capture::{self, CaptureMsg};
 use crate::config::{Config, Home, Options};
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::identity::Identity;
@@ -328,7 +328,7 @@ impl Engine {
             op_lock: Mutex::new(()),
             capture: tx.clone(),
             capture_pending: Default::default(),
-            capture_waiting: Default::default(),
+            capture_queue: Default::default(),
             scanning: Default::default(),
             scan_is_long: Default::default(),
             // Inert until the folder is mounted; then it forwards to the mount.
@@ -745,7 +745,9 @@ async fn capture_loop(
 ) {
     let quiet = Duration::from_millis(engine.options().coalesce_ms);
     let open_quiet = Duration::from_secs(1);
-    let mut c = Coalescer::default();
+    // The queue lives in the folder's runtime so that status can list it; this loop is its
+    // only writer and never holds it across an await.
+    let queue = || rt.capture_queue.lock().unwrap_or_else(|p| p.into_inner());
     let mut next: Option<Instant> = None;
     let mut released = false;
     // Set while scans fail (the journal's disk full): the next success says it is over.
@@ -763,17 +765,20 @@ async fn capture_loop(
                 let Some(msg) = msg else { return };
                 let now = Instant::now();
                 let mut final_now = false;
-                for m in std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
-                    match m {
-                        CaptureMsg::Released(p) => {
-                            released = true;
-                            c.finalize(&p, now);
-                            final_now = true;
+                {
+                    let mut c = queue();
+                    for m in std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                        match m {
+                            CaptureMsg::Released(p) => {
+                                released = true;
+                                c.finalize(&p, now);
+                                final_now = true;
+                            }
+                            m => c.add(m, now),
                         }
-                        m => c.add(m, now),
                     }
+                    publish_count(&rt, c.len().max(1));
                 }
-                publish_capture(&rt, &c, 1);
                 // A file whose last writer let go through the mount is captured at once:
                 // the quiet time only guesses when a burst of inotify events is over.
                 let due = if final_now { now } else { now + quiet };
@@ -781,23 +786,27 @@ async fn capture_loop(
             }
             _ = sleep => {
                 let now = Instant::now();
-                let (rescan, paths, n) = c.take_ready(now, quiet, open_quiet);
-                // A path a writer through the mount still holds waits for its release (once).
-                let paths: Vec<RelPath> = paths
-                    .into_iter()
-                    .filter(|p| {
-                        let held = rt.writers.has_writer(p) && c.hold(p, now);
-                        if !held {
-                            c.captured(p);
-                        }
-                        !held
-                    })
-                    .collect();
-                let n = match c.is_empty() {
-                    true => n,
-                    false => Some(n.map_or(now + open_quiet, |t| t.min(now + open_quiet))),
+                let (rescan, paths) = {
+                    let mut c = queue();
+                    let (rescan, paths, n) = c.take_ready(now, quiet, open_quiet);
+                    // A path a writer through the mount still holds waits for its release
+                    // (once).
+                    let paths: Vec<RelPath> = paths
+                        .into_iter()
+                        .filter(|p| {
+                            let held = rt.writers.has_writer(p) && c.hold(p, now);
+                            if !held {
+                                c.captured(p);
+                            }
+                            !held
+                        })
+                        .collect();
+                    next = match c.is_empty() {
+                        true => n,
+                        false => Some(n.map_or(now + open_quiet, |t| t.min(now + open_quiet))),
+                    };
+                    (rescan, paths)
                 };
-                next = n;
                 let scopes = if rescan {
                     Vec::new()
                 } else {
@@ -839,21 +848,25 @@ async fn capture_loop(
                             }
                             let retry = Instant::now() + RESCAN_AFTER_FAILURE;
                             scan_failing = Some(retry);
-                            c.add(CaptureMsg::Rescan, retry);
+                            queue().add(CaptureMsg::Rescan, retry);
                             next = Some(next.map_or(retry, |n| n.min(retry)));
                         }
                     }
                 }
+                let (empty, len) = {
+                    let c = queue();
+                    (c.is_empty(), c.len())
+                };
                 // A writer let go: once its path is captured (nothing of it waits here any
                 // more), the remote versions that waited for it are decided again.
                 if std::mem::take(&mut released) || rt.deferred_count() > 0 {
-                    if c.is_empty() {
+                    if empty {
                         engine.apply_deferred(&rt);
                     } else {
                         released = true;
                     }
                 }
-                publish_capture(&rt, &c, 0);
+                publish_count(&rt, len);
             }
             _ = stopping.changed() => return,
         }
@@ -871,14 +884,10 @@ fn first_scan_done(engine: &Engine, rt: &FolderRt) {
     }
 }
 
-/// Tells status how many paths wait in the capture loop (at least `at_least`: events were
-/// just read), and `status --pending` the first of them.
-fn publish_capture(rt: &FolderRt, c: &Coalescer, at_least: usize) {
+/// Tells status how many paths wait in the capture loop.
+fn publish_count(rt: &FolderRt, n: usize) {
     rt.capture_pending
-        .store(c.len().max(at_least), std::sync::atomic::Ordering::Relaxed);
-    if let Ok(mut w) = rt.capture_waiting.lock() {
-        *w = c.waiting(crate::pending::LISTED);
-    }
+        .store(n, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// How long a deferred remote version whose apply failed first waits before it is tried again
