@@ -56,13 +56,59 @@ pub enum Hint {
 /// included) would wake the watcher and fill the kernel's queue (16,384 events) for nothing.
 const WATCHED: EventKindMask = EventKindMask::CORE.union(EventKindMask::ACCESS_CLOSE);
 
-/// Starts an inotify watcher on `root`, feeding `tx`.
+/// The watcher thread's naps in a burst of events.
+///
+/// The kernel wakes a reader waiting on the inotify descriptor for every event it queues, and
+/// that wake-up runs in the thread that made the change: for the mount, the FUSE request's
+/// own thread (its backing-directory calls queue the events). After an event, the watcher's
+/// thread therefore naps (at most once per two naps' time), so that during a burst it is off
+/// the wait queue and the kernel only queues; it then reads everything at once. An isolated
+/// event is handled at once (the nap comes after it). D32 has the measurements.
+#[derive(Debug, Clone, Copy)]
+pub struct Nap {
+    len: Duration,
+    last_end: Option<Instant>,
+}
+
+impl Nap {
+    /// At most 1 ms and at most half the capture loop's quiet time: a new directory's watch is
+    /// added after its event's batch, and the capture scan of that directory (a quiet time
+    /// after the event) must come after the watch, so that a file created in between is found
+    /// by one or the other.
+    pub fn for_quiet(quiet: Duration) -> Nap {
+        Nap {
+            len: (quiet / 2).min(Duration::from_millis(1)),
+            last_end: None,
+        }
+    }
+
+    /// How long to sleep now, after an event handled at `now`: `len` if the last nap ended
+    /// at least two naps ago (so the thread reads at least two thirds of the time in a
+    /// burst, and the kernel's queue of 16,384 events drains), otherwise nothing.
+    pub fn after_event(&self, now: Instant) -> Option<Duration> {
+        if self.len.is_zero() {
+            return None;
+        }
+        match self.last_end {
+            Some(end) if now.saturating_duration_since(end) < 2 * self.len => None,
+            _ => Some(self.len),
+        }
+    }
+
+    /// A nap ended at `now`.
+    pub fn ended(&mut self, now: Instant) {
+        self.last_end = Some(now);
+    }
+}
+
+/// Starts an inotify watcher on `root`, feeding `tx`; its thread naps as `nap` says.
 pub fn watch(
     root: &Path,
     tx: mpsc::UnboundedSender<CaptureMsg>,
+    mut nap: Nap,
 ) -> notify::Result<RecommendedWatcher> {
     let root_buf = root.to_path_buf();
-    let handler = move |res: notify::Result<notify::Event>| match res {
+    let send = move |res: notify::Result<notify::Event>| match res {
         Ok(ev) => {
             if ev.need_rescan() {
                 let _ = tx.send(CaptureMsg::Rescan);
@@ -94,6 +140,13 @@ pub fn watch(
         Err(e) => {
             tracing::warn!(error = %e, "watcher error; rescanning");
             let _ = tx.send(CaptureMsg::Rescan);
+        }
+    };
+    let handler = move |res: notify::Result<notify::Event>| {
+        send(res);
+        if let Some(d) = nap.after_event(Instant::now()) {
+            std::thread::sleep(d);
+            nap.ended(Instant::now());
         }
     };
     // Never follow symlinks: a synced `x -> /` would otherwise make the watcher walk and
@@ -350,6 +403,26 @@ mod tests {
         assert_eq!(c.take_ready(t0 + oq, q, oq).1, vec![f.clone()]);
         assert!(!c.hold(&f, t0 + oq), "captured this time");
         assert!(c.is_empty());
+    }
+
+    #[test]
+    fn the_watcher_naps_at_most_once_per_two_naps_and_never_past_half_the_quiet_time() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut nap = Nap::for_quiet(ms(5));
+        // The first event of a burst is handled, then the thread naps.
+        assert_eq!(nap.after_event(t0), Some(ms(1)));
+        nap.ended(t0 + ms(1));
+        // Events read right after a nap are handled without one...
+        assert_eq!(nap.after_event(t0 + ms(2)), None);
+        // ...until two naps' length has passed since the last ended.
+        assert_eq!(nap.after_event(t0 + ms(3)), Some(ms(1)));
+        // A short quiet time shortens the nap; none without a quiet time.
+        assert_eq!(
+            Nap::for_quiet(Duration::from_micros(600)).after_event(t0),
+            Some(Duration::from_micros(300))
+        );
+        assert_eq!(Nap::for_quiet(Duration::ZERO).after_event(t0), None);
     }
 
     #[test]

@@ -355,7 +355,8 @@ impl Engine {
             }
         }
         if f.watch {
-            match capture::watch(&f.path, tx) {
+            let quiet = Duration::from_millis(self.options().coalesce_ms);
+            match capture::watch(&f.path, tx, capture::Nap::for_quiet(quiet)) {
                 Ok(w) => {
                     if let Ok(mut slot) = rt.watcher.lock() {
                         *slot = Some(w);
