@@ -1181,12 +1181,25 @@ fn dead_mount_child() {
     drop(m);
 }
 
+/// Detaches whatever is still mounted at its path when dropped: a failed assertion must not
+/// leave a dead mount behind for the next run to trip on.
+struct DetachOnDrop(std::ffi::CString);
+
+impl Drop for DetachOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: a NUL-terminated path; EINVAL (nothing mounted there) is expected and ignored.
+        unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
 #[test]
 fn a_dead_mount_point_is_recovered() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let (back, mnt) = (dir.path().join("b"), dir.path().join("m"));
     fs::create_dir(&back).unwrap();
     fs::create_dir(&mnt).unwrap();
+    // Dropped before `dir`, whose removal would otherwise stop at the dead mount point.
+    let _detach = DetachOnDrop(std::ffi::CString::new(mnt.as_os_str().as_bytes()).unwrap());
     fs::write(back.join("f"), b"survives").unwrap();
 
     let mut child = Command::new(std::env::current_exe().unwrap())
