@@ -276,13 +276,18 @@ pub fn tmp() -> std::sync::Arc<tempfile::TempDir> {
 /// Waits until every device reports in sync with its connected peers (three times in a row)
 /// and their trees are equal. `--connected`: a peer configured but not among `devs` (one that
 /// never runs, or is stopped) is not waited for; the trees compared prove convergence.
+///
+/// Each `status --wait-synced` may take up to 5 s: it returns as soon as three polls in a row
+/// say in sync, but a debug daemon on a loaded machine can take over 150 ms to answer one
+/// poll, and a shorter timeout then never sees three in a row (a CI run failed so: both
+/// daemons in sync, the trees equal, and this loop still waiting after 60 s).
 pub fn wait_synced(devs: &[&Device], secs: u64) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
         let all = devs.iter().all(|d| {
             meshfs(
                 &d.home,
-                &["status", "--wait-synced", "--connected", "--timeout", "0.5"],
+                &["status", "--wait-synced", "--connected", "--timeout", "5"],
             )
             .status
             .success()
