@@ -9,8 +9,8 @@ use std::process::Command;
 
 const FILES: usize = 100_000;
 /// The daemon's descriptors after the walk, stat and `git status` of 100,000 files: sockets,
-/// the journal, the watcher, the mount's root, its directory cache (at most 1,024) and the
-/// FUSE device clones. Known inodes cost memory, not descriptors.
+/// the journal, the watcher, the mount's root, its directory cache (at most 1,024), the
+/// read-ahead's (at most 5) and the FUSE device clones. Known inodes cost memory, not descriptors.
 const FD_BOUND: usize = 1_500;
 
 fn fds(pid: u32) -> usize {

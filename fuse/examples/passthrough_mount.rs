@@ -2,7 +2,7 @@
 //! change events the mount reported.
 //!
 //! ```text
-//! passthrough_mount [--no-passthrough] [--no-io-uring] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>
+//! passthrough_mount [--no-passthrough] [--no-io-uring] [--no-read-ahead] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>
 //! ```
 //!
 //! Used to run conformance suites (pjdfstest) and timings against the mount.
@@ -26,6 +26,7 @@ fn main() {
             "--threads" => opts.n_threads = args.next().and_then(|n| n.parse().ok()).unwrap_or(2),
             "--no-passthrough" => opts.passthrough = false,
             "--no-io-uring" => opts.io_uring = false,
+            "--no-read-ahead" => opts.read_ahead = false,
             "--ro" => opts.read_only = true,
             "--print-events" => print = true,
             "--allow-other" => opts.allow_other = true,
@@ -33,7 +34,7 @@ fn main() {
         }
     }
     let [backing, mountpoint] = paths.as_slice() else {
-        eprintln!("usage: passthrough_mount [--no-passthrough] [--no-io-uring] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>");
+        eprintln!("usage: passthrough_mount [--no-passthrough] [--no-io-uring] [--no-read-ahead] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>");
         std::process::exit(2);
     };
 

@@ -16,6 +16,7 @@
 use crate::dircache::DirCache;
 use crate::handles::{Handle, Handles};
 use crate::inodes::{Remembered, Table, ROOT};
+use crate::prefetch::Prefetcher;
 use crate::sys::{self, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind, ChangeSink};
 use fuser::{BackingId, Errno, FileAttr, FileType, Generation, INodeNo, ReplyEntry, Request};
@@ -67,6 +68,8 @@ pub(crate) struct Shared {
     /// Invalidations queued and not yet sent to the kernel: until it is 0 the kernel may
     /// still show a path's previous state, so the engine's "in sync" waits for it.
     pub invalidations_pending: AtomicUsize,
+    /// Metadata read-ahead after a cold listing.
+    pub prefetch: Prefetcher,
 }
 
 impl std::fmt::Debug for Shared {

@@ -25,6 +25,7 @@ use crate::backing::{
 };
 use crate::handles::MakeBacking;
 use crate::inodes::ROOT;
+use crate::prefetch::{Job, Prefetcher};
 use crate::sys::{self, SetTime, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind};
 use fuser::{
@@ -769,6 +770,9 @@ impl Filesystem for Passthrough {
         mut reply: ReplyDirectoryPlus,
     ) {
         let mut added: Vec<(std::ffi::OsString, Stat)> = Vec::new();
+        // A listing that went to disk hands its subdirectories to the read-ahead (`prefetch`).
+        let mark = Prefetcher::mark();
+        let mut subdirs = Vec::new();
         let res = self.fill_dir(ino.0, offset, |dir, e| {
             if is_dot(&e.name) {
                 // The kernel takes no lookup for these; they only need an inode number.
@@ -789,11 +793,14 @@ impl Filesystem for Passthrough {
                     Fill::Added
                 };
             }
-            let st = match sys::cstr(&e.name).and_then(|n| sys::statx(dir, &n)) {
-                Ok(st) if st.dev == self.sh.root_dev && !st.mount_root => st,
+            let (st, cname) = match sys::cstr(&e.name).and_then(|n| Ok((sys::statx(dir, &n)?, n))) {
+                Ok((st, n)) if st.dev == self.sh.root_dev && !st.mount_root => (st, n),
                 // Gone since the listing was read, or another filesystem mounted here.
                 _ => return Fill::Skipped,
             };
+            if st.is_dir() {
+                subdirs.push(cname);
+            }
             let attr = self.sh.attr(&st);
             if reply.add(
                 attr.ino,
@@ -817,6 +824,14 @@ impl Filesystem for Passthrough {
                     self.sh.remember(ino.0, name, st);
                 }
                 reply.ok();
+                if Prefetcher::went_to_disk(mark) {
+                    if let Ok(dir) = self.sh.dir(ino.0) {
+                        self.sh.prefetch.offer(Job {
+                            dir,
+                            children: subdirs,
+                        });
+                    }
+                }
             }
             Err(e) => reply.error(e),
         }

@@ -27,15 +27,19 @@
 //! It owns the FUSE session, the inode table (FUSE node ↔ backing path) and the open
 //! handles. It **never** touches SQLite, the network or an async runtime (its dependencies
 //! leave no way to); it never hashes or reads a file on its own behalf, and never blocks a
-//! request on the engine: the sink must not block, and invalidations are queued.
+//! request on the engine: the sink must not block, and invalidations are queued. The one
+//! thing it reads unasked is metadata: after a listing that went to disk, one thread lists
+//! the directories it named and `statx`es their entries ahead of the caller (bounded, never
+//! for a warm listing; `prefetch`, D33).
 //! It never shows, creates, or renames onto meshfs's own names (any path component
 //! starting with [`meshfs_protocol::INTERNAL_PREFIX`]: the `.meshfs` state directory and
 //! the store's temp files). It never follows a symlink out of the backing directory: every
 //! path is resolved beneath an `O_PATH` descriptor of the backing root.
 //!
 //! **File descriptors are a budget** (the open-file limit is 20,000 and shared with the
-//! engine): the mount holds one descriptor per open file, the backing root, and at most
-//! 1,024 cached directory descriptors, whatever the size of the tree. Known inodes cost
+//! engine): the mount holds one descriptor per open file, the backing root, at most
+//! 1,024 cached directory descriptors and at most 5 more for the read-ahead, whatever the size
+//! of the tree. Known inodes cost
 //! memory (a table entry), not descriptors.
 //!
 //! ## Decisions worth knowing
@@ -67,6 +71,7 @@ mod handles;
 mod inodes;
 mod invalidate;
 mod mount;
+mod prefetch;
 mod sys;
 
 pub use mount::{mount, Mount, MountError, MountHandle, MountInfo, MountOptions};

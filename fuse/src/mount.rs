@@ -13,6 +13,7 @@ use crate::dircache::DirCache;
 use crate::fs::Passthrough;
 use crate::handles::Handles;
 use crate::inodes::Table;
+use crate::prefetch::Prefetcher;
 use crate::{invalidate, lock, sys, ChangeSink, Invalidator, WriterRegistry};
 use meshfs_protocol::RelPath;
 use std::ffi::CString;
@@ -54,6 +55,11 @@ pub struct MountOptions {
     /// for what the kernel never sends that way (forgets, interrupts), requests come through
     /// `/dev/fuse` to the request threads.
     pub io_uring: bool,
+    /// After a listing that came from disk, read the metadata of the directories it lists
+    /// (and, where cold too, of theirs) ahead of the caller, on a thread of its own: a cold
+    /// `find` or `ls -R` then finds the backing's inodes in memory. Metadata only, bounded,
+    /// never for a warm listing.
+    pub read_ahead: bool,
 }
 
 impl Default for MountOptions {
@@ -66,6 +72,7 @@ impl Default for MountOptions {
             ttl: Duration::from_secs(2),
             allow_other: false,
             io_uring: true,
+            read_ahead: true,
         }
     }
 }
@@ -400,6 +407,7 @@ fn shared(
         egid,
         invalidations: Mutex::new(None),
         invalidations_pending: AtomicUsize::new(0),
+        prefetch: Prefetcher::start(opts.read_ahead),
     })
 }
 

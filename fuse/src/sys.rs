@@ -793,3 +793,18 @@ pub(crate) fn open_dir_path(path: &CStr) -> SysResult<OwnedFd> {
     let cwd = unsafe { BorrowedFd::borrow_raw(libc::AT_FDCWD) };
     openat(cwd, path, libc::O_PATH | libc::O_DIRECTORY, 0)
 }
+
+/// Blocks this thread has read from storage so far (`ru_inblock` of `getrusage(RUSAGE_THREAD)`:
+/// the kernel's per-task I/O accounting, in 512-byte units). A call that raised it went to disk;
+/// page-cache and dentry-cache hits leave it as it was. 0 where the kernel does not count.
+pub(crate) fn thread_inblock() -> u64 {
+    let mut ru = MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `ru` is a writable rusage the kernel fills on success; it was zeroed anyway.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) };
+    if r != 0 {
+        return 0;
+    }
+    // SAFETY: getrusage succeeded, so the kernel initialised the buffer.
+    let ru = unsafe { ru.assume_init() };
+    u64::try_from(ru.ru_inblock).unwrap_or(0)
+}
