@@ -30,6 +30,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::{CString, OsStr};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,28 +78,38 @@ pub(crate) struct Job {
     pub children: Vec<CString>,
 }
 
-/// The read-ahead thread's queue. Dropping it ends the thread after its current job.
+/// The read-ahead thread's queue. Dropping it (the mount is gone) ends the thread at its next
+/// directory: queued jobs are dropped, not read.
 #[derive(Debug)]
 pub(crate) struct Prefetcher {
     tx: Option<SyncSender<Job>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Prefetcher {
     /// Starts the thread; without one (it could not be started, or `enabled` is false) every
     /// offer is declined.
     pub fn start(enabled: bool) -> Prefetcher {
+        let stop = Arc::new(AtomicBool::new(false));
         if !enabled {
-            return Prefetcher { tx: None };
+            return Prefetcher { tx: None, stop };
         }
         let (tx, rx) = sync_channel(QUEUE);
+        let stopped = stop.clone();
         let started = std::thread::Builder::new()
             .name("meshfs-fuse-ahead".into())
-            .spawn(move || run(rx));
+            .spawn(move || run(rx, &stopped));
         match started {
-            Ok(_) => Prefetcher { tx: Some(tx) },
+            Ok(_) => Prefetcher { tx: Some(tx), stop },
             Err(e) => {
                 debug!(error = %e, "no metadata read-ahead: its thread did not start");
-                Prefetcher { tx: None }
+                Prefetcher { tx: None, stop }
             }
         }
     }
@@ -129,12 +140,12 @@ impl Prefetcher {
     }
 }
 
-fn run(rx: Receiver<Job>) {
+fn run(rx: Receiver<Job>, stop: &AtomicBool) {
     let mut seen = HashMap::new();
     let mut buf = vec![0u8; 64 * 1024];
     while let Ok(job) = rx.recv() {
         let t0 = Instant::now();
-        let done = read_ahead(&job, &mut seen, &mut buf, &LIMITS);
+        let done = read_ahead(&job, &mut seen, &mut buf, &LIMITS, stop);
         debug!(
             dirs = done.dirs,
             stats = done.stats,
@@ -158,6 +169,7 @@ pub(crate) fn read_ahead(
     seen: &mut HashMap<u64, Instant>,
     buf: &mut [u8],
     limits: &Limits,
+    stop: &AtomicBool,
 ) -> Done {
     let mut done = Done::default();
     let mut queue: VecDeque<(Vec<u8>, u32)> = job
@@ -167,7 +179,7 @@ pub(crate) fn read_ahead(
         .collect();
     let mut entries = Vec::new();
     while let Some((rel, depth)) = queue.pop_front() {
-        if done.dirs >= limits.dirs || done.stats >= limits.stats {
+        if done.dirs >= limits.dirs || done.stats >= limits.stats || stop.load(Ordering::Relaxed) {
             break;
         }
         let Ok(path) = CString::new(rel.clone()) else {
@@ -263,7 +275,13 @@ mod tests {
     }
 
     fn run_job(j: &Job, seen: &mut HashMap<u64, Instant>, limits: &Limits) -> Done {
-        read_ahead(j, seen, &mut vec![0u8; 4096], limits)
+        read_ahead(
+            j,
+            seen,
+            &mut vec![0u8; 4096],
+            limits,
+            &AtomicBool::new(false),
+        )
     }
 
     /// Every listing counts as cold.
@@ -337,6 +355,16 @@ mod tests {
         };
         let done = run_job(&job(t.path(), &["l1/l2"]), &mut HashMap::new(), &warm);
         assert_eq!(done, Done { dirs: 1, stats: 1 });
+    }
+
+    #[test]
+    fn a_stopped_job_reads_nothing_more() {
+        let t = tempfile::tempdir().unwrap();
+        fs::create_dir(t.path().join("d")).unwrap();
+        let stopped = AtomicBool::new(true);
+        let j = job(t.path(), &["d"]);
+        let done = read_ahead(&j, &mut HashMap::new(), &mut [0u8; 4096], &LIMITS, &stopped);
+        assert_eq!(done, Done::default());
     }
 
     #[test]
