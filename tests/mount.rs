@@ -286,3 +286,61 @@ fn a_file_open_for_writing_in_the_mount_is_never_replaced_and_both_versions_surv
     assert!(contents.contains(&b"b's edit".to_vec()), "{contents:?}");
     assert_eq!(a.status()["folders"][0]["waiting_for_writers"], 0);
 }
+
+/// With the kernel trusting entries and attributes for a minute (D34), a program that writes
+/// the replica directory itself is still seen through the mount at once: the watcher's report
+/// invalidates what the kernel holds. Through the mount, only `stat`s (as `git status` and
+/// `make` do; a read or a listing would make the kernel ask again anyway): a file's attributes,
+/// a name that does not exist (a negative entry) and one that does. Behind it: the file
+/// rewritten longer, the missing name created, the other removed.
+#[test]
+fn a_change_written_straight_into_the_replica_shows_through_the_mount_without_waiting_for_the_ttl()
+{
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    write(&a.path("dir/old.txt"), b"short");
+    write(&a.path("dir/gone.txt"), b"to be removed");
+    a.start();
+    let point = t.path().join("mnt");
+    mount(&a, &point);
+    let size = |name: &str| {
+        std::fs::symlink_metadata(point.join("dir").join(name))
+            .map(|m| m.len())
+            .ok()
+    };
+    assert_eq!(size("old.txt"), Some(5));
+    assert_eq!(size("new.txt"), None);
+    assert_eq!(size("gone.txt"), Some(13));
+    // Past the two seconds in which the watcher's reports of a path count as echoes of the
+    // mount's own changes (there are none here).
+    std::thread::sleep(Duration::from_millis(2100));
+    assert_eq!(size("old.txt"), Some(5));
+
+    write(&a.path("dir/old.txt"), b"a longer content now");
+    write(&a.path("dir/new.txt"), b"made behind the mount");
+    std::fs::remove_file(a.path("dir/gone.txt")).unwrap();
+    let t0 = Instant::now();
+    loop {
+        let seen = (size("old.txt"), size("new.txt"), size("gone.txt"));
+        if seen == (Some(20), Some(21), None) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the mount still shows {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("seen through the mount after {:?}", t0.elapsed());
+    assert_eq!(
+        std::fs::read(point.join("dir/old.txt")).unwrap(),
+        b"a longer content now"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(point.join("dir"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["new.txt", "old.txt"]);
+    a.stop();
+}

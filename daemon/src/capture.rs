@@ -20,6 +20,7 @@ use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind};
 use notify::{Config, EventKindMask, RecommendedWatcher, RecursiveMode, Watcher};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -101,11 +102,15 @@ impl Nap {
     }
 }
 
-/// Starts an inotify watcher on `root`, feeding `tx`; its thread naps as `nap` says.
+/// Starts an inotify watcher on `root`, feeding `tx`; its thread naps as `nap` says. Every
+/// path it reports is also handed to `mount` (the folder's mount slot), which invalidates the
+/// kernel's caches of a change made behind the mount's back and drops the echoes of the
+/// mount's own changes (D34).
 pub fn watch(
     root: &Path,
     tx: mpsc::UnboundedSender<CaptureMsg>,
     mut nap: Nap,
+    mount: Arc<dyn meshfs_fuse::Invalidator>,
 ) -> notify::Result<RecommendedWatcher> {
     let root_buf = root.to_path_buf();
     let send = move |res: notify::Result<notify::Event>| match res {
@@ -125,6 +130,9 @@ pub fn watch(
                 .iter()
                 .filter_map(|p| relative(&root_buf, p))
                 .collect();
+            for p in &rel {
+                mount.invalidate_foreign(p);
+            }
             // Two paths are a rename's two ends (notify pairs them): one message.
             match <[RelPath; 2]>::try_from(rel) {
                 Ok([from, to]) => {

@@ -356,7 +356,12 @@ impl Engine {
         }
         if f.watch {
             let quiet = Duration::from_millis(self.options().coalesce_ms);
-            match capture::watch(&f.path, tx, capture::Nap::for_quiet(quiet)) {
+            match capture::watch(
+                &f.path,
+                tx,
+                capture::Nap::for_quiet(quiet),
+                rt.invalidator.clone(),
+            ) {
                 Ok(w) => {
                     if let Ok(mut slot) = rt.watcher.lock() {
                         *slot = Some(w);

@@ -59,6 +59,12 @@ impl Invalidator for MountSlot {
             h.invalidate(path);
         }
     }
+
+    fn invalidate_foreign(&self, path: &RelPath) {
+        if let Some(h) = self.current() {
+            h.invalidate_foreign(path);
+        }
+    }
 }
 
 impl WriterRegistry for MountSlot {

@@ -16,7 +16,9 @@
 use crate::dircache::DirCache;
 use crate::handles::{Handle, Handles};
 use crate::inodes::{Remembered, Table, ROOT};
+use crate::invalidate::Inval;
 use crate::prefetch::Prefetcher;
+use crate::recent::Recent;
 use crate::sys::{self, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind, ChangeSink};
 use fuser::{BackingId, Errno, FileAttr, FileType, Generation, INodeNo, ReplyEntry, Request};
@@ -64,12 +66,14 @@ pub(crate) struct Shared {
     /// See `euid`.
     pub egid: u32,
     /// The queue of the notifier thread; `None` once the mount is going away.
-    pub invalidations: Mutex<Option<Sender<RelPath>>>,
+    pub invalidations: Mutex<Option<Sender<Inval>>>,
     /// Invalidations queued and not yet sent to the kernel: until it is 0 the kernel may
     /// still show a path's previous state, so the engine's "in sync" waits for it.
     pub invalidations_pending: AtomicUsize,
     /// Metadata read-ahead after a cold listing.
     pub prefetch: Prefetcher,
+    /// Paths changed through the mount lately: the watcher's reports of them are echoes.
+    pub recent: Mutex<Recent>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -301,8 +305,22 @@ impl Shared {
     /// left to its scanner.
     pub(crate) fn emit(&self, path: Option<Vec<u8>>, kind: ChangeKind) {
         if let Some(path) = path.and_then(|p| rel_path(&p)) {
-            self.sink.changed(ChangeEvent { path, kind });
+            self.report(ChangeEvent { path, kind });
         }
+    }
+
+    /// Gives `ev` to the engine, remembering its paths as changed through the mount (the
+    /// watcher's report of them is an echo: `MountHandle::invalidate_foreign`).
+    pub(crate) fn report(&self, ev: ChangeEvent) {
+        {
+            let now = std::time::Instant::now();
+            let mut recent = lock(&self.recent);
+            recent.told(&ev.path, now);
+            if let ChangeKind::RenamedFrom(from) = &ev.kind {
+                recent.told(from, now);
+            }
+        }
+        self.sink.changed(ev);
     }
 
     /// If the caller is not the process's own user (a root daemon serving others), gives a

@@ -492,19 +492,19 @@ impl Filesystem for Passthrough {
         match (old, new) {
             (Some(old), Some(new)) => {
                 if exchange {
-                    self.sh.sink.changed(ChangeEvent {
+                    self.sh.report(ChangeEvent {
                         path: old.clone(),
                         kind: ChangeKind::RenamedFrom(new.clone()),
                     });
                 }
-                self.sh.sink.changed(ChangeEvent {
+                self.sh.report(ChangeEvent {
                     path: new,
                     kind: ChangeKind::RenamedFrom(old),
                 });
             }
             // One side is not a folder path: what the engine can see is a removal or a
             // creation.
-            (Some(old), None) => self.sh.sink.changed(ChangeEvent {
+            (Some(old), None) => self.sh.report(ChangeEvent {
                 path: old,
                 kind: if exchange {
                     ChangeKind::Created
@@ -512,7 +512,7 @@ impl Filesystem for Passthrough {
                     ChangeKind::Removed
                 },
             }),
-            (None, Some(new)) => self.sh.sink.changed(ChangeEvent {
+            (None, Some(new)) => self.sh.report(ChangeEvent {
                 path: new,
                 kind: ChangeKind::Created,
             }),

@@ -26,19 +26,48 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 use tracing::debug;
+
+/// One queued invalidation.
+#[derive(Debug)]
+pub(crate) struct Inval {
+    /// What is stale.
+    pub path: RelPath,
+    /// For a change the watcher saw (`MountHandle::invalidate_foreign`), when it was queued:
+    /// it is sent only if, [`FOREIGN_DELAY`] later, the mount has not reported the path as
+    /// its own change (the request thread reports after its backing call, which the watcher
+    /// may see first).
+    pub foreign_at: Option<Instant>,
+}
+
+/// How long a foreign invalidation waits for the mount's own report of the same change.
+pub(crate) const FOREIGN_DELAY: Duration = Duration::from_millis(5);
 
 /// Starts the notifier thread; it ends when every sender of `rx` is gone.
 pub(crate) fn spawn(
     sh: Arc<Shared>,
     notifier: Notifier,
-    rx: Receiver<RelPath>,
+    rx: Receiver<Inval>,
 ) -> io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("meshfs-fuse-inval".into())
         .spawn(move || {
-            while let Ok(path) = rx.recv() {
-                invalidate(&sh, &notifier, &path);
+            while let Ok(inval) = rx.recv() {
+                let echo = inval.foreign_at.is_some_and(|at| {
+                    let due = at + FOREIGN_DELAY;
+                    let now = Instant::now();
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                    lock(&sh.recent).was_told(&inval.path, Instant::now())
+                });
+                if !echo {
+                    if inval.foreign_at.is_some() {
+                        debug!(path = %inval.path, "a change made behind the mount");
+                    }
+                    invalidate(&sh, &notifier, &inval.path);
+                }
                 sh.invalidations_pending.fetch_sub(1, Ordering::SeqCst);
             }
         })

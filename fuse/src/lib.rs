@@ -18,7 +18,10 @@
 //!   writer of a path is reported as [`ChangeKind::Closed`].
 //! - **invalidations out:** when the engine applies a remote change it calls
 //!   [`Invalidator::invalidate`]; the mount queues it to its notifier thread, which drops
-//!   the kernel's cached entry, attributes and pages for that path.
+//!   the kernel's cached entry, attributes and pages for that path. What the engine's watcher
+//!   sees change on the backing directory comes through [`Invalidator::invalidate_foreign`],
+//!   which drops the echoes of the mount's own changes and invalidates the rest, so the
+//!   kernel may keep entries and attributes for a minute (D34).
 //! - **no replace under an open writer:** [`WriterRegistry::has_writer`] tells the engine
 //!   a path is open for writing, so it defers an apply until the `Closed` event.
 //!
@@ -72,6 +75,7 @@ mod inodes;
 mod invalidate;
 mod mount;
 mod prefetch;
+mod recent;
 mod sys;
 
 pub use mount::{mount, Mount, MountError, MountHandle, MountInfo, MountOptions};
@@ -135,6 +139,15 @@ impl ChangeSink for std::sync::mpsc::Sender<ChangeEvent> {
 pub trait Invalidator: Send + Sync {
     /// The entry, attributes and cached pages of `path` are stale. Never blocks.
     fn invalidate(&self, path: &RelPath);
+
+    /// `path` changed on the backing directory, seen by the engine's watcher: either an echo
+    /// of a change made through the mount (the kernel knows it) or a change made behind the
+    /// mount's back (a program writing the replica directory), whose kernel caches are then
+    /// stale. Invalidates in the second case. Never blocks. By default the same as
+    /// [`Invalidator::invalidate`].
+    fn invalidate_foreign(&self, path: &RelPath) {
+        self.invalidate(path);
+    }
 }
 
 /// Tells the engine which paths are open for writing through the mount.

@@ -13,7 +13,9 @@ use crate::dircache::DirCache;
 use crate::fs::Passthrough;
 use crate::handles::Handles;
 use crate::inodes::Table;
+use crate::invalidate::Inval;
 use crate::prefetch::Prefetcher;
+use crate::recent::Recent;
 use crate::{invalidate, lock, sys, ChangeSink, Invalidator, WriterRegistry};
 use meshfs_protocol::RelPath;
 use std::ffi::CString;
@@ -38,9 +40,12 @@ pub struct MountOptions {
     /// Try kernel passthrough of reads and writes; without the kernel's support or the
     /// privilege, reads and writes are forwarded instead (silently).
     pub passthrough: bool,
-    /// How long the kernel may trust an entry or attributes without asking again. Long is
-    /// fast; the engine invalidates what it changes, so only changes made to the backing
-    /// directory behind the engine's back wait for it.
+    /// How long the kernel may trust an entry or attributes without asking again (default 60
+    /// s). Long is fast: a `git status` or `make` after a pause asks nothing. The engine
+    /// invalidates what it applies and what its watcher sees changed behind the mount
+    /// ([`crate::Invalidator::invalidate_foreign`]); only a change behind the mount the watcher
+    /// misses (watcher off or overflowed, or a path the mount itself changed in the two
+    /// seconds before) waits for the TTL.
     pub ttl: Duration,
     /// Let other users than the mounting one in (`allow_other`, which for a non-root mount
     /// needs `user_allow_other` in /etc/fuse.conf). The kernel then checks every access
@@ -69,7 +74,7 @@ impl Default for MountOptions {
             read_only: false,
             n_threads: cpus.clamp(2, 4),
             passthrough: true,
-            ttl: Duration::from_secs(2),
+            ttl: Duration::from_secs(60),
             allow_other: false,
             io_uring: true,
             read_ahead: true,
@@ -174,16 +179,43 @@ pub struct MountHandle {
     sh: Arc<Shared>,
 }
 
-impl Invalidator for MountHandle {
-    fn invalidate(&self, path: &RelPath) {
+impl MountHandle {
+    fn queue(&self, inval: Inval) {
         if let Some(tx) = lock(&self.sh.invalidations).as_ref() {
             // Counted before it is queued, so the count never misses a queued path.
             self.sh.invalidations_pending.fetch_add(1, Ordering::SeqCst);
             // Unbounded: never blocks. A closed queue means the mount is going away.
-            if tx.send(path.clone()).is_err() {
+            if tx.send(inval).is_err() {
                 self.sh.invalidations_pending.fetch_sub(1, Ordering::SeqCst);
             }
         }
+    }
+}
+
+impl Invalidator for MountHandle {
+    fn invalidate(&self, path: &RelPath) {
+        self.queue(Inval {
+            path: path.clone(),
+            foreign_at: None,
+        });
+    }
+
+    /// Skipped when the mount reported `path` as its own change within the last two seconds
+    /// (`recent::RECENT`), now or after a few milliseconds (the watcher may see the backing
+    /// call before the request thread reports it); queued otherwise. So the kernel's long
+    /// entry and attribute TTLs hold for what the mount did, and a program writing the replica
+    /// directory is seen through the mount as soon as the watcher reports it. A change behind
+    /// the mount's back to a path changed through it in the two seconds before is seen when
+    /// the TTL ends.
+    fn invalidate_foreign(&self, path: &RelPath) {
+        let now = std::time::Instant::now();
+        if lock(&self.sh.recent).was_told(path, now) {
+            return;
+        }
+        self.queue(Inval {
+            path: path.clone(),
+            foreign_at: Some(now),
+        });
     }
 }
 
@@ -408,6 +440,7 @@ fn shared(
         invalidations: Mutex::new(None),
         invalidations_pending: AtomicUsize::new(0),
         prefetch: Prefetcher::start(opts.read_ahead),
+        recent: Mutex::new(Recent::default()),
     })
 }
 
