@@ -1641,3 +1641,42 @@ fn a_file_in_the_mount_is_not_a_terminal_as_on_ext4() {
     let errno = std::io::Error::last_os_error().raw_os_error();
     assert_eq!((tty, errno), (0, Some(libc::ENOTTY)));
 }
+
+/// The watcher's reports (`invalidate_foreign`): of a path the mount itself just changed, an
+/// echo the kernel already knows (nothing is invalidated, so its long-TTL caches stay: here
+/// the attributes of a file it created); of any other path, a change made behind the mount,
+/// invalidated at once.
+#[test]
+fn a_watcher_report_of_the_mounts_own_change_is_an_echo_and_of_another_an_invalidation() {
+    let fx = Fixture::new();
+    fs::write(fx.m("mine"), b"short").unwrap();
+    fs::write(fx.b("theirs"), b"short").unwrap();
+    assert_eq!(fs::metadata(fx.m("mine")).unwrap().len(), 5);
+    assert_eq!(fs::metadata(fx.m("theirs")).unwrap().len(), 5);
+
+    // Both rewritten behind the mount; the watcher would report both.
+    fs::write(fx.b("mine"), b"a longer content now").unwrap();
+    fs::write(fx.b("theirs"), b"a longer content now").unwrap();
+    let handle = fx.mount().handle();
+    handle.invalidate_foreign(&rel("mine"));
+    assert_eq!(
+        fx.mount().info().invalidations_pending,
+        0,
+        "an echo is dropped before it is queued"
+    );
+    handle.invalidate_foreign(&rel("theirs"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while fs::metadata(fx.m("theirs")).unwrap().len() != 20 {
+        assert!(
+            Instant::now() < deadline,
+            "the change behind the mount is not seen"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    while fx.mount().info().invalidations_pending != 0 {
+        assert!(Instant::now() < deadline, "invalidations still queued");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The echo left the kernel's attributes of `mine` as they were (the TTL is a minute).
+    assert_eq!(fs::metadata(fx.m("mine")).unwrap().len(), 5);
+}
