@@ -313,12 +313,12 @@ impl FolderRt {
         }
     }
 
-    /// Some of the capture loop's waiting paths (sorted, each with whether it waits for its
-    /// writer's close), and whether a rescan waits: what `status --pending` lists.
-    pub fn capture_waiting(&self) -> (Vec<(RelPath, bool)>, bool) {
+    /// Up to `limit` of the capture loop's waiting paths (sorted, each with whether it waits
+    /// for its writer's close), and whether a rescan waits: what `status --pending` lists.
+    pub fn capture_waiting(&self, limit: usize) -> (Vec<(RelPath, bool)>, bool) {
         self.capture_queue
             .lock()
-            .map(|c| c.waiting(crate::pending::LISTED))
+            .map(|c| c.waiting(limit))
             .unwrap_or_default()
     }
 

@@ -122,7 +122,7 @@ pub fn of_folder(
     connected: &[DeviceId],
 ) -> Result<PendingFolder, FolderError> {
     let relaxed = std::sync::atomic::Ordering::Relaxed;
-    let (paths, rescan_waiting) = rt.capture_waiting();
+    let (paths, rescan_waiting) = rt.capture_waiting(LISTED);
     let capture = Listed::of(
         rt.capture_pending.load(relaxed).max(paths.len()),
         paths.into_iter().map(|(p, open)| CapturePath {

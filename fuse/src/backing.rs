@@ -16,7 +16,6 @@
 use crate::dircache::DirCache;
 use crate::handles::{Handle, Handles};
 use crate::inodes::{Remembered, Table, ROOT};
-use crate::invalidate::Inval;
 use crate::prefetch::Prefetcher;
 use crate::recent::Recent;
 use crate::sys::{self, Stat, SysResult};
@@ -30,8 +29,20 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::{Duration, Instant, UNIX_EPOCH};
 use tracing::{debug, warn};
+
+/// One queued invalidation.
+#[derive(Debug)]
+pub(crate) struct Inval {
+    /// What is stale.
+    pub path: RelPath,
+    /// For a change the watcher saw (`MountHandle::invalidate_foreign`), when it was queued:
+    /// it is sent only if, `invalidate::FOREIGN_DELAY` later, the mount has not reported the
+    /// path as its own change (the request thread reports after its backing call, which the
+    /// watcher may see first).
+    pub foreign_at: Option<Instant>,
+}
 
 /// Directory descriptors kept open between requests (a small part of the fd budget).
 pub(crate) const DIR_CACHE: usize = 1024;

@@ -15,7 +15,7 @@
 //! deadlock. Here it only waits for that request to finish. No lock of ours is held while
 //! the kernel is called.
 
-use crate::backing::Shared;
+use crate::backing::{Inval, Shared};
 use crate::{lock, sys};
 use fuser::{INodeNo, Notifier};
 use meshfs_protocol::RelPath;
@@ -28,18 +28,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tracing::debug;
-
-/// One queued invalidation.
-#[derive(Debug)]
-pub(crate) struct Inval {
-    /// What is stale.
-    pub path: RelPath,
-    /// For a change the watcher saw (`MountHandle::invalidate_foreign`), when it was queued:
-    /// it is sent only if, [`FOREIGN_DELAY`] later, the mount has not reported the path as
-    /// its own change (the request thread reports after its backing call, which the watcher
-    /// may see first).
-    pub foreign_at: Option<Instant>,
-}
 
 /// How long a foreign invalidation waits for the mount's own report of the same change.
 pub(crate) const FOREIGN_DELAY: Duration = Duration::from_millis(5);

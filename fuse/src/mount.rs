@@ -8,12 +8,11 @@
 //! inside it) it is detached lazily and the request threads serve the last users until they
 //! leave.
 
-use crate::backing::{Shared, DIR_CACHE};
+use crate::backing::{Inval, Shared, DIR_CACHE};
 use crate::dircache::DirCache;
 use crate::fs::Passthrough;
 use crate::handles::Handles;
 use crate::inodes::Table;
-use crate::invalidate::Inval;
 use crate::prefetch::Prefetcher;
 use crate::recent::Recent;
 use crate::{invalidate, lock, sys, ChangeSink, Invalidator, WriterRegistry};

@@ -24,8 +24,8 @@
 //! process may (it owns them or is root), beneath the listed one, following no symlink and
 //! crossing no mount; meshfs's own names are skipped.
 
-use crate::backing::is_internal;
 use crate::sys;
+use meshfs_protocol::INTERNAL_PREFIX;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CString, OsStr};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -212,7 +212,9 @@ pub(crate) fn read_ahead(
             }
             for e in &entries {
                 let name = e.name.as_os_str();
-                if name == "." || name == ".." || is_internal(name) {
+                // meshfs's own names (the state directory, the store's temp files).
+                let internal = name.as_bytes().starts_with(INTERNAL_PREFIX.as_bytes());
+                if name == "." || name == ".." || internal {
                     continue;
                 }
                 if done.stats >= limits.stats {
