@@ -21,11 +21,10 @@ use crate::recent::Recent;
 use crate::sys::{self, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind, ChangeSink};
 use fuser::{BackingId, Errno, FileAttr, FileType, Generation, INodeNo, ReplyEntry, Request};
-use meshfs_protocol::{RelPath, INTERNAL_PREFIX};
+use meshfs_protocol::RelPath;
 use std::cell::Cell;
 use std::ffi::{CString, OsStr};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -97,10 +96,7 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-/// Whether `name` is one of meshfs's own (state dir, store temp files).
-pub(crate) fn is_internal(name: &OsStr) -> bool {
-    name.as_bytes().starts_with(INTERNAL_PREFIX.as_bytes())
-}
+pub(crate) use crate::is_internal;
 
 pub(crate) fn file_type(mode: u32) -> FileType {
     match mode & libc::S_IFMT {
@@ -324,7 +320,7 @@ impl Shared {
     /// watcher's report of them is an echo: `MountHandle::invalidate_foreign`).
     pub(crate) fn report(&self, ev: ChangeEvent) {
         {
-            let now = std::time::Instant::now();
+            let now = Instant::now();
             let mut recent = lock(&self.recent);
             recent.told(&ev.path, now);
             if let ChangeKind::RenamedFrom(from) = &ev.kind {

@@ -170,6 +170,13 @@ impl WriterRegistry for NoMount {
     }
 }
 
+/// Whether `name` is one of meshfs's own (state dir, store temp files).
+pub(crate) fn is_internal(name: &std::ffi::OsStr) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    name.as_bytes()
+        .starts_with(meshfs_protocol::INTERNAL_PREFIX.as_bytes())
+}
+
 /// Locks `m`, through poisoning: every critical section in this crate is panic-free
 /// bookkeeping, so a poisoned lock still guards consistent data.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

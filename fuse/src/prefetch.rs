@@ -24,10 +24,9 @@
 //! process may (it owns them or is root), beneath the listed one, following no symlink and
 //! crossing no mount; meshfs's own names are skipped.
 
-use crate::sys;
-use meshfs_protocol::INTERNAL_PREFIX;
+use crate::{is_internal, sys};
 use std::collections::{HashMap, VecDeque};
-use std::ffi::{CString, OsStr};
+use std::ffi::{CStr, CString, OsStr};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -172,20 +171,13 @@ pub(crate) fn read_ahead(
     stop: &AtomicBool,
 ) -> Done {
     let mut done = Done::default();
-    let mut queue: VecDeque<(Vec<u8>, u32)> = job
-        .children
-        .iter()
-        .map(|c| (c.as_bytes().to_vec(), 1))
-        .collect();
+    let mut queue: VecDeque<(CString, u32)> = job.children.iter().map(|c| (c.clone(), 1)).collect();
     let mut entries = Vec::new();
     while let Some((rel, depth)) = queue.pop_front() {
         if done.dirs >= limits.dirs || done.stats >= limits.stats || stop.load(Ordering::Relaxed) {
             break;
         }
-        let Ok(path) = CString::new(rel.clone()) else {
-            continue;
-        };
-        let Some(fd) = open_dir(job.dir.as_fd(), &path) else {
+        let Some(fd) = open_dir(job.dir.as_fd(), &rel) else {
             continue;
         };
         let Ok(st) = sys::fstat(fd.as_fd()) else {
@@ -212,9 +204,7 @@ pub(crate) fn read_ahead(
             }
             for e in &entries {
                 let name = e.name.as_os_str();
-                // meshfs's own names (the state directory, the store's temp files).
-                let internal = name.as_bytes().starts_with(INTERNAL_PREFIX.as_bytes());
-                if name == "." || name == ".." || internal {
+                if name == "." || name == ".." || is_internal(name) {
                     continue;
                 }
                 if done.stats >= limits.stats {
@@ -229,7 +219,9 @@ pub(crate) fn read_ahead(
                     Err(_) => false,
                 };
                 if is_dir && depth < limits.depth {
-                    subdirs.push(child(&rel, name));
+                    if let Some(p) = child(&rel, name) {
+                        subdirs.push(p);
+                    }
                 }
             }
         }
@@ -244,12 +236,14 @@ pub(crate) fn read_ahead(
     done
 }
 
-fn child(rel: &[u8], name: &OsStr) -> Vec<u8> {
+/// `rel/name`.
+fn child(rel: &CStr, name: &OsStr) -> Option<CString> {
+    let rel = rel.to_bytes();
     let mut p = Vec::with_capacity(rel.len() + 1 + name.len());
     p.extend_from_slice(rel);
     p.push(b'/');
     p.extend_from_slice(name.as_bytes());
-    p
+    CString::new(p).ok()
 }
 
 /// Opens `rel` beneath `dir` for listing, without touching its access time where allowed.
