@@ -3,7 +3,8 @@
 //! blake3 of the chunks, and `chunker::chunk_bytes`
 //! (both; the file's hash comes from the chunk list). blake3 of the whole buffer is printed
 //! for comparison with `b3sum` (whole-file blake3 only, every core, memory-mapped):
-//! `cargo run --release -p meshfs-daemon --example hashrate`.
+//! `cargo run --release -p meshfs-daemon --example hashrate`. With a file's path, it times that
+//! file's chunking as the scanner does it (`hashrate [--read] FILE`, see `main`).
 
 use meshfs_daemon::chunker;
 use std::time::Instant;
@@ -19,6 +20,29 @@ fn rate(name: &str, bytes: usize, f: impl FnOnce()) {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(path) = args.last() {
+        // `hashrate [--read] FILE`: one file on disk through `chunker::chunk_file`, as the
+        // scanner reads it, or through `chunk_reader` (`read(2)` alone) with `--read`. Drop the
+        // page cache first for a cold read: `echo 3 > /proc/sys/vm/drop_caches`.
+        let file = std::fs::File::open(path).expect("open");
+        let size = file.metadata().expect("stat").len();
+        let read = args.iter().any(|a| a == "--read");
+        let t = Instant::now();
+        let c = if read {
+            chunker::chunk_reader(file, size).expect("chunk_reader")
+        } else {
+            chunker::chunk_file(file, size).expect("chunk_file")
+        };
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{} {path}: {} chunks, {size} bytes in {s:.3} s, {:.0} MiB/s",
+            if read { "chunk_reader" } else { "chunk_file" },
+            c.chunks.len(),
+            size as f64 / (1 << 20) as f64 / s
+        );
+        return;
+    }
     let n = 256 << 20;
     let mut data = vec![0u8; n];
     let mut x = 0x9E37_79B9_7F4A_7C15u64;

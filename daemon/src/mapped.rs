@@ -131,6 +131,40 @@ impl Mapped {
     }
 }
 
+/// The share (0.0 to 1.0) of the pages of `len` (> 0) bytes of `file` from `offset` (a multiple
+/// of the page size) that are in the page cache now. Reads nothing: the range is mapped without
+/// advice and `mincore(2)` asked, which faults no page in.
+pub fn resident_share(file: BorrowedFd<'_>, offset: u64, len: usize) -> std::io::Result<f64> {
+    assert!(len > 0, "an empty range");
+    assert_eq!(offset % page_size() as u64, 0, "an unaligned range");
+    // SAFETY: a fresh read-only mapping chosen by the kernel; nothing reads through it, and it
+    // is unmapped below on every path.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            offset as libc::off_t,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let pages = len.div_ceil(page_size());
+    let mut vec = vec![0u8; pages];
+    // SAFETY: `ptr..ptr+len` is the mapping just made and `vec` has one byte per page of it.
+    let rc = unsafe { libc::mincore(ptr, len, vec.as_mut_ptr()) };
+    let error = std::io::Error::last_os_error();
+    // SAFETY: unmaps exactly the mapping made above.
+    unsafe { libc::munmap(ptr, len) };
+    if rc != 0 {
+        return Err(error);
+    }
+    Ok(vec.iter().filter(|b| **b & 1 != 0).count() as f64 / pages as f64)
+}
+
 impl Drop for Mapped {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping made in `new` (and any zero pages placed inside it).
@@ -224,6 +258,24 @@ mod tests {
         let page = page_size();
         let m = Mapped::new(f.as_fd(), page as u64, data.len() - page).unwrap();
         assert_eq!(m.guarded(|b| b.to_vec()), Ok(data[page..].to_vec()));
+    }
+
+    #[test]
+    fn the_resident_share_counts_cached_pages_without_reading_any() {
+        let f = tempfile::tempfile().unwrap();
+        let page = page_size();
+        // A hole was never read: none of it is cached, and asking reads none of it in.
+        f.set_len(8 * page as u64).unwrap();
+        assert_eq!(resident_share(f.as_fd(), 0, 8 * page).unwrap(), 0.0);
+        assert_eq!(resident_share(f.as_fd(), 0, 8 * page).unwrap(), 0.0);
+        // Written pages are in the cache.
+        (&f).write_all(&vec![1u8; 4 * page]).unwrap();
+        assert_eq!(resident_share(f.as_fd(), 0, 8 * page).unwrap(), 0.5);
+        assert_eq!(resident_share(f.as_fd(), 0, 4 * page).unwrap(), 1.0);
+        assert_eq!(
+            resident_share(f.as_fd(), 4 * page as u64, 4 * page).unwrap(),
+            0.0
+        );
     }
 
     #[test]
