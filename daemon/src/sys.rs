@@ -213,6 +213,19 @@ pub(crate) fn sync_file_range(
     cvt(unsafe { libc::sync_file_range(fd.as_raw_fd(), offset, nbytes, flags) }).map(drop)
 }
 
+/// `posix_fadvise(fd, offset, len, POSIX_FADV_WILLNEED)`: starts reading the range into the
+/// page cache. Advice only: the caller may ignore a failure.
+pub(crate) fn fadvise_willneed(fd: BorrowedFd<'_>, offset: i64, len: i64) -> io::Result<()> {
+    // SAFETY: integer arguments only; the descriptor is borrowed for the call.
+    let rc = unsafe { libc::posix_fadvise(fd.as_raw_fd(), offset, len, libc::POSIX_FADV_WILLNEED) };
+    // posix_fadvise returns the error number instead of setting errno.
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
+}
+
 /// `statvfs(path)`.
 pub(crate) fn statvfs(path: &CStr) -> io::Result<libc::statvfs> {
     let mut st = MaybeUninit::<libc::statvfs>::uninit();
