@@ -143,8 +143,9 @@ pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
     }
     // Mapped only where the file is in the page cache already; a cold file is read, with the
     // kernel asked for the next `AHEAD` bytes as the reading nears what it was asked for, and
-    // cut here while a helper hashes (D11). A cold 512 MiB file (`hashrate FILE`, eight
-    // rounds): 0.51-0.59 s mapped (page faults bring it in page by page), 0.33-0.39 s read.
+    // cut here while a helper hashes (D11). A cold 512 MiB file (`hashrate FILE`, 25 rounds):
+    // 0.49-0.60 s mapped (page faults bring it in page by page), 0.31-0.44 s read in most
+    // rounds (0.48-0.63 s where the page cache landed on memory this VM had given back).
     if !mostly_cached(&file, before.len()) {
         let reader = AdvisedReader {
             file,
@@ -159,16 +160,21 @@ pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
 
 /// [`chunk_reader`] on two threads: this one reads a window and cuts it, a helper hashes the
 /// chunks of the window before, each window a buffer of its own (three in turn), so the read
-/// and the cut search overlap the hashing.
+/// and the cut search overlap the hashing. The buffers are kept per thread for the next file
+/// (they are above the allocator's mapping threshold: fresh ones would be page-faulted in
+/// again for every file).
 fn cut_here_hash_there_read(mut reader: impl Read, size_hint: u64) -> std::io::Result<Content> {
     const WINDOW: usize = 4 << 20;
     const BUFFERS: usize = 3;
     let cut = Cutter::for_size(size_hint);
-    let size = WINDOW.max(cut.max * 2);
+    // A window holds a largest chunk twice (so every cut search sees its full range); a small
+    // file gets a window of its own size.
+    let size = (cut.max * 2).max(((size_hint as usize).saturating_add(1)).min(WINDOW));
+    let mut spare = READ_BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()));
     type Work = (Vec<u8>, Vec<(usize, usize)>);
     let (work_tx, work_rx) = std::sync::mpsc::sync_channel::<Work>(BUFFERS);
     let (free_tx, free_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-    std::thread::scope(|s| {
+    let result = std::thread::scope(|s| {
         let hasher = s.spawn(move || {
             let _busy = Hashing::enter();
             let mut out = Vec::new();
@@ -190,7 +196,11 @@ fn cut_here_hash_there_read(mut reader: impl Read, size_hint: u64) -> std::io::R
             loop {
                 let mut buf = if made < BUFFERS {
                     made += 1;
-                    vec![0u8; size]
+                    let mut b = spare.pop().unwrap_or_default();
+                    if b.len() < size {
+                        b.resize(size, 0);
+                    }
+                    b
                 } else {
                     match free_rx.recv() {
                         Ok(b) => b,
@@ -199,12 +209,13 @@ fn cut_here_hash_there_read(mut reader: impl Read, size_hint: u64) -> std::io::R
                 };
                 buf[..carry.len()].copy_from_slice(&carry);
                 let mut filled = carry.len();
-                while !eof && filled < buf.len() {
-                    let n = reader.read(&mut buf[filled..])?;
+                while !eof && filled < size {
+                    let n = reader.read(&mut buf[filled..size])?;
                     eof = n == 0;
                     filled += n;
                 }
                 if filled == 0 {
+                    spare.push(buf);
                     return Ok(total);
                 }
                 let mut cuts = Vec::new();
@@ -229,14 +240,26 @@ fn cut_here_hash_there_read(mut reader: impl Read, size_hint: u64) -> std::io::R
             Ok(c) => c,
             Err(panic) => std::panic::resume_unwind(panic),
         };
-        let total = read?;
-        BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
-        Ok(Content {
-            hash: Hash::of_chunks(&chunks),
-            size: total,
-            chunks,
-        })
+        (read, chunks)
+    });
+    // Every buffer is back once the helper is gone: on this thread's spare list or in the
+    // channel.
+    spare.extend(free_rx.try_iter());
+    spare.truncate(BUFFERS);
+    READ_BUFFERS.with(|b| *b.borrow_mut() = spare);
+    let (read, chunks) = result;
+    let total = read?;
+    BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
+    Ok(Content {
+        hash: Hash::of_chunks(&chunks),
+        size: total,
+        chunks,
     })
+}
+
+thread_local! {
+    /// [`cut_here_hash_there_read`]'s window buffers, kept for this thread's next file.
+    static READ_BUFFERS: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// How far ahead of a cold file's reader the kernel is asked to read.
