@@ -139,23 +139,47 @@ pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
     // cold: 64 files of 32 MiB, cache dropped, 1.96-2.83 s read against 2.45-2.71 s mapped
     // (page faults read ahead less eagerly than 1 MiB reads, even with MADV_WILLNEED).
     if before.len() < MAP_FROM || !Hashing::spare_core() {
-        return chunk_reader(file, size_hint);
+        let content = chunk_reader(&file, size_hint)?;
+        unchanged(&file, &before)?;
+        return Ok(content);
     }
     // Mapped only where the file is in the page cache already; a cold file is read, with the
     // kernel asked for the next `AHEAD` bytes as the reading nears what it was asked for, and
     // cut here while a helper hashes (D11). A cold 512 MiB file (`hashrate FILE`, 25 rounds):
     // 0.49-0.60 s mapped (page faults bring it in page by page), 0.31-0.44 s read in most
     // rounds (0.48-0.63 s where the page cache landed on memory this VM had given back).
+    // Read or mapped, a file that changed meanwhile is refused: a torn read must not become a
+    // version that never existed on disk (the watcher's event for the change rescans it).
     if !mostly_cached(&file, before.len()) {
         let reader = AdvisedReader {
-            file,
+            file: &file,
             pos: 0,
             advised: 0,
             size: before.len(),
         };
-        return cut_here_hash_there_read(reader, size_hint);
+        let content = cut_here_hash_there_read(reader, size_hint)?;
+        unchanged(&file, &before)?;
+        return Ok(content);
     }
     chunk_mapped(&file, &before, SEGMENT, Hashing::spare_core)
+}
+
+/// Fails if `file`'s size, mtime or ctime moved since its stat `before`: it was written while
+/// it was read.
+fn unchanged(file: &File, before: &Metadata) -> std::io::Result<()> {
+    let stamp = |m: &Metadata| {
+        (
+            m.len(),
+            m.mtime(),
+            m.mtime_nsec(),
+            m.ctime(),
+            m.ctime_nsec(),
+        )
+    };
+    if stamp(&file.metadata()?) != stamp(before) {
+        return Err(std::io::Error::other("the file changed while it was read"));
+    }
+    Ok(())
 }
 
 /// [`chunk_reader`] on two threads: this one reads a window and cuts it, a helper hashes the
@@ -267,14 +291,14 @@ const AHEAD: u64 = 64 << 20;
 
 /// A file read front to back, the kernel asked (`POSIX_FADV_WILLNEED`) for the next [`AHEAD`]
 /// bytes whenever the reader is within half of that of the end of what was asked.
-struct AdvisedReader {
-    file: File,
+struct AdvisedReader<'a> {
+    file: &'a File,
     pos: u64,
     advised: u64,
     size: u64,
 }
 
-impl Read for AdvisedReader {
+impl Read for AdvisedReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         if self.advised < self.size && self.pos + AHEAD / 2 >= self.advised {
             let _ =
@@ -336,19 +360,7 @@ fn chunk_mapped(
         assert!(start + consumed as u64 > done, "a mapping made no progress");
         done = start + consumed as u64;
     }
-    let after = file.metadata()?;
-    let stamp = |m: &Metadata| {
-        (
-            m.len(),
-            m.mtime(),
-            m.mtime_nsec(),
-            m.ctime(),
-            m.ctime_nsec(),
-        )
-    };
-    if stamp(&after) != stamp(before) {
-        return Err(std::io::Error::other("the file changed while it was read"));
-    }
+    unchanged(file, before)?;
     BYTES_HASHED.fetch_add(size, Ordering::Relaxed);
     Ok(Content {
         hash: Hash::of_chunks(&chunks),
@@ -586,6 +598,22 @@ mod tests {
         let zeros = vec![0u8; 3 << 20];
         assert!(!mostly_cached(&f, 3 << 20));
         assert_eq!(chunk_file(f, 3 << 20).unwrap(), chunk_bytes(&zeros));
+    }
+
+    #[test]
+    fn a_file_written_while_it_was_read_is_refused() {
+        use std::io::{Seek, Write};
+        let mut f = file_of(&noise(2 << 20, 6));
+        let before = f.metadata().unwrap();
+        unchanged(&f, &before).unwrap();
+        // Appended, so the size moves too (timestamps may not, within one clock tick).
+        f.seek(std::io::SeekFrom::End(0)).unwrap();
+        f.write_all(b"more").unwrap();
+        let err = unchanged(&f, &before).unwrap_err();
+        assert!(
+            err.to_string().contains("changed while it was read"),
+            "{err}"
+        );
     }
 
     #[test]
