@@ -42,6 +42,18 @@ pub struct Content {
     pub chunks: Vec<Chunk>,
 }
 
+impl Content {
+    /// The content of `size` bytes read as `chunks`, counted in [`BYTES_HASHED`].
+    fn counted(chunks: Vec<Chunk>, size: u64) -> Content {
+        BYTES_HASHED.fetch_add(size, Ordering::Relaxed);
+        Content {
+            hash: Hash::of_chunks(&chunks),
+            size,
+            chunks,
+        }
+    }
+}
+
 /// Hashes and chunks everything `reader` yields. `size_hint` picks the chunk sizes; the
 /// result describes exactly the bytes read.
 pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Content> {
@@ -61,12 +73,7 @@ pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Co
     let result = fill_chunks(&mut reader, &mut buf[..want], &cut, &mut chunks);
     WINDOW.with(|w| *w.borrow_mut() = buf);
     let total = result?;
-    BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
-    Ok(Content {
-        hash: Hash::of_chunks(&chunks),
-        size: total,
-        chunks,
-    })
+    Ok(Content::counted(chunks, total))
 }
 
 thread_local! {
@@ -273,12 +280,7 @@ fn cut_here_hash_there_read(mut reader: impl Read, size_hint: u64) -> std::io::R
     READ_BUFFERS.with(|b| *b.borrow_mut() = spare);
     let (read, chunks) = result;
     let total = read?;
-    BYTES_HASHED.fetch_add(total, Ordering::Relaxed);
-    Ok(Content {
-        hash: Hash::of_chunks(&chunks),
-        size: total,
-        chunks,
-    })
+    Ok(Content::counted(chunks, total))
 }
 
 thread_local! {
@@ -361,12 +363,7 @@ fn chunk_mapped(
         done = start + consumed as u64;
     }
     unchanged(file, before)?;
-    BYTES_HASHED.fetch_add(size, Ordering::Relaxed);
-    Ok(Content {
-        hash: Hash::of_chunks(&chunks),
-        size,
-        chunks,
-    })
+    Ok(Content::counted(chunks, size))
 }
 
 /// One segment cut on this thread while a helper thread hashes the chunks found, in batches.
