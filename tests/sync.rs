@@ -214,6 +214,41 @@ fn a_chain_converges_through_the_middle_device() {
 }
 
 #[test]
+fn three_devices_each_receive_new_content_once_though_two_peers_offer_it() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    let mut c = Device::new(&t, "c");
+    pair(&a, &b);
+    pair(&a, &c);
+    pair(&b, &c);
+    a.start();
+    b.start();
+    c.start();
+    wait_synced(&[&a, &b, &c], 30);
+    let sent = |d: &Device| d.status()["bytes_sent"].as_u64().unwrap();
+    let before: u64 = [&a, &b, &c].iter().map(|d| sent(d)).sum();
+    // 48 MiB of new files on A. B relays what it has installed to C (and C to B) while A is
+    // still sending to both: a receiver waits for the fetch in flight instead of fetching the
+    // same version again from the second peer.
+    for i in 0..48 {
+        write(&a.path(&format!("new/f{i}")), &noise(1 << 20, 500 + i));
+    }
+    wait_synced(&[&a, &b, &c], 120);
+    assert_eq!(tree(&b.dir), tree(&a.dir));
+    assert_eq!(tree(&c.dir), tree(&a.dir));
+    let moved: u64 = [&a, &b, &c].iter().map(|d| sent(d)).sum::<u64>() - before;
+    let content: u64 = 2 * (48 << 20);
+    assert!(
+        moved < content + content / 5,
+        "2 × 48 MiB of new content cost {moved} bytes sent in all (A {} B {} C {})",
+        sent(&a),
+        sent(&b),
+        sent(&c)
+    );
+}
+
+#[test]
 fn devices_started_together_keep_one_connection_and_say_so_once() {
     let t = tmp();
     let mut a = Device::new(&t, "a");

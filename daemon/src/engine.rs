@@ -337,6 +337,7 @@ impl Engine {
             mount_slot: slot,
             mount: Mutex::new(None),
             deferred: Mutex::new(HashMap::new()),
+            fetching: Default::default(),
             blocked: Mutex::new(None),
             skipped: Mutex::new(Default::default()),
             unreadable: Default::default(),

@@ -31,53 +31,18 @@ pub use install::recover_pending;
 pub use transfer::ApplyError;
 
 use crate::chunks;
+use crate::fetching::InFlight;
 use crate::folder::{FolderRt, Folders};
 use assemble::{assemble, discard_all, finish_all, Assembled, TempWriter, Wanted};
 use decide::Decided;
 use install::install;
-use meshfs_protocol::{ChunkResponse, DeviceId, FileRecord, FolderId, Hash, RelPath};
-use std::collections::{HashMap, HashSet};
+use meshfs_protocol::{ChunkResponse, DeviceId, FileRecord, FolderId, Hash};
+use std::collections::HashMap;
 use std::sync::Arc;
 use tokio::sync::oneshot;
 
 /// How often a record whose target keeps changing under us is decided again.
 const MAX_ROUNDS: usize = 3;
-
-/// The paths a decided batch still has to install: its transfers' targets and their parent
-/// directories.
-#[derive(Debug, Default)]
-pub struct InFlight {
-    files: HashSet<RelPath>,
-    dirs: HashSet<RelPath>,
-}
-
-impl InFlight {
-    fn of(transfers: &[transfer::Transfer]) -> InFlight {
-        let mut f = InFlight::default();
-        for t in transfers {
-            let p = &t.meta.record.path;
-            if f.files.insert(p.clone()) {
-                f.dirs.extend(p.ancestors());
-            }
-        }
-        f
-    }
-
-    /// These paths and `earlier`'s (a batch before, not yet installed).
-    fn with(mut self, earlier: &InFlight) -> InFlight {
-        self.files.extend(earlier.files.iter().cloned());
-        self.dirs.extend(earlier.dirs.iter().cloned());
-        self
-    }
-
-    /// Whether a decision about `path` depends on what these installs will change: the same
-    /// path, a directory above one of them, or a path below one of them.
-    fn overlaps(&self, path: &RelPath) -> bool {
-        self.files.contains(path)
-            || self.dirs.contains(path)
-            || path.ancestors().iter().any(|a| self.files.contains(a))
-    }
-}
 
 /// The batch before this one in a folder's receive pipeline (`session::RECEIVE_DEPTH`).
 pub struct Before {
@@ -171,26 +136,30 @@ pub async fn receive(
             Some(Err(oneshot::error::TryRecvError::Closed)) | None => None,
         }
     };
-    for _round in 0..MAX_ROUNDS {
-        if todo.is_empty() {
-            break;
-        }
+    // Registrations of this batch's decisions (`crate::fetching`): kept until it has ended.
+    let mut fetches = Vec::new();
+    let mut may_hold = true;
+    let mut rounds = 0;
+    while !todo.is_empty() && rounds < MAX_ROUNDS {
         let deciding = std::time::Instant::now();
-        let this = {
+        let mut this = {
             let folders = folders.clone();
             let rt = rt.clone();
             let folder = folder.clone();
-            on_blocking(move || decide::decide_all(&folders, &rt, &folder, peer, todo)).await?
+            on_blocking(move || decide::decide_all(&folders, &rt, &folder, peer, todo, may_hold))
+                .await?
         };
         let decide_ms = deciding.elapsed().as_millis() as u64;
         if let Some(tx) = decided.take() {
-            let mine = InFlight::of(&this.transfers);
+            let mine = (*this.in_flight).clone();
             let all = match still_in_flight(&mut prev_installed, prev_in_flight.take()) {
                 Some(p) => mine.with(&p),
                 None => mine,
             };
             let _ = tx.send(Arc::new(all));
         }
+        let held = std::mem::take(&mut this.held);
+        let waits = std::mem::take(&mut this.waits);
         todo = transfer(
             folders,
             &rt,
@@ -200,8 +169,20 @@ pub async fn receive(
             decide_ms,
             &mut inline,
             &mut prev_installed,
+            &mut fetches,
         )
         .await?;
+        // Held back once only, so a path that two peers keep changing cannot starve.
+        may_hold = false;
+        if held.is_empty() {
+            rounds += 1;
+        } else {
+            for w in waits {
+                w.wait().await;
+            }
+            todo.extend(held);
+            todo = order(todo);
+        }
     }
     if !todo.is_empty() {
         tracing::warn!(%folder, n = todo.len(), "paths kept changing during apply; they will be retried");
@@ -231,12 +212,16 @@ async fn transfer(
     decide_ms: u64,
     inline: &mut HashMap<Hash, ChunkResponse>,
     prev_installed: &mut Option<oneshot::Receiver<()>>,
+    fetches: &mut Vec<crate::fetching::Fetch>,
 ) -> Result<Vec<FileRecord>, ApplyError> {
     let Decided {
         transfers: work,
         redo,
         dirs,
+        fetch,
+        ..
     } = decided;
+    fetches.push(fetch);
     if !redo.is_empty() {
         rescan(folders, folder, &redo).await?;
     }
@@ -385,28 +370,4 @@ async fn rescan(
     let paths = records.iter().map(|r| r.path.clone()).collect();
     folders.scan_paths(folder, paths).await?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_batch_waits_for_the_one_before_only_where_their_paths_meet() {
-        let p = |s: &str| RelPath::new(s).unwrap();
-        let mut f = InFlight::default();
-        for path in ["a/b/f", "top"] {
-            let path = p(path);
-            f.dirs.extend(path.ancestors());
-            f.files.insert(path);
-        }
-        // The same file, a directory above one in flight, a path below a file in flight.
-        for meets in ["a/b/f", "a/b", "a", "top", "top/x"] {
-            assert!(f.overlaps(&p(meets)), "{meets}");
-        }
-        // Siblings, other directories, a name that only shares a prefix.
-        for apart in ["a/b/g", "a/c", "a/bb/f", "topper", "z/top"] {
-            assert!(!f.overlaps(&p(apart)), "{apart}");
-        }
-    }
 }
