@@ -16,7 +16,7 @@
 
 use crate::store::{LocalStat, Stat};
 use meshfs_protocol::{FileKind, RelPath, INTERNAL_PREFIX};
-use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind};
+use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
 use notify::{Config, EventKindMask, RecommendedWatcher, RecursiveMode, Watcher};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -48,9 +48,19 @@ pub enum Hint {
     Written,
     /// The writer closed the file.
     Closed,
-    /// Anything else (create, delete, rename, metadata).
+    /// One end of a rename, seen alone: its pair (a [`CaptureMsg::Renamed`]) should follow at
+    /// once; it waits for it up to [`RENAME_PAIR_WAIT`] (the rename left or entered the tree).
+    RenameEnd,
+    /// Anything else (create, delete, metadata).
     Other,
 }
+
+/// How long one end of a rename waits for the message with both ends. The watcher hands on a
+/// rename as three events (the old name, the new name, then both), and between them its thread
+/// may nap or be preempted: under load a capture pass took a moved directory's old name alone,
+/// journaled its files as deleted and then the new name's as created, and the content crossed
+/// the wire again. Only a rename into or out of the folder pays this wait.
+pub const RENAME_PAIR_WAIT: Duration = Duration::from_millis(200);
 
 /// The events watched: changes, and a file closed after writing (its "done" hint). Not opens
 /// or reads: every open in the folder (our own scans, chunk reads and inline attachments
@@ -123,6 +133,13 @@ pub fn watch(
                 EventKind::Access(AccessKind::Close(AccessMode::Write)) => Hint::Closed,
                 EventKind::Access(_) => return,
                 EventKind::Modify(ModifyKind::Data(_)) => Hint::Written,
+                // One end of a rename (inotify's cookie: a pair may follow). A watched
+                // directory's own move comes without one, after the pair.
+                EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::To))
+                    if ev.tracker().is_some() =>
+                {
+                    Hint::RenameEnd
+                }
                 _ => Hint::Other,
             };
             let rel: Vec<RelPath> = ev
@@ -195,6 +212,8 @@ struct Waiting {
     open: bool,
     /// Its last writer through the mount let go: ready now, whatever comes before the pass.
     released: bool,
+    /// One end of a rename whose pair has not come yet.
+    renaming: bool,
 }
 
 impl Waiting {
@@ -203,6 +222,8 @@ impl Waiting {
             self.at
         } else if self.open {
             self.at + open_quiet
+        } else if self.renaming {
+            self.at + quiet.max(RENAME_PAIR_WAIT)
         } else {
             self.at + quiet
         }
@@ -217,14 +238,19 @@ impl Coalescer {
             // The capture loop handles releases itself.
             CaptureMsg::Released(_) => {}
             CaptureMsg::Renamed(from, to) => {
-                self.add(CaptureMsg::Changed(from, Hint::Other), now);
-                self.add(CaptureMsg::Changed(to, Hint::Other), now);
+                for p in [from, to] {
+                    if let Some(e) = self.waiting.get_mut(&p) {
+                        e.renaming = false;
+                    }
+                    self.add(CaptureMsg::Changed(p, Hint::Other), now);
+                }
             }
             CaptureMsg::Changed(p, hint) => {
                 let e = self.waiting.entry(p).or_insert(Waiting {
                     at: now,
                     open: false,
                     released: false,
+                    renaming: false,
                 });
                 if e.released {
                     // The watcher's late report of writes the release already ended.
@@ -234,6 +260,7 @@ impl Coalescer {
                 match hint {
                     Hint::Written => e.open = true,
                     Hint::Closed => e.open = false,
+                    Hint::RenameEnd => e.renaming = true,
                     Hint::Other => {}
                 }
             }
@@ -249,6 +276,7 @@ impl Coalescer {
                 at: now,
                 open: false,
                 released: true,
+                renaming: false,
             };
         }
     }
@@ -267,6 +295,7 @@ impl Coalescer {
             at: now,
             open: true,
             released: false,
+            renaming: false,
         });
         if !e.released {
             e.at = e.at.max(now);
@@ -444,6 +473,31 @@ mod tests {
         ready.sort();
         assert_eq!(ready, vec![a, b]);
         assert!(next.is_none() && c.is_empty());
+    }
+
+    #[test]
+    fn one_end_of_a_rename_waits_for_its_pair_and_leaves_with_it_or_alone_later() {
+        let mut c = Coalescer::default();
+        let t0 = Instant::now();
+        let q = Duration::from_millis(5);
+        let open = Duration::from_secs(1);
+        let (a, b) = (RelPath::new("src").unwrap(), RelPath::new("moved").unwrap());
+        // The old name alone: not ready after the quiet time (the pair may still come).
+        c.add(CaptureMsg::Changed(a.clone(), Hint::RenameEnd), t0);
+        c.add(CaptureMsg::Changed(b.clone(), Hint::RenameEnd), t0 + q);
+        let (_, ready, next) = c.take_ready(t0 + 10 * q, q, open);
+        assert!(ready.is_empty(), "{ready:?}");
+        assert_eq!(next, Some(t0 + RENAME_PAIR_WAIT));
+        // The pair, late: both ends are ready together, a quiet time after it.
+        let t1 = t0 + 20 * q;
+        c.add(CaptureMsg::Renamed(a.clone(), b.clone()), t1);
+        let (_, mut ready, _) = c.take_ready(t1 + q, q, open);
+        ready.sort();
+        assert_eq!(ready, vec![b, a.clone()]);
+        // Moved out of the folder: no pair ever comes; the old name leaves after the wait.
+        c.add(CaptureMsg::Changed(a.clone(), Hint::RenameEnd), t1);
+        assert!(c.take_ready(t1 + 10 * q, q, open).1.is_empty());
+        assert_eq!(c.take_ready(t1 + RENAME_PAIR_WAIT, q, open).1, vec![a]);
     }
 }
 
