@@ -78,9 +78,13 @@ pub(super) struct Decided {
     pub redo: Vec<FileRecord>,
     /// The directories the temp files were created in, reused to install them.
     pub dirs: DirCache,
+}
+
+/// What step 1 leaves to the batch as a whole (not to its transfers).
+pub(super) struct Held {
     /// Remote records held back: another peer's session is fetching what they depend on.
     /// Decide them again once `waits` have ended.
-    pub held: Vec<FileRecord>,
+    pub records: Vec<FileRecord>,
     /// The other sessions' batches the held records wait for.
     pub waits: Vec<Ended>,
     /// The paths this batch will change: its transfers' targets and the held records.
@@ -99,7 +103,7 @@ pub(super) fn decide_all(
     peer: DeviceId,
     records: Vec<FileRecord>,
     may_hold: bool,
-) -> Result<Decided, ApplyError> {
+) -> Result<(Decided, Held), ApplyError> {
     let _guard = rt
         .op_lock
         .lock()
@@ -140,15 +144,19 @@ pub(super) fn decide_all(
     }
     let in_flight = Arc::new(in_flight);
     let fetch = rt.fetching.start(peer, in_flight.clone());
-    Ok(Decided {
-        transfers: d.transfers,
-        redo: d.redo,
-        dirs: d.dirs,
-        held: d.held,
-        waits: d.waits,
-        in_flight,
-        fetch,
-    })
+    Ok((
+        Decided {
+            transfers: d.transfers,
+            redo: d.redo,
+            dirs: d.dirs,
+        },
+        Held {
+            records: d.held,
+            waits: d.waits,
+            in_flight,
+            fetch,
+        },
+    ))
 }
 
 /// Whether the rest of a plan goes on after a step.

@@ -142,7 +142,7 @@ pub async fn receive(
     let mut rounds = 0;
     while !todo.is_empty() && rounds < MAX_ROUNDS {
         let deciding = std::time::Instant::now();
-        let mut this = {
+        let (this, held) = {
             let folders = folders.clone();
             let rt = rt.clone();
             let folder = folder.clone();
@@ -151,15 +151,13 @@ pub async fn receive(
         };
         let decide_ms = deciding.elapsed().as_millis() as u64;
         if let Some(tx) = decided.take() {
-            let mine = (*this.in_flight).clone();
             let all = match still_in_flight(&mut prev_installed, prev_in_flight.take()) {
-                Some(p) => mine.with(&p),
-                None => mine,
+                Some(p) => Arc::new((*held.in_flight).clone().with(&p)),
+                None => held.in_flight.clone(),
             };
-            let _ = tx.send(Arc::new(all));
+            let _ = tx.send(all);
         }
-        let held = std::mem::take(&mut this.held);
-        let waits = std::mem::take(&mut this.waits);
+        fetches.push(held.fetch);
         todo = transfer(
             folders,
             &rt,
@@ -169,18 +167,17 @@ pub async fn receive(
             decide_ms,
             &mut inline,
             &mut prev_installed,
-            &mut fetches,
         )
         .await?;
         // Held back once only, so a path that two peers keep changing cannot starve.
         may_hold = false;
-        if held.is_empty() {
+        if held.records.is_empty() {
             rounds += 1;
         } else {
-            for w in waits {
+            for w in held.waits {
                 w.wait().await;
             }
-            todo.extend(held);
+            todo.extend(held.records);
             todo = order(todo);
         }
     }
@@ -212,16 +209,12 @@ async fn transfer(
     decide_ms: u64,
     inline: &mut HashMap<Hash, ChunkResponse>,
     prev_installed: &mut Option<oneshot::Receiver<()>>,
-    fetches: &mut Vec<crate::fetching::Fetch>,
 ) -> Result<Vec<FileRecord>, ApplyError> {
     let Decided {
         transfers: work,
         redo,
         dirs,
-        fetch,
-        ..
     } = decided;
-    fetches.push(fetch);
     if !redo.is_empty() {
         rescan(folders, folder, &redo).await?;
     }
