@@ -9,11 +9,11 @@
 
 use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
-use crate::store::{DirCache, StoreError};
+use crate::store::{read_chunk_of, DirCache, StoreError};
 use crate::transport;
 use meshfs_protocol::{
     ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileKind, FileRecord, FolderId, Hash,
-    IndexBatch, Message,
+    IndexBatch, Message, RelPath,
 };
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -179,19 +179,28 @@ fn read_chunks(
     req: ChunkRequest,
     tx: &mpsc::Sender<ChunkResponse>,
 ) {
-    let journal = &folders.journal;
     let mut dirs = DirCache::default();
     let mut packer = Packer::default();
+    // Every location at once, under one lock of the journal; the chunks of a request mostly
+    // come from one file, read through one descriptor.
+    let located = match folders.journal.lock() {
+        Ok(mut j) => j.find_chunks(&req.folder, &req.hashes),
+        Err(_) => Vec::new(),
+    };
+    let mut located = located.into_iter();
+    let mut open: Option<(RelPath, std::fs::File)> = None;
     for hash in req.hashes {
-        let locs = journal
-            .lock()
-            .ok()
-            .and_then(|j| j.find_chunk(&req.folder, &hash).ok())
-            .unwrap_or_default();
+        let locs = located.next().unwrap_or_default();
         let data = locs.into_iter().find_map(|l| {
-            rt.store
-                .read_chunk_in(&mut dirs, &l.path, l.offset, l.len, &hash)
-                .ok()
+            if open.as_ref().is_none_or(|(p, _)| p != &l.path) {
+                open = None;
+                open = Some((
+                    l.path.clone(),
+                    rt.store.open_file_in(&mut dirs, &l.path).ok()?,
+                ));
+            }
+            let (_, f) = open.as_ref()?;
+            read_chunk_of(f, &l.path, l.offset, l.len, &hash).ok()
         });
         let resp = match data {
             Some(d) => {
@@ -452,9 +461,10 @@ async fn request_group(
     for (want, want_len) in wanted.iter().take(n) {
         // A peer that never answers, or stalls in a response, fails the request (and with it
         // the batch) instead of holding it for good.
-        let msg = transport::read_message_within(&mut recv, RESPONSE_WAIT, MAX_RESPONSE_FRAME)
-            .await
-            .map_err(|e| link(&e))?;
+        let msg =
+            transport::read_response_within(&mut recv, RESPONSE_WAIT, MAX_RESPONSE_FRAME, *want)
+                .await
+                .map_err(|e| link(&e))?;
         let resp = match msg {
             Some(Message::Response(r)) => r,
             Some(Message::Error { message, .. }) => return Err(FetchError::Refused(message)),

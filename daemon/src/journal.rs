@@ -1169,6 +1169,21 @@ impl Journal {
         })
     }
 
+    /// [`Journal::find_chunk`] for each of `hashes`, in one read transaction (one round of WAL
+    /// locks for a whole chunk request, not one per chunk). A lookup that fails finds nothing.
+    pub fn find_chunks(&mut self, folder: &FolderId, hashes: &[Hash]) -> Vec<Vec<ChunkLocation>> {
+        let began = !self.reading;
+        self.begin_reads();
+        let found = hashes
+            .iter()
+            .map(|h| self.find_chunk(folder, h).unwrap_or_default())
+            .collect();
+        if began {
+            self.end_reads();
+        }
+        found
+    }
+
     /// Where local copies of the chunk `hash` live in any folder (at most
     /// [`MAX_CHUNK_LOCATIONS`]).
     pub fn find_chunk_anywhere(&self, hash: &Hash) -> Result<Vec<ChunkLocation>> {

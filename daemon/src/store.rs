@@ -419,18 +419,7 @@ impl Store {
         hash: &Hash,
     ) -> Result<Vec<u8>, StoreError> {
         let f = self.open_file_in(cache, path)?;
-        let mut buf = vec![0u8; len as usize];
-        f.read_exact_at(&mut buf, offset)
-            .map_err(|e| io_err(path, e))?;
-        let got = Hash::of(&buf);
-        if &got != hash {
-            return Err(StoreError::Verify {
-                path: path.clone(),
-                got,
-                want: *hash,
-            });
-        }
-        Ok(buf)
+        read_chunk_of(&f, path, offset, len, hash)
     }
 
     /// Reads a symlink's target.
@@ -1291,6 +1280,27 @@ fn space(path: &Path) -> Option<(u64, u64)> {
         st.f_bavail.saturating_mul(st.f_frsize),
         st.f_blocks.saturating_mul(st.f_frsize),
     ))
+}
+
+/// Reads `len` bytes at `offset` of `f`, the open file at `path`, and checks they hash to
+/// `hash`: a chunk read for a peer, which leaves only as the bytes its hash names.
+pub fn read_chunk_of(
+    f: &File,
+    path: &RelPath,
+    offset: u64,
+    len: u32,
+    hash: &Hash,
+) -> Result<Vec<u8>, StoreError> {
+    let buf = sys::pread_exact(f.as_fd(), len as usize, offset).map_err(|e| io_err(path, e))?;
+    let got = Hash::of(&buf);
+    if &got != hash {
+        return Err(StoreError::Verify {
+            path: path.clone(),
+            got,
+            want: *hash,
+        });
+    }
+    Ok(buf)
 }
 
 #[cfg(test)]

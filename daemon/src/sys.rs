@@ -226,6 +226,41 @@ pub(crate) fn fadvise_willneed(fd: BorrowedFd<'_>, offset: i64, len: i64) -> io:
     }
 }
 
+/// `len` bytes of `fd` from `offset` by `pread`, read into a buffer that is not zeroed first
+/// (a chunk is read in full or not at all, so zeroing it first was only work). Fails with
+/// `UnexpectedEof` if the file ends first.
+pub(crate) fn pread_exact(fd: BorrowedFd<'_>, len: usize, offset: u64) -> io::Result<Vec<u8>> {
+    let mut buf: Vec<u8> = Vec::with_capacity(len);
+    while buf.len() < len {
+        let at = buf.len();
+        let spare = &mut buf.spare_capacity_mut()[..len - at];
+        // SAFETY: `spare` is unused capacity of the vector, `len - at` bytes, of which `pread`
+        // writes at most `spare.len()`; only the bytes it reports written are then made part
+        // of the vector.
+        let n = unsafe {
+            libc::pread(
+                fd.as_raw_fd(),
+                spare.as_mut_ptr().cast(),
+                spare.len(),
+                (offset + at as u64) as libc::off_t,
+            )
+        };
+        match n {
+            0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            n if n < 0 => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            // SAFETY: the kernel initialised `n` more bytes after the first `at`, and
+            // `at + n <= len <= capacity`.
+            n => unsafe { buf.set_len(at + n as usize) },
+        }
+    }
+    Ok(buf)
+}
+
 /// `statvfs(path)`.
 pub(crate) fn statvfs(path: &CStr) -> io::Result<libc::statvfs> {
     let mut st = MaybeUninit::<libc::statvfs>::uninit();
@@ -255,6 +290,25 @@ mod tests {
         assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
         let err = openat(fd.as_fd(), c"missing", libc::O_RDONLY, 0).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn pread_exact_reads_the_range_or_says_the_file_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(dir.path().join("f"), &data).unwrap();
+        let f = std::fs::File::open(dir.path().join("f")).unwrap();
+        assert_eq!(pread_exact(f.as_fd(), 0, 5).unwrap(), b"");
+        assert_eq!(
+            pread_exact(f.as_fd(), 200_000, 70_000).unwrap(),
+            &data[70_000..270_000]
+        );
+        assert_eq!(
+            pread_exact(f.as_fd(), 10, 299_990).unwrap(),
+            &data[299_990..]
+        );
+        let err = pread_exact(f.as_fd(), 11, 299_990).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
     }
 
     #[test]

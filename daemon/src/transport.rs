@@ -58,7 +58,7 @@
 
 use crate::identity::{device_id_of_cert, Identity};
 use meshfs_protocol::{
-    decode_payload, encode_frame, frame_len, ChunkResponse, CodecError, DeviceId, Message,
+    decode_payload, encode_frame, frame_len, ChunkResponse, CodecError, DeviceId, Hash, Message,
     FRAME_HEADER_LEN, MAX_FRAME_LEN,
 };
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -102,6 +102,12 @@ pub const CLOSE_DUPLICATE: VarInt = VarInt::from_u32(1);
 pub const CLOSE_BAD_HELLO: VarInt = VarInt::from_u32(3);
 /// Bytes reserved for a frame's payload before any of it has arrived.
 const FRAME_PREALLOC: usize = 64 << 10;
+/// Bytes reserved for a chunk read in place ([`read_response_within`]) before any of it has
+/// arrived: all of a chunk of a file up to 1 GiB (D8), so it is never copied as its buffer
+/// grows. Only on streams this device opened for its own requests
+/// ([`crate::chunks`]'s requests in flight), so a peer cannot make it reserve more by opening
+/// streams.
+const CHUNK_PREALLOC: usize = 256 << 10;
 /// STOP_SENDING code: a frame on this stream was oversized or malformed, or its peer stalled
 /// in the middle of it.
 pub const STOP_BAD_FRAME: VarInt = VarInt::from_u32(1);
@@ -1052,6 +1058,88 @@ async fn read_frame(
     recv: &mut quinn::RecvStream,
     due: Option<(Duration, usize)>,
 ) -> Result<Option<Message>, TransportError> {
+    let Some((len, mut clock)) = read_header(recv, due).await? else {
+        return Ok(None);
+    };
+    let mut payload = Vec::new();
+    read_into(recv, &mut clock, &mut payload, len, 0, len, FRAME_PREALLOC).await?;
+    decode_payload(&payload)
+        .map(Some)
+        .map_err(|e| bad_frame(recv, e))
+}
+
+/// [`read_message_within`] for the answer to a request for `want`'s chunk. A response carrying
+/// that chunk (nearly every frame on a request stream) has its chunk read straight into a
+/// buffer of its own ([`meshfs_protocol::response_layout`]), not read into the payload and
+/// copied out of it by the decoder; any other frame is read and decoded whole. The message is
+/// the same either way.
+pub async fn read_response_within(
+    recv: &mut quinn::RecvStream,
+    wait: Duration,
+    max_len: usize,
+    want: Hash,
+) -> Result<Option<Message>, TransportError> {
+    let Some((len, mut clock)) = read_header(recv, Some((wait, max_len))).await? else {
+        return Ok(None);
+    };
+    let Some((head, data_len)) = meshfs_protocol::response_layout(want, len) else {
+        let mut payload = Vec::new();
+        read_into(recv, &mut clock, &mut payload, len, 0, len, FRAME_PREALLOC).await?;
+        return decode_payload(&payload)
+            .map(Some)
+            .map_err(|e| bad_frame(recv, e));
+    };
+    let mut payload = Vec::new();
+    read_into(
+        recv,
+        &mut clock,
+        &mut payload,
+        head.len(),
+        0,
+        len,
+        FRAME_PREALLOC,
+    )
+    .await?;
+    if payload != head {
+        let at = payload.len();
+        read_into(
+            recv,
+            &mut clock,
+            &mut payload,
+            len - at,
+            at,
+            len,
+            FRAME_PREALLOC,
+        )
+        .await?;
+        return decode_payload(&payload)
+            .map(Some)
+            .map_err(|e| bad_frame(recv, e));
+    }
+    let mut data = Vec::new();
+    read_into(
+        recv,
+        &mut clock,
+        &mut data,
+        data_len,
+        head.len(),
+        len,
+        CHUNK_PREALLOC,
+    )
+    .await?;
+    let mut tail = Vec::with_capacity(1);
+    read_into(recv, &mut clock, &mut tail, 1, len - 1, len, 1).await?;
+    meshfs_protocol::finish_response(want, data, tail[0])
+        .map(Some)
+        .map_err(|e| bad_frame(recv, e))
+}
+
+/// Reads a frame's header within `due` (see [`read_frame`]): its payload length and the clock
+/// of the rest, or `None` when the stream ended cleanly between frames.
+async fn read_header(
+    recv: &mut quinn::RecvStream,
+    due: Option<(Duration, usize)>,
+) -> Result<Option<(usize, FrameClock)>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_LEN];
     let first = recv.read(&mut header);
     let first = match due {
@@ -1088,33 +1176,56 @@ async fn read_frame(
         return Err(bad_frame(recv, CodecError::Malformed(e)));
     }
     clock.declared(len);
-    // Grow with what arrives instead of allocating the declared length up front: a peer that
-    // announces 16 MiB frames on a thousand streams and sends nothing costs 64 KiB for each
-    // stream being read. What it does send is held only for the streams read at once: its
-    // control stream, the request streams being served (each frame a few KiB at most) and the
-    // responses to this device's own requests.
-    let mut payload = Vec::with_capacity(len.min(FRAME_PREALLOC));
-    while payload.len() < len {
-        let got = FRAME_HEADER_LEN + payload.len();
-        match clock.next(recv.read_chunk(len - payload.len(), true)).await {
+    Ok(Some((len, clock)))
+}
+
+/// Appends the next `n` bytes of a frame of payload length `len` to `buf`, of which `at` bytes
+/// were read before.
+///
+/// `buf` grows with what arrives instead of being given the declared length up front: a peer
+/// that announces 16 MiB frames on a thousand streams and sends nothing costs at most
+/// [`FRAME_PREALLOC`] for each stream being read. What it does send is held only for the
+/// streams read at once: its control stream, the request streams being served (each frame a
+/// few KiB at most) and the responses to this device's own requests.
+async fn read_into(
+    recv: &mut quinn::RecvStream,
+    clock: &mut FrameClock,
+    buf: &mut Vec<u8>,
+    n: usize,
+    at: usize,
+    len: usize,
+    prealloc: usize,
+) -> Result<(), TransportError> {
+    let start = buf.len();
+    buf.reserve_exact(n.min(prealloc));
+    while buf.len() < start + n {
+        let got = at + buf.len() - start;
+        match clock
+            .next(recv.read_chunk(start + n - buf.len(), true))
+            .await
+        {
             Some(read) => match read? {
-                Some(chunk) => payload.extend_from_slice(&chunk.bytes),
+                Some(chunk) => buf.extend_from_slice(&chunk.bytes),
                 None => {
-                    let got = payload.len();
                     return Err(bad_frame(
                         recv,
                         CodecError::Malformed(format!(
                             "stream ended after {got} of {len} bytes of a frame"
                         )),
-                    ));
+                    ))
                 }
             },
-            None => return Err(stall(recv, got, Some(len), clock.waited())),
+            None => {
+                return Err(stall(
+                    recv,
+                    FRAME_HEADER_LEN + got,
+                    Some(len),
+                    clock.waited(),
+                ))
+            }
         }
     }
-    decode_payload(&payload)
-        .map(Some)
-        .map_err(|e| bad_frame(recv, e))
+    Ok(())
 }
 
 /// The deadlines of one frame being read: each read within [`FRAME_STALL`] of the last

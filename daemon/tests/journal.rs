@@ -790,6 +790,21 @@ fn the_chunk_index_follows_a_files_changes_and_deletion() {
     assert_eq!(here, vec![loc(&f, "a", 0, 5), loc(&f, "b", 4, 5)]);
     assert_eq!(j.find_chunk(&g, &h(c3)).unwrap(), vec![loc(&g, "z", 0, 5)]);
     assert_eq!(j.find_chunk_anywhere(&h(c3)).unwrap().len(), 3);
+    // A whole request at once finds what each lookup finds, in the request's order.
+    let asked = [h(c3), h(b"nowhere"), h(c2)];
+    let each: Vec<_> = asked.iter().map(|x| j.find_chunk(&f, x).unwrap()).collect();
+    assert_eq!(j.find_chunks(&f, &asked), each);
+    // Inside a read transaction someone else began, and leaving it open: a write after it still
+    // commits and is seen.
+    j.begin_reads();
+    assert_eq!(j.find_chunks(&f, &asked), each);
+    j.commit(
+        &f,
+        vec![change(file_parts("c", &[c1], vv(&[(1, 1)])), Op::Create)],
+    )
+    .unwrap();
+    assert_eq!(j.find_chunks(&f, &[h(c1)]), vec![vec![loc(&f, "c", 0, 6)]]);
+    j.end_reads();
 
     // Deleted, or replaced by a directory: gone from the index.
     let a = j.get(&f, &p("a")).unwrap().unwrap().record;

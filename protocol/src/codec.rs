@@ -51,14 +51,26 @@ pub fn encode_response_frame(
     data: &[u8],
     compressed: bool,
 ) -> Result<(Vec<u8>, [u8; 1]), CodecError> {
-    // The message without its data ends `.., 0 (None), compressed`; with it, the `0` becomes
-    // `1 (Some), varint(len)` followed by the bytes.
+    let mut prefix = response_head(hash, data.len())?;
+    let len = prefix.len() - FRAME_HEADER_LEN + data.len() + 1;
+    if len > MAX_FRAME_LEN {
+        return Err(CodecError::TooLarge(len));
+    }
+    prefix[..FRAME_HEADER_LEN].copy_from_slice(&(len as u32).to_be_bytes());
+    Ok((prefix, [u8::from(compressed)]))
+}
+
+/// The frame header's room and the payload of a response carrying a chunk of `data_len`
+/// bytes for `hash`, up to the chunk: the message without its data ends `.., 0 (None),
+/// compressed`; with it, the `0` becomes `1 (Some), varint(len)`, then the bytes, then
+/// `compressed`. The header's four bytes are left zero.
+fn response_head(hash: crate::Hash, data_len: usize) -> Result<Vec<u8>, CodecError> {
     let bare = encode_frame(&Message::Response(crate::ChunkResponse {
         hash,
         data: None,
-        compressed,
+        compressed: false,
     }))?;
-    let [.., none, after] = bare[..] else {
+    let [.., none, _compressed] = bare[..] else {
         return Err(CodecError::Malformed(
             "a response frame without fields".into(),
         ));
@@ -69,14 +81,49 @@ pub fn encode_response_frame(
     let mut prefix = bare[..bare.len() - 2].to_vec();
     prefix.push(1);
     // A byte string's length is the varint postcard writes for a `usize`.
-    let mut prefix = postcard::to_extend(&data.len(), prefix)
+    postcard::to_extend(&data_len, prefix).map_err(|e| CodecError::Malformed(e.to_string()))
+}
+
+/// Where the chunk would lie in a frame of payload length `len` that answers a request for
+/// `hash` with its chunk: the payload bytes before the chunk and the chunk's length. `None` when
+/// no such response has that length (then the frame is something else: read it whole).
+///
+/// A receiver that finds the payload beginning with exactly these bytes can read the chunk
+/// straight into a buffer of its own and end with [`finish_response`], instead of reading the
+/// whole payload and having [`decode_payload`] copy the chunk out of it; the result is the
+/// same message (proptest `a_response_read_in_place_is_the_message_decode_payload_gives`).
+pub fn response_layout(hash: crate::Hash, len: usize) -> Option<(Vec<u8>, usize)> {
+    let base = response_head(hash, 0).ok()?.len() - FRAME_HEADER_LEN - 1;
+    // The varint of the chunk's length takes 1 to 4 bytes for any chunk a frame can hold; at
+    // most one of these splits is consistent.
+    (1..=4usize).find_map(|width| {
+        let data_len = len.checked_sub(base + width + 1)?;
+        let head = response_head(hash, data_len).ok()?;
+        (head.len() - FRAME_HEADER_LEN == base + width)
+            .then(|| (head[FRAME_HEADER_LEN..].to_vec(), data_len))
+    })
+}
+
+/// The response whose payload was the head [`response_layout`] gave, then `data`, then `tail`
+/// (the `compressed` flag), checked as [`decode_payload`] checks it.
+pub fn finish_response(hash: crate::Hash, data: Vec<u8>, tail: u8) -> Result<Message, CodecError> {
+    let compressed = match tail {
+        0 => false,
+        1 => true,
+        b => {
+            return Err(CodecError::Malformed(format!(
+                "a response's compressed flag is {b}"
+            )))
+        }
+    };
+    let msg = Message::Response(crate::ChunkResponse {
+        hash,
+        data: Some(data),
+        compressed,
+    });
+    msg.check_limits()
         .map_err(|e| CodecError::Malformed(e.to_string()))?;
-    let len = prefix.len() - FRAME_HEADER_LEN + data.len() + 1;
-    if len > MAX_FRAME_LEN {
-        return Err(CodecError::TooLarge(len));
-    }
-    prefix[..FRAME_HEADER_LEN].copy_from_slice(&(len as u32).to_be_bytes());
-    Ok((prefix, [after]))
+    Ok(msg)
 }
 
 /// Reads the payload length from a frame header, refusing lengths over the limit.
@@ -379,6 +426,61 @@ mod tests {
             let (prefix, suffix) = encode_response_frame(crate::Hash(hash), &data, compressed).unwrap();
             let parts = [&prefix[..], &data[..], &suffix[..]].concat();
             prop_assert!(parts == whole, "{} bytes of data", len);
+        }
+        #[test]
+        fn a_response_read_in_place_is_the_message_decode_payload_gives(
+            hash in any::<[u8; 32]>(),
+            other in any::<[u8; 32]>(),
+            len in prop_oneof![0usize..300, 16_000usize..17_000, (crate::MAX_CHUNK_LEN as usize - 300)..=crate::MAX_CHUNK_LEN as usize + 300],
+            compressed in any::<bool>(),
+            flip in prop::option::of((any::<prop::sample::Index>(), 1u8..=255)),
+        ) {
+            // A response for the hash asked for, one for another hash, an error, a response
+            // without data; each maybe with one byte changed.
+            let want = crate::Hash(hash);
+            let data: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+            let resp = |hash, data| Message::Response(crate::ChunkResponse { hash, data, compressed });
+            let candidates = [
+                resp(want, Some(data.clone())),
+                resp(crate::Hash(other), Some(data.clone())),
+                resp(want, None),
+                Message::Error { code: crate::ErrorCode::NotShared, message: "x".repeat(len % 200) },
+            ];
+            for msg in candidates {
+                let mut payload = if len > crate::MAX_CHUNK_LEN as usize {
+                    // Over the limit: built by hand, as encode_frame refuses it.
+                    let mut p = response_head(want, len).unwrap()[FRAME_HEADER_LEN..].to_vec();
+                    p.extend_from_slice(&data);
+                    p.push(u8::from(compressed));
+                    p
+                } else {
+                    encode_frame(&msg).unwrap()[FRAME_HEADER_LEN..].to_vec()
+                };
+                if let Some((i, x)) = flip {
+                    let i = i.index(payload.len());
+                    payload[i] ^= x;
+                }
+                let whole = decode_payload(&payload);
+                match response_layout(want, payload.len()) {
+                    Some((head, data_len)) if payload.starts_with(&head) => {
+                        prop_assert_eq!(head.len() + data_len + 1, payload.len());
+                        let data = payload[head.len()..head.len() + data_len].to_vec();
+                        let fast = finish_response(want, data, payload[payload.len() - 1]);
+                        prop_assert_eq!(fast.is_ok(), whole.is_ok(), "{:?} / {:?}", fast, whole);
+                        if let (Ok(a), Ok(b)) = (fast, whole) {
+                            prop_assert_eq!(a, b);
+                        }
+                    }
+                    // Not read in place: only a frame that is not this response's.
+                    _ => {
+                        let in_place = matches!(
+                            whole,
+                            Ok(Message::Response(crate::ChunkResponse { hash, data: Some(_), .. })) if hash == want
+                        );
+                        prop_assert!(!in_place);
+                    }
+                }
+            }
         }
     }
 

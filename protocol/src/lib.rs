@@ -23,8 +23,8 @@ mod record;
 mod vv;
 
 pub use codec::{
-    decode_frame, decode_payload, encode_frame, encode_response_frame, frame_len, CodecError,
-    FrameDecoder, FRAME_HEADER_LEN,
+    decode_frame, decode_payload, encode_frame, encode_response_frame, finish_response, frame_len,
+    response_layout, CodecError, FrameDecoder, FRAME_HEADER_LEN,
 };
 pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
 pub use limits::{MAX_CHUNK_LEN, MAX_FRAME_LEN};
