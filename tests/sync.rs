@@ -384,3 +384,68 @@ fn a_receiver_killed_mid_transfer_never_shows_a_partial_file_and_completes_after
     );
     assert_eq!(temps(&b.dir) + temps(&staging), 0, "temp files left behind");
 }
+
+/// 1,000 new 4 KiB files on the first of `devices` (all started and in sync); returns the
+/// bytes each device sent meanwhile, and the content's size.
+fn new_small_files_from_first(devices: &[&Device]) -> (Vec<u64>, u64) {
+    let sent = |d: &Device| d.status()["bytes_sent"].as_u64().unwrap();
+    let before: Vec<u64> = devices.iter().map(|d| sent(d)).collect();
+    for i in 0..1000 {
+        write(
+            &devices[0].path(&format!("new/d{}/f{i}", i % 10)),
+            &noise(4096, 500 + i),
+        );
+    }
+    wait_synced(devices, 120);
+    for d in &devices[1..] {
+        assert_eq!(tree(&d.dir), tree(&devices[0].dir));
+    }
+    let moved = devices
+        .iter()
+        .zip(before)
+        .map(|(d, b)| sent(d) - b)
+        .collect();
+    (moved, 1000 * 4096)
+}
+
+#[test]
+fn small_new_files_cross_each_link_once_in_a_mesh_and_through_a_relay() {
+    let t = tmp();
+    // A mesh: A sends its new files' content to B and C inline; B and C, relaying A's versions
+    // to each other, leave it out (each said it hears from A directly).
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    let mut c = Device::new(&t, "c");
+    pair(&a, &b);
+    pair(&a, &c);
+    pair(&b, &c);
+    for d in [&mut a, &mut b, &mut c] {
+        d.start();
+    }
+    wait_synced(&[&a, &b, &c], 30);
+    let (sent, content) = new_small_files_from_first(&[&a, &b, &c]);
+    eprintln!("mesh: A, B, C sent {sent:?} bytes");
+    assert!(
+        (2 * content..2 * content + content / 2).contains(&sent[0])
+            && sent[1] < content / 4
+            && sent[2] < content / 4,
+        "mesh: A, B, C sent {sent:?} bytes for {content} bytes of new content"
+    );
+    // A chain, D - E - F: F hears only from E, which still relays the content inline.
+    let mut d = Device::new(&t, "d");
+    let mut e = Device::new(&t, "e");
+    let mut f = Device::new(&t, "f");
+    pair(&d, &e);
+    pair(&e, &f);
+    for x in [&mut d, &mut e, &mut f] {
+        x.start();
+    }
+    wait_synced(&[&d, &e, &f], 30);
+    let (sent, content) = new_small_files_from_first(&[&d, &e, &f]);
+    eprintln!("chain: D, E, F sent {sent:?} bytes");
+    assert!(
+        (content..content + content / 2).contains(&sent[0])
+            && (content..content + content / 2).contains(&sent[1]),
+        "chain: D, E, F sent {sent:?} bytes for {content} bytes of new content"
+    );
+}

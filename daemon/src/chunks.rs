@@ -9,6 +9,7 @@
 
 use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
+use crate::peers::Inline;
 use crate::store::{read_chunk_of, DirCache, StoreError};
 use crate::transport;
 use meshfs_protocol::{
@@ -491,13 +492,14 @@ async fn request_group(
     Ok(())
 }
 
-/// Attaches to `batch` the content of its small files journaled after sequence `after`: files
-/// of one chunk whose hash is the file's, up to [`INLINE_FILE_BYTES`] each and
+/// Attaches to `batch` the content of its small files journaled after sequence `inline.after`:
+/// files of one chunk whose hash is the file's, up to [`INLINE_FILE_BYTES`] each and
 /// [`INLINE_BATCH_BYTES`] in all, compressed as in responses, if journaled as a creation or a
-/// modification.
+/// modification, and not made by a device in `inline.relayed` (one the peer hears from
+/// directly, which sends the peer that content itself).
 /// Read as of now: a file changed since it was journaled fails its hash and is left out (the
 /// receiver asks, as for any chunk).
-pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, after: u64) {
+pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, inline: &Inline) {
     let Some(rt) = folders.get(&batch.folder) else {
         return;
     };
@@ -505,11 +507,12 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, after: u6
         .records
         .iter()
         .filter(|r| {
-            r.sequence > after
+            r.sequence > inline.after
                 && !r.deleted
                 && r.kind == FileKind::File
                 && r.size <= INLINE_FILE_BYTES
                 && r.chunks.len() == 1
+                && !inline.relayed.contains(&r.modified_by)
         })
         .collect();
     if candidates.is_empty() {

@@ -109,6 +109,7 @@ impl Engine {
             config: config.clone(),
             peers: Mutex::new(Peers::default()),
             peer_changed: Notify::new(),
+            links: watch::channel(Default::default()).0,
             endpoint: endpoint.clone(),
             stopping,
             shutdown: Notify::new(),

@@ -15,12 +15,12 @@ use crate::folder::Folders;
 use crate::journal::Journal;
 use crate::last_error::LastError;
 use crate::transport::{self, LinkStats};
-use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message};
+use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message, ShortId};
 use meshfs_sync::reconcile::ReadError;
 use meshfs_sync::session::{
     Action, FolderSyncStatus, IndexSource, ScanCounts, Session, SessionFolder,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -41,6 +41,9 @@ pub struct Net {
     pub peers: Mutex<Peers>,
     /// Woken when a peer connects, disconnects or reports progress.
     pub peer_changed: Notify,
+    /// The devices with a live connection now; each session tells its peer the others (the
+    /// `Peers` message), so that it does not relay content they send the peer themselves.
+    pub links: watch::Sender<BTreeSet<ShortId>>,
     /// The QUIC endpoint.
     pub endpoint: quinn::Endpoint,
     /// Set to true when the daemon stops.
@@ -209,7 +212,18 @@ fn register(net: &Net, est: transport::Established, dialer: DeviceId) -> Option<
     };
     peers.links.insert(peer, link.clone());
     peers.last_seen.insert(peer, std::time::SystemTime::now());
+    publish_links(net, &peers);
     Some(link)
+}
+
+/// Publishes the devices with a live connection (see [`Net::links`]).
+fn publish_links(net: &Net, peers: &Peers) {
+    let now: BTreeSet<ShortId> = peers.links.keys().map(DeviceId::short).collect();
+    net.links.send_if_modified(|l| {
+        let changed = *l != now;
+        *l = now;
+        changed
+    });
 }
 
 fn unregister(net: &Net, peer: &DeviceId, serial: u64) {
@@ -222,6 +236,7 @@ fn unregister(net: &Net, peer: &DeviceId, serial: u64) {
             }
             peers.sync.retain(|(p, _), _| p != peer);
             peers.last_seen.insert(*peer, std::time::SystemTime::now());
+            publish_links(net, &peers);
         }
     }
     net.peer_changed.notify_waiters();
@@ -481,6 +496,10 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
     tokio::spawn(serve_requests(net.clone(), peer, conn.clone()));
     let mut session = Session::new(net.name(), peer, session_folders(net, &peer));
     let mut changes = net.folders.changes.subscribe();
+    let mut links = net.links.subscribe();
+    // Nothing to send yet (the hellos are not exchanged): the session says it after them.
+    let linked = links_by_folder(net, &peer, &links.borrow_and_update());
+    let _ = session.connected_peers(linked);
     let first = {
         let mut j = net
             .folders
@@ -505,11 +524,19 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
         for action in std::mem::take(&mut pending) {
             match action {
                 Action::Send(m) => {
-                    let after = match &m {
-                        Message::Index(b) => session.inline_after(&b.folder),
-                        _ => u64::MAX,
+                    let inline = match &m {
+                        Message::Index(b) => Inline {
+                            after: session.inline_after(&b.folder),
+                            relayed: relayed_content(
+                                &session,
+                                &b.folder,
+                                &b.records,
+                                &net.folders.device,
+                            ),
+                        },
+                        _ => Inline::none(),
                     };
-                    out.send((m, after))
+                    out.send((m, inline))
                         .map_err(|_| "control stream writer stopped".to_string())?;
                 }
                 Action::Receive {
@@ -559,9 +586,13 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
                     }
                 }
             }
+            Ok(()) = links.changed() => {
+                let linked = links_by_folder(net, &peer, &links.borrow_and_update());
+                pending = session.connected_peers(linked);
+            }
             _ = net.shutdown.notified() => {
                 let bye = Message::Error { code: ErrorCode::Shutdown, message: "daemon stopping".into() };
-                let _ = out.send((bye, u64::MAX));
+                let _ = out.send((bye, Inline::none()));
                 drop(out);
                 let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
                 return Err("shutdown".into());
@@ -745,9 +776,68 @@ async fn receive(
     let _ = tx.send(ev);
 }
 
-/// Messages for the control stream, each with the sequence above which its records may carry
-/// inline content ([`Session::inline_after`]).
-type Outgoing = mpsc::UnboundedSender<(Message, u64)>;
+/// Messages for the control stream, each with what of its records' content may ride inline.
+type Outgoing = mpsc::UnboundedSender<(Message, Inline)>;
+
+/// Which records of an outgoing index batch may carry their content ([`chunks::attach_inline`]).
+pub(crate) struct Inline {
+    /// Only records above this sequence ([`Session::inline_after`]).
+    pub(crate) after: u64,
+    /// Records made by a device the peer hears from directly, to leave out even above it
+    /// ([`Session::peer_hears`]): that device sends the peer their content itself.
+    pub(crate) relayed: HashSet<ShortId>,
+}
+
+impl Inline {
+    /// Nothing inline.
+    fn none() -> Inline {
+        Inline {
+            after: u64::MAX,
+            relayed: HashSet::new(),
+        }
+    }
+}
+
+/// The authors of `records` (of `folder`) other than this device whose versions the peer gets
+/// from them directly.
+fn relayed_content(
+    session: &Session,
+    folder: &FolderId,
+    records: &[FileRecord],
+    me: &DeviceId,
+) -> HashSet<ShortId> {
+    let me = me.short();
+    records
+        .iter()
+        .map(|r| r.modified_by)
+        .filter(|&by| by != me && session.peer_hears(folder, by))
+        .collect()
+}
+
+/// Per folder shared with `peer`, the other connected devices (of `linked`) it is shared with
+/// too, by this device's config.
+fn links_by_folder(
+    net: &Net,
+    peer: &DeviceId,
+    linked: &BTreeSet<ShortId>,
+) -> Vec<(FolderId, Vec<ShortId>)> {
+    let Ok(config) = net.config.read() else {
+        return Vec::new();
+    };
+    net.shared_with(peer)
+        .into_iter()
+        .map(|folder| {
+            let others = config
+                .peers
+                .iter()
+                .filter(|p| p.id != *peer && p.folders.contains(&folder))
+                .map(|p| p.id.short())
+                .filter(|s| linked.contains(s))
+                .collect();
+            (folder, others)
+        })
+        .collect()
+}
 
 /// Starts the task that owns the control stream's send side (see `drive_session`). A write
 /// error ends the session through `events`.
@@ -756,15 +846,15 @@ fn control_writer(
     mut send: quinn::SendStream,
     events: mpsc::UnboundedSender<LinkEvent>,
 ) -> (Outgoing, tokio::task::JoinHandle<()>) {
-    let (out, mut queue) = mpsc::unbounded_channel::<(Message, u64)>();
+    let (out, mut queue) = mpsc::unbounded_channel::<(Message, Inline)>();
     let task = tokio::spawn(async move {
-        while let Some((mut msg, after)) = queue.recv().await {
+        while let Some((mut msg, inline)) = queue.recv().await {
             if let Message::Index(batch) = msg {
                 let net = net.clone();
                 let t0 = std::time::Instant::now();
                 let attached = tokio::task::spawn_blocking(move || {
                     let mut batch = batch;
-                    chunks::attach_inline(&net.folders, &mut batch, after);
+                    chunks::attach_inline(&net.folders, &mut batch, &inline);
                     batch
                 })
                 .await;

@@ -352,7 +352,7 @@ mod tests {
                 )),
             (folder.clone(), any::<u64>())
                 .prop_map(|(folder, sequence)| Message::IndexAck(IndexAck { folder, sequence })),
-            (folder, prop::collection::vec(hash(), 0..10))
+            (folder.clone(), prop::collection::vec(hash(), 0..10))
                 .prop_map(|(folder, hashes)| Message::Request(ChunkRequest { folder, hashes })),
             (
                 hash(),
@@ -369,6 +369,12 @@ mod tests {
             ".{0,30}".prop_map(|m| Message::Error {
                 code: ErrorCode::NotShared,
                 message: m
+            }),
+            (folder.clone(), prop::collection::vec(any::<u64>(), 0..6)).prop_map(|(folder, c)| {
+                Message::Peers(PeerList {
+                    folder,
+                    connected: c.into_iter().map(ShortId).collect(),
+                })
             }),
         ]
     }

@@ -30,8 +30,9 @@ pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
 pub use limits::{MAX_CHUNK_LEN, MAX_FRAME_LEN};
 pub use message::{
     ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch, LimitError,
-    Message, ScanState, MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN, MAX_FOLDERS_PER_HELLO,
-    MAX_HASHES_PER_REQUEST, MAX_RECORDS_PER_BATCH, PROTOCOL_VERSION,
+    Message, PeerList, ScanState, MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN,
+    MAX_FOLDERS_PER_HELLO, MAX_HASHES_PER_REQUEST, MAX_PEERS_PER_LIST, MAX_RECORDS_PER_BATCH,
+    PROTOCOL_VERSION,
 };
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
 pub use record::{

@@ -16,7 +16,7 @@ use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
 pub const MAX_RECORDS_PER_BATCH: usize = 1000;
@@ -29,6 +29,8 @@ pub const MAX_FOLDERS_PER_HELLO: usize = 4096;
 pub const MAX_DEVICE_NAME_LEN: usize = 1024;
 /// Longest [`Message::Error`] message, in bytes: it is logged.
 pub const MAX_ERROR_MESSAGE_LEN: usize = 8192;
+/// Most devices one [`PeerList`] may name.
+pub const MAX_PEERS_PER_LIST: usize = 4096;
 
 /// A message over one of the limits a receiver enforces (`docs/protocol.md`, "Limits").
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -63,6 +65,9 @@ pub enum LimitError {
     /// An error message longer than [`MAX_ERROR_MESSAGE_LEN`] bytes.
     #[error("error message of {0} bytes, more than {MAX_ERROR_MESSAGE_LEN}")]
     ErrorMessage(usize),
+    /// A peer list naming more than [`MAX_PEERS_PER_LIST`] devices.
+    #[error("peer list names {0} devices, more than {MAX_PEERS_PER_LIST}")]
+    Peers(usize),
 }
 
 /// A frame's payload.
@@ -89,6 +94,20 @@ pub enum Message {
     /// How far the sender's first scan of a folder got since its Hello said it was scanning,
     /// or that it has finished (control stream only; version 6).
     Scan(ScanState),
+    /// The other devices the sender has a connection to now and shares a folder with (control
+    /// stream only; version 7): the receiver need not relay them their own new files' content.
+    Peers(PeerList),
+}
+
+/// The devices other than the receiver that the sender is connected to and shares a folder
+/// with, as of sending; each list of a folder replaces the one before.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerList {
+    /// The folder.
+    pub folder: FolderId,
+    /// Their short ids (at most [`MAX_PEERS_PER_LIST`]).
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_PEERS_PER_LIST>")]
+    pub connected: Vec<crate::ShortId>,
 }
 
 /// Opening message of a session.
@@ -244,6 +263,11 @@ impl Message {
                 b.inline.iter().try_for_each(chunk)?;
             }
             Message::IndexAck(_) | Message::Scan(_) => {}
+            Message::Peers(p) => {
+                if p.connected.len() > MAX_PEERS_PER_LIST {
+                    return Err(LimitError::Peers(p.connected.len()));
+                }
+            }
             Message::Request(r) => {
                 if r.hashes.len() > MAX_HASHES_PER_REQUEST {
                     return Err(LimitError::Hashes(r.folder.clone(), r.hashes.len()));
@@ -420,6 +444,21 @@ mod limits {
         assert_eq!(
             Message::Index(b).check_limits(),
             Err(LimitError::ChunkData(Hash::ZERO, len + 1))
+        );
+    }
+
+    #[test]
+    fn a_peer_list_names_at_most_max_peers_per_list_devices() {
+        let list = |n: u64| {
+            Message::Peers(PeerList {
+                folder: folder(),
+                connected: (0..n).map(crate::ShortId).collect(),
+            })
+        };
+        bounded(
+            list(MAX_PEERS_PER_LIST as u64),
+            list(MAX_PEERS_PER_LIST as u64 + 1),
+            LimitError::Peers(MAX_PEERS_PER_LIST + 1),
         );
     }
 

@@ -9,8 +9,8 @@
 
 use meshfs_protocol::{
     decode_payload, encode_frame, Chunk, ChunkRequest, ChunkResponse, ErrorCode, FileKind,
-    FileRecord, FolderId, Hash, Hello, HelloFolder, IndexAck, IndexBatch, Message, RelPath,
-    ScanState, ShortId, VersionVector, FRAME_HEADER_LEN, PROTOCOL_VERSION,
+    FileRecord, FolderId, Hash, Hello, HelloFolder, IndexAck, IndexBatch, Message, PeerList,
+    RelPath, ScanState, ShortId, VersionVector, FRAME_HEADER_LEN, PROTOCOL_VERSION,
 };
 use std::path::PathBuf;
 
@@ -196,6 +196,13 @@ fn messages() -> Vec<(&'static str, Message)> {
                 hash: Hash::of(b"gone"),
                 data: None,
                 compressed: false,
+            }),
+        ),
+        (
+            "peers",
+            Message::Peers(PeerList {
+                folder: folder(),
+                connected: vec![ShortId(0x1234_5678_9abc_def0), ShortId(7)],
             }),
         ),
         (

@@ -23,14 +23,21 @@
 //! - a folder whose first scan runs says so in its Hello, then reports the scan's progress
 //!   and, once, its end in `Scan` messages ([`Session::scan_progress`]); a peer is not in sync
 //!   with us while it is scanning, and a `Scan` for a folder the peer did not say it scans is a
-//!   protocol violation.
+//!   protocol violation;
+//! - each side tells the other, per shared folder, which other devices it is connected to and
+//!   shares the folder with (`Peers`, after the hellos, again whenever that changes, never
+//!   twice the same); a `Peers` before the peer's hello is a protocol violation, one for a
+//!   folder not shared in both hellos ends the session (`NotShared`). The driver asks
+//!   [`Session::peer_hears`] before attaching a relayed file's content to a batch: a device the
+//!   peer hears from directly sends it its own.
 
 use crate::error::ReadError;
 use meshfs_protocol::{
     ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder, IndexAck,
-    IndexBatch, Message, ScanState, MAX_FRAME_LEN, PROTOCOL_VERSION,
+    IndexBatch, Message, PeerList, ScanState, ShortId, MAX_FRAME_LEN, MAX_PEERS_PER_LIST,
+    PROTOCOL_VERSION,
 };
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Receives of one folder handed to the driver before the first of them is applied. Three:
 /// the driver decides and assembles a batch while the ones before it install (`apply::Turn`);
@@ -249,6 +256,13 @@ pub struct Session {
     hello_sent: bool,
     peer_name: Option<String>,
     closed: bool,
+    /// Per folder, the other devices we are connected to and share it with, as the driver last
+    /// said.
+    our_links: BTreeMap<FolderId, BTreeSet<ShortId>>,
+    /// What the peer was last told of them (nothing before: it assumes none).
+    told_links: BTreeMap<FolderId, BTreeSet<ShortId>>,
+    /// Per folder, the other devices the peer said it is connected to.
+    peer_links: BTreeMap<FolderId, BTreeSet<ShortId>>,
 }
 
 impl Session {
@@ -265,6 +279,9 @@ impl Session {
             hello_sent: false,
             peer_name: None,
             closed: false,
+            our_links: BTreeMap::new(),
+            told_links: BTreeMap::new(),
+            peer_links: BTreeMap::new(),
         }
     }
 
@@ -317,6 +334,7 @@ impl Session {
         }))];
         if self.peer_name.is_some() {
             out.extend(self.pump_all(src));
+            out.extend(self.tell_links());
         }
         out
     }
@@ -337,7 +355,11 @@ impl Session {
             out = self.open(src);
         }
         match msg {
-            Message::Hello(h) => out.extend(self.on_hello(h, src)),
+            Message::Hello(h) => {
+                out.extend(self.on_hello(h, src));
+                out.extend(self.tell_links());
+            }
+            Message::Peers(p) => out.extend(self.on_peers(p)),
             Message::Index(batch) => out.extend(self.on_index(batch)),
             Message::IndexAck(ack) => out.extend(self.on_ack(ack, src)),
             Message::Scan(scan) => out.extend(self.on_scan(scan, src)),
@@ -440,6 +462,88 @@ impl Session {
         let mut out = ack.map(|a| f.progress(a)).unwrap_or_default();
         out.extend(f.deliver());
         out
+    }
+
+    /// Per folder, the other devices this one is connected to now and shares it with (the
+    /// driver's view; the peer itself is left out, and folders not shared with it): the peer is
+    /// told once the hellos are exchanged, and of each folder whose list changes after that.
+    pub fn connected_peers(
+        &mut self,
+        links: impl IntoIterator<Item = (FolderId, Vec<ShortId>)>,
+    ) -> Vec<Action> {
+        let me = self.peer.short();
+        self.our_links = links
+            .into_iter()
+            .filter(|(f, _)| self.folders.contains_key(f))
+            .map(|(f, devices)| {
+                let set: BTreeSet<ShortId> = devices
+                    .into_iter()
+                    .filter(|d| *d != me)
+                    .take(MAX_PEERS_PER_LIST)
+                    .collect();
+                (f, set)
+            })
+            .filter(|(_, set)| !set.is_empty())
+            .collect();
+        self.tell_links()
+    }
+
+    fn tell_links(&mut self) -> Vec<Action> {
+        if !self.is_established() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let empty = BTreeSet::new();
+        let folders: BTreeSet<FolderId> = self
+            .our_links
+            .keys()
+            .chain(self.told_links.keys())
+            .filter(|f| self.folders.get(*f).is_some_and(|s| s.shared))
+            .cloned()
+            .collect();
+        for folder in folders {
+            let now = self.our_links.get(&folder).unwrap_or(&empty);
+            if self.told_links.get(&folder).unwrap_or(&empty) == now {
+                continue;
+            }
+            out.push(Action::Send(Message::Peers(PeerList {
+                folder: folder.clone(),
+                connected: now.iter().copied().collect(),
+            })));
+            if now.is_empty() {
+                self.told_links.remove(&folder);
+            } else {
+                self.told_links.insert(folder, now.clone());
+            }
+        }
+        out
+    }
+
+    fn on_peers(&mut self, list: PeerList) -> Vec<Action> {
+        if self.peer_name.is_none() {
+            return self.fail(ErrorCode::BadFrame, "peer list before hello");
+        }
+        if !self.folders.get(&list.folder).is_some_and(|f| f.shared) {
+            let msg = format!("folder {} is not shared with this device", list.folder);
+            return self.fail(ErrorCode::NotShared, &msg);
+        }
+        if list.connected.is_empty() {
+            self.peer_links.remove(&list.folder);
+        } else {
+            self.peer_links
+                .insert(list.folder, list.connected.into_iter().collect());
+        }
+        Vec::new()
+    }
+
+    /// The peer said it is connected to `device` (not this device) and shares `folder` with
+    /// it: a version of `folder` that `device` made reaches the peer from `device` itself, so a
+    /// batch relaying it here need not carry its content too (`docs/protocol.md`, "Inline
+    /// content").
+    pub fn peer_hears(&self, folder: &FolderId, device: ShortId) -> bool {
+        self.peer_links
+            .get(folder)
+            .is_some_and(|s| s.contains(&device))
     }
 
     /// Both hellos exchanged and the session not ended.
@@ -1373,6 +1477,82 @@ mod tests {
             vec!["new"]
         );
         assert!(status(&a, "f").in_sync && status(&b, "f").in_sync);
+    }
+
+    #[test]
+    fn each_side_hears_which_other_devices_the_other_is_connected_to() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        let (c, d) = (dev(3).short(), dev(4).short());
+        let f = || fid("f");
+        // Said before the hellos: kept until they are exchanged. The peer itself is left out,
+        // and so is a folder the session does not share.
+        let said = a
+            .session
+            .connected_peers([(f(), vec![c, dev(2).short()]), (fid("other"), vec![d])]);
+        assert!(said.is_empty());
+        connect(&mut a, &mut b);
+        assert!(b.session.peer_hears(&f(), c));
+        assert!(!b.session.peer_hears(&f(), dev(2).short()), "not itself");
+        assert!(!b.session.peer_hears(&fid("other"), d));
+        assert!(
+            !a.session.peer_hears(&f(), c),
+            "b said nothing: connected to none"
+        );
+        // A change is told once; the same list again is not.
+        let told = a.session.connected_peers([(f(), vec![c, d])]);
+        assert!(
+            matches!(&told[..], [Action::Send(Message::Peers(p))] if p.connected == vec![c.min(d), c.max(d)])
+        );
+        assert!(a.session.connected_peers([(f(), vec![d, c])]).is_empty());
+        run(
+            &mut a,
+            &mut b,
+            VecDeque::new(),
+            VecDeque::new(),
+            [told, Vec::new()],
+        );
+        assert!(b.session.peer_hears(&f(), d));
+        let gone = a.session.connected_peers([(f(), vec![d])]);
+        run(
+            &mut a,
+            &mut b,
+            VecDeque::new(),
+            VecDeque::new(),
+            [gone, Vec::new()],
+        );
+        assert!(!b.session.peer_hears(&f(), c) && b.session.peer_hears(&f(), d));
+        // No one left: an empty list says so.
+        let none = a.session.connected_peers([]);
+        assert!(matches!(&none[..], [Action::Send(Message::Peers(p))] if p.connected.is_empty()));
+        run(
+            &mut a,
+            &mut b,
+            VecDeque::new(),
+            VecDeque::new(),
+            [none, Vec::new()],
+        );
+        assert!(!b.session.peer_hears(&f(), d));
+        // A list for a folder not shared in both hellos, or before the sender's hello, breaks
+        // the protocol.
+        let refused = |acts: &[Action], code: ErrorCode| {
+            acts.iter()
+                .any(|x| matches!(x, Action::Send(Message::Error { code: c, .. }) if *c == code))
+                && matches!(acts.last(), Some(Action::Close { .. }))
+        };
+        let unshared = Message::Peers(PeerList {
+            folder: fid("other"),
+            connected: vec![c],
+        });
+        let acts = b.session.handle(unshared, &mut b.journal);
+        assert!(refused(&acts, ErrorCode::NotShared));
+        let mut e = Side::new(5, 6, vec![folder("f", 55)]);
+        let early = Message::Peers(PeerList {
+            folder: f(),
+            connected: vec![c],
+        });
+        let acts = e.session.handle(early, &mut e.journal);
+        assert!(refused(&acts, ErrorCode::BadFrame));
     }
 
     #[test]
