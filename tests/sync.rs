@@ -224,19 +224,30 @@ fn a_chain_converges_through_the_middle_device() {
     assert_eq!(std::fs::read(c.path("later/x")).unwrap(), b"x");
 }
 
+/// Three devices named `names`, paired as `links` (indexes into `names`), started and in sync.
+fn three_started(
+    t: &std::sync::Arc<tempfile::TempDir>,
+    names: [&str; 3],
+    links: &[(usize, usize)],
+) -> [Device; 3] {
+    let mut devices = names.map(|n| Device::new(t, n));
+    for &(x, y) in links {
+        pair(&devices[x], &devices[y]);
+    }
+    for d in &mut devices {
+        d.start();
+    }
+    wait_synced(&devices.iter().collect::<Vec<_>>(), 30);
+    devices
+}
+
+/// Every pair of three devices.
+const MESH: [(usize, usize); 3] = [(0, 1), (0, 2), (1, 2)];
+
 #[test]
 fn three_devices_each_receive_new_content_once_though_two_peers_offer_it() {
     let t = tmp();
-    let mut a = Device::new(&t, "a");
-    let mut b = Device::new(&t, "b");
-    let mut c = Device::new(&t, "c");
-    pair(&a, &b);
-    pair(&a, &c);
-    pair(&b, &c);
-    a.start();
-    b.start();
-    c.start();
-    wait_synced(&[&a, &b, &c], 30);
+    let [a, b, c] = three_started(&t, ["a", "b", "c"], &MESH);
     let sent = |d: &Device| d.status()["bytes_sent"].as_u64().unwrap();
     let before: u64 = [&a, &b, &c].iter().map(|d| sent(d)).sum();
     // 48 MiB of new files on A. B relays what it has installed to C (and C to B) while A is
@@ -413,16 +424,7 @@ fn small_new_files_cross_each_link_once_in_a_mesh_and_through_a_relay() {
     let t = tmp();
     // A mesh: A sends its new files' content to B and C inline; B and C, relaying A's versions
     // to each other, leave it out (each said it hears from A directly).
-    let mut a = Device::new(&t, "a");
-    let mut b = Device::new(&t, "b");
-    let mut c = Device::new(&t, "c");
-    pair(&a, &b);
-    pair(&a, &c);
-    pair(&b, &c);
-    for d in [&mut a, &mut b, &mut c] {
-        d.start();
-    }
-    wait_synced(&[&a, &b, &c], 30);
+    let [a, b, c] = three_started(&t, ["a", "b", "c"], &MESH);
     let (sent, content) = new_small_files_from_first(&[&a, &b, &c]);
     eprintln!("mesh: A, B, C sent {sent:?} bytes");
     assert!(
@@ -432,15 +434,7 @@ fn small_new_files_cross_each_link_once_in_a_mesh_and_through_a_relay() {
         "mesh: A, B, C sent {sent:?} bytes for {content} bytes of new content"
     );
     // A chain, D - E - F: F hears only from E, which still relays the content inline.
-    let mut d = Device::new(&t, "d");
-    let mut e = Device::new(&t, "e");
-    let mut f = Device::new(&t, "f");
-    pair(&d, &e);
-    pair(&e, &f);
-    for x in [&mut d, &mut e, &mut f] {
-        x.start();
-    }
-    wait_synced(&[&d, &e, &f], 30);
+    let [d, e, f] = three_started(&t, ["d", "e", "f"], &[(0, 1), (1, 2)]);
     let (sent, content) = new_small_files_from_first(&[&d, &e, &f]);
     eprintln!("chain: D, E, F sent {sent:?} bytes");
     assert!(

@@ -1061,8 +1061,19 @@ async fn read_frame(
     let Some((len, mut clock)) = read_header(recv, due).await? else {
         return Ok(None);
     };
-    let mut payload = Vec::new();
-    read_into(recv, &mut clock, &mut payload, len, 0, len, FRAME_PREALLOC).await?;
+    decode_rest(recv, &mut clock, Vec::new(), len).await
+}
+
+/// Reads the rest of a frame of payload length `len` after the `payload` bytes read so far, and
+/// decodes it whole.
+async fn decode_rest(
+    recv: &mut quinn::RecvStream,
+    clock: &mut FrameClock,
+    mut payload: Vec<u8>,
+    len: usize,
+) -> Result<Option<Message>, TransportError> {
+    let at = payload.len();
+    read_into(recv, clock, &mut payload, len - at, at, len, FRAME_PREALLOC).await?;
     decode_payload(&payload)
         .map(Some)
         .map_err(|e| bad_frame(recv, e))
@@ -1083,38 +1094,13 @@ pub async fn read_response_within(
         return Ok(None);
     };
     let Some((head, data_len)) = meshfs_protocol::response_layout(want, len) else {
-        let mut payload = Vec::new();
-        read_into(recv, &mut clock, &mut payload, len, 0, len, FRAME_PREALLOC).await?;
-        return decode_payload(&payload)
-            .map(Some)
-            .map_err(|e| bad_frame(recv, e));
+        return decode_rest(recv, &mut clock, Vec::new(), len).await;
     };
     let mut payload = Vec::new();
-    read_into(
-        recv,
-        &mut clock,
-        &mut payload,
-        head.len(),
-        0,
-        len,
-        FRAME_PREALLOC,
-    )
-    .await?;
+    let n = head.len();
+    read_into(recv, &mut clock, &mut payload, n, 0, len, FRAME_PREALLOC).await?;
     if payload != head {
-        let at = payload.len();
-        read_into(
-            recv,
-            &mut clock,
-            &mut payload,
-            len - at,
-            at,
-            len,
-            FRAME_PREALLOC,
-        )
-        .await?;
-        return decode_payload(&payload)
-            .map(Some)
-            .map_err(|e| bad_frame(recv, e));
+        return decode_rest(recv, &mut clock, payload, len).await;
     }
     let mut data = Vec::new();
     read_into(
