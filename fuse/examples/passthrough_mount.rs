@@ -7,6 +7,9 @@
 //!
 //! Used to run conformance suites (pjdfstest) and timings against the mount.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use meshfs_fuse::{ChangeEvent, MountOptions};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -38,18 +41,7 @@ fn main() {
         std::process::exit(2);
     };
 
-    // Block the stop signals before the mount starts its threads (they inherit the mask),
-    // so only `sigwait` below receives them.
-    // SAFETY: a sigset_t is plain data; these calls only read and write the local set and
-    // this thread's mask.
-    let set = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    };
+    let stop = common::StopSignals::block();
 
     let events = Arc::new(AtomicUsize::new(0));
     let counter = events.clone();
@@ -76,9 +68,7 @@ fn main() {
         info.io_uring
     );
 
-    let mut sig: libc::c_int = 0;
-    // SAFETY: `set` is the initialised set above; `sig` is a valid out-pointer.
-    unsafe { libc::sigwait(&set, &mut sig) };
+    stop.wait();
     let info = mount.info();
     if let Err(e) = mount.unmount() {
         eprintln!("error: {e}");
