@@ -420,6 +420,70 @@ fn new_small_files_from_first(devices: &[&Device]) -> (Vec<u64>, u64) {
 }
 
 #[test]
+fn a_device_that_does_not_share_the_folder_back_is_not_counted_on_to_send_its_content() {
+    let t = tmp();
+    // D shares the folder with E and F, and they with D. E's config shares it with F too, but
+    // F's does not share it with E: E and F are connected and exchange nothing of it. F's new
+    // files reach E only through D, which must send their content inline (E hears nothing of
+    // that folder from F), not leave it to a chunk request.
+    let mut devices = ["d", "e", "f"].map(|n| Device::new(&t, n));
+    let [d, e, f] = &devices;
+    pair(d, e);
+    pair(d, f);
+    ok(
+        &e.home,
+        &[
+            "peer", "add", &f.id, "--addr", &f.addr, "--name", &f.name, "--share", "work",
+        ],
+    );
+    ok(
+        &f.home,
+        &["peer", "add", &e.id, "--addr", &e.addr, "--name", &e.name],
+    );
+    for dev in &mut devices {
+        dev.start();
+    }
+    let [d, e, f] = &devices;
+    // E is never in sync with F (`status` says F does not share the folder back), so E is
+    // waited for by its tree.
+    let e_caught_up = |secs| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while tree(&e.dir) != tree(&f.dir) {
+            assert!(std::time::Instant::now() < deadline, "E did not catch up");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    wait_synced(&[d, f], 30);
+    e_caught_up(30);
+    for i in 0..1000 {
+        write(
+            &f.path(&format!("new/d{}/f{i}", i % 10)),
+            &noise(4096, 500 + i),
+        );
+    }
+    wait_synced(&[d, f], 120);
+    e_caught_up(60);
+    // E got the content inline from D: it asked D for no chunk.
+    let requests = e
+        .log()
+        .lines()
+        .filter(|l| l.contains("batch applied"))
+        .filter_map(|l| {
+            l.split("requested=")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum::<u64>();
+    assert_eq!(
+        requests, 0,
+        "E requested {requests} chunks of F's 1000 new files from D"
+    );
+}
+
+#[test]
 fn small_new_files_cross_each_link_once_in_a_mesh_and_through_a_relay() {
     let t = tmp();
     // A mesh: A sends its new files' content to B and C inline; B and C, relaying A's versions

@@ -20,7 +20,7 @@ use meshfs_sync::reconcile::ReadError;
 use meshfs_sync::session::{
     Action, FolderSyncStatus, IndexSource, ScanCounts, Session, SessionFolder,
 };
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -41,9 +41,11 @@ pub struct Net {
     pub peers: Mutex<Peers>,
     /// Woken when a peer connects, disconnects or reports progress.
     pub peer_changed: Notify,
-    /// The devices with a live connection now; each session tells its peer the others (the
-    /// `Peers` message), so that it does not relay content they send the peer themselves.
-    pub links: watch::Sender<BTreeSet<ShortId>>,
+    /// The devices with a live connection now, each with the folders its session exchanges
+    /// (both hellos listed them; none until the hellos are through): each session tells its
+    /// peer, per folder, the others (the `Peers` message), so that it does not relay content
+    /// they send the peer themselves.
+    pub links: watch::Sender<Links>,
     /// The QUIC endpoint.
     pub endpoint: quinn::Endpoint,
     /// Set to true when the daemon stops.
@@ -118,10 +120,15 @@ pub struct PeerLink {
     pub instance: u64,
 }
 
+/// The devices connected now, with the folders each one's session exchanges (see [`Net::links`]).
+pub type Links = BTreeMap<ShortId, BTreeSet<FolderId>>;
+
 /// What the net knows about each peer's connection and sessions.
 #[derive(Default)]
 pub struct Peers {
     links: HashMap<DeviceId, PeerLink>,
+    /// The folders each connected peer's session exchanges, once its hellos are through.
+    exchanged: HashMap<DeviceId, BTreeSet<FolderId>>,
     /// Per (peer, folder) sync status, as the session last reported it.
     pub sync: HashMap<(DeviceId, FolderId), FolderSyncStatus>,
     /// Bytes moved by connections that have closed.
@@ -218,7 +225,16 @@ fn register(net: &Net, est: transport::Established, dialer: DeviceId) -> Option<
 
 /// Publishes the devices with a live connection (see [`Net::links`]).
 fn publish_links(net: &Net, peers: &Peers) {
-    let now: BTreeSet<ShortId> = peers.links.keys().map(DeviceId::short).collect();
+    let now: Links = peers
+        .links
+        .keys()
+        .map(|d| {
+            (
+                d.short(),
+                peers.exchanged.get(d).cloned().unwrap_or_default(),
+            )
+        })
+        .collect();
     net.links.send_if_modified(|l| {
         let changed = *l != now;
         *l = now;
@@ -235,6 +251,7 @@ fn unregister(net: &Net, peer: &DeviceId, serial: u64) {
                 peers.closed_received += s.bytes_received;
             }
             peers.sync.retain(|(p, _), _| p != peer);
+            peers.exchanged.remove(peer);
             peers.last_seen.insert(*peer, std::time::SystemTime::now());
             publish_links(net, &peers);
         }
@@ -567,6 +584,7 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
             }
         }
         publish_status(net, peer, &session);
+        publish_exchanged(net, &peer, session.shared_folders());
         tokio::select! {
             ev = rx.recv() => {
                 let Some(ev) = ev else { return Err("link closed".into()) };
@@ -814,29 +832,43 @@ fn relayed_content(
         .collect()
 }
 
-/// Per folder shared with `peer`, the other connected devices (of `linked`) it is shared with
-/// too, by this device's config.
-fn links_by_folder(
-    net: &Net,
-    peer: &DeviceId,
-    linked: &BTreeSet<ShortId>,
+/// Per folder shared with `peer`, the other connected devices whose sessions exchange it too.
+fn links_by_folder(net: &Net, peer: &DeviceId, linked: &Links) -> Vec<(FolderId, Vec<ShortId>)> {
+    others_by_folder(peer.short(), net.shared_with(peer), linked)
+}
+
+/// Per folder of `folders`, the devices of `linked` but `peer` that exchange it. Not this
+/// device's config: a device it lists for a folder whose own config does not share it back
+/// exchanges nothing of it, and the peer will not hear of that folder's versions from there.
+fn others_by_folder(
+    peer: ShortId,
+    folders: Vec<FolderId>,
+    linked: &Links,
 ) -> Vec<(FolderId, Vec<ShortId>)> {
-    let Ok(config) = net.config.read() else {
-        return Vec::new();
-    };
-    net.shared_with(peer)
+    folders
         .into_iter()
         .map(|folder| {
-            let others = config
-                .peers
+            let others = linked
                 .iter()
-                .filter(|p| p.id != *peer && p.folders.contains(&folder))
-                .map(|p| p.id.short())
-                .filter(|s| linked.contains(s))
+                .filter(|(d, exchanged)| **d != peer && exchanged.contains(&folder))
+                .map(|(d, _)| *d)
                 .collect();
             (folder, others)
         })
         .collect()
+}
+
+/// Records the folders `peer`'s session exchanges (once its hellos are through), for the other
+/// sessions' `Peers` lists; a no-op while they are unchanged or the link is gone.
+fn publish_exchanged(net: &Net, peer: &DeviceId, exchanged: BTreeSet<FolderId>) {
+    let Ok(mut peers) = net.peers.lock() else {
+        return;
+    };
+    if !peers.links.contains_key(peer) || peers.exchanged.get(peer) == Some(&exchanged) {
+        return;
+    }
+    peers.exchanged.insert(*peer, exchanged);
+    publish_links(net, &peers);
 }
 
 /// Starts the task that owns the control stream's send side (see `drive_session`). A write
@@ -889,4 +921,32 @@ fn publish_status(net: &Net, peer: DeviceId, session: &Session) {
         }
     }
     net.peer_changed.notify_waiters();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn folder(s: &str) -> FolderId {
+        FolderId::new(s).unwrap()
+    }
+
+    #[test]
+    fn a_peer_is_told_only_of_devices_whose_sessions_exchange_the_folder() {
+        let (peer, b, c) = (ShortId(1), ShortId(2), ShortId(3));
+        let linked: Links = [
+            (peer, BTreeSet::from([folder("docs"), folder("music")])),
+            // Connected, and its hello listed "docs" only: this device's config may say it
+            // shares "music" with it too, but that device does not share it back.
+            (b, BTreeSet::from([folder("docs")])),
+            // Connected, hellos not through yet.
+            (c, BTreeSet::new()),
+        ]
+        .into();
+        let got = others_by_folder(peer, vec![folder("docs"), folder("music")], &linked);
+        assert_eq!(
+            got,
+            vec![(folder("docs"), vec![b]), (folder("music"), vec![])]
+        );
+    }
 }

@@ -546,6 +546,15 @@ impl Session {
             .is_some_and(|s| s.contains(&device))
     }
 
+    /// The folders both hellos listed: those this session exchanges.
+    pub fn shared_folders(&self) -> BTreeSet<FolderId> {
+        self.folders
+            .iter()
+            .filter(|(_, f)| f.shared)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// Both hellos exchanged and the session not ended.
     pub fn is_established(&self) -> bool {
         self.hello_sent && self.peer_name.is_some() && !self.closed

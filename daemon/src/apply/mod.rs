@@ -251,6 +251,8 @@ async fn transfer(
         let rt = rt.clone();
         on_blocking(move || assemble(&rt, dirs, work, missing, attached)).await?
     };
+    // Chunks asked of the peer (the rest were at hand: attached to the index, or local).
+    let requested = wanted.len();
     let temps = if wanted.is_empty() {
         temps
     } else {
@@ -309,7 +311,7 @@ async fn transfer(
     }
     // Logged for batches of many files, and for any that took a while (a large file).
     if files >= 100 || started.elapsed() >= std::time::Duration::from_millis(200) {
-        tracing::info!(%folder, files, decide_ms, fetch_ms = fetched_at.as_millis() as u64,
+        tracing::info!(%folder, files, requested, decide_ms, fetch_ms = fetched_at.as_millis() as u64,
             verify_ms = (verified_at - fetched_at).as_millis() as u64,
             install_ms = (started.elapsed() - verified_at).as_millis() as u64, "batch applied");
     }
