@@ -6,7 +6,8 @@
 //! null_mount [--no-io-uring] <scratch-dir> <mountpoint>
 //! ```
 //!
-//! It keeps no tree. Every LOOKUP is a negative entry; CREATE, MKDIR, SYMLINK, MKNOD and LINK
+//! It keeps no tree but the directories made through it (so that they resolve after a
+//! `drop_caches`). Every other LOOKUP is a negative entry; CREATE, MKDIR, SYMLINK, MKNOD and LINK
 //! hand out a node id with made-up attributes (GETATTR and SETATTR too; the id carries the kind),
 //! UNLINK, RMDIR and RENAME succeed, OPEN passes through to the scratch file below,
 //! GETXATTR answers "no such attribute", RELEASE and FORGET do nothing.
@@ -28,7 +29,8 @@ use fuser::{
     KernelConfig, OpenFlags, ReplyAttr, ReplyCreate, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyXattr,
     Request,
 };
-use std::ffi::OsStr;
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -53,9 +55,16 @@ struct Null {
     /// The one file every created file's data goes to, registered once as a backing file.
     scratch: File,
     backing: Mutex<Option<Arc<fuser::BackingId>>>,
+    /// The directories made through it, by (parent, name): the one thing it remembers, so that a
+    /// directory still resolves after the kernel dropped its cached entries (`drop_caches`).
+    dirs: Mutex<HashMap<(u64, OsString), u64>>,
     next_ino: AtomicU64,
     want_io_uring: bool,
     passthrough: Arc<AtomicBool>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn attr(ino: u64) -> FileAttr {
@@ -97,7 +106,7 @@ impl Null {
         &self,
         open_backing: impl FnOnce(&File) -> std::io::Result<fuser::BackingId>,
     ) -> Option<Arc<fuser::BackingId>> {
-        let mut b = self.backing.lock().unwrap_or_else(|e| e.into_inner());
+        let mut b = lock(&self.backing);
         if let Some(id) = &*b {
             return Some(id.clone());
         }
@@ -131,9 +140,11 @@ impl Filesystem for Null {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEntry) {
-        // Node id 0 with a TTL: a negative entry the kernel caches, as the mount answers a miss.
-        reply.entry(&TTL, &attr(0), Generation(0));
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let dir = lock(&self.dirs).get(&(parent.0, name.to_owned())).copied();
+        // Otherwise node id 0 with a TTL: a negative entry the kernel caches, as the mount
+        // answers a miss.
+        reply.entry(&TTL, &attr(dir.unwrap_or(0)), Generation(0));
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -165,13 +176,15 @@ impl Filesystem for Null {
     fn mkdir(
         &self,
         _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
+        parent: INodeNo,
+        name: &OsStr,
         _mode: u32,
         _umask: u32,
         reply: ReplyEntry,
     ) {
-        reply.entry(&TTL, &attr(self.new_ino(1)), Generation(0));
+        let ino = self.new_ino(1);
+        lock(&self.dirs).insert((parent.0, name.to_owned()), ino);
+        reply.entry(&TTL, &attr(ino), Generation(0));
     }
 
     fn symlink(
@@ -202,7 +215,8 @@ impl Filesystem for Null {
         reply.ok();
     }
 
-    fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        lock(&self.dirs).remove(&(parent.0, name.to_owned()));
         reply.ok();
     }
 
@@ -319,6 +333,7 @@ fn main() {
     let fs = Null {
         scratch,
         backing: Mutex::new(None),
+        dirs: Mutex::new(HashMap::new()),
         next_ino: AtomicU64::new(ROOT + 1),
         want_io_uring,
         passthrough: passthrough.clone(),
