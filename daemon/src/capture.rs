@@ -16,7 +16,7 @@
 
 use crate::store::{LocalStat, Stat};
 use meshfs_protocol::{FileKind, RelPath, INTERNAL_PREFIX};
-use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
+use notify::event::{AccessKind, AccessMode, CreateKind, EventKind, ModifyKind, RenameMode};
 use notify::{Config, EventKindMask, RecommendedWatcher, RecursiveMode, Watcher};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -39,7 +39,18 @@ pub enum CaptureMsg {
     /// The last handle open for writing on this path through the mount was released: a
     /// remote version deferred for it may be applied once the path is captured.
     Released(RelPath),
+    /// The watcher saw a directory created behind the mount's back. Captured like
+    /// [`CaptureMsg::Changed`], and [`NEW_DIR_SECOND_LOOK`] later the files directly in it are
+    /// captured once more ([`files_in`]): the watcher adds the new directory's watch only after
+    /// handing on its event, and a file created in it before that gives no event of its own, so
+    /// a capture pass of the directory that ran in between (the watcher's thread preempted on a
+    /// busy machine) would have missed it for good.
+    NewDir(RelPath),
 }
+
+/// How long after a new directory's event the capture loop scans it a second time (see
+/// [`CaptureMsg::NewDir`]): far longer than the watcher takes to add the watch.
+pub const NEW_DIR_SECOND_LOOK: Duration = Duration::from_secs(1);
 
 /// What kind of event a path saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +96,8 @@ impl Nap {
     /// At most 1 ms and at most half the capture loop's quiet time: a new directory's watch is
     /// added after its event's batch, and the capture scan of that directory (a quiet time
     /// after the event) must come after the watch, so that a file created in between is found
-    /// by one or the other.
+    /// by one or the other. Should the watcher's thread be preempted past that, the new
+    /// directory's second look ([`CaptureMsg::NewDir`]) finds the file.
     pub fn for_quiet(quiet: Duration) -> Nap {
         Nap {
             len: (quiet / 2).min(Duration::from_millis(1)),
@@ -147,17 +159,22 @@ pub fn watch(
                 .iter()
                 .filter_map(|p| relative(&root_buf, p))
                 .collect();
-            for p in &rel {
-                mount.invalidate_foreign(p);
-            }
+            // Whether the change was made behind the mount's back (always, with no mount).
+            let foreign: Vec<bool> = rel.iter().map(|p| mount.invalidate_foreign(p)).collect();
             // Two paths are a rename's two ends (notify pairs them): one message.
             match <[RelPath; 2]>::try_from(rel) {
                 Ok([from, to]) => {
                     let _ = tx.send(CaptureMsg::Renamed(from, to));
                 }
                 Err(rel) => {
-                    for p in rel {
-                        let _ = tx.send(CaptureMsg::Changed(p, hint));
+                    // A directory made through the mount needs no second look: what is
+                    // created in it through the mount is reported by the mount.
+                    let new_dir = ev.kind == EventKind::Create(CreateKind::Folder);
+                    for (p, foreign) in rel.into_iter().zip(foreign) {
+                        let _ = tx.send(match new_dir && foreign {
+                            true => CaptureMsg::NewDir(p),
+                            false => CaptureMsg::Changed(p, hint),
+                        });
                     }
                 }
             }
@@ -182,6 +199,25 @@ pub fn watch(
     let mut w = RecommendedWatcher::new(handler, config)?;
     w.watch(root, RecursiveMode::Recursive)?;
     Ok(w)
+}
+
+/// The files (anything but directories) directly in each of `dirs`, relative to `root`: a new
+/// directory's second look ([`CaptureMsg::NewDir`]). Its subdirectories need none: the watcher
+/// watches each before it reports it, so their own capture passes come after their watches.
+pub fn files_in(root: &Path, dirs: Vec<RelPath>) -> Vec<RelPath> {
+    let mut out = Vec::new();
+    for d in dirs {
+        let Ok(entries) = std::fs::read_dir(root.join(d.as_str())) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            out.extend(relative(root, &e.path()));
+        }
+    }
+    out
 }
 
 /// `p` relative to `root`, if it is a replicable path (internal names are dropped).
@@ -237,6 +273,7 @@ impl Coalescer {
             CaptureMsg::Rescan => self.rescan = true,
             // The capture loop handles releases itself.
             CaptureMsg::Released(_) => {}
+            CaptureMsg::NewDir(p) => self.add(CaptureMsg::Changed(p, Hint::Other), now),
             CaptureMsg::Renamed(from, to) => {
                 for p in [from, to] {
                     if let Some(e) = self.waiting.get_mut(&p) {
@@ -366,6 +403,27 @@ pub fn absolute(root: &Path, rel: &RelPath) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_directorys_second_look_is_its_files_alone() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path();
+        std::fs::create_dir_all(root.join("new/sub")).unwrap();
+        std::fs::write(root.join("new/a"), b"a").unwrap();
+        std::fs::write(root.join("new/sub/b"), b"b").unwrap();
+        std::os::unix::fs::symlink("a", root.join("new/l")).unwrap();
+        std::fs::write(root.join(format!("new/{INTERNAL_PREFIX}tmp")), b"").unwrap();
+        let mut got = files_in(
+            root,
+            vec![RelPath::new("new").unwrap(), RelPath::new("gone").unwrap()],
+        );
+        got.sort();
+        let want: Vec<RelPath> = ["new/a", "new/l"]
+            .iter()
+            .map(|p| RelPath::new(p).unwrap())
+            .collect();
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn a_burst_becomes_one_scan_and_open_files_wait_for_close() {

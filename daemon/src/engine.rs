@@ -761,7 +761,12 @@ async fn capture_loop(
     // Set while scans fail (the journal's disk full): the next success says it is over.
     let mut scan_failing: Option<Instant> = None;
     let mut stopping = engine.net.stopping.subscribe();
+    // New directories to scan once more, and when (`CaptureMsg::NewDir`).
+    let mut second_looks: Vec<(Instant, RelPath)> = Vec::new();
     loop {
+        if let Some(t) = second_looks.iter().map(|(t, _)| *t).min() {
+            next = Some(next.map_or(t, |n| n.min(t)));
+        }
         let sleep = async {
             match next {
                 Some(t) => tokio::time::sleep_until(t.into()).await,
@@ -782,6 +787,10 @@ async fn capture_loop(
                                 c.finalize(&p, now);
                                 final_now = true;
                             }
+                            CaptureMsg::NewDir(p) => {
+                                second_looks.push((now + capture::NEW_DIR_SECOND_LOOK, p.clone()));
+                                c.add(CaptureMsg::NewDir(p), now);
+                            }
                             m => c.add(m, now),
                         }
                     }
@@ -794,6 +803,23 @@ async fn capture_loop(
             }
             _ = sleep => {
                 let now = Instant::now();
+                // New directories due for their second look: the files in them join the
+                // queue as ready now.
+                let (due, later): (Vec<_>, Vec<_>) =
+                    second_looks.drain(..).partition(|(t, _)| *t <= now);
+                second_looks = later;
+                if !due.is_empty() {
+                    let root = rt.store.root().to_path_buf();
+                    let dirs = due.into_iter().map(|(_, p)| p).collect();
+                    let files = tokio::task::spawn_blocking(move || capture::files_in(&root, dirs))
+                        .await
+                        .unwrap_or_default();
+                    let since = now.checked_sub(quiet).unwrap_or(now);
+                    let mut c = queue();
+                    for f in files {
+                        c.add(CaptureMsg::Changed(f, capture::Hint::Other), since);
+                    }
+                }
                 let (rescan, paths) = {
                     let mut c = queue();
                     let (rescan, paths, n) = c.take_ready(now, quiet, open_quiet);

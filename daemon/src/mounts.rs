@@ -60,9 +60,10 @@ impl Invalidator for MountSlot {
         }
     }
 
-    fn invalidate_foreign(&self, path: &RelPath) {
-        if let Some(h) = self.current() {
-            h.invalidate_foreign(path);
+    fn invalidate_foreign(&self, path: &RelPath) -> bool {
+        match self.current() {
+            Some(h) => h.invalidate_foreign(path),
+            None => true,
         }
     }
 }

@@ -143,10 +143,11 @@ pub trait Invalidator: Send + Sync {
     /// `path` changed on the backing directory, seen by the engine's watcher: either an echo
     /// of a change made through the mount (the kernel knows it) or a change made behind the
     /// mount's back (a program writing the replica directory), whose kernel caches are then
-    /// stale. Invalidates in the second case. Never blocks. By default the same as
-    /// [`Invalidator::invalidate`].
-    fn invalidate_foreign(&self, path: &RelPath) {
+    /// stale. Invalidates in the second case, and says which it was (true: behind the mount's
+    /// back). Never blocks. By default the same as [`Invalidator::invalidate`], and foreign.
+    fn invalidate_foreign(&self, path: &RelPath) -> bool {
         self.invalidate(path);
+        true
     }
 }
 

@@ -206,15 +206,16 @@ impl Invalidator for MountHandle {
     /// directory is seen through the mount as soon as the watcher reports it. A change behind
     /// the mount's back to a path changed through it in the two seconds before is seen when
     /// the TTL ends.
-    fn invalidate_foreign(&self, path: &RelPath) {
+    fn invalidate_foreign(&self, path: &RelPath) -> bool {
         let now = std::time::Instant::now();
         if lock(&self.sh.recent).was_told(path, now) {
-            return;
+            return false;
         }
         self.queue(Inval {
             path: path.clone(),
             foreign_at: Some(now),
         });
+        true
     }
 }
 

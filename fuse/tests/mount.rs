@@ -1658,13 +1658,16 @@ fn a_watcher_report_of_the_mounts_own_change_is_an_echo_and_of_another_an_invali
     fs::write(fx.b("mine"), b"a longer content now").unwrap();
     fs::write(fx.b("theirs"), b"a longer content now").unwrap();
     let handle = fx.mount().handle();
-    handle.invalidate_foreign(&rel("mine"));
+    assert!(
+        !handle.invalidate_foreign(&rel("mine")),
+        "the mount's own change is not foreign"
+    );
     assert_eq!(
         fx.mount().info().invalidations_pending,
         0,
         "an echo is dropped before it is queued"
     );
-    handle.invalidate_foreign(&rel("theirs"));
+    assert!(handle.invalidate_foreign(&rel("theirs")));
     let deadline = Instant::now() + Duration::from_secs(5);
     while fs::metadata(fx.m("theirs")).unwrap().len() != 20 {
         assert!(
