@@ -537,6 +537,7 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
     let mut pending = first;
     // Per folder, what the next Receive waits on (the receive pipeline, `apply::Turn`).
     let mut pipeline: HashMap<FolderId, apply::Before> = HashMap::new();
+    let mut exchanged_told = false;
     loop {
         for action in std::mem::take(&mut pending) {
             match action {
@@ -584,7 +585,11 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
             }
         }
         publish_status(net, peer, &session);
-        publish_exchanged(net, &peer, session.shared_folders());
+        // The folders both hellos listed are known once, when the hellos are through.
+        if !exchanged_told && session.is_established() {
+            publish_exchanged(net, &peer, session.shared_folders());
+            exchanged_told = true;
+        }
         tokio::select! {
             ev = rx.recv() => {
                 let Some(ev) = ev else { return Err("link closed".into()) };
@@ -859,7 +864,7 @@ fn others_by_folder(
 }
 
 /// Records the folders `peer`'s session exchanges (once its hellos are through), for the other
-/// sessions' `Peers` lists; a no-op while they are unchanged or the link is gone.
+/// sessions' `Peers` lists; a no-op if they are unchanged or the link is gone.
 fn publish_exchanged(net: &Net, peer: &DeviceId, exchanged: BTreeSet<FolderId>) {
     let Ok(mut peers) = net.peers.lock() else {
         return;
