@@ -46,6 +46,8 @@ def parse_args(argv):
                     help="datasets cache, replicas, keys (default /var/tmp/meshfs-bench)")
     ap.add_argument("--results", default=str(BENCH_DIR / "results"))
     ap.add_argument("--meshfs-bin", default=None)
+    ap.add_argument("--wire-bin", default=None,
+                    help="wire_copy (tool wire-copy; default: the release example beside meshfs)")
     ap.add_argument("--netdelay-bin", default=str(BENCH_DIR / "netdelay/target/release/netdelay"))
     ap.add_argument("--timeout", type=float, default=None,
                     help="per-step timeout in seconds (default 600, --quick: 180)")
@@ -76,6 +78,7 @@ def parse_args(argv):
 def _dummy_ctx():
     c = Ctx()
     c.meshfs_bin = "meshfs"
+    c.wire_bin = "wire_copy"
     c.versions = {}
     c.work = Path("/nonexistent")
     return c
@@ -135,7 +138,8 @@ def _git_head():
         return None
 
 
-def find_meshfs(arg):
+def find_meshfs(arg, rel="meshfs"):
+    """--meshfs-bin, or `rel` under the release directory of the shared target dir."""
     if arg:
         return Path(arg)
     target = os.environ.get("CARGO_TARGET_DIR")
@@ -146,22 +150,22 @@ def find_meshfs(arg):
             target = json.loads(r.stdout)["target_directory"]
         except Exception:  # noqa: BLE001
             target = str(REPO / "target")
-    return Path(target) / "release" / "meshfs"
+    return Path(target) / "release" / rel
 
 
-def snapshot_meshfs(path: Path, bindir: Path, stamp: str) -> Path:
+def snapshot_meshfs(path: Path, bindir: Path, stamp: str, name="meshfs") -> Path:
     """Copy the meshfs binary aside for this run: the shared target dir is rebuilt by other
     work all the time, and a binary swapped between two steps (e.g. seed and restart)
     would measure two different builds."""
     if not path.exists():
         return path
     bindir.mkdir(parents=True, exist_ok=True)
-    for old in bindir.glob("meshfs-*"):
+    for old in bindir.glob(f"{name}-*"):
         try:
             old.unlink()
         except OSError:
             pass
-    dst = bindir / f"meshfs-{stamp}"
+    dst = bindir / f"{name}-{stamp}"
     shutil.copy2(path, dst)
     return dst
 
@@ -202,6 +206,8 @@ def main(argv=None):
     ctx.min_free = (a.min_free_gb if a.min_free_gb is not None else (5 if a.quick else 25)) * 2**30
     ctx.meshfs_bin = snapshot_meshfs(find_meshfs(a.meshfs_bin), ctx.work / "bin", stamp)
     ctx.versions = versions(ctx.meshfs_bin)
+    ctx.wire_bin = snapshot_meshfs(find_meshfs(a.wire_bin, "examples/wire_copy"),
+                                   ctx.work / "bin", stamp, "wire_copy")
     util.LOG_FILE = open(ctx.results_dir / "bench.log", "a")
     PROCS.pidfile = ctx.work / "bench.pids"
     results_path = ctx.results_dir / "results.jsonl"

@@ -12,7 +12,11 @@ from pathlib import Path
 from .scenarios import SCENARIOS
 
 ORDER = list(SCENARIOS)
-TOOL_ORDER = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison"]
+TOOL_ORDER = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison",
+              "wire-copy"]
+# Not contenders: what a tool on meshfs's transport could do at best (bench/README.md, "Tools").
+# Left out of "fastest" and "best other"; meshfs's rows give their ratio to it.
+FLOORS = {"wire-copy"}
 
 
 def load(results_dir: Path):
@@ -159,9 +163,10 @@ def table(prof, summ, meta):
             continue
         tools = summ[scen]
         vals = {t: _metric(s, scen) for t, s in tools.items() if _metric(s, scen)}
-        fastest = min(vals.values()) if vals else None
-        best_other = min((v for t, v in vals.items() if not t.startswith("meshfs")),
-                         default=None)
+        fastest = min((v for t, v in vals.items() if t not in FLOORS), default=None)
+        best_other = min((v for t, v in vals.items()
+                          if not t.startswith("meshfs") and t not in FLOORS), default=None)
+        floor = min((v for t, v in vals.items() if t in FLOORS), default=None)
         for tool in sorted(tools, key=_tool_key):
             s = tools[tool]
             notes = []
@@ -182,6 +187,10 @@ def table(prof, summ, meta):
             ratio = f"{v / fastest:.2f}×" if v and fastest else "–"
             if tool.startswith("meshfs") and v and best_other:
                 ratio += f" (vs best other {v / best_other:.2f}×)"
+            if tool.startswith("meshfs") and v and floor:
+                notes.append(f"{v / floor:.2f}× the transport's floor (wire-copy)")
+            if tool in FLOORS:
+                notes.append("the transport's floor, not a contender")
             if s["n_ok"] < s["n"]:
                 notes.append(f"{s['n_ok']}/{s['n']} runs ok: " + _clean("; ".join(s["errors"]), 200))
             if (s.get("content_median") is not None and scen not in ("latency", "nochange")

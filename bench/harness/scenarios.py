@@ -81,6 +81,8 @@ def eligible(tool_name, scenario):
         return scenario in WATCHER_ONLY
     if tool_name == "meshfs-mount":
         return scenario in MOUNT_SCENARIOS
+    if tool_name == "wire-copy":  # a plain copy: first syncs only
+        return scenario.startswith(("initial-", "fanout"))
     return True
 
 
@@ -506,6 +508,8 @@ def chain_fan_w(cr, done):
 
 def chain_large(cr, done):
     _initial(cr, done, "initial-large")
+    if not eligible(cr.tool.name, "delta"):  # wire-copy would copy the whole file again
+        return
     path = Path(cr.views["A"], "big.bin")
     size = path.stat().st_size
     off = (size // 2) // 4096 * 4096

@@ -192,6 +192,46 @@ class Rsyncd(Tool):
             f"rsync://{ip_of(d)}:{self.PORT}/bench/"]) for d in dsts}, timeout, self)
 
 
+class WireCopy(Tool):
+    """The floor under the transfer rows: meshfs's own transport (QUIC, TLS 1.3, the daemon's
+    tuning) carrying a plain copy of the tree, no chunking, hashing, journal or fsync
+    (`daemon/examples/wire_copy.rs`). One sender process per destination, like rsync."""
+    name = "wire-copy"
+    note = "meshfs's transport alone: a plain copy over its QUIC endpoint (examples/wire_copy)"
+    PORT = 22010
+
+    def _home(self, h):
+        return str(self.state / f"wire-{h}")
+
+    def _id(self, h):
+        return sh([str(self.ctx.wire_bin), "id", self._home(h)], timeout=30).stdout.strip()
+
+    def configure(self, topo, roots, state):
+        super().configure(topo, roots, state)
+        if not Path(self.ctx.wire_bin).exists():
+            raise BenchError(f"{self.ctx.wire_bin} is not built (cargo build --release "
+                             "-p meshfs-daemon --example wire_copy)")
+        self.ids = {h: self._id(h) for h in self.hosts}
+        self.procs = {}
+        for h in self.hosts[1:]:
+            self.procs[h] = PROCS.start(f"wire-copy-{h}", topo.exec_argv(h, [
+                str(self.ctx.wire_bin), "serve", self._home(h), f"{ip_of(h)}:{self.PORT}",
+                roots[h], self.ids["A"]]), state / f"wire-copy-{h}.log")
+        for h in self.hosts[1:]:
+            wait_until(lambda: port_listening(ns_of(h), self.PORT, udp=True) or
+                       self.procs[h].poll() is not None, 15, what=f"wire_copy on {h}")
+            if self.procs[h].poll() is not None:
+                raise BenchError(f"wire_copy on {h} exited: {tail(state / f'wire-copy-{h}.log')}")
+
+    def daemon_procs(self):
+        return list(self.procs.items())
+
+    def sync(self, src, dsts, timeout):
+        return run_parallel({d: self.topo.exec_argv(src, [
+            str(self.ctx.wire_bin), "send", self._home(src), f"{ip_of(d)}:{self.PORT}",
+            self.ids[d], self.roots[src]]) for d in dsts}, timeout, self)
+
+
 class Unison(Tool):
     name = "unison"
     note = "unison -batch -auto -times over ssh, one invocation"
@@ -572,7 +612,8 @@ def _find_key(obj, key):
             yield from _find_key(v, key)
 
 
-ALL_TOOLS = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison"]
+ALL_TOOLS = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison",
+             "wire-copy"]
 
 
 def make(name, ctx):
@@ -586,6 +627,8 @@ def make(name, ctx):
         return Rsyncd(ctx)
     if name == "unison":
         return Unison(ctx)
+    if name == "wire-copy":
+        return WireCopy(ctx)
     if name == "syncthing":
         return Syncthing(ctx, 10)
     if name.startswith("syncthing-") and name.endswith("s"):

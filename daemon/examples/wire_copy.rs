@@ -1,0 +1,558 @@
+//! A plain copy of a directory tree over meshfs's peer transport: the floor under the
+//! benchmark's transfer rows (`bench/run --tools wire-copy`, `bench/README.md`).
+//!
+//! It moves files the way the simplest tool on meshfs's wire could: the same QUIC endpoint,
+//! TLS 1.3 with the devices' certificates, [`Tuning::default`] (congestion window, flow-control
+//! windows, segmentation offload) as the daemon, and nothing else. No chunking, no hashing, no
+//! journal, no index exchange, no fsync, no staging: the sender reads each file and streams it,
+//! the receiver writes what arrives straight into place. What a sync of meshfs's costs above
+//! this is meshfs's own work; what this costs above rsync's daemon is the transport's.
+//!
+//! ```text
+//! wire_copy id HOME                          create HOME's identity if absent, print its id
+//! wire_copy serve HOME LISTEN ROOT PEER_ID   write the copies PEER_ID sends under ROOT
+//! wire_copy send HOME ADDR PEER_ID ROOT      copy ROOT to the server PEER_ID at ADDR
+//! ```
+//!
+//! `WIRE_COPY_CC=rate|bbr|cubic` picks the congestion controller on both ends (default: the
+//! daemon's, `rate`), to tell the controller's share of the time from the transport's.
+//!
+//! The sender cuts files into pieces of at most [`PIECE`] bytes and sends them over
+//! [`STREAMS`] streams of one connection, each stream taking the next piece when it is done
+//! with one (so a large file is spread over every stream, and many small files too). On each
+//! stream, an entry is `kind: u8`, `path: u16 length + bytes` (relative, `/`-separated),
+//! `mode: u32`, then for a file piece `mtime: u64 seconds + u32 nanoseconds, offset: u64,
+//! len: u64` and the bytes (the receiver sets the time after each piece), for a symbolic link
+//! `target: u16 length + bytes`; a kind of 0 ends the stream, and the receiver answers with the
+//! file bytes it wrote on that stream (`u64`). The sender exits 0 once every stream's answer
+//! matches what it sent. All integers are big-endian.
+
+use anyhow::{bail, ensure, Context};
+use bytes::Bytes;
+use meshfs_daemon::identity::Identity;
+use meshfs_daemon::transport::{
+    accept, dial, endpoint_with, CongestionControl, TrustStore, Tuning,
+};
+use meshfs_protocol::DeviceId;
+use std::collections::VecDeque;
+use std::fs::{self, File, OpenOptions};
+use std::net::SocketAddr;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Streams of the one connection (the daemon's content fetch uses as many).
+const STREAMS: usize = 8;
+/// The largest piece of a file one entry carries.
+const PIECE: u64 = 8 << 20;
+/// Bytes read from a file at a time.
+const READ: usize = 1 << 20;
+
+const END: u8 = 0;
+const FILE: u8 = 1;
+const DIR: u8 = 2;
+const SYMLINK: u8 = 3;
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["id", home] => {
+            println!("{}", identity(Path::new(home))?.device_id);
+            Ok(())
+        }
+        ["serve", home, listen, root, peer] => {
+            serve(Path::new(home), listen.parse()?, Path::new(root), peer.parse()?).await
+        }
+        ["send", home, addr, peer, root] => {
+            send(Path::new(home), addr.parse()?, peer.parse()?, Path::new(root)).await
+        }
+        _ => bail!(
+            "usage: wire_copy id HOME | serve HOME LISTEN ROOT PEER_ID | send HOME ADDR PEER_ID ROOT"
+        ),
+    }
+}
+
+/// The daemon's tuning, with the controller of `WIRE_COPY_CC` if set.
+fn tuning() -> anyhow::Result<Tuning> {
+    let congestion = match std::env::var("WIRE_COPY_CC").as_deref() {
+        Err(_) | Ok("rate") => CongestionControl::Rate,
+        Ok("bbr") => CongestionControl::Bbr,
+        Ok("cubic") => CongestionControl::Cubic,
+        Ok(other) => bail!("WIRE_COPY_CC={other:?}: expected rate, bbr or cubic"),
+    };
+    Ok(Tuning {
+        congestion,
+        ..Tuning::default()
+    })
+}
+
+/// HOME's identity, made on first use.
+fn identity(home: &Path) -> anyhow::Result<Identity> {
+    if !Identity::exists(home) {
+        Identity::generate()?.save(home)?;
+    }
+    Ok(Identity::load(home)?)
+}
+
+// ---------------------------------------------------------------------------------------
+// Sender
+
+/// One entry the sender owes the receiver.
+enum Entry {
+    Dir {
+        path: PathBuf,
+        mode: u32,
+    },
+    Symlink {
+        path: PathBuf,
+        target: PathBuf,
+    },
+    Piece {
+        path: PathBuf,
+        mode: u32,
+        mtime: SystemTime,
+        offset: u64,
+        len: u64,
+    },
+}
+
+async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let me = identity(home)?;
+    let trust = TrustStore::new([peer]);
+    let endpoint = endpoint_with(&me, SocketAddr::from(([0, 0, 0, 0], 0)), trust, &tuning()?)?;
+    let conn = dial(&endpoint, addr, peer).await?;
+    let root = Arc::new(root.to_path_buf());
+    let walk_root = root.clone();
+    let entries = tokio::task::spawn_blocking(move || walk(&walk_root)).await??;
+    let sent: u64 = entries
+        .iter()
+        .map(|e| match e {
+            Entry::Piece { len, .. } => *len,
+            _ => 0,
+        })
+        .sum();
+    let queue = Arc::new(Mutex::new(VecDeque::from(entries)));
+    let mut streams = Vec::new();
+    for _ in 0..STREAMS {
+        let (conn, queue, root) = (conn.clone(), queue.clone(), root.clone());
+        streams.push(tokio::spawn(async move {
+            let (mut tx, mut rx) = conn.open_bi().await?;
+            loop {
+                let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                let Some(entry) = next else { break };
+                send_entry(&mut tx, &root, entry).await?;
+            }
+            tx.write_all(&[END]).await?;
+            tx.finish()?;
+            let mut answer = [0u8; 8];
+            rx.read_exact(&mut answer)
+                .await
+                .context("the receiver did not answer")?;
+            anyhow::Ok(u64::from_be_bytes(answer))
+        }));
+    }
+    let mut written = 0;
+    for s in streams {
+        written += s.await??;
+    }
+    ensure!(
+        written == sent,
+        "the receiver wrote {written} bytes of {sent}"
+    );
+    conn.close(0u32.into(), b"done");
+    endpoint.wait_idle().await;
+    eprintln!(
+        "wire_copy: {sent} bytes to {addr} in {:.3} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Every directory, symbolic link and file piece under `root`, directories first.
+fn walk(root: &Path) -> anyhow::Result<Vec<Entry>> {
+    let (mut dirs, mut rest) = (Vec::new(), Vec::new());
+    let mut todo = vec![PathBuf::new()];
+    while let Some(rel) = todo.pop() {
+        for item in fs::read_dir(root.join(&rel)).with_context(|| format!("reading {rel:?}"))? {
+            let item = item?;
+            let path = rel.join(item.file_name());
+            let meta = item.metadata()?;
+            let mode = meta.permissions().mode() & 0o7777;
+            if meta.is_dir() {
+                dirs.push(Entry::Dir {
+                    path: path.clone(),
+                    mode,
+                });
+                todo.push(path);
+            } else if meta.is_symlink() {
+                let target = fs::read_link(item.path())?;
+                rest.push(Entry::Symlink { path, target });
+            } else if meta.is_file() {
+                let size = meta.len();
+                let mtime = meta.modified()?;
+                let mut offset = 0;
+                loop {
+                    let len = PIECE.min(size - offset);
+                    rest.push(Entry::Piece {
+                        path: path.clone(),
+                        mode,
+                        mtime,
+                        offset,
+                        len,
+                    });
+                    offset += len;
+                    if offset >= size {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    dirs.append(&mut rest);
+    Ok(dirs)
+}
+
+async fn send_entry(tx: &mut quinn::SendStream, root: &Path, entry: Entry) -> anyhow::Result<()> {
+    let mut head = Vec::with_capacity(64);
+    match entry {
+        Entry::Dir { path, mode } => {
+            head_of(&mut head, DIR, &path, mode)?;
+            tx.write_all(&head).await?;
+        }
+        Entry::Symlink { path, target } => {
+            head_of(&mut head, SYMLINK, &path, 0o777)?;
+            put_path(&mut head, &target)?;
+            tx.write_all(&head).await?;
+        }
+        Entry::Piece {
+            path,
+            mode,
+            mtime,
+            offset,
+            len,
+        } => {
+            head_of(&mut head, FILE, &path, mode)?;
+            let since = mtime.duration_since(UNIX_EPOCH).unwrap_or_default();
+            head.extend_from_slice(&since.as_secs().to_be_bytes());
+            head.extend_from_slice(&since.subsec_nanos().to_be_bytes());
+            head.extend_from_slice(&offset.to_be_bytes());
+            head.extend_from_slice(&len.to_be_bytes());
+            tx.write_all(&head).await?;
+            let file = File::open(root.join(&path)).with_context(|| format!("opening {path:?}"))?;
+            let mut at = offset;
+            while at < offset + len {
+                let want = READ.min((offset + len - at) as usize);
+                let mut buf = vec![0u8; want];
+                tokio::task::block_in_place(|| file.read_exact_at(&mut buf, at))
+                    .with_context(|| format!("reading {path:?} (did it shrink?)"))?;
+                tx.write_chunk(Bytes::from(buf)).await?;
+                at += want as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn head_of(head: &mut Vec<u8>, kind: u8, path: &Path, mode: u32) -> anyhow::Result<()> {
+    head.push(kind);
+    put_path(head, path)?;
+    head.extend_from_slice(&mode.to_be_bytes());
+    Ok(())
+}
+
+fn put_path(head: &mut Vec<u8>, path: &Path) -> anyhow::Result<()> {
+    let bytes = path.as_os_str().as_bytes();
+    let len = u16::try_from(bytes.len()).with_context(|| format!("{path:?} is too long"))?;
+    head.extend_from_slice(&len.to_be_bytes());
+    head.extend_from_slice(bytes);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Receiver
+
+async fn serve(home: &Path, listen: SocketAddr, root: &Path, peer: DeviceId) -> anyhow::Result<()> {
+    let me = identity(home)?;
+    let endpoint = endpoint_with(&me, listen, TrustStore::new([peer]), &tuning()?)?;
+    eprintln!(
+        "wire_copy: {} listening on {}",
+        me.device_id,
+        endpoint.local_addr()?
+    );
+    serve_on(endpoint, root).await
+}
+
+/// Accepts connections on `endpoint` and writes what they send under `root`, until the
+/// endpoint closes.
+async fn serve_on(endpoint: quinn::Endpoint, root: &Path) -> anyhow::Result<()> {
+    fs::create_dir_all(root)?;
+    let root = Arc::new(root.to_path_buf());
+    while let Some(incoming) = endpoint.accept().await {
+        let root = root.clone();
+        tokio::spawn(async move {
+            let conn = match accept(incoming).await {
+                Ok((conn, _)) => conn,
+                Err(e) => return eprintln!("wire_copy: refused a connection: {e}"),
+            };
+            while let Ok((tx, rx)) = conn.accept_bi().await {
+                let root = root.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = receive(tx, rx, &root).await {
+                        eprintln!("wire_copy: a stream failed: {e:#}");
+                    }
+                });
+            }
+        });
+    }
+    Ok(())
+}
+
+async fn receive(
+    mut tx: quinn::SendStream,
+    mut rx: quinn::RecvStream,
+    root: &Path,
+) -> anyhow::Result<()> {
+    let mut written = 0u64;
+    let mut buf = Vec::with_capacity(READ);
+    loop {
+        let kind = read_u8(&mut rx).await?;
+        if kind == END {
+            break;
+        }
+        let path = root.join(read_path(&mut rx).await?);
+        let mode = read_u32(&mut rx).await?;
+        match kind {
+            DIR => tokio::task::block_in_place(|| {
+                fs::create_dir_all(&path)?;
+                fs::set_permissions(&path, fs::Permissions::from_mode(mode))
+            })
+            .with_context(|| format!("making {path:?}"))?,
+            SYMLINK => {
+                let target = read_path_raw(&mut rx).await?;
+                tokio::task::block_in_place(|| {
+                    make_parent(&path)?;
+                    std::os::unix::fs::symlink(&target, &path)
+                })
+                .with_context(|| format!("linking {path:?}"))?;
+            }
+            FILE => {
+                let secs = read_u64(&mut rx).await?;
+                let nanos = read_u32(&mut rx).await?;
+                let mtime = UNIX_EPOCH + Duration::new(secs, nanos.min(999_999_999));
+                let offset = read_u64(&mut rx).await?;
+                let len = read_u64(&mut rx).await?;
+                let file = tokio::task::block_in_place(|| {
+                    make_parent(&path)?;
+                    OpenOptions::new()
+                        .write(true)
+                        .create(true)
+                        .truncate(false)
+                        .mode(mode)
+                        .open(&path)
+                })
+                .with_context(|| format!("creating {path:?}"))?;
+                // Gathered into READ-sized writes: quinn hands data over a packet's frame at
+                // a time, and a write per frame costs more than the copy.
+                let mut at = offset;
+                while at < offset + len {
+                    let want = READ.min((offset + len - at) as usize);
+                    buf.resize(want, 0);
+                    rx.read_exact(&mut buf)
+                        .await
+                        .context("the stream ended inside a file")?;
+                    tokio::task::block_in_place(|| file.write_all_at(&buf, at))
+                        .with_context(|| format!("writing {path:?}"))?;
+                    at += want as u64;
+                }
+                // Every piece sets the time after its write, so the last one leaves it right.
+                tokio::task::block_in_place(|| {
+                    file.set_times(std::fs::FileTimes::new().set_modified(mtime))
+                })
+                .with_context(|| format!("setting the time of {path:?}"))?;
+                written += len;
+            }
+            other => bail!("unknown entry kind {other}"),
+        }
+    }
+    tx.write_all(&written.to_be_bytes()).await?;
+    tx.finish()?;
+    // Keep the stream until the sender has the answer (it closes the connection then).
+    let _ = tx.stopped().await;
+    Ok(())
+}
+
+fn make_parent(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(p) if !p.is_dir() => fs::create_dir_all(p),
+        _ => Ok(()),
+    }
+}
+
+async fn read_u8(rx: &mut quinn::RecvStream) -> anyhow::Result<u8> {
+    let mut b = [0u8; 1];
+    rx.read_exact(&mut b).await?;
+    Ok(b[0])
+}
+
+async fn read_u32(rx: &mut quinn::RecvStream) -> anyhow::Result<u32> {
+    let mut b = [0u8; 4];
+    rx.read_exact(&mut b).await?;
+    Ok(u32::from_be_bytes(b))
+}
+
+async fn read_u64(rx: &mut quinn::RecvStream) -> anyhow::Result<u64> {
+    let mut b = [0u8; 8];
+    rx.read_exact(&mut b).await?;
+    Ok(u64::from_be_bytes(b))
+}
+
+async fn read_path_raw(rx: &mut quinn::RecvStream) -> anyhow::Result<PathBuf> {
+    let mut len = [0u8; 2];
+    rx.read_exact(&mut len).await?;
+    let mut bytes = vec![0u8; u16::from_be_bytes(len) as usize];
+    rx.read_exact(&mut bytes).await?;
+    Ok(PathBuf::from(std::ffi::OsStr::from_bytes(&bytes)))
+}
+
+async fn read_path(rx: &mut quinn::RecvStream) -> anyhow::Result<PathBuf> {
+    plain_relative(read_path_raw(rx).await?)
+}
+
+/// `path` if it stays under the root: no `..`, no `.`, not absolute, not empty.
+fn plain_relative(path: PathBuf) -> anyhow::Result<PathBuf> {
+    ensure!(
+        path.components().next().is_some()
+            && path.components().all(|c| matches!(c, Component::Normal(_))),
+        "refusing the path {path:?}: not a plain relative path"
+    );
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, bytes: &[u8]) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, bytes).unwrap();
+    }
+
+    /// Every file's bytes, mode and modification time, every directory and link, by path.
+    fn tree(root: &Path) -> Vec<(PathBuf, String)> {
+        let mut out = Vec::new();
+        let mut todo = vec![root.to_path_buf()];
+        while let Some(dir) = todo.pop() {
+            for item in fs::read_dir(&dir).unwrap() {
+                let path = item.unwrap().path();
+                let rel = path.strip_prefix(root).unwrap().to_path_buf();
+                let meta = fs::symlink_metadata(&path).unwrap();
+                let what = if meta.is_dir() {
+                    todo.push(path.clone());
+                    format!("dir {:o}", meta.permissions().mode() & 0o7777)
+                } else if meta.is_symlink() {
+                    format!("link {:?}", fs::read_link(&path).unwrap())
+                } else {
+                    let bytes = fs::read(&path).unwrap();
+                    format!(
+                        "file {:o} {:?} {}",
+                        meta.permissions().mode() & 0o7777,
+                        meta.modified().unwrap(),
+                        blake3::hash(&bytes)
+                    )
+                };
+                out.push((rel, what));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tree_arrives_whole_over_the_peer_transport() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
+        // A file of three pieces, one of exactly one piece, an empty one, small ones in
+        // nested directories, an empty directory with its own mode, a symbolic link.
+        let big: Vec<u8> = (0..(2 * PIECE + 12_345))
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        write(&src.join("big.bin"), &big);
+        write(&src.join("exact.bin"), &big[..PIECE as usize]);
+        write(&src.join("empty.txt"), b"");
+        for i in 0..50 {
+            write(
+                &src.join(format!("d{}/e/f{i}.txt", i % 3)),
+                format!("file {i}").as_bytes(),
+            );
+        }
+        fs::set_permissions(src.join("d1/e/f1.txt"), fs::Permissions::from_mode(0o640)).unwrap();
+        fs::create_dir(src.join("hollow")).unwrap();
+        fs::set_permissions(src.join("hollow"), fs::Permissions::from_mode(0o711)).unwrap();
+        std::os::unix::fs::symlink("big.bin", src.join("link")).unwrap();
+
+        let (home_a, home_b) = (tmp.path().join("a"), tmp.path().join("b"));
+        let (a, b) = (identity(&home_a).unwrap(), identity(&home_b).unwrap());
+        let trust = TrustStore::new([a.device_id]);
+        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        let endpoint = endpoint_with(&b, listen, trust, &tuning().unwrap()).unwrap();
+        let addr = endpoint.local_addr().unwrap();
+        let server = tokio::spawn({
+            let dst = dst.clone();
+            async move { serve_on(endpoint, &dst).await }
+        });
+        send(&home_a, addr, b.device_id, &src).await.unwrap();
+        server.abort();
+        assert_eq!(tree(&src), tree(&dst));
+        // The identities persist: the same device on the next run.
+        assert_eq!(identity(&home_a).unwrap().device_id, a.device_id);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sender_the_server_does_not_trust_gets_an_error_and_writes_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
+        write(&src.join("f"), b"content");
+        let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+        let b_id = identity(&b).unwrap();
+        identity(&a).unwrap();
+        let stranger = Identity::generate().unwrap().device_id;
+        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        let endpoint = endpoint_with(
+            &b_id,
+            listen,
+            TrustStore::new([stranger]),
+            &tuning().unwrap(),
+        )
+        .unwrap();
+        let addr = endpoint.local_addr().unwrap();
+        let server = tokio::spawn({
+            let dst = dst.clone();
+            async move { serve_on(endpoint, &dst).await }
+        });
+        let err = send(&a, addr, b_id.device_id, &src).await.unwrap_err();
+        server.abort();
+        assert!(format!("{err:#}").contains("refused"), "{err:#}");
+        assert!(!dst.join("f").exists());
+    }
+
+    #[test]
+    fn only_plain_relative_paths_are_written() {
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "./a"] {
+            assert!(
+                plain_relative(PathBuf::from(bad)).is_err(),
+                "{bad:?} accepted"
+            );
+        }
+        for good in ["a", "a/b/c.txt", "..a/b..", "with space"] {
+            assert_eq!(
+                plain_relative(PathBuf::from(good)).unwrap(),
+                Path::new(good)
+            );
+        }
+    }
+}
