@@ -44,7 +44,8 @@ pub enum CaptureMsg {
     /// captured once more ([`files_in`]): the watcher adds the new directory's watch only after
     /// handing on its event, and a file created in it before that gives no event of its own, so
     /// a capture pass of the directory that ran in between (the watcher's thread preempted on a
-    /// busy machine) would have missed it for good.
+    /// busy machine) would have missed it for good. Not for a directory an apply made
+    /// ([`Echoes::made_dir`]): its files are the engine's.
     NewDir(RelPath),
 }
 
@@ -573,6 +574,10 @@ const ECHO_PRUNE_AT: usize = 4096;
 /// An event is an echo only if the path's stat *now* is exactly what the apply left (inode,
 /// size, mtime, ctime, mode), the same comparison the scanner makes; a local edit that came
 /// after the apply changes that stat and is scanned as usual.
+///
+/// It also keeps the directories an apply made ([`Echoes::expect_dir`]): such a directory needs
+/// no second look ([`CaptureMsg::NewDir`]), since what the engine puts in it is journaled by the
+/// engine and expected here, just as a directory made through the mount needs none.
 #[derive(Debug, Default)]
 pub struct Echoes {
     map: std::sync::Mutex<EchoMap>,
@@ -580,40 +585,66 @@ pub struct Echoes {
 
 #[derive(Debug, Default)]
 struct EchoMap {
-    paths: HashMap<RelPath, (Option<LocalStat>, Instant)>,
+    paths: TtlMap<Option<LocalStat>>,
+    dirs: TtlMap<()>,
+}
+
+/// Paths with a value and when it was left, each kept at most [`ECHO_TTL`].
+#[derive(Debug)]
+struct TtlMap<V> {
+    map: HashMap<RelPath, (V, Instant)>,
     /// The size at which stale entries are dropped next: twice what a pruning kept (at least
     /// [`ECHO_PRUNE_AT`]), so a burst of young entries is pruned in amortized constant time.
     prune_at: usize,
 }
 
-impl Echoes {
-    /// The engine left `path` as `local` (`None`: removed it).
-    pub fn expect(&self, path: RelPath, local: Option<LocalStat>) {
-        let Ok(mut m) = self.map.lock() else { return };
+impl<V> Default for TtlMap<V> {
+    fn default() -> Self {
+        TtlMap {
+            map: HashMap::new(),
+            prune_at: ECHO_PRUNE_AT,
+        }
+    }
+}
+
+impl<V> TtlMap<V> {
+    fn insert(&mut self, path: RelPath, value: V) {
         let now = Instant::now();
         // Pruned at every insert past a fixed size, an initial sync of 10,000 files walked the
         // whole map ~6,000 times (156 ms of CPU, with the lock held, against 3 ms now).
-        if m.paths.len() >= m.prune_at.max(ECHO_PRUNE_AT) {
-            m.paths
+        if self.map.len() >= self.prune_at {
+            self.map
                 .retain(|_, (_, at)| now.duration_since(*at) < ECHO_TTL);
-            m.prune_at = 2 * m.paths.len();
+            self.prune_at = (2 * self.map.len()).max(ECHO_PRUNE_AT);
         }
-        m.paths.insert(path, (local, now));
+        self.map.insert(path, (value, now));
+    }
+
+    /// The value left at `path`, if it is younger than [`ECHO_TTL`]; removed either way.
+    fn take(&mut self, path: &RelPath) -> Option<V> {
+        self.map
+            .remove(path)
+            .filter(|(_, at)| at.elapsed() < ECHO_TTL)
+            .map(|(v, _)| v)
+    }
+}
+
+impl Echoes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, EchoMap> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The engine left `path` as `local` (`None`: removed it).
+    pub fn expect(&self, path: RelPath, local: Option<LocalStat>) {
+        self.lock().paths.insert(path, local);
     }
 
     /// Whether an event at `path` is the echo of the engine's own change, given what is on disk
     /// now (`stat` is only called when an echo is expected there). Consumes the expectation.
     pub fn is_echo(&self, path: &RelPath, stat: impl FnOnce() -> Option<Stat>) -> bool {
-        let expected = match self.map.lock() {
-            Ok(mut m) => m.paths.remove(path),
-            Err(_) => None,
-        };
-        let Some((expected, at)) = expected else {
+        let Some(expected) = self.lock().paths.take(path) else {
             return false;
         };
-        if at.elapsed() >= ECHO_TTL {
-            return false;
-        }
         match (expected, stat()) {
             (None, None) => true,
             (Some(want), Some(now)) => {
@@ -622,6 +653,16 @@ impl Echoes {
             }
             _ => false,
         }
+    }
+
+    /// The engine made (or kept) the directory `path`.
+    pub fn expect_dir(&self, path: RelPath) {
+        self.lock().dirs.insert(path, ());
+    }
+
+    /// Whether the engine made the directory `path` lately. Consumes the expectation.
+    pub fn made_dir(&self, path: &RelPath) -> bool {
+        self.lock().dirs.take(path).is_some()
     }
 }
 
@@ -675,5 +716,24 @@ mod echo_tests {
         // Young entries survive every pruning; each is recognised once.
         assert!(paths.iter().all(|p| e.is_echo(p, || None)));
         assert!(paths.iter().all(|p| !e.is_echo(p, || None)));
+    }
+
+    #[test]
+    fn a_directory_the_engine_made_is_known_once_and_apart_from_files() {
+        let e = Echoes::default();
+        let d = RelPath::new("d").unwrap();
+        e.expect_dir(d.clone());
+        // A file's echo at the same path is another matter.
+        assert!(!e.is_echo(&d, || None));
+        assert!(e.made_dir(&d));
+        assert!(!e.made_dir(&d), "consumed");
+        assert!(!e.made_dir(&RelPath::new("made/elsewhere").unwrap()));
+        let many: Vec<RelPath> = (0..3 * ECHO_PRUNE_AT)
+            .map(|i| RelPath::new(&format!("d{i}")).unwrap())
+            .collect();
+        for p in &many {
+            e.expect_dir(p.clone());
+        }
+        assert!(many.iter().all(|p| e.made_dir(p)));
     }
 }

@@ -808,9 +808,14 @@ async fn capture_loop(
                 let (due, later): (Vec<_>, Vec<_>) =
                     second_looks.drain(..).partition(|(t, _)| *t <= now);
                 second_looks = later;
-                if !due.is_empty() {
+                // A directory an apply made needs none: the engine put its files there.
+                let dirs: Vec<RelPath> = due
+                    .into_iter()
+                    .map(|(_, p)| p)
+                    .filter(|d| !rt.echoes.made_dir(d))
+                    .collect();
+                if !dirs.is_empty() {
                     let root = rt.store.root().to_path_buf();
-                    let dirs = due.into_iter().map(|(_, p)| p).collect();
                     let files = tokio::task::spawn_blocking(move || capture::files_in(&root, dirs))
                         .await
                         .unwrap_or_default();

@@ -403,6 +403,11 @@ impl Deciding<'_> {
             }
             Step::ApplyRemote { record } => {
                 let result = apply_remote(store, &record, &disk, expect);
+                if result.is_ok() && matches!(disk, Disk::MakeDir { .. }) {
+                    // What fills it comes from the engine too: the directory needs no second
+                    // look for files written before its watch (`CaptureMsg::NewDir`).
+                    self.rt.echoes.expect_dir(record.path.clone());
+                }
                 let source = from_peer.then_some(self.peer);
                 self.applied(result, change(record, None, source, conflict), remote)
             }
