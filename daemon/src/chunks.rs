@@ -536,13 +536,18 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, inline: &
             .get(&r.sequence)
             .is_none_or(|op| matches!(op, Op::Create | Op::Modify));
         if !fresh || !seen.insert(r.hash) {
+            tracing::debug!(path = %r.path, sequence = r.sequence, op = ?ops.get(&r.sequence), by = %r.modified_by, "not inline: not new or a duplicate");
             continue;
         }
-        let Ok(d) = rt
+        let d = match rt
             .store
             .read_chunk_in(&mut dirs, &r.path, 0, r.size as u32, &r.hash)
-        else {
-            continue;
+        {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::debug!(path = %r.path, sequence = r.sequence, error = %e, "not inline: unreadable");
+                continue;
+            }
         };
         let (data, compressed) = packer.pack(d);
         bytes += data.len();
