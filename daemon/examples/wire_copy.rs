@@ -164,12 +164,15 @@ async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> any
         written == sent,
         "the receiver wrote {written} bytes of {sent}"
     );
-    conn.close(0u32.into(), b"done");
-    endpoint.wait_idle().await;
     eprintln!(
         "wire_copy: {sent} bytes to {addr} in {:.3} s",
         started.elapsed().as_secs_f64()
     );
+    conn.close(0u32.into(), b"done");
+    // Long enough for the close to leave; not its draining period (three probe timeouts, over
+    // half a second on a 90 ms path), which would count in the copy's time where rsync's exit
+    // waits for nothing of the kind.
+    let _ = tokio::time::timeout(Duration::from_millis(20), endpoint.wait_idle()).await;
     Ok(())
 }
 
