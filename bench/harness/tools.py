@@ -158,33 +158,46 @@ class RsyncSsh(Tool):
         return run_parallel({d: self._argv(src, d) for d in dsts}, timeout, self)
 
 
-class Rsyncd(Tool):
+class Served(Tool):
+    """A one-shot tool with a server process on each destination (`procs`)."""
+    PORT = 0
+
+    def start_servers(self, argv_of, udp=False):
+        """Starts `argv_of(h)` in each destination's namespace (its log `NAME-h.log`) and waits
+        until it listens on PORT."""
+        self.procs = {}
+        for h in self.hosts[1:]:
+            self.procs[h] = PROCS.start(f"{self.name}-{h}", self.topo.exec_argv(h, argv_of(h)),
+                                        self.state / f"{self.name}-{h}.log")
+        for h in self.hosts[1:]:
+            wait_until(lambda: port_listening(ns_of(h), self.PORT, udp=udp) or
+                       self.procs[h].poll() is not None, 15, what=f"{self.name} on {h}")
+            if self.procs[h].poll() is not None:
+                raise BenchError(f"{self.name} on {h} exited: "
+                                 f"{tail(self.state / f'{self.name}-{h}.log')}")
+
+    def daemon_procs(self):
+        return list(self.procs.items())
+
+
+class Rsyncd(Served):
     name = "rsyncd"
     note = "rsync -a --delete to an rsync daemon (no encryption)"
     PORT = 8730
 
     def configure(self, topo, roots, state):
         super().configure(topo, roots, state)
-        self.procs = {}
-        for h in self.hosts[1:]:
+
+        def argv(h):
             conf = state / f"rsyncd-{h}.conf"
             conf.write_text("\n".join([
                 # chroot: without it the daemon sanitizes absolute symlink targets
                 "use chroot = yes", "munge symlinks = no", "numeric ids = yes",
                 "max connections = 0", "[bench]", f"  path = {roots[h]}", "  read only = no",
                 "  uid = root", "  gid = root", ""]))
-            self.procs[h] = PROCS.start(f"rsyncd-{h}", topo.exec_argv(h, [
-                "rsync", "--daemon", "--no-detach", f"--config={conf}", f"--address={ip_of(h)}",
-                f"--port={self.PORT}", f"--log-file={state / f'rsyncd-{h}.xfer.log'}"]),
-                state / f"rsyncd-{h}.log")
-        for h in self.hosts[1:]:
-            wait_until(lambda: port_listening(ns_of(h), self.PORT) or
-                       self.procs[h].poll() is not None, 15, what=f"rsyncd on {h}")
-            if self.procs[h].poll() is not None:
-                raise BenchError(f"rsyncd on {h} exited: {tail(state / f'rsyncd-{h}.log')}")
-
-    def daemon_procs(self):
-        return list(self.procs.items())
+            return ["rsync", "--daemon", "--no-detach", f"--config={conf}", f"--address={ip_of(h)}",
+                    f"--port={self.PORT}", f"--log-file={state / f'rsyncd-{h}.xfer.log'}"]
+        self.start_servers(argv)
 
     def sync(self, src, dsts, timeout):
         return run_parallel({d: self.topo.exec_argv(src, [
@@ -192,7 +205,7 @@ class Rsyncd(Tool):
             f"rsync://{ip_of(d)}:{self.PORT}/bench/"]) for d in dsts}, timeout, self)
 
 
-class WireCopy(Tool):
+class WireCopy(Served):
     """The floor under the transfer rows: meshfs's own transport (QUIC, TLS 1.3, the daemon's
     tuning) carrying a plain copy of the tree, no chunking, hashing, journal or fsync
     (`daemon/examples/wire_copy.rs`). One sender process per destination, like rsync."""
@@ -212,19 +225,9 @@ class WireCopy(Tool):
             raise BenchError(f"{self.ctx.wire_bin} is not built (cargo build --release "
                              "-p meshfs-daemon --example wire_copy)")
         self.ids = {h: self._id(h) for h in self.hosts}
-        self.procs = {}
-        for h in self.hosts[1:]:
-            self.procs[h] = PROCS.start(f"wire-copy-{h}", topo.exec_argv(h, [
-                str(self.ctx.wire_bin), "serve", self._home(h), f"{ip_of(h)}:{self.PORT}",
-                roots[h], self.ids["A"]]), state / f"wire-copy-{h}.log")
-        for h in self.hosts[1:]:
-            wait_until(lambda: port_listening(ns_of(h), self.PORT, udp=True) or
-                       self.procs[h].poll() is not None, 15, what=f"wire_copy on {h}")
-            if self.procs[h].poll() is not None:
-                raise BenchError(f"wire_copy on {h} exited: {tail(state / f'wire-copy-{h}.log')}")
-
-    def daemon_procs(self):
-        return list(self.procs.items())
+        self.start_servers(lambda h: [str(self.ctx.wire_bin), "serve", self._home(h),
+                                      f"{ip_of(h)}:{self.PORT}", roots[h], self.ids["A"]],
+                           udp=True)
 
     def sync(self, src, dsts, timeout):
         return run_parallel({d: self.topo.exec_argv(src, [

@@ -323,12 +323,12 @@ async fn receive(
     let mut written = 0u64;
     let mut buf = Vec::with_capacity(READ);
     loop {
-        let kind = read_u8(&mut rx).await?;
+        let kind = read_bytes::<1>(&mut rx).await?[0];
         if kind == END {
             break;
         }
         let path = root.join(read_path(&mut rx).await?);
-        let mode = read_u32(&mut rx).await?;
+        let mode = u32::from_be_bytes(read_bytes(&mut rx).await?);
         match kind {
             DIR => tokio::task::block_in_place(|| {
                 fs::create_dir_all(&path)?;
@@ -344,11 +344,11 @@ async fn receive(
                 .with_context(|| format!("linking {path:?}"))?;
             }
             FILE => {
-                let secs = read_u64(&mut rx).await?;
-                let nanos = read_u32(&mut rx).await?;
+                let secs = u64::from_be_bytes(read_bytes(&mut rx).await?);
+                let nanos = u32::from_be_bytes(read_bytes(&mut rx).await?);
                 let mtime = UNIX_EPOCH + Duration::new(secs, nanos.min(999_999_999));
-                let offset = read_u64(&mut rx).await?;
-                let len = read_u64(&mut rx).await?;
+                let offset = u64::from_be_bytes(read_bytes(&mut rx).await?);
+                let len = u64::from_be_bytes(read_bytes(&mut rx).await?);
                 let file = tokio::task::block_in_place(|| {
                     make_parent(&path)?;
                     OpenOptions::new()
@@ -396,28 +396,16 @@ fn make_parent(path: &Path) -> std::io::Result<()> {
     }
 }
 
-async fn read_u8(rx: &mut quinn::RecvStream) -> anyhow::Result<u8> {
-    let mut b = [0u8; 1];
+/// The next `N` bytes of the stream.
+async fn read_bytes<const N: usize>(rx: &mut quinn::RecvStream) -> anyhow::Result<[u8; N]> {
+    let mut b = [0u8; N];
     rx.read_exact(&mut b).await?;
-    Ok(b[0])
-}
-
-async fn read_u32(rx: &mut quinn::RecvStream) -> anyhow::Result<u32> {
-    let mut b = [0u8; 4];
-    rx.read_exact(&mut b).await?;
-    Ok(u32::from_be_bytes(b))
-}
-
-async fn read_u64(rx: &mut quinn::RecvStream) -> anyhow::Result<u64> {
-    let mut b = [0u8; 8];
-    rx.read_exact(&mut b).await?;
-    Ok(u64::from_be_bytes(b))
+    Ok(b)
 }
 
 async fn read_path_raw(rx: &mut quinn::RecvStream) -> anyhow::Result<PathBuf> {
-    let mut len = [0u8; 2];
-    rx.read_exact(&mut len).await?;
-    let mut bytes = vec![0u8; u16::from_be_bytes(len) as usize];
+    let len = u16::from_be_bytes(read_bytes(rx).await?);
+    let mut bytes = vec![0u8; len as usize];
     rx.read_exact(&mut bytes).await?;
     Ok(PathBuf::from(std::ffi::OsStr::from_bytes(&bytes)))
 }

@@ -655,7 +655,7 @@ impl Echoes {
         }
     }
 
-    /// The engine made (or kept) the directory `path`.
+    /// The engine made the directory `path`.
     pub fn expect_dir(&self, path: RelPath) {
         self.lock().dirs.insert(path, ());
     }
