@@ -361,6 +361,7 @@ impl FolderRt {
                 connected.contains(&w.peer)
                     && w.not_before.is_none_or(|t| t <= now)
                     && !self.writers.has_writer(p)
+                    && !self.store.open_for_writing(p)
             })
             .map(|(p, _)| p.clone())
             .collect();

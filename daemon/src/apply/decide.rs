@@ -324,13 +324,25 @@ impl Deciding<'_> {
     /// it again, and a restart must still find it (a journal error fails the batch instead).
     fn deferred(&mut self, planned: &Planned, remote: &FileRecord) -> Result<bool, ApplyError> {
         let path = &planned.record().path;
-        if !matches!(planned.step, Step::ApplyRemote { .. }) || !self.rt.writers.has_writer(path) {
+        if !matches!(planned.step, Step::ApplyRemote { .. }) {
             return Ok(false);
         }
-        tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
+        if self.rt.writers.has_writer(path) {
+            tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
+        } else if self.rt.store.open_for_writing(path) {
+            tracing::info!(folder = %self.folder, %path, "open for writing by another program; the remote version waits for it");
+        } else {
+            return Ok(false);
+        }
+        self.defer(remote)?;
+        Ok(true)
+    }
+
+    /// Holds `remote` until its path has no writer; journaled first (see [`Self::deferred`]).
+    fn defer(&mut self, remote: &FileRecord) -> Result<(), ApplyError> {
         self.journal.put_deferred(self.folder, remote, &self.peer)?;
         self.rt.defer(remote.clone(), self.peer);
-        Ok(true)
+        Ok(())
     }
 
     /// A step without content: does its disk work and returns its journal change.
@@ -441,6 +453,11 @@ impl Deciding<'_> {
                 self.redo.push(remote.clone());
                 Ok((None, Flow::Next))
             }
+            Err(StoreError::Busy(p)) => {
+                tracing::info!(path = %p, "open for writing by another program; the remote version waits for it");
+                self.defer(remote)?;
+                Ok((None, Flow::Next))
+            }
             Err(e) => {
                 skip_or_fail(self.rt, remote, e)?;
                 Ok((None, Flow::Stop))
@@ -466,6 +483,11 @@ impl Deciding<'_> {
                 // The local file changed since it was scanned: capture that edit, then decide
                 // again.
                 self.redo.push(remote.clone());
+                Ok((None, Flow::Stop))
+            }
+            Err(StoreError::Busy(p)) => {
+                tracing::info!(path = %p, "open for writing by another program; the remote version waits for it");
+                self.defer(remote)?;
                 Ok((None, Flow::Stop))
             }
             Err(e) => {

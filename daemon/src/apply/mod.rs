@@ -162,6 +162,7 @@ pub async fn receive(
             folders,
             &rt,
             folder,
+            peer,
             conn,
             this,
             decide_ms,
@@ -204,6 +205,7 @@ async fn transfer(
     folders: &Arc<Folders>,
     rt: &Arc<FolderRt>,
     folder: &FolderId,
+    peer: DeviceId,
     conn: &quinn::Connection,
     decided: Decided,
     decide_ms: u64,
@@ -305,7 +307,7 @@ async fn transfer(
     let rt2 = rt.clone();
     let folder2 = folder.clone();
     let mut changed =
-        on_blocking(move || install(&folders2, &rt2, &folder2, &mut dirs, ready)).await?;
+        on_blocking(move || install(&folders2, &rt2, &folder2, peer, &mut dirs, ready)).await?;
     if !changed.is_empty() {
         rescan(folders, folder, &changed).await?;
     }
