@@ -234,18 +234,25 @@ impl Engine {
                 continue;
             };
             let (engine, folder, path) = (self.clone(), rt.id.clone(), record.path.clone());
+            let receiver = rt.receiver.clone();
             tokio::spawn(async move {
-                let (turn, _) = crate::apply::Turn::after(None);
-                let r = crate::apply::receive(
-                    &engine.folders,
-                    &folder,
+                let source = crate::apply::Receiver::new_source();
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                receiver.receive(
+                    source,
                     peer,
-                    &conn,
+                    conn,
                     vec![record.clone()],
-                    HashMap::new(),
-                    turn,
-                )
-                .await;
+                    Vec::new(),
+                    None,
+                    tx,
+                );
+                let r = match rx.recv().await {
+                    Some(crate::apply::Reply::Applied { .. }) => Ok(()),
+                    Some(crate::apply::Reply::Failed { error, .. }) => Err(error),
+                    None => Err(crate::apply::ApplyError::Task("the folder stopped".into())),
+                };
+                receiver.gone(source);
                 match r {
                     Ok(()) => {
                         tracing::info!(%folder, %path, "applied the remote version that waited for the mount's writer");
@@ -339,7 +346,7 @@ impl Engine {
             mount_slot: slot,
             mount: Mutex::new(None),
             deferred: Mutex::new(HashMap::new()),
-            fetching: Default::default(),
+            receiver: crate::apply::Receiver::start(self.folders.clone(), id.clone()),
             blocked: Mutex::new(None),
             skipped: Mutex::new(Default::default()),
             unreadable: Default::default(),

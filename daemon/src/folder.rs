@@ -97,8 +97,8 @@ pub struct FolderRt {
     /// Remote versions waiting for a path's writer through the mount to let go, with the
     /// peer each came from (the newest per path).
     pub(crate) deferred: Mutex<HashMap<RelPath, Deferred>>,
-    /// The remote versions its peer sessions are fetching: one peer's, not every peer's.
-    pub fetching: crate::fetching::Fetching,
+    /// Its receive pipeline: peer sessions hand their batches to it.
+    pub receiver: crate::apply::Receiver,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
     pub(crate) blocked: Mutex<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
