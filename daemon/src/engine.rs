@@ -113,6 +113,7 @@ impl Engine {
             endpoint: endpoint.clone(),
             stopping,
             shutdown: Notify::new(),
+            receivers: Default::default(),
         });
         let engine = Arc::new(Engine {
             device: identity.device_id,
@@ -234,7 +235,9 @@ impl Engine {
                 continue;
             };
             let (engine, folder, path) = (self.clone(), rt.id.clone(), record.path.clone());
-            let receiver = rt.receiver.clone();
+            let Some(receiver) = self.net.receiver(&rt.id) else {
+                continue;
+            };
             tokio::spawn(async move {
                 let source = crate::apply::Receiver::new_source();
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -346,7 +349,6 @@ impl Engine {
             mount_slot: slot,
             mount: Mutex::new(None),
             deferred: Mutex::new(HashMap::new()),
-            receiver: crate::apply::Receiver::start(self.folders.clone(), id.clone()),
             blocked: Mutex::new(None),
             skipped: Mutex::new(Default::default()),
             unreadable: Default::default(),
@@ -386,6 +388,12 @@ impl Engine {
         // running and a `Scan` later that it is (a first scan runs once).
         rt.scanning
             .store(fresh, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut r) = self.net.receivers.write() {
+            r.insert(
+                id.clone(),
+                crate::apply::Receiver::start(self.folders.clone(), id.clone()),
+            );
+        }
         self.folders.insert(rt.clone());
         let started = Instant::now();
         let path = f.path.clone();
@@ -496,6 +504,9 @@ impl Engine {
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
         for rt in self.folders.retain(|id| wanted.contains(id)) {
+            if let Ok(mut r) = self.net.receivers.write() {
+                r.remove(&rt.id);
+            }
             if let Ok(mut w) = rt.watcher.lock() {
                 *w = None;
             }

@@ -97,8 +97,6 @@ pub struct FolderRt {
     /// Remote versions waiting for a path's writer through the mount to let go, with the
     /// peer each came from (the newest per path).
     pub(crate) deferred: Mutex<HashMap<RelPath, Deferred>>,
-    /// Its receive pipeline: peer sessions hand their batches to it.
-    pub receiver: crate::apply::Receiver,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
     pub(crate) blocked: Mutex<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the

@@ -9,7 +9,7 @@
 //! module only moves its messages and runs the applies it asks for.
 
 use crate::apply;
-use crate::chunks::{self, SERVED_AT_ONCE};
+use crate::chunks::{self, Inline, SERVED_AT_ONCE};
 use crate::config::{Config, Options};
 use crate::folder::Folders;
 use crate::journal::Journal;
@@ -52,9 +52,24 @@ pub struct Net {
     pub stopping: watch::Sender<bool>,
     /// Woken at shutdown (sessions say goodbye).
     pub shutdown: Notify,
+    /// Each running folder's receive pipeline: sessions hand their batches to it.
+    pub receivers: RwLock<HashMap<FolderId, apply::Receiver>>,
 }
 
 impl Net {
+    /// The receive pipeline of `folder`, if it runs.
+    pub fn receiver(&self, folder: &FolderId) -> Option<apply::Receiver> {
+        self.receivers.read().ok()?.get(folder).cloned()
+    }
+
+    /// Every folder's receive pipeline.
+    fn all_receivers(&self) -> Vec<apply::Receiver> {
+        self.receivers
+            .read()
+            .map(|r| r.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// This device's name.
     pub fn name(&self) -> String {
         self.config
@@ -432,8 +447,8 @@ async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
     // The session's batches, in every folder's receive pipeline.
     let source = apply::Receiver::new_source();
     let result = drive_session(&net, peer, &link, source).await;
-    for rt in net.folders.all() {
-        rt.receiver.gone(source);
+    for receiver in net.all_receivers() {
+        receiver.gone(source);
     }
     // Read before closing: a local close replaces the reason.
     let closed_as_duplicate = conn
@@ -561,10 +576,10 @@ async fn drive_session(
                     up_to,
                     inline,
                 } => {
-                    let Some(rt) = net.folders.get(&folder) else {
+                    let Some(receiver) = net.receiver(&folder) else {
                         return Err(format!("apply failed: folder {folder} is not running here"));
                     };
-                    rt.receiver.receive(
+                    receiver.receive(
                         source,
                         peer,
                         conn.clone(),
@@ -750,25 +765,6 @@ async fn serve_requests(net: Arc<Net>, peer: DeviceId, conn: quinn::Connection) 
 
 /// Messages for the control stream, each with what of its records' content may ride inline.
 type Outgoing = mpsc::UnboundedSender<(Message, Inline)>;
-
-/// Which records of an outgoing index batch may carry their content ([`chunks::attach_inline`]).
-pub(crate) struct Inline {
-    /// Only records above this sequence ([`Session::inline_after`]).
-    pub(crate) after: u64,
-    /// Records made by a device the peer hears from directly, to leave out even above it
-    /// ([`Session::peer_hears`]): that device sends the peer their content itself.
-    pub(crate) relayed: HashSet<ShortId>,
-}
-
-impl Inline {
-    /// Nothing inline.
-    fn none() -> Inline {
-        Inline {
-            after: u64::MAX,
-            relayed: HashSet::new(),
-        }
-    }
-}
 
 /// The authors of `records` (of `folder`) other than this device whose versions the peer gets
 /// from them directly.

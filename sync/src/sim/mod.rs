@@ -1275,7 +1275,7 @@ impl Sim {
                     .find(|(x, y)| x != y);
                 return Err(format!("(a) r0 and r{r} differ: {diff:?}"));
             }
-            // Directory and symlink mtimes are not replicated (DESIGN §3, `same_state`).
+            // Directory and symlink mtimes are not replicated (docs/design.md, "Data model"; `same_state`).
             let norm = |n: Option<&Node>| {
                 n.map(|n| match n.content {
                     Content::File(_) => n.clone(),
