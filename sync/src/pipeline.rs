@@ -709,13 +709,27 @@ fn paths_of(records: &[FileRecord]) -> Vec<RelPath> {
     records.iter().map(|r| r.path.clone()).collect()
 }
 
-/// Live records first, parents before children; then tombstones, children before parents;
-/// ties by sequence.
+/// The order a batch's records are decided in: live records parents before children, then
+/// tombstones children before parents; ties by sequence. Except the tombstones below a path
+/// that the batch makes a file or a symlink: they come first (children before parents), so a
+/// directory replaced by a file (`rm -r d; mv f d` on the sender) is empty by the time the file
+/// is decided, instead of being kept for entries that the same batch deletes (whereupon the
+/// file, dominated by the kept directory, would be lost).
 pub fn order(mut records: Vec<FileRecord>) -> Vec<FileRecord> {
+    let replaced: HashSet<RelPath> = records
+        .iter()
+        .filter(|r| !r.deleted && r.kind != meshfs_protocol::FileKind::Dir)
+        .map(|r| r.path.clone())
+        .collect();
     records.sort_by_key(|r| {
         let depth = r.path.components().count();
+        let group = match (r.deleted, replaced.is_empty()) {
+            (false, _) => 1,
+            (true, false) if r.path.ancestors().iter().any(|a| replaced.contains(a)) => 0,
+            (true, _) => 2,
+        };
         (
-            r.deleted,
+            group,
             if r.deleted { usize::MAX - depth } else { depth },
             r.sequence,
         )
@@ -1094,6 +1108,17 @@ mod tests {
         assert!(acts
             .iter()
             .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == other)));
+    }
+
+    #[test]
+    fn the_entries_of_a_directory_a_batch_makes_a_file_are_deleted_before_it() {
+        let mut gone = rec("d/x", 1);
+        gone.deleted = true;
+        let mut sym = rec("d", 2);
+        sym.kind = meshfs_protocol::FileKind::Symlink;
+        let out = order(vec![sym, rec("e", 3), gone]);
+        let names: Vec<String> = out.iter().map(|r| r.path.to_string()).collect();
+        assert_eq!(names, ["d/x", "d", "e"]);
     }
 
     #[test]

@@ -767,11 +767,21 @@ impl Sim {
         paths.sort();
         paths.dedup();
         let fs = &self.replicas[r].fs;
+        // As the scanner orders them: deletions below a path that is now a file or a symlink,
+        // then creations parents first, then the other deletions children first.
+        let replaced: Vec<RelPath> = paths
+            .iter()
+            .filter(|p| fs.nodes.get(*p).is_some_and(|n| n.kind() != FileKind::Dir))
+            .cloned()
+            .collect();
         paths.sort_by_key(|p| {
             let depth = p.components().count();
             match fs.nodes.contains_key(p) {
-                true => (0, depth),
-                false => (1, usize::MAX - depth),
+                true => (1, depth),
+                false if replaced.iter().any(|d| p.is_within(d) && p != d) => {
+                    (0, usize::MAX - depth)
+                }
+                false => (2, usize::MAX - depth),
             }
         });
         let now_ns = self.clock_ms(r) * 1_000_000;
