@@ -8,7 +8,6 @@ mod journal_cmd;
 mod package_assets;
 mod status_cmd;
 mod status_pending;
-mod status_text;
 mod status_watch;
 
 use anyhow::{anyhow, bail, Context as _};
@@ -422,7 +421,12 @@ fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A daemon's reply said `"ok": true`.
+/// The user's UTC offset now (UTC where the system does not say). The CLI runs on one thread,
+/// where the `time` crate can read it.
+fn local_offset() -> time::UtcOffset {
+    time::UtcOffset::current_local_offset().unwrap_or(time::UtcOffset::UTC)
+}
+
 /// "on" or "off", as the status and mount lines show a switch.
 fn on_off(on: bool) -> &'static str {
     if on {
@@ -432,6 +436,7 @@ fn on_off(on: bool) -> &'static str {
     }
 }
 
+/// A daemon's reply said `"ok": true`.
 fn reply_ok(r: &serde_json::Value) -> bool {
     r.get("ok").and_then(|v| v.as_bool()) == Some(true)
 }

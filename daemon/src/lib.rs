@@ -25,6 +25,7 @@ pub mod mounts;
 pub mod peers;
 pub mod pending;
 pub mod progress;
+pub mod readout;
 pub mod scanner;
 pub mod status;
 pub mod store;
