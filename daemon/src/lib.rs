@@ -32,3 +32,4 @@ pub mod store;
 pub(crate) mod sys;
 pub mod traffic;
 pub mod transport;
+pub mod ui;
