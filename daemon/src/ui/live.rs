@@ -4,7 +4,8 @@
 //! rows again only when its folder's sequence moved, the conflicts only when a folder's
 //! conflicts may have changed. A section is sent only when its HTML changed. The journal is
 //! read through the page's own SQLite connection, on a blocking thread, never under the
-//! engine's journal lock.
+//! engine's journal lock. What it all costs the daemon is counted ([`Cost`]) and logged at
+//! debug level every [`COST_EVERY`] while a page listens.
 
 use super::page::{self, FilterForm, Names, Rows};
 use super::site::Site;
@@ -15,6 +16,7 @@ use crate::readout::status::{s, u};
 use meshfs_protocol::FolderId;
 use serde_json::Value;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use time::UtcOffset;
@@ -27,6 +29,42 @@ pub const TICK: Duration = Duration::from_millis(500);
 pub const ROWS: usize = 100;
 /// See [`ROWS`].
 pub const MAX_ROWS: usize = 1000;
+
+/// How often what the page cost is logged (at debug level) while a page listens.
+pub const COST_EVERY: Duration = Duration::from_secs(5);
+
+/// What serving the page has cost: the CPU time of the work it did, counted on the thread that
+/// did each piece (status, rendering, journal reads, writing events), and what it sent.
+#[derive(Default)]
+pub struct Cost {
+    cpu_ns: AtomicU64,
+    samples: AtomicU64,
+    events: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Cost {
+    /// Runs `f`, counting the CPU time it takes on this thread.
+    pub fn measure<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t0 = crate::sys::thread_cpu_time();
+        let out = f();
+        let spent = crate::sys::thread_cpu_time().saturating_sub(t0);
+        self.cpu_ns
+            .fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// Counts an event of `bytes` sent.
+    pub fn sent(&self, bytes: usize) {
+        self.events.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// The counts so far: (CPU ns, samples, events, bytes).
+    fn now(&self) -> [u64; 4] {
+        [&self.cpu_ns, &self.samples, &self.events, &self.bytes].map(|c| c.load(Ordering::Relaxed))
+    }
+}
 
 /// One status document and when it was taken.
 pub struct Sample {
@@ -42,6 +80,8 @@ pub struct Sample {
 pub struct Live {
     tx: watch::Sender<Option<Arc<Sample>>>,
     kick: Notify,
+    /// What serving has cost so far.
+    pub cost: Cost,
 }
 
 impl Default for Live {
@@ -49,6 +89,7 @@ impl Default for Live {
         Live {
             tx: watch::channel(None).0,
             kick: Notify::new(),
+            cost: Cost::default(),
         }
     }
 }
@@ -71,14 +112,33 @@ impl Live {
     }
 }
 
-/// Takes a sample every [`TICK`] while anyone listens, until the task is aborted.
+/// Takes a sample every [`TICK`] while anyone listens, until the task is aborted; logs what
+/// the page cost every [`COST_EVERY`] in which it did anything.
 pub async fn sample_loop(site: Arc<Site>) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut logged_at, mut logged) = (Instant::now(), site.live.cost.now());
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = site.live.kick.notified() => {}
+        }
+        if logged_at.elapsed() >= COST_EVERY {
+            let now = site.live.cost.now();
+            if now != logged {
+                let secs = logged_at.elapsed().as_secs_f64();
+                let [cpu, samples, events, bytes] = [0, 1, 2, 3].map(|i| now[i] - logged[i]);
+                tracing::debug!(
+                    cpu_ms = cpu as f64 / 1e6,
+                    secs,
+                    percent_of_a_core = cpu as f64 / 1e7 / secs,
+                    samples,
+                    events,
+                    kib = bytes / 1024,
+                    "what the page cost"
+                );
+            }
+            (logged_at, logged) = (Instant::now(), now);
         }
         if site.live.tx.receiver_count() == 0 {
             continue;
@@ -89,14 +149,33 @@ pub async fn sample_loop(site: Arc<Site>) {
     }
 }
 
-/// The status document now, taken on a blocking thread (it reads the journal, whose lock an
-/// install may hold for tens of milliseconds).
+/// The status document now, taken on a blocking thread (it reads the journal), the journal's
+/// part through the page's own connection.
 pub async fn take_sample(site: &Arc<Site>) -> Option<Sample> {
-    let engine = site.engine.clone();
-    let status = tokio::task::spawn_blocking(move || serde_json::to_value(engine.status()))
-        .await
-        .ok()?
-        .ok()?;
+    let s = site.clone();
+    let asked = Instant::now();
+    let (status, started) = tokio::task::spawn_blocking(move || {
+        let started = asked.elapsed();
+        let status = s.live.cost.measure(|| {
+            // Through the page's own connection: an install that holds the engine's journal
+            // lock while the disk is slow does not hold up the page.
+            let journal = s.journal().ok()?;
+            serde_json::to_value(s.engine.status_reading(&journal)).ok()
+        });
+        (status, started)
+    })
+    .await
+    .ok()?;
+    let status = status?;
+    let took = asked.elapsed();
+    if took > TICK / 2 {
+        tracing::debug!(
+            ms = took.as_millis() as u64,
+            waited_for_a_thread_ms = started.as_millis() as u64,
+            "a status sample for the page was slow"
+        );
+    }
+    site.live.cost.samples.fetch_add(1, Ordering::Relaxed);
     Some(Sample {
         at: Instant::now(),
         unix: crate::folder::now_secs(),
@@ -158,6 +237,33 @@ impl Viewer {
         site: &Arc<Site>,
         sample: &Sample,
     ) -> Vec<(&'static str, String)> {
+        let cost = &site.live.cost;
+        let (job, counted, rows_key, conflicts_key) = cost.measure(|| self.plan(sample));
+        let read = if job.is_some() || counted.is_some() {
+            let site = site.clone();
+            tokio::task::spawn_blocking(move || {
+                site.live.cost.measure(|| read(&site, job, counted))
+            })
+            .await
+            .unwrap_or_default()
+        } else {
+            Read::default()
+        };
+        cost.measure(|| self.render(sample, read, rows_key, conflicts_key))
+    }
+
+    /// What an update must read from the journal (the rows, the conflicts), and the keys it
+    /// reads them for.
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &mut self,
+        sample: &Sample,
+    ) -> (
+        Option<(FilterForm, UtcOffset, usize)>,
+        Option<Vec<(String, u64, u64)>>,
+        (String, u64),
+        Vec<(String, u64, u64)>,
+    ) {
         self.history.push(sample.at, sample.status.clone());
         let st = &sample.status;
         let folders: Vec<&Value> = st["folders"].as_array().into_iter().flatten().collect();
@@ -182,16 +288,20 @@ impl Viewer {
             })
             .collect();
         let want_conflicts = self.conflicts_key.as_ref() != Some(&conflicts_key);
-        let read = if want_rows || want_conflicts {
-            let site = site.clone();
-            let job = want_rows.then(|| (self.form.clone(), self.tz, self.limit));
-            let counted = want_conflicts.then(|| conflicts_key.clone());
-            tokio::task::spawn_blocking(move || read(&site, job, counted))
-                .await
-                .unwrap_or_default()
-        } else {
-            Read::default()
-        };
+        let job = want_rows.then(|| (self.form.clone(), self.tz, self.limit));
+        let counted = want_conflicts.then(|| conflicts_key.clone());
+        (job, counted, rows_key, conflicts_key)
+    }
+
+    /// The sections of `sample` with what the journal gave, those that changed.
+    fn render(
+        &mut self,
+        sample: &Sample,
+        read: Read,
+        rows_key: (String, u64),
+        conflicts_key: Vec<(String, u64, u64)>,
+    ) -> Vec<(&'static str, String)> {
+        let st = &sample.status;
         let names = Names::of(st);
         let mut now: Vec<(&'static str, String)> = vec![
             ("head", page::head(st, self.tz, sample.unix)),

@@ -242,15 +242,23 @@ async fn events(site: Arc<Site>, mut stream: TcpStream, req: Request) {
         if changed.is_empty() {
             continue;
         }
-        let data: serde_json::Map<String, serde_json::Value> = changed
-            .into_iter()
-            .map(|(id, html)| (id.to_string(), serde_json::Value::String(html)))
-            .collect();
-        let event = format!(
-            "event: update\ndata: {}\n\n",
-            serde_json::Value::Object(data)
-        );
-        if http::write_all(&mut stream, event.as_bytes())
+        let cost = &site.live.cost;
+        // Written at once where the socket takes it all (it nearly always does), so that the
+        // write is counted on this thread too.
+        let (event, written) = cost.measure(|| {
+            let data: serde_json::Map<String, serde_json::Value> = changed
+                .into_iter()
+                .map(|(id, html)| (id.to_string(), serde_json::Value::String(html)))
+                .collect();
+            let event = format!(
+                "event: update\ndata: {}\n\n",
+                serde_json::Value::Object(data)
+            );
+            let written = stream.try_write(event.as_bytes()).unwrap_or(0);
+            (event, written)
+        });
+        cost.sent(event.len());
+        if http::write_all(&mut stream, &event.as_bytes()[written..])
             .await
             .is_err()
         {
