@@ -77,7 +77,39 @@ fn a_sync_a_conflict_and_a_journal_filter_show_live_on_the_page_in_a_real_browse
         .unwrap()
         .to_string();
     let web = Browser::start(&chromium, &driver, 1100, 1000);
-    web.go(&page_url(&b));
+    // `meshfs ui` as a person runs it, with an `xdg-open` that notes what it was given: a
+    // file, not the address with its token (which every user could read in its arguments).
+    let bin_dir = t.path().join("fake-bin");
+    std::fs::create_dir_all(&bin_dir).unwrap();
+    let opened = t.path().join("opened");
+    let xdg_open = bin_dir.join("xdg-open");
+    std::fs::write(
+        &xdg_open,
+        format!("#!/bin/sh\necho \"$@\" > {}\n", opened.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&xdg_open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new(bin())
+        .arg("--home")
+        .arg(&b.home)
+        .arg("ui")
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !opened.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let file = std::fs::read_to_string(&opened).unwrap().trim().to_string();
+    assert!(!file.contains("token"), "{file}");
+    assert_eq!(Path::new(&file), b.home.join("state/ui-open.html"));
+    web.go(&format!("file://{file}"));
     web.wait_for(
         "the folder in sync and the stream live",
         20,
