@@ -85,7 +85,11 @@ fn a_sync_a_conflict_and_a_journal_filter_show_live_on_the_page_in_a_real_browse
     let xdg_open = bin_dir.join("xdg-open");
     std::fs::write(
         &xdg_open,
-        format!("#!/bin/sh\necho \"$@\" > {}\n", opened.display()),
+        // Written aside and renamed: the test sees the whole line or nothing.
+        format!(
+            "#!/bin/sh\necho \"$@\" > {o}.tmp && mv {o}.tmp {o}\n",
+            o = opened.display()
+        ),
     )
     .unwrap();
     std::fs::set_permissions(&xdg_open, std::fs::Permissions::from_mode(0o755)).unwrap();
