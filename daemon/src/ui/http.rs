@@ -1,6 +1,6 @@
 //! The page's HTTP/1.1, as little of it as a browser needs: one request per connection, read
 //! with a bounded head ([`MAX_HEAD`]) and body ([`MAX_BODY`]) within [`READ_TIMEOUT`], parsed
-//! by `httparse` (D42); the answer written with `Connection: close` and the headers every
+//! by `httparse` (D43); the answer written with `Connection: close` and the headers every
 //! answer carries ([`SECURITY_HEADERS`]). Knows nothing of tokens or pages: `guard` and `site`
 //! decide what to answer.
 
