@@ -71,6 +71,12 @@ impl Home {
         self.state_dir.join("control.sock")
     }
 
+    /// The page's token while the daemon serves it (`meshfs ui`; mode 0600 in the 0700 state
+    /// directory, so only the owner reads it).
+    pub fn ui_token_file(&self) -> PathBuf {
+        self.state_dir.join("ui-token")
+    }
+
     /// meshfs's own directory that `path` is, contains or lies inside, if any: a folder
     /// there would replicate the private key and journal the journal's own writes.
     /// Compares real paths (symlinks resolved as far as the paths exist).
@@ -173,6 +179,9 @@ pub struct Config {
     /// Tuning knobs (all optional).
     #[serde(default)]
     pub options: Options,
+    /// The page (`meshfs ui`); left out of the file while it is the default.
+    #[serde(default, skip_serializing_if = "UiConfig::is_default")]
+    pub ui: UiConfig,
     /// Replicated folders. Never written as an empty `folder = []`: a `[[folder]]` table
     /// appended by hand after it would be a duplicate key.
     #[serde(default, rename = "folder", skip_serializing_if = "Vec::is_empty")]
@@ -216,6 +225,22 @@ impl Default for Options {
             tombstone_retention_days: 365,
             max_redial_secs: 1,
         }
+    }
+}
+
+/// `[ui]`: the page the daemon serves on `127.0.0.1` (see `docs/ui.md`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UiConfig {
+    /// Serve the page from the start; without it only `meshfs ui` starts serving.
+    pub enabled: bool,
+    /// The TCP port on `127.0.0.1`; 0: a free port chosen at each start.
+    pub port: u16,
+}
+
+impl UiConfig {
+    fn is_default(&self) -> bool {
+        self == &UiConfig::default()
     }
 }
 
@@ -286,6 +311,7 @@ impl Config {
                 listen: listen.to_string(),
             },
             options: Options::default(),
+            ui: UiConfig::default(),
             folders: Vec::new(),
             peers: Vec::new(),
         }
