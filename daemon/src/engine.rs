@@ -62,6 +62,10 @@ pub struct Engine {
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
     traffic: Mutex<crate::traffic::Traffic>,
+    /// The journal connection `status` reads through (opened at its first use): WAL lets it
+    /// read beside the engine's writes, so `status` never waits for an apply or a scan that
+    /// holds the engine's connection.
+    status_journal: std::sync::OnceLock<Option<crate::lock::Ranked<Journal>>>,
 }
 
 /// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
@@ -125,6 +129,7 @@ impl Engine {
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
             traffic: Mutex::default(),
+            status_journal: std::sync::OnceLock::new(),
         });
         for f in &first.folders {
             engine.start_folder(f).await?;
@@ -567,12 +572,28 @@ impl Engine {
     /// The daemon's state as the `status --json` document: gathers a snapshot, and
     /// [`crate::status::build`] decides what it means.
     pub fn status(&self) -> crate::status::Status {
-        // The journal first, in one hold, and not under the peers lock: an install can hold
-        // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        self.status_with(|folders| match self.folders.journal_lock() {
-            Ok(j) => journaled(&j, folders),
-            Err(_) => vec![Default::default(); folders.len()],
-        })
+        // Through its own connection, never the engine's (which an apply or a scan holds for as
+        // long as its disk work takes); the journal first, and not under the peers lock.
+        let own = self.status_journal.get_or_init(|| {
+            match Journal::open(&self.home.journal_file()) {
+                Ok(j) => Some(crate::lock::Ranked::new(
+                    crate::lock::Rank::Journal,
+                    "status journal",
+                    j,
+                )),
+                Err(e) => {
+                    tracing::warn!(error = %e, "status reads through the engine's journal connection");
+                    None
+                }
+            }
+        });
+        match own {
+            Some(j) => self.status_with(|folders| journaled(&j.lock_anyway(), folders)),
+            None => self.status_with(|folders| match self.folders.journal_lock() {
+                Ok(j) => journaled(&j, folders),
+                Err(_) => vec![Default::default(); folders.len()],
+            }),
+        }
     }
 
     /// The same document with the journal's part read through `journal`, another connection
