@@ -14,6 +14,7 @@ pub mod config;
 pub mod conflicts;
 pub mod control;
 pub mod engine;
+pub mod failpoint;
 pub mod fetching;
 pub mod folder;
 pub mod identity;
