@@ -231,7 +231,7 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
         Some(Since::TimeNs(ns)) => (None, Some(ns)),
         None => (None, None),
     };
-    let journal = Journal::open(&home.journal_file())?;
+    let journal = Journal::open_reader(&home.journal_file())?;
     let mut q = HistoryQuery {
         path,
         device,

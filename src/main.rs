@@ -772,7 +772,7 @@ fn scan(home: &Home, folder: FolderId) -> anyhow::Result<u8> {
 /// `conflicts`: the conflict siblings that still exist, read from the journal.
 fn conflicts(home: &Home, folder: FolderId, json: bool) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
-    let j = meshfs_daemon::journal::Journal::open(&home.journal_file())?;
+    let j = meshfs_daemon::journal::Journal::open_reader(&home.journal_file())?;
     let list = meshfs_daemon::conflicts::list(&j, &folder);
     if json {
         println!("{}", serde_json::to_string_pretty(&list)?);

@@ -34,6 +34,8 @@ pub struct Device {
     pub netns: Option<String>,
     /// A command the daemon runs under (e.g. `setpriv` with fewer capabilities); empty: none.
     pub under: Vec<String>,
+    /// Environment variables the daemon gets (e.g. `MESHFS_FAILPOINTS`).
+    pub env: Vec<(String, String)>,
     child: Option<Child>,
     _tmp: std::sync::Arc<tempfile::TempDir>,
 }
@@ -113,6 +115,7 @@ impl Device {
             id,
             netns,
             under: Vec::new(),
+            env: Vec::new(),
             child: None,
             _tmp: tmp.clone(),
         }
@@ -161,11 +164,54 @@ impl Device {
                 "RUST_LOG",
                 std::env::var("MESHFS_TEST_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .unwrap();
         self.child = Some(child);
+    }
+
+    /// Starts the daemon and waits up to `secs` for it to end by itself (a failpoint, a
+    /// refusal); its exit status.
+    pub fn run_to_exit(&mut self, secs: u64) -> std::process::ExitStatus {
+        self.spawn();
+        let mut c = self.child.take().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                panic!(
+                    "daemon {} still running after {secs} s:\n{}",
+                    self.name,
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM, and the exit status (`None`: it had to be killed after 10 s, or was not
+    /// running).
+    pub fn stop_status(&mut self) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        // SAFETY: kill takes two integers and touches no memory. The child has not been
+        // waited for, so its pid cannot have been reused by another process.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = c.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        None
     }
 
     fn wait_up(&self) {
@@ -181,20 +227,7 @@ impl Device {
 
     /// SIGTERM and wait.
     pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: kill takes two integers and touches no memory. The child has not been
-            // waited for, so its pid cannot have been reused by another process.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.stop_status();
     }
 
     /// SIGKILL.
