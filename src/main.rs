@@ -424,6 +424,17 @@ fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<()> {
 
 /// A daemon's reply said `"ok": true`.
 /// "on" or "off", as the status and mount lines show a switch.
+/// "kernel passthrough on", or "kernel passthrough off (why)", from a mount's status JSON.
+fn passthrough_text(m: &serde_json::Value) -> String {
+    if m["passthrough"] == true {
+        return "kernel passthrough on".into();
+    }
+    match m["passthrough_off"]["why"].as_str() {
+        Some(why) => format!("kernel passthrough off: {why}"),
+        None => "kernel passthrough off".into(),
+    }
+}
+
 fn on_off(on: bool) -> &'static str {
     if on {
         "on"
@@ -677,10 +688,10 @@ fn mount(
         Some(r) if reply_ok(&r) => {
             let m = &r["mount"];
             println!(
-                "folder {folder} mounted at {} ({}, kernel passthrough {}, io_uring {})",
+                "folder {folder} mounted at {} ({}, {}, io_uring {})",
                 point.display(),
                 m["mode"].as_str().unwrap_or("read-write"),
-                on_off(m["passthrough"] == true),
+                passthrough_text(m),
                 on_off(m["io_uring"] == true),
             );
             Ok(0)

@@ -124,6 +124,8 @@ pub struct MountStatus {
     pub mode: &'static str,
     /// Whether the kernel passes reads and writes straight to the backing files.
     pub passthrough: bool,
+    /// Why not, when it does not.
+    pub passthrough_off: Option<PassthroughOffStatus>,
     /// Whether requests come over io_uring, answered on the caller's CPU
     /// (`meshfs_fuse::MountOptions::io_uring`).
     pub io_uring: bool,
@@ -132,6 +134,15 @@ pub struct MountStatus {
     /// Invalidations of what the kernel caches, queued and not yet sent (a folder is not in
     /// sync until they are: the mount could still show a path's previous state).
     pub invalidations_pending: usize,
+}
+
+/// Why kernel passthrough is off on a mount ([`meshfs_fuse::PassthroughOff`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PassthroughOffStatus {
+    /// A stable name: `not_asked`, `not_offered`, `needs_cap_sys_admin`, `stacked`, `refused`.
+    pub code: &'static str,
+    /// The reason in words.
+    pub why: String,
 }
 
 impl From<MountInfo> for MountStatus {
@@ -144,6 +155,10 @@ impl From<MountInfo> for MountStatus {
                 "read-write"
             },
             passthrough: i.passthrough,
+            passthrough_off: i.passthrough_off.map(|why| PassthroughOffStatus {
+                code: why.code(),
+                why: why.to_string(),
+            }),
             io_uring: i.io_uring,
             open_handles: i.open_handles,
             invalidations_pending: i.invalidations_pending,

@@ -59,8 +59,12 @@ fn main() {
         }
     };
     let info = mount.info();
+    let off = info
+        .passthrough_off
+        .map(|why| format!(" [{why}]"))
+        .unwrap_or_default();
     println!(
-        "mounted {} at {} (passthrough: {}, threads: {}, io_uring: {})",
+        "mounted {} at {} (passthrough: {}{off}, threads: {}, io_uring: {})",
         info.backing.display(),
         info.mountpoint.display(),
         info.passthrough,

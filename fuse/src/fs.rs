@@ -25,6 +25,7 @@ use crate::backing::{
 };
 use crate::handles::MakeBacking;
 use crate::inodes::ROOT;
+use crate::passthrough::{capable_sys_admin, PassthroughOff};
 use crate::prefetch::{Job, Prefetcher};
 use crate::sys::{self, SetTime, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind};
@@ -225,15 +226,26 @@ impl Filesystem for Passthrough {
         // it also sizes each io_uring entry's payload buffer.
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_background(64);
-        if self.sh.want_passthrough && caps.contains(InitFlags::FUSE_PASSTHROUGH) {
-            // Depth 1: the backing is a plain filesystem, and the mount itself may still be
-            // stacked under overlayfs.
-            if config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
-                && config.set_max_stack_depth(1).is_ok()
-            {
-                self.sh.passthrough.store(true, Ordering::Relaxed);
-            }
-        }
+        let off = if !self.sh.want_passthrough {
+            Some(PassthroughOff::NotAsked)
+        } else if !caps.contains(InitFlags::FUSE_PASSTHROUGH) {
+            Some(PassthroughOff::NotOffered)
+        } else if !capable_sys_admin() {
+            // Not asked for at all: the kernel would refuse every backing file.
+            Some(PassthroughOff::NeedsCapSysAdmin)
+        } else if config
+            .add_capabilities(InitFlags::FUSE_PASSTHROUGH)
+            .is_err()
+            || config.set_max_stack_depth(1).is_err()
+        {
+            // Depth 1 (above): the backing is a plain filesystem, and the mount itself may
+            // still be stacked under overlayfs.
+            Some(PassthroughOff::NotOffered)
+        } else {
+            None
+        };
+        self.sh.passthrough.store(off.is_none(), Ordering::Relaxed);
+        *lock(&self.sh.passthrough_off) = off;
         Ok(())
     }
 

@@ -74,11 +74,13 @@ mod handles;
 mod inodes;
 mod invalidate;
 mod mount;
+mod passthrough;
 mod prefetch;
 mod recent;
 mod sys;
 
 pub use mount::{mount, Mount, MountError, MountHandle, MountInfo, MountOptions};
+pub use passthrough::PassthroughOff;
 
 use meshfs_protocol::RelPath;
 use std::sync::{Mutex, MutexGuard};

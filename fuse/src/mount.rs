@@ -157,6 +157,8 @@ pub struct MountInfo {
     pub read_only: bool,
     /// Reads and writes go through kernel passthrough (negotiated and not refused).
     pub passthrough: bool,
+    /// Why not, when it is off.
+    pub passthrough_off: Option<crate::PassthroughOff>,
     /// Open files (the mount keeps no directory handles).
     pub open_handles: usize,
     /// Inodes the kernel holds (the inode table's size).
@@ -435,6 +437,7 @@ fn shared(
         want_passthrough: opts.passthrough,
         want_io_uring: opts.io_uring,
         passthrough: AtomicBool::new(false),
+        passthrough_off: Mutex::new(None),
         euid,
         egid,
         invalidations: Mutex::new(None),
@@ -497,6 +500,12 @@ fn start_session(
     };
     let mut session =
         fuser::Session::new(Passthrough::new(sh.clone()), mp, config).map_err(mount_err)?;
+    // FUSE_INIT is answered: what passthrough would meet is known before the first open.
+    if sh.passthrough.load(Ordering::Relaxed) {
+        if let Err(why) = crate::passthrough::probe(session.as_fd(), sh.root.as_fd()) {
+            sh.passthrough_refused(why);
+        }
+    }
     let notifier = session.notifier();
     let io_uring = session.io_uring_queues();
     let mut unmounter = session.unmount_callable();
@@ -526,6 +535,7 @@ impl Mount {
             backing: self.backing.clone(),
             read_only: sh.read_only,
             passthrough: sh.passthrough.load(Ordering::Relaxed),
+            passthrough_off: *lock(&sh.passthrough_off),
             open_handles: sh.handles.count(),
             known_inodes: lock(&sh.table).len(),
             cached_dirs: sh.dirs.len(),

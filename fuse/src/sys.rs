@@ -759,6 +759,22 @@ pub(crate) fn effective_ids() -> (u32, u32) {
     unsafe { (libc::geteuid(), libc::getegid()) }
 }
 
+/// `FUSE_DEV_IOC_BACKING_CLOSE`: drops the backing file `id` registered on the FUSE device
+/// `dev`.
+pub(crate) fn backing_close(dev: BorrowedFd<'_>, id: u32) -> SysResult<()> {
+    // _IOW(229, 2, uint32_t), include/uapi/linux/fuse.h.
+    const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = (1 << 30) | (4 << 16) | (229 << 8) | 2;
+    // SAFETY: the ioctl reads one u32 at the pointer, which outlives the call.
+    check(unsafe {
+        libc::ioctl(
+            dev.as_raw_fd(),
+            FUSE_DEV_IOC_BACKING_CLOSE,
+            &id as *const u32,
+        )
+    })
+    .map(drop)
+}
+
 /// `umount2(path, flags)`.
 pub(crate) fn umount2(path: &CStr, flags: i32) -> SysResult<()> {
     // SAFETY: `path` is NUL-terminated and outlives the call.
