@@ -110,6 +110,11 @@ enum Command {
         /// Refuse every change through the mount.
         #[arg(long)]
         read_only: bool,
+        /// Let other users in (a web or Samba server, root): the kernel checks every access
+        /// against the files' modes. As an ordinary user this needs `user_allow_other` in
+        /// /etc/fuse.conf.
+        #[arg(long)]
+        allow_other: bool,
     },
     /// Unmount a folder (it keeps syncing).
     #[command(
@@ -379,7 +384,8 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             folder,
             mountpoint,
             read_only,
-        } => mount(home, folder, &mountpoint, read_only),
+            allow_other,
+        } => mount(home, folder, &mountpoint, read_only, allow_other),
         Command::Unmount { folder } => unmount(home, folder),
         Command::Repair => repair(home),
         Command::Scan { folder } => scan(home, folder),
@@ -424,6 +430,15 @@ fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<()> {
 
 /// A daemon's reply said `"ok": true`.
 /// "on" or "off", as the status and mount lines show a switch.
+/// ", other users allowed" where the mount lets other users in, from its status JSON.
+fn others_text(m: &serde_json::Value) -> &'static str {
+    if m["allow_other"] == true {
+        ", other users allowed"
+    } else {
+        ""
+    }
+}
+
 /// "kernel passthrough on", or "kernel passthrough off (why)", from a mount's status JSON.
 fn passthrough_text(m: &serde_json::Value) -> String {
     if m["passthrough"] == true {
@@ -669,6 +684,7 @@ fn mount(
     folder: FolderId,
     mountpoint: &std::path::Path,
     read_only: bool,
+    allow_other: bool,
 ) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
     let point = std::path::absolute(mountpoint)
@@ -677,6 +693,7 @@ fn mount(
         folder: folder.clone(),
         mountpoint: point.clone(),
         read_only,
+        allow_other,
     };
     match control::request(home, &req)? {
         None => {
@@ -688,9 +705,10 @@ fn mount(
         Some(r) if reply_ok(&r) => {
             let m = &r["mount"];
             println!(
-                "folder {folder} mounted at {} ({}, {}, io_uring {})",
+                "folder {folder} mounted at {} ({}{}, {}, io_uring {})",
                 point.display(),
                 m["mode"].as_str().unwrap_or("read-write"),
+                others_text(m),
                 passthrough_text(m),
                 on_off(m["io_uring"] == true),
             );
@@ -850,6 +868,7 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         path: real.clone(),
         watch: true,
         mount: None,
+        allow_other: false,
     });
     new.validate(home)?;
     // The directories this command creates, outermost first: removed again on a refusal.

@@ -300,9 +300,10 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
     if m.is_object() {
         let _ = writeln!(
             o,
-            "          mounted at {} ({}, {}, io_uring {}, {} open handle(s))",
+            "          mounted at {} ({}{}, {}, io_uring {}, {} open handle(s))",
             s(m, "mountpoint"),
             s(m, "mode"),
+            crate::others_text(m),
             crate::passthrough_text(m),
             crate::on_off(m["io_uring"] == true),
             u(m, "open_handles")

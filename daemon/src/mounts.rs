@@ -24,6 +24,10 @@ use meshfs_fuse::{
 };
 use meshfs_protocol::RelPath;
 use std::path::PathBuf;
+
+/// Whether `/etc/fuse.conf` lets ordinary users mount with `allow_other` (checked by
+/// `meshfs config check`, as the mount itself does).
+pub use meshfs_fuse::{fuse_conf_allows_other, FUSE_CONF};
 use std::sync::{Arc, RwLock};
 use tokio::sync::mpsc;
 
@@ -122,6 +126,8 @@ pub struct MountStatus {
     pub mountpoint: PathBuf,
     /// `"read-only"` or `"read-write"`.
     pub mode: &'static str,
+    /// Other users may enter (`allow_other`; the kernel checks modes).
+    pub allow_other: bool,
     /// Whether the kernel passes reads and writes straight to the backing files.
     pub passthrough: bool,
     /// Why not, when it does not.
@@ -154,6 +160,7 @@ impl From<MountInfo> for MountStatus {
             } else {
                 "read-write"
             },
+            allow_other: i.allow_other,
             passthrough: i.passthrough,
             passthrough_off: i.passthrough_off.map(|why| PassthroughOffStatus {
                 code: why.code(),

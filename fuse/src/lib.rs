@@ -78,8 +78,12 @@ mod passthrough;
 mod prefetch;
 mod recent;
 mod sys;
+mod unmount;
 
-pub use mount::{mount, Mount, MountError, MountHandle, MountInfo, MountOptions};
+pub use mount::{
+    fuse_conf_allows_other, mount, Mount, MountError, MountHandle, MountInfo, MountOptions,
+    FUSE_CONF,
+};
 pub use passthrough::PassthroughOff;
 
 use meshfs_protocol::RelPath;
