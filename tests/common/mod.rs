@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod hostile;
+pub mod user;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -36,6 +37,9 @@ pub struct Device {
     pub under: Vec<String>,
     /// Environment variables the daemon gets (e.g. `MESHFS_FAILPOINTS`).
     pub env: Vec<(String, String)>,
+    /// A command the CLI calls of this device's own methods (`status`, `journal`) run under
+    /// (a daemon run as another user answers only that user); empty: none.
+    pub cli_under: Vec<String>,
     child: Option<Child>,
     _tmp: std::sync::Arc<tempfile::TempDir>,
 }
@@ -116,6 +120,7 @@ impl Device {
             netns,
             under: Vec::new(),
             env: Vec::new(),
+            cli_under: Vec::new(),
             child: None,
             _tmp: tmp.clone(),
         }
@@ -128,6 +133,11 @@ impl Device {
     pub fn start(&mut self) {
         self.spawn();
         self.wait_up();
+    }
+
+    /// Starts the daemon without waiting for it to answer.
+    pub fn start_detached(&mut self) {
+        self.spawn();
     }
 
     /// Starts every device before waiting for any: they come up, and dial, at once.
@@ -217,7 +227,7 @@ impl Device {
     fn wait_up(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if meshfs(&self.home, &["status", "--json"]).status.success() {
+            if self.cli(&["status", "--json"]).status.success() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -254,12 +264,42 @@ impl Device {
             .unwrap_or(0)
     }
 
+    /// `meshfs --home HOME ARGS`, under `cli_under`.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        let mut cmd = match self.cli_under.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin());
+                c
+            }
+            None => Command::new(bin()),
+        };
+        cmd.arg("--home")
+            .arg(&self.home)
+            .args(args)
+            .output()
+            .expect("run meshfs")
+    }
+
+    /// As [`Device::cli`], asserting success; its stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "meshfs {:?} failed: {}{}",
+            args,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.home.join("daemon.log")).unwrap_or_default()
     }
 
     pub fn status(&self) -> serde_json::Value {
-        serde_json::from_str(&ok(&self.home, &["status", "--json"])).unwrap()
+        serde_json::from_str(&self.cli_ok(&["status", "--json"])).unwrap()
     }
 
     /// Bytes sent + received over all connections so far.
@@ -271,7 +311,7 @@ impl Device {
     pub fn journal(&self, args: &[&str]) -> Vec<serde_json::Value> {
         let mut a = vec!["journal", "work", "--json"];
         a.extend_from_slice(args);
-        ok(&self.home, &a)
+        self.cli_ok(&a)
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect()
@@ -336,7 +376,7 @@ pub fn wait_synced(devs: &[&Device], secs: u64) {
                 eprintln!(
                     "=== {} status\n{}\n=== tree {:#?}\n=== log tail\n{}",
                     d.name,
-                    String::from_utf8_lossy(&meshfs(&d.home, &["status", "--json"]).stdout),
+                    String::from_utf8_lossy(&d.cli(&["status", "--json"]).stdout),
                     tree(&d.dir).keys().take(30).collect::<Vec<_>>(),
                     tail(&d.log(), 40)
                 );
