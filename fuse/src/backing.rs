@@ -16,6 +16,7 @@
 use crate::dircache::DirCache;
 use crate::handles::{Handle, Handles};
 use crate::inodes::{Remembered, Table, ROOT};
+use crate::kept::Kept;
 use crate::passthrough::PassthroughOff;
 use crate::prefetch::Prefetcher;
 use crate::recent::Recent;
@@ -87,6 +88,16 @@ pub(crate) struct Shared {
     pub prefetch: Prefetcher,
     /// Paths changed through the mount lately: the watcher's reports of them are echoes.
     pub recent: Mutex<Recent>,
+    /// Files whose cached pages the kernel may keep across opens.
+    pub kept: Kept,
+    /// Whether they may be kept at all (`MountOptions::keep_cache`).
+    pub keep_cache: bool,
+    /// The caller asked for write-only forwarded opens to bypass the kernel's pages
+    /// (`MountOptions::write_direct`).
+    pub want_write_direct: bool,
+    /// They do: asked for, and the kernel drops the pages such a write covers
+    /// (`FUSE_DIRECT_IO_ALLOW_MMAP` agreed at FUSE_INIT).
+    pub write_direct: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {

@@ -64,6 +64,14 @@ pub struct MountOptions {
     /// `find` or `ls -R` then finds the backing's inodes in memory. Metadata only, bounded,
     /// never for a warm listing.
     pub read_ahead: bool,
+    /// Let the kernel keep a forwarded file's cached pages across opens while the file is
+    /// unchanged (`FOPEN_KEEP_CACHE`, see `kept`); off, every open drops them, as FUSE does by
+    /// default.
+    pub keep_cache: bool,
+    /// A forwarded write-only open writes past the kernel's pages (`FOPEN_DIRECT_IO`): one
+    /// copy and one page cache fewer per write; the kernel drops the pages other opens cached
+    /// of what it overwrites.
+    pub write_direct: bool,
 }
 
 impl Default for MountOptions {
@@ -77,6 +85,8 @@ impl Default for MountOptions {
             allow_other: false,
             io_uring: true,
             read_ahead: true,
+            keep_cache: true,
+            write_direct: true,
         }
     }
 }
@@ -469,6 +479,10 @@ fn shared(
         invalidations_pending: AtomicUsize::new(0),
         prefetch: Prefetcher::start(opts.read_ahead),
         recent: Mutex::new(Recent::default()),
+        kept: Default::default(),
+        keep_cache: opts.keep_cache,
+        want_write_direct: opts.write_direct,
+        write_direct: AtomicBool::new(false),
     })
 }
 
