@@ -70,14 +70,16 @@ fn journaled_device(
     d
 }
 
-/// Arms `point` on `d`, runs until the daemon dies there (at start or at its stop), and
-/// checks that it died there and that the next start opens the journal with every file.
+/// Whether `d`'s last daemon died at `point` (`name` or `name@detail`, as armed).
+fn died_at(d: &Device, point: &str) -> bool {
+    let log = d.log();
+    log.contains("fault injection: aborting") && log.contains(&format!("point={point}"))
+}
+
+/// Arms `point` on `d` (abort), runs until the daemon dies there (at start or at its stop),
+/// and checks that it died there and that the next start opens the journal with every file.
 fn crash_at(d: &mut Device, point: &str, when: When) {
-    let spec = match point.split_once('@') {
-        Some((name, n)) => format!("{name}=kill@{n}"),
-        None => format!("{point}=kill"),
-    };
-    d.env = vec![("MESHFS_FAILPOINTS".into(), spec)];
+    d.arm(&format!("{point}=abort"));
     let mut expect = 3;
     match when {
         When::Start => {
@@ -92,9 +94,8 @@ fn crash_at(d: &mut Device, point: &str, when: When) {
             d.stop_status();
         }
     }
-    let name = point.split('@').next().unwrap();
     assert!(
-        d.log().contains(&format!("failpoint {name}: Kill")),
+        died_at(d, point),
         "{point} ({when:?}) was never reached:\n{}",
         d.log()
     );
@@ -123,10 +124,12 @@ fn a_daemon_killed_at_any_step_of_its_wal_bookkeeping_starts_again_with_nothing_
         ("journal.open.mark_noted", When::Start, true),
         ("journal.open.marked", When::Start, true),
         ("journal.open.noted", When::Start, true),
-        ("journal.note.synced@1", When::Start, true),
-        ("journal.note.renamed@1", When::Start, true),
-        ("journal.note.synced@2", When::Start, true),
-        ("journal.note.renamed@2", When::Start, true),
+        ("journal.note.synced@open.mark", When::Start, true),
+        ("journal.note.renamed@open.mark", When::Start, true),
+        ("journal.note.synced@open.salts", When::Start, true),
+        ("journal.note.renamed@open.salts", When::Start, true),
+        ("journal.note.synced@close.mark", When::Stop, false),
+        ("journal.note.renamed@close.salts", When::Stop, false),
         ("journal.close.checkpointed", When::Stop, false),
         ("journal.close.mark_noted", When::Stop, false),
         ("journal.close.marked", When::Stop, false),
@@ -209,10 +212,7 @@ fn another_program_killed_after_committing_to_the_stopped_journal_does_not_stran
 fn a_log_started_again_after_a_checkpoint_and_killed_before_its_note_is_still_ours() {
     let t = tmp();
     let mut d = journaled_device(&t, "a", 3, false);
-    d.env = vec![(
-        "MESHFS_FAILPOINTS".into(),
-        "journal.wal.restarted=kill".into(),
-    )];
+    d.arm("journal.wal.restarted=abort");
     d.start();
     // Another connection checkpoints the whole log: the daemon's next write starts it again
     // (salt-1 + 1, a new salt-2), and the daemon dies before noting it.
@@ -226,7 +226,7 @@ fn a_log_started_again_after_a_checkpoint_and_killed_before_its_note_is_still_ou
     assert!(status.success());
     write(&d.path("after.txt"), b"journaled in the new log");
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !d.log().contains("failpoint journal.wal.restarted: Kill") {
+    while !died_at(&d, "journal.wal.restarted") {
         assert!(Instant::now() < deadline, "{}", d.log());
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -9,7 +9,6 @@
 
 use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
-use crate::peers::Inline;
 use crate::store::{read_chunk_of, DirCache, StoreError};
 use crate::transport;
 use meshfs_protocol::{
@@ -490,6 +489,25 @@ async fn request_group(
         }
     }
     Ok(())
+}
+
+/// Which records of an outgoing index batch may carry their content ([`attach_inline`]).
+pub(crate) struct Inline {
+    /// Only records above this sequence (`Session::inline_after`).
+    pub(crate) after: u64,
+    /// Records made by a device the peer hears from directly, to leave out even above it
+    /// (`Session::peer_hears`): that device sends the peer their content itself.
+    pub(crate) relayed: std::collections::HashSet<meshfs_protocol::ShortId>,
+}
+
+impl Inline {
+    /// Nothing inline.
+    pub(crate) fn none() -> Inline {
+        Inline {
+            after: u64::MAX,
+            relayed: Default::default(),
+        }
+    }
 }
 
 /// Attaches to `batch` the content of its small files journaled after sequence `inline.after`:

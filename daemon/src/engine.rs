@@ -113,6 +113,7 @@ impl Engine {
             endpoint: endpoint.clone(),
             stopping,
             shutdown: Notify::new(),
+            receivers: Default::default(),
         });
         let engine = Arc::new(Engine {
             device: identity.device_id,
@@ -238,18 +239,27 @@ impl Engine {
                 continue;
             };
             let (engine, folder, path) = (self.clone(), rt.id.clone(), record.path.clone());
+            let Some(receiver) = self.net.receiver(&rt.id) else {
+                continue;
+            };
             tokio::spawn(async move {
-                let (turn, _) = crate::apply::Turn::after(None);
-                let r = crate::apply::receive(
-                    &engine.folders,
-                    &folder,
+                let source = crate::apply::Receiver::new_source();
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                receiver.receive(
+                    source,
                     peer,
-                    &conn,
+                    conn,
                     vec![record.clone()],
-                    HashMap::new(),
-                    turn,
-                )
-                .await;
+                    Vec::new(),
+                    None,
+                    tx,
+                );
+                let r = match rx.recv().await {
+                    Some(crate::apply::Reply::Applied { .. }) => Ok(()),
+                    Some(crate::apply::Reply::Failed { error, .. }) => Err(error),
+                    None => Err(crate::apply::ApplyError::Task("the folder stopped".into())),
+                };
+                receiver.gone(source);
                 match r {
                     Ok(()) => {
                         tracing::info!(%folder, %path, "applied the remote version that waited for the mount's writer");
@@ -319,6 +329,7 @@ impl Engine {
         let id = f.id.clone();
         let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
+        store.set_device(self.folders.short);
         let removed = store.remove_temps();
         if removed > 0 {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
@@ -342,7 +353,6 @@ impl Engine {
             mount_slot: slot,
             mount: Mutex::new(None),
             deferred: Mutex::new(HashMap::new()),
-            fetching: Default::default(),
             blocked: Mutex::new(None),
             skipped: Mutex::new(Default::default()),
             unreadable: Default::default(),
@@ -382,6 +392,12 @@ impl Engine {
         // running and a `Scan` later that it is (a first scan runs once).
         rt.scanning
             .store(fresh, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut r) = self.net.receivers.write() {
+            r.insert(
+                id.clone(),
+                crate::apply::Receiver::start(self.folders.clone(), id.clone()),
+            );
+        }
         self.folders.insert(rt.clone());
         let started = Instant::now();
         let path = f.path.clone();
@@ -492,6 +508,9 @@ impl Engine {
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
         for rt in self.folders.retain(|id| wanted.contains(id)) {
+            if let Ok(mut r) = self.net.receivers.write() {
+                r.remove(&rt.id);
+            }
             if let Ok(mut w) = rt.watcher.lock() {
                 *w = None;
             }
@@ -749,30 +768,22 @@ async fn retention_loop(engine: Arc<Engine>) {
     }
 }
 
-/// Coalesces a folder's events and scans what is ready.
+/// Coalesces a folder's events and scans what is ready: the wiring of `capture::policy`, which
+/// decides; this loop only does the IO it asks for.
 async fn capture_loop(
     engine: Arc<Engine>,
     rt: Arc<FolderRt>,
     mut rx: mpsc::UnboundedReceiver<CaptureMsg>,
 ) {
-    let quiet = Duration::from_millis(engine.options().coalesce_ms);
-    let open_quiet = Duration::from_secs(1);
+    use capture::policy::{Policy, Scanned};
+    let mut policy = Policy::new(Duration::from_millis(engine.options().coalesce_ms));
     // The queue lives in the folder's runtime so that status can list it; this loop is its
     // only writer and never holds it across an await.
     let queue = || rt.capture_queue.lock().unwrap_or_else(|p| p.into_inner());
-    let mut next: Option<Instant> = None;
-    let mut released = false;
-    // Set while scans fail (the journal's disk full): the next success says it is over.
-    let mut scan_failing: Option<Instant> = None;
     let mut stopping = engine.net.stopping.subscribe();
-    // New directories to scan once more, and when (`CaptureMsg::NewDir`).
-    let mut second_looks: Vec<(Instant, RelPath)> = Vec::new();
     loop {
-        if let Some(t) = second_looks.iter().map(|(t, _)| *t).min() {
-            next = Some(next.map_or(t, |n| n.min(t)));
-        }
         let sleep = async {
-            match next {
+            match policy.wake_at() {
                 Some(t) => tokio::time::sleep_until(t.into()).await,
                 None => std::future::pending().await,
             }
@@ -780,135 +791,72 @@ async fn capture_loop(
         tokio::select! {
             msg = rx.recv() => {
                 let Some(msg) = msg else { return };
-                let now = Instant::now();
-                let mut final_now = false;
-                {
-                    let mut c = queue();
-                    for m in std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
-                        match m {
-                            CaptureMsg::Released(p) => {
-                                released = true;
-                                c.finalize(&p, now);
-                                final_now = true;
-                            }
-                            CaptureMsg::NewDir(p) => {
-                                second_looks.push((now + capture::NEW_DIR_SECOND_LOOK, p.clone()));
-                                c.add(CaptureMsg::NewDir(p), now);
-                            }
-                            m => c.add(m, now),
-                        }
-                    }
-                    publish_count(&rt, c.len().max(1));
-                }
-                // A file whose last writer let go through the mount is captured at once:
-                // the quiet time only guesses when a burst of inotify events is over.
-                let due = if final_now { now } else { now + quiet };
-                next = Some(next.map_or(due, |n| n.min(due)));
+                let mut c = queue();
+                let msgs = std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok()));
+                policy.messages(&mut c, msgs, Instant::now());
+                publish_count(&rt, c.len().max(1));
             }
             _ = sleep => {
                 let now = Instant::now();
-                // New directories due for their second look: the files in them join the
-                // queue as ready now.
-                let (due, later): (Vec<_>, Vec<_>) =
-                    second_looks.drain(..).partition(|(t, _)| *t <= now);
-                second_looks = later;
-                // A directory an apply made needs none: the engine put its files there.
-                let dirs: Vec<RelPath> = due
-                    .into_iter()
-                    .map(|(_, p)| p)
-                    .filter(|d| !rt.echoes.made_dir(d))
-                    .collect();
+                let dirs = policy.due_looks(now, |d| rt.echoes.made_dir(d));
                 if !dirs.is_empty() {
                     let root = rt.store.root().to_path_buf();
                     let files = tokio::task::spawn_blocking(move || capture::files_in(&root, dirs))
                         .await
                         .unwrap_or_default();
-                    let since = now.checked_sub(quiet).unwrap_or(now);
-                    let mut c = queue();
-                    for f in files {
-                        c.add(CaptureMsg::Changed(f, capture::Hint::Other), since);
-                    }
+                    policy.looked(&mut queue(), files, now);
                 }
-                let (rescan, paths) = {
-                    let mut c = queue();
-                    let (rescan, paths, n) = c.take_ready(now, quiet, open_quiet);
-                    // A path a writer through the mount still holds waits for its release
-                    // (once).
-                    let paths: Vec<RelPath> = paths
-                        .into_iter()
-                        .filter(|p| {
-                            let held = rt.writers.has_writer(p) && c.hold(p, now);
-                            if !held {
-                                c.captured(p);
-                            }
-                            !held
-                        })
-                        .collect();
-                    next = match c.is_empty() {
-                        true => n,
-                        false => Some(n.map_or(now + open_quiet, |t| t.min(now + open_quiet))),
-                    };
-                    (rescan, paths)
-                };
-                let scopes = if rescan {
+                let pass = policy.pass(&mut queue(), now, |p| rt.writers.has_writer(p));
+                let scopes: Vec<RelPath> = if pass.rescan {
                     Vec::new()
                 } else {
                     let mut dirs = crate::store::DirCache::default();
-                    paths
+                    pass.paths
                         .into_iter()
                         .filter(|p| {
                             !rt.echoes.is_echo(p, || rt.store.stat_in(&mut dirs, p).ok().flatten())
                         })
                         .collect()
                 };
-                if rescan || !scopes.is_empty() {
+                if pass.rescan || !scopes.is_empty() {
                     let (t0, n) = (Instant::now(), scopes.len());
                     let first = tracing::enabled!(tracing::Level::DEBUG)
                         .then(|| scopes.first().cloned())
                         .flatten();
-                    match engine.scan_paths(&rt.id, scopes).await {
+                    let how = match engine.scan_paths(&rt.id, scopes).await {
                         Ok(changes) => {
-                            tracing::debug!(folder = %rt.id, rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured");
-                            if rescan {
+                            tracing::debug!(folder = %rt.id, rescan = pass.rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured");
+                            if pass.rescan {
                                 first_scan_done(&engine, &rt);
                             }
-                            if scan_failing.take().is_some() && rt.unblock() {
-                                tracing::info!(folder = %rt.id, "the journal's disk has room again; capture resumed");
+                            Scanned::Done
+                        }
+                        Err(e) if e.is_disk_full() => {
+                            if rt.block(format!("journal disk full: {e}")) {
+                                tracing::error!(folder = %rt.id, error = %e, "the journal's disk is full; changes are captured again once there is room");
                             }
+                            Scanned::DiskFull
                         }
                         Err(e) => {
-                            // What the scan took from the queue is not journaled: nothing is
-                            // lost as long as a later scan covers it, so the folder is rescanned
-                            // whole after a pause.
-                            let full = e.is_disk_full();
-                            if full {
-                                if rt.block(format!("journal disk full: {e}")) {
-                                    tracing::error!(folder = %rt.id, error = %e, "the journal's disk is full; changes are captured again once there is room");
-                                }
-                            } else {
-                                tracing::warn!(folder = %rt.id, error = %e, "scan failed; rescanning the folder shortly");
-                                rt.last_error.set(format_args!("scan failed: {e}"));
-                            }
-                            let retry = Instant::now() + RESCAN_AFTER_FAILURE;
-                            scan_failing = Some(retry);
-                            queue().add(CaptureMsg::Rescan, retry);
-                            next = Some(next.map_or(retry, |n| n.min(retry)));
+                            tracing::warn!(folder = %rt.id, error = %e, "scan failed; rescanning the folder shortly");
+                            rt.last_error.set(format_args!("scan failed: {e}"));
+                            Scanned::Failed
                         }
+                    };
+                    let after = policy.scanned(&mut queue(), how, Instant::now());
+                    if after.recovered && rt.unblock() {
+                        tracing::info!(folder = %rt.id, "the journal's disk has room again; capture resumed");
                     }
                 }
-                let (empty, len) = {
+                let len = {
                     let c = queue();
-                    (c.is_empty(), c.len())
-                };
-                // A writer let go: once its path is captured (nothing of it waits here any
-                // more), the remote versions that waited for it are decided again.
-                if std::mem::take(&mut released) || rt.deferred_count() > 0 {
-                    if empty {
+                    // A writer let go: once its path is captured (nothing of it waits here any
+                    // more), the remote versions that waited for it are decided again.
+                    if policy.apply_deferred_now(&c, rt.deferred_count()) {
                         engine.apply_deferred(&rt);
-                    } else {
-                        released = true;
                     }
-                }
+                    c.len()
+                };
                 publish_count(&rt, len);
             }
             _ = stopping.changed() => return,
@@ -936,9 +884,6 @@ fn publish_count(rt: &FolderRt, n: usize) {
 /// How long a deferred remote version whose apply failed first waits before it is tried again
 /// (doubled at each further failure).
 const DEFERRED_RETRY: Duration = Duration::from_secs(2);
-
-/// How long the capture loop waits before rescanning a folder whose scan failed.
-const RESCAN_AFTER_FAILURE: Duration = Duration::from_secs(2);
 
 /// How long starting a folder waits for its first scan before going on while it runs.
 const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);

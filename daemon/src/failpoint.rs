@@ -1,168 +1,140 @@
-//! Fault injection: named points in the code where a test can make the process die (or stall)
-//! on purpose, so that a crash between two steps of a sequence is a test, not a race.
+//! Named fault-injection points, for tests that must hit one instant of a multi-step operation
+//! deterministically (a local write between an install's check and its rename, a crash between
+//! a journal's note and its commit) instead of hoping a sleep lands there.
 //!
-//! **What it owns.** The parsing of `MESHFS_FAILPOINTS` and the action taken at a point. A
-//! point is a call `failpoint::hit("area.step")` placed between two steps whose order matters
-//! (the journal's WAL identity, an install's rename and fsync...); its name says what is done
-//! and what is not yet. Nothing happens at a point unless the variable names it: without the
-//! variable, a hit is one atomic load.
+//! A point is a name in the code: `failpoint::hit("install.after_rename", detail)`, where
+//! `detail` narrows it (a path). Nothing happens unless the environment variable
+//! `MESHFS_FAILPOINTS` was set when the daemon started; it is read once, so a point costs one
+//! atomic load in production. Its value is a comma-separated list of `POINT=ACTION`, where
+//! `POINT` is a name or `name@detail` (only that detail), and `ACTION` is:
 //!
-//! **What it never does.** It decides nothing and touches no file: a test sets the variable
-//! on the process it starts and checks what the next start finds.
+//! - `abort`: the process dies at once (`abort(3)`, as a SIGKILL would leave things);
+//! - `pause`: the thread writes `POINT.reached` (`@` kept, `/` as `%`) into the directory
+//!   `MESHFS_FAILPOINT_DIR` and waits until a file `POINT.go` appears there, which it removes
+//!   before going on — the test acts at that instant, then lets the daemon continue. A point
+//!   pauses at most [`PAUSE_LIMIT`] before it goes on by itself, so a test that failed never
+//!   leaves a daemon stuck forever.
 //!
-//! # The variable
+//! Each action fires on the point's first hit only (then the point is spent), so a test can
+//! name a point that an operation passes many times and still act exactly once.
 //!
-//! `MESHFS_FAILPOINTS=NAME=ACTION[@N],NAME=ACTION[@N],...`, read once, at the first hit:
-//!
-//! - `abort`: `abort(3)` (SIGABRT, no destructor runs, nothing is flushed);
-//! - `kill`: SIGKILL to itself, exactly what `kill -9` does;
-//! - `exit(CODE)`: `_exit(CODE)` at once, without unwinding or flushing;
-//! - `panic`: a Rust panic on the calling thread (destructors run: the point's caller unwinds);
-//! - `sleep(MS)`: waits MS milliseconds, then goes on (a window for a test to act in);
-//! - `off`: nothing (to switch one point off in a longer list).
-//!
-//! `@N` acts at the N-th hit of that point only (counted from 1); without it, at every hit.
-//! Before acting the process writes `failpoint NAME: ACTION` to stderr, so a test can tell
-//! that it died at the point it named and not elsewhere. A malformed variable is a panic at
-//! the first hit: a test that names an action wrongly must not pass by testing nothing.
+//! It never changes what an operation does when no point is set, and never reads the disk or
+//! the environment after start-up except to pause.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
-/// The environment variable that arms points.
-pub const ENV: &str = "MESHFS_FAILPOINTS";
+/// The longest a `pause` waits for its `go` file.
+pub const PAUSE_LIMIT: Duration = Duration::from_secs(60);
 
-/// What a point does when it is hit.
+/// What a point does when hit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Action {
-    /// `abort(3)`.
+enum Action {
     Abort,
-    /// SIGKILL to this process.
-    Kill,
-    /// `_exit(code)`.
-    Exit(i32),
-    /// A panic on the calling thread.
-    Panic,
-    /// Sleep this long, then continue.
-    Sleep(Duration),
-    /// Nothing.
-    Off,
+    Pause,
 }
 
-/// One armed point.
-#[derive(Debug)]
-struct Armed {
-    name: String,
-    action: Action,
-    /// Act at this hit only (1-based); `None`: at every hit.
-    at: Option<u64>,
-    hits: AtomicU64,
+struct Points {
+    /// Armed points (spent ones are removed).
+    armed: Mutex<HashMap<String, Action>>,
+    /// Where `pause` reports and waits.
+    dir: Option<PathBuf>,
 }
 
-static ARMED: OnceLock<Vec<Armed>> = OnceLock::new();
+fn points() -> Option<&'static Points> {
+    static POINTS: OnceLock<Option<Points>> = OnceLock::new();
+    POINTS
+        .get_or_init(|| {
+            let spec = std::env::var("MESHFS_FAILPOINTS").ok()?;
+            let armed = parse(&spec);
+            if armed.is_empty() {
+                return None;
+            }
+            tracing::warn!(points = %spec, "fault injection armed (MESHFS_FAILPOINTS)");
+            Some(Points {
+                armed: Mutex::new(armed),
+                dir: std::env::var_os("MESHFS_FAILPOINT_DIR").map(PathBuf::from),
+            })
+        })
+        .as_ref()
+}
 
-/// Parses `MESHFS_FAILPOINTS`' value.
-fn parse(spec: &str) -> Result<Vec<Armed>, String> {
-    let mut out = Vec::new();
-    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (name, rest) = item
-            .split_once('=')
-            .ok_or_else(|| format!("{item:?}: expected NAME=ACTION"))?;
-        let (action, at) = match rest.rsplit_once('@') {
-            Some((a, n)) => {
-                let n: u64 = n
-                    .parse()
-                    .map_err(|_| format!("{item:?}: @{n} is not a hit count"))?;
-                if n == 0 {
-                    return Err(format!("{item:?}: hits are counted from 1"));
+fn parse(spec: &str) -> HashMap<String, Action> {
+    spec.split(',')
+        .filter_map(|item| {
+            let (point, action) = item.trim().split_once('=')?;
+            let action = match action.trim() {
+                "abort" => Action::Abort,
+                "pause" => Action::Pause,
+                other => {
+                    tracing::warn!(
+                        point,
+                        action = other,
+                        "unknown fault-injection action; ignored"
+                    );
+                    return None;
                 }
-                (a, Some(n))
-            }
-            None => (rest, None),
+            };
+            Some((point.trim().to_string(), action))
+        })
+        .collect()
+}
+
+/// The file name a point's `reached`/`go` files start with.
+pub fn file_stem(point: &str) -> String {
+    point.replace('/', "%")
+}
+
+/// Passes the point `name` (narrowed by `detail`, e.g. a path; empty for none).
+pub fn hit(name: &str, detail: &str) {
+    let Some(p) = points() else { return };
+    let (key, action) = {
+        let mut armed = p.armed.lock().unwrap_or_else(|e| e.into_inner());
+        let narrow = format!("{name}@{detail}");
+        let key = if armed.contains_key(&narrow) {
+            narrow
+        } else if armed.contains_key(name) {
+            name.to_string()
+        } else {
+            return;
         };
-        out.push(Armed {
-            name: name.trim().to_string(),
-            action: parse_action(action.trim()).map_err(|e| format!("{item:?}: {e}"))?,
-            at,
-            hits: AtomicU64::new(0),
-        });
-    }
-    Ok(out)
-}
-
-fn parse_action(s: &str) -> Result<Action, String> {
-    let arg = |prefix: &str| {
-        s.strip_prefix(prefix)
-            .and_then(|r| r.strip_prefix('('))
-            .and_then(|r| r.strip_suffix(')'))
+        let Some(action) = armed.remove(&key) else {
+            return;
+        };
+        (key, action)
     };
-    Ok(match s {
-        "abort" => Action::Abort,
-        "kill" => Action::Kill,
-        "panic" => Action::Panic,
-        "off" => Action::Off,
-        _ => {
-            if let Some(code) = arg("exit") {
-                Action::Exit(
-                    code.parse()
-                        .map_err(|_| format!("exit({code}): not a code"))?,
-                )
-            } else if let Some(ms) = arg("sleep") {
-                let ms: u64 = ms
-                    .parse()
-                    .map_err(|_| format!("sleep({ms}): not milliseconds"))?;
-                Action::Sleep(Duration::from_millis(ms))
-            } else {
-                return Err(format!(
-                    "unknown action {s:?} (abort, kill, exit(CODE), panic, sleep(MS), off)"
-                ));
-            }
-        }
-    })
-}
-
-fn armed() -> &'static [Armed] {
-    ARMED.get_or_init(|| match std::env::var(ENV) {
-        Ok(spec) => parse(&spec).unwrap_or_else(|e| panic!("{ENV}: {e}")),
-        Err(_) => Vec::new(),
-    })
-}
-
-/// The point `name` is reached: does what `MESHFS_FAILPOINTS` says for it, if anything.
-pub fn hit(name: &str) {
-    let points = armed();
-    if !points.is_empty() {
-        hit_in(points, name);
-    }
-}
-
-fn hit_in(points: &[Armed], name: &str) {
-    for p in points.iter().filter(|p| p.name == name) {
-        let n = p.hits.fetch_add(1, Ordering::SeqCst) + 1;
-        if p.at.is_some_and(|at| at != n) || p.action == Action::Off {
-            continue;
-        }
-        eprintln!("failpoint {name}: {:?}", p.action);
-        act(name, p.action);
-    }
-}
-
-fn act(name: &str, action: Action) {
     match action {
-        Action::Abort => std::process::abort(),
-        Action::Kill => {
-            // SAFETY: getpid and kill take integers and touch no memory.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-            // SIGKILL to oneself is delivered before kill(2) returns; never reached.
+        Action::Abort => {
+            tracing::error!(point = %key, "fault injection: aborting");
             std::process::abort();
         }
-        // SAFETY: _exit ends the process at once; nothing of this process runs after it.
-        Action::Exit(code) => unsafe { libc::_exit(code) },
-        Action::Panic => panic!("failpoint {name}"),
-        Action::Sleep(d) => std::thread::sleep(d),
-        Action::Off => {}
+        Action::Pause => pause(p, &key),
     }
+}
+
+fn pause(p: &Points, key: &str) {
+    let Some(dir) = &p.dir else {
+        tracing::warn!(point = %key, "fault injection: pause without MESHFS_FAILPOINT_DIR; going on");
+        return;
+    };
+    let stem = file_stem(key);
+    let go = dir.join(format!("{stem}.go"));
+    if let Err(e) = std::fs::write(dir.join(format!("{stem}.reached")), b"") {
+        tracing::warn!(point = %key, error = %e, "fault injection: cannot report a pause; going on");
+        return;
+    }
+    tracing::info!(point = %key, "fault injection: paused");
+    let until = Instant::now() + PAUSE_LIMIT;
+    while Instant::now() < until {
+        if std::fs::remove_file(&go).is_ok() {
+            tracing::info!(point = %key, "fault injection: resumed");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    tracing::warn!(point = %key, "fault injection: nobody resumed the pause; going on");
 }
 
 #[cfg(test)]
@@ -170,45 +142,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_list_of_points_parses_with_actions_and_hit_counts() {
-        let p = parse("journal.a=abort, journal.b=kill@3,x=exit(7),y=sleep(250),z=off").unwrap();
-        let got: Vec<_> = p
-            .iter()
-            .map(|a| (a.name.as_str(), a.action, a.at))
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                ("journal.a", Action::Abort, None),
-                ("journal.b", Action::Kill, Some(3)),
-                ("x", Action::Exit(7), None),
-                ("y", Action::Sleep(Duration::from_millis(250)), None),
-                ("z", Action::Off, None),
-            ]
-        );
-        assert!(parse("").unwrap().is_empty());
-    }
-
-    #[test]
-    fn a_point_with_a_hit_count_acts_at_that_hit_only() {
-        let points = parse("p=panic@2").unwrap();
-        let hit = || std::panic::catch_unwind(|| hit_in(&points, "p")).is_err();
-        assert_eq!([hit(), hit(), hit()], [false, true, false]);
-        // Other names pass.
-        assert!(std::panic::catch_unwind(|| hit_in(&points, "q")).is_ok());
-    }
-
-    #[test]
-    fn a_misspelled_action_or_count_is_an_error_not_a_silent_no_op() {
-        for bad in [
-            "a=abrot",
-            "a",
-            "a=kill@0",
-            "a=kill@x",
-            "a=exit(x)",
-            "a=sleep()",
-        ] {
-            assert!(parse(bad).is_err(), "{bad}");
-        }
+    fn a_spec_names_points_with_or_without_a_detail_and_drops_unknown_actions() {
+        let a = parse("install.after_rename@d/f=pause, journal.note=abort ,x=explode,junk");
+        assert_eq!(a.len(), 2);
+        assert_eq!(a["install.after_rename@d/f"], Action::Pause);
+        assert_eq!(a["journal.note"], Action::Abort);
     }
 }

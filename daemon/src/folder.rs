@@ -97,8 +97,6 @@ pub struct FolderRt {
     /// Remote versions waiting for a path's writer through the mount to let go, with the
     /// peer each came from (the newest per path).
     pub(crate) deferred: Mutex<HashMap<RelPath, Deferred>>,
-    /// The remote versions its peer sessions are fetching: one peer's, not every peer's.
-    pub fetching: crate::fetching::Fetching,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
     pub(crate) blocked: Mutex<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
@@ -361,6 +359,7 @@ impl FolderRt {
                 connected.contains(&w.peer)
                     && w.not_before.is_none_or(|t| t <= now)
                     && !self.writers.has_writer(p)
+                    && !self.store.open_for_writing(p)
             })
             .map(|(p, _)| p.clone())
             .collect();

@@ -6,7 +6,7 @@
 //! that backs it and the peer it came from; the local sequence counter and index id; the
 //! append-only history of every change applied here; per-peer progress; the chunk index
 //! (chunk hash → where a local copy lives); the *pending* rows of the apply bracket
-//! (DESIGN §6); and the *deferred* rows, remote versions waiting for a writer through the
+//! (docs/design.md, "Safe apply"); and the *deferred* rows, remote versions waiting for a writer through the
 //! mount to let go.
 //!
 //! **What it never does.** It opens no file but its database and decides nothing: it does
@@ -451,10 +451,11 @@ fn new_mark() -> [u8; wal::MARK_LEN] {
     rand::random()
 }
 
-/// Writes the note beside `db`; a failure is logged (the daemon runs on: the note only
-/// matters to tell a foreign log after a crash) and returned as false.
-fn note_or_warn(db: &Path, note: &wal::Note) -> bool {
-    match wal::write_note(db, note) {
+/// Writes the note beside `db` (at `step`, for the failpoints); a failure is logged (the
+/// daemon runs on: the note only matters to tell a foreign log after a crash) and returned as
+/// false.
+fn note_or_warn(db: &Path, note: &wal::Note, step: &str) -> bool {
+    match wal::write_note(db, note, step) {
         Ok(()) => true,
         Err(e) => {
             tracing::warn!(path = %wal::note_path(db).display(), error = %e, "cannot record the identity of the journal's write-ahead log; after a crash now, the next start may take it for another database's");
@@ -514,7 +515,9 @@ impl Journal {
     ///    noted.
     ///
     /// Each note write is a synced temp file renamed over the note, then the directory synced
-    /// \[`journal.note.synced`, `journal.note.renamed`\].
+    /// \[`journal.note.synced@STEP`, `journal.note.renamed@STEP`, STEP one of `open.mark`,
+    /// `open.salts`, `close.mark`, `close.salts`, `restart.salts`, `migrate.mark`\]. The
+    /// failpoints are `daemon/src/failpoint.rs`'s: `MESHFS_FAILPOINTS=journal.open.marked=abort`.
     pub fn open(path: &Path) -> Result<Journal> {
         Journal::open_as(path, true)
     }
@@ -581,7 +584,7 @@ impl Journal {
                 let mark = (found >= schema::WAL_MARK_VERSION).then(new_mark);
                 if let Some(m) = mark {
                     note.mark = Some(m);
-                    note_or_warn(path, &note);
+                    note_or_warn(path, &note, "migrate.mark");
                 } else {
                     note = wal::Note::default();
                     if let Err(e) = wal::remove_note(path) {
@@ -589,7 +592,7 @@ impl Journal {
                     }
                 }
                 let version = schema::migrate(&mut conn, path, found, mark.as_ref())?;
-                crate::failpoint::hit("journal.open.migrated");
+                crate::failpoint::hit("journal.open.migrated", "");
                 return Ok((conn, version));
             }
             Ok((conn, found))
@@ -628,19 +631,19 @@ impl Journal {
             mark: Some(mark),
             ..self.note
         };
-        if !note_or_warn(&self.path, &noted) {
+        if !note_or_warn(&self.path, &noted, &format!("{at}.mark")) {
             // Unnoted, a mark would prove nothing: the log keeps its salts' identity alone.
             return Ok(());
         }
         self.note = noted;
-        crate::failpoint::hit(&format!("journal.{at}.mark_noted"));
+        crate::failpoint::hit(&format!("journal.{at}.mark_noted"), "");
         self.transact(|tx| {
             schema::put_wal_mark(tx, &mark)?;
             Ok(())
         })?;
-        crate::failpoint::hit(&format!("journal.{at}.marked"));
-        self.note_wal_salts();
-        crate::failpoint::hit(&format!("journal.{at}.noted"));
+        crate::failpoint::hit(&format!("journal.{at}.marked"), "");
+        self.note_wal_salts(&format!("{at}.salts"));
+        crate::failpoint::hit(&format!("journal.{at}.noted"), "");
         Ok(())
     }
 
@@ -765,7 +768,7 @@ impl Journal {
         if busy != 0 {
             return Ok(());
         }
-        crate::failpoint::hit("journal.close.checkpointed");
+        crate::failpoint::hit("journal.close.checkpointed", "");
         self.mark_wal("close")
     }
 
@@ -778,14 +781,14 @@ impl Journal {
         }
         match wal::header(&self.path) {
             Some(h) if self.note.salts != Some(h.salts) => {
-                crate::failpoint::hit("journal.wal.restarted");
-                self.note_wal_salts();
+                crate::failpoint::hit("journal.wal.restarted", "");
+                self.note_wal_salts("restart.salts");
             }
             _ => {}
         }
     }
 
-    fn note_wal_salts(&mut self) {
+    fn note_wal_salts(&mut self, step: &str) {
         let Some(h) = wal::header(&self.path) else {
             return;
         };
@@ -793,7 +796,7 @@ impl Journal {
             salts: Some(h.salts),
             ..self.note
         };
-        if noted != self.note && note_or_warn(&self.path, &noted) {
+        if noted != self.note && note_or_warn(&self.path, &noted, step) {
             self.note = noted;
         }
     }
@@ -1316,7 +1319,7 @@ impl Journal {
         })
     }
 
-    /// Writes the pending side of the apply bracket (DESIGN §6): these remote versions are
+    /// Writes the pending side of the apply bracket (docs/design.md, "Safe apply"): these remote versions are
     /// about to be renamed into place. One transaction, flushed to disk before it returns;
     /// replaces any pending row of the same paths. [`Journal::commit`] of a path, or
     /// [`Journal::clear_pending`], removes its row.

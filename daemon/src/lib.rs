@@ -15,7 +15,6 @@ pub mod conflicts;
 pub mod control;
 pub mod engine;
 pub mod failpoint;
-pub mod fetching;
 pub mod folder;
 pub mod identity;
 pub mod ignore;

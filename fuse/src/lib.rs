@@ -1,7 +1,7 @@
 //! # meshfs-fuse: the mount of a replicated folder
 //!
-//! A FUSE filesystem that shows a folder's replica directory exactly as it is (DESIGN §9),
-//! plus the small interface through which it plugs into the engine (DESIGN §2, §4):
+//! A FUSE filesystem that shows a folder's replica directory exactly as it is (docs/design.md, "The mount"),
+//! plus the small interface through which it plugs into the engine (docs/design.md, "Capture" and "The mount"):
 //!
 //! - **the mount:** [`mount`] serves a backing directory at a mount point with multi-threaded
 //!   request handling, long kernel entry/attribute caching, readdirplus, directory listings
@@ -62,10 +62,10 @@
 //! - **Locks** (POSIX and BSD) are the kernel's local ones: they work between processes of
 //!   this machine, which is all a replica directory can offer.
 //! - **Forwarded files** (no passthrough): the kernel keeps a file's cached pages across opens
-//!   while its backing size and times are unchanged (`kept`, D42); a write-only open writes
-//!   past the page cache (`FOPEN_DIRECT_IO`, D43).
+//!   while its backing size and times are unchanged (`kept`, D44); a write-only open writes
+//!   past the page cache (`FOPEN_DIRECT_IO`, D45).
 //! - **Not used:** the writeback cache (a write must reach the backing before the engine
-//!   hears of it, and the kernel would ignore the sizes the mount reports, D43), `FUSE_ATOMIC_O_TRUNC` (it let an `O_TRUNC` open reach the backing before
+//!   hears of it, and the kernel would ignore the sizes the mount reports, D45), `FUSE_ATOMIC_O_TRUNC` (it let an `O_TRUNC` open reach the backing before
 //!   the kernel's `ETXTBSY` check), `FLUSH` (answered `ENOSYS` once, so `close(2)` costs no
 //!   round trip: nothing is buffered here).
 #![deny(missing_docs)]

@@ -4,6 +4,7 @@
 //! interrupted ([`recover_pending`]).
 
 use super::transfer::{seen_of, skip_or_fail, ApplyError, Meta};
+use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, Op};
 use crate::store::{DirCache, Expect, LocalStat, StoreError, TempFile};
@@ -13,6 +14,7 @@ pub(super) fn install(
     folders: &Folders,
     rt: &FolderRt,
     folder: &FolderId,
+    peer: DeviceId,
     dirs: &mut DirCache,
     ready: Vec<(Meta, TempFile)>,
 ) -> Result<Vec<FileRecord>, ApplyError> {
@@ -68,6 +70,7 @@ pub(super) fn install(
     let mut journal = folders.journal()?;
     let mut changes = Vec::new();
     let mut redo = Vec::new();
+    let mut busy = Vec::new();
     let mut cleared = Vec::new();
     for (t, r) in meta.into_iter().zip(results) {
         match r {
@@ -86,6 +89,12 @@ pub(super) fn install(
                 cleared.push(t.record.path.clone());
                 redo.push(t.remote);
             }
+            // Another program has the file open for writing: the version waits for it, as it
+            // does for a writer through the mount (decided again once the writer is gone).
+            Err(StoreError::Busy(_)) => {
+                cleared.push(t.record.path.clone());
+                busy.push(t.remote);
+            }
             Err(e) => {
                 cleared.push(t.record.path.clone());
                 skip_or_fail(rt, &t.remote, e)?;
@@ -93,8 +102,14 @@ pub(super) fn install(
         }
     }
     journal.clear_pending(folder, &cleared)?;
+    for remote in busy {
+        tracing::info!(%folder, path = %remote.path, "open for writing by another program; the remote version waits for it");
+        journal.put_deferred(folder, &remote, &peer)?;
+        rt.defer(remote, peer);
+    }
     let files = changes.len();
     journal.commit(folder, changes)?;
+    failpoint::hit("apply.installed", "");
     if files >= 100 {
         tracing::debug!(%folder, files, pending_ms = pending_at.as_millis() as u64,
             reread_ms = (reread_at - pending_at).as_millis() as u64,

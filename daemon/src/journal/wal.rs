@@ -220,8 +220,9 @@ fn sync_dir(db: &Path) -> io::Result<()> {
 }
 
 /// Writes `note` beside `db` durably: a temp file written and synced, renamed over the note,
-/// the directory synced. A crash at any point leaves the old note or the new one.
-pub(super) fn write_note(db: &Path, note: &Note) -> io::Result<()> {
+/// the directory synced. A crash at any point leaves the old note or the new one. `step` names
+/// the caller's step for the failpoints (`journal.note.synced@STEP`).
+pub(super) fn write_note(db: &Path, note: &Note, step: &str) -> io::Result<()> {
     let path = note_path(db);
     let tmp = PathBuf::from(format!("{}.tmp", path.display()));
     {
@@ -229,9 +230,9 @@ pub(super) fn write_note(db: &Path, note: &Note) -> io::Result<()> {
         f.write_all(&note.encode())?;
         f.sync_all()?;
     }
-    crate::failpoint::hit("journal.note.synced");
+    crate::failpoint::hit("journal.note.synced", step);
     std::fs::rename(&tmp, &path)?;
-    crate::failpoint::hit("journal.note.renamed");
+    crate::failpoint::hit("journal.note.renamed", step);
     sync_dir(db)
 }
 
