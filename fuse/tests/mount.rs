@@ -305,6 +305,10 @@ fn a_file_written_through_the_mount_reads_back_with_passthrough() {
 fn a_file_written_through_the_mount_reads_back_when_forwarded() {
     let fx = Fixture::with(forwarding());
     assert!(!fx.mount().info().passthrough);
+    assert_eq!(
+        fx.mount().info().passthrough_off,
+        Some(meshfs_fuse::PassthroughOff::NotAsked)
+    );
     create_write_read_back(&fx);
 }
 
@@ -387,6 +391,7 @@ fn kernel_passthrough_is_active_where_the_kernel_allows_it() {
     fs::write(fx.m("f"), b"x").unwrap();
     let _open = File::open(fx.m("f")).unwrap();
     assert!(fx.mount().info().passthrough, "{:?}", fx.mount().info());
+    assert_eq!(fx.mount().info().passthrough_off, None);
     fx.wait_for_open_handles(1);
 }
 
