@@ -618,14 +618,16 @@ impl Journal {
             owner,
         };
         if owner {
-            j.mark_wal("open")?;
+            j.mark_wal("open");
         }
         Ok(j)
     }
 
     /// Notes a new mark, then writes it into `wal_mark`, then notes the log's salts (steps
-    /// 3–4 of [`Journal::open`]); `at` names the failpoints (`journal.{at}.…`).
-    fn mark_wal(&mut self, at: &str) -> Result<()> {
+    /// 3–4 of [`Journal::open`]); `at` names the failpoints (`journal.{at}.…`). A failure to
+    /// write the mark (a full disk) is logged, not returned: the journal works without it, and
+    /// its log is then known by its salts alone until the next mark.
+    fn mark_wal(&mut self, at: &str) {
         let mark = new_mark();
         let noted = wal::Note {
             mark: Some(mark),
@@ -633,18 +635,17 @@ impl Journal {
         };
         if !note_or_warn(&self.path, &noted, &format!("{at}.mark")) {
             // Unnoted, a mark would prove nothing: the log keeps its salts' identity alone.
-            return Ok(());
+            return;
         }
         self.note = noted;
         crate::failpoint::hit(&format!("journal.{at}.mark_noted"), "");
-        self.transact(|tx| {
-            schema::put_wal_mark(tx, &mark)?;
-            Ok(())
-        })?;
+        if let Err(e) = self.transact(|tx| schema::put_wal_mark(tx, &mark)) {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot write the journal's WAL mark; its log is known by its salts alone for now");
+            return;
+        }
         crate::failpoint::hit(&format!("journal.{at}.marked"), "");
         self.note_wal_salts(&format!("{at}.salts"));
         crate::failpoint::hit(&format!("journal.{at}.noted"), "");
-        Ok(())
     }
 
     /// Checks the whole database file (`PRAGMA quick_check`): the daemon runs it at start so
@@ -769,7 +770,8 @@ impl Journal {
             return Ok(());
         }
         crate::failpoint::hit("journal.close.checkpointed", "");
-        self.mark_wal("close")
+        self.mark_wal("close");
+        Ok(())
     }
 
     /// Notes the log's salts beside the database when they changed (the log started again),
