@@ -183,7 +183,7 @@ fn read_chunks(
     let mut packer = Packer::default();
     // Every location at once, under one lock of the journal; the chunks of a request mostly
     // come from one file, read through one descriptor.
-    let located = match folders.journal.lock() {
+    let located = match folders.journal_lock() {
         Ok(mut j) => j.find_chunks(&req.folder, &req.hashes),
         Err(_) => Vec::new(),
     };
@@ -541,7 +541,7 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, inline: &
     // name, a metadata change or a resolution (e.g. two devices that scanned the same tree
     // merging their versions) keeps content the peer sent or has. No history left (pruned):
     // an old file, attached like a creation.
-    let ops = match folders.journal.lock() {
+    let ops = match folders.journal_lock() {
         Ok(j) => j.ops_of(&batch.folder, &sequences).unwrap_or_default(),
         Err(_) => return,
     };

@@ -13,7 +13,6 @@ use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
 use crate::journal::{FolderCounts, Journal};
 use crate::peers::{self, Net, Peers};
-use crate::progress::{Progress, Work};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
 use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
@@ -107,7 +106,7 @@ impl Engine {
         let net = Arc::new(Net {
             folders: folders.clone(),
             config: config.clone(),
-            peers: Mutex::new(Peers::default()),
+            peers: crate::lock::Ranked::new(crate::lock::Rank::Peers, "peers", Peers::default()),
             peer_changed: Notify::new(),
             links: watch::channel(Default::default()).0,
             endpoint: endpoint.clone(),
@@ -188,43 +187,39 @@ impl Engine {
         allow_other: bool,
     ) -> Result<crate::mounts::MountStatus, MountError> {
         let rt = self.folders.running(folder)?;
-        let mut slot = rt
-            .mount
-            .lock()
-            .map_err(|_| FolderError::Poisoned("mount"))?;
-        if let Some(m) = slot.as_ref() {
-            return Err(MountError::AlreadyMounted {
-                folder: folder.clone(),
-                at: m.info().mountpoint,
-            });
-        }
-        let opts = meshfs_fuse::MountOptions {
-            read_only,
-            allow_other,
-            ..Default::default()
-        };
-        let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
-        let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)?;
-        rt.mount_slot.attach(m.handle());
-        let status = crate::mounts::MountStatus::from(m.info());
-        *slot = Some(m);
-        Ok(status)
+        rt.with_mount(|slot| {
+            if let Some(m) = slot.as_ref() {
+                return Err(MountError::AlreadyMounted {
+                    folder: folder.clone(),
+                    at: m.info().mountpoint,
+                });
+            }
+            let opts = meshfs_fuse::MountOptions {
+                read_only,
+                allow_other,
+                ..Default::default()
+            };
+            let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
+            let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)?;
+            rt.mount_slot.attach(m.handle());
+            let status = crate::mounts::MountStatus::from(m.info());
+            *slot = Some(m);
+            Ok(status)
+        })
     }
 
     /// Unmounts `folder`; its replica keeps syncing. Returns where it was mounted.
     pub fn unmount(&self, folder: &FolderId) -> Result<std::path::PathBuf, MountError> {
         let rt = self.folders.running(folder)?;
-        let mut slot = rt
-            .mount
-            .lock()
-            .map_err(|_| FolderError::Poisoned("mount"))?;
-        let m = slot
-            .take()
-            .ok_or_else(|| MountError::NotMounted(folder.clone()))?;
-        rt.mount_slot.detach();
-        let point = m.info().mountpoint;
-        m.unmount()?;
-        Ok(point)
+        rt.with_mount(|slot| {
+            let m = slot
+                .take()
+                .ok_or_else(|| MountError::NotMounted(folder.clone()))?;
+            rt.mount_slot.detach();
+            let point = m.info().mountpoint;
+            m.unmount()?;
+            Ok(point)
+        })
     }
 
     /// Decides again, and applies, the remote versions that waited for a writer through the
@@ -337,31 +332,8 @@ impl Engine {
         let (tx, rx) = mpsc::unbounded_channel();
         let fresh;
         let slot = Arc::new(crate::mounts::MountSlot::default());
-        let rt = Arc::new(FolderRt {
-            id: id.clone(),
-            ignore: RwLock::new(IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)))),
-            store,
-            op_lock: Mutex::new(()),
-            capture: tx.clone(),
-            capture_pending: Default::default(),
-            capture_queue: Default::default(),
-            scanning: Default::default(),
-            scan_is_long: Default::default(),
-            // Inert until the folder is mounted; then it forwards to the mount.
-            writers: slot.clone(),
-            invalidator: slot.clone(),
-            mount_slot: slot,
-            mount: Mutex::new(None),
-            deferred: Mutex::new(HashMap::new()),
-            blocked: Mutex::new(None),
-            skipped: Mutex::new(Default::default()),
-            unreadable: Default::default(),
-            last_error: Default::default(),
-            first_scan: Arc::new(Progress::new(id.clone(), Work::FirstScan)),
-            receiving: Arc::new(Progress::new(id.clone(), Work::Receiving)),
-            echoes: Default::default(),
-            watcher: Mutex::new(None),
-        });
+        let ignore = IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)));
+        let rt = Arc::new(FolderRt::new(id.clone(), store, ignore, tx.clone(), slot));
         {
             let mut j = self.folders.journal()?;
             fresh = j.folder(&id)?.max_sequence == 0;
@@ -378,11 +350,7 @@ impl Engine {
                 capture::Nap::for_quiet(quiet),
                 rt.invalidator.clone(),
             ) {
-                Ok(w) => {
-                    if let Ok(mut slot) = rt.watcher.lock() {
-                        *slot = Some(w);
-                    }
-                }
+                Ok(w) => rt.set_watcher(Some(w)),
                 Err(e) => {
                     tracing::warn!(folder = %id, error = %e, "cannot watch the folder; changes are found by scans only")
                 }
@@ -511,9 +479,7 @@ impl Engine {
             if let Ok(mut r) = self.net.receivers.write() {
                 r.remove(&rt.id);
             }
-            if let Ok(mut w) = rt.watcher.lock() {
-                *w = None;
-            }
+            rt.set_watcher(None);
             // A removed folder's mount would go on serving a replica nothing journals any
             // more, out of reach of `meshfs unmount` (which knows only configured folders).
             unmount_folder(&rt);
@@ -610,7 +576,7 @@ impl Engine {
         let folders: Vec<Arc<FolderRt>> = self.folders.all();
         // The journal first, in one hold, and not under the peers lock: an install can hold
         // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        let journaled: Vec<(FolderCounts, u64, usize)> = match self.folders.journal.lock() {
+        let journaled: Vec<(FolderCounts, u64, usize)> = match self.folders.journal_lock() {
             Ok(mut j) => folders
                 .iter()
                 .map(|rt| {
@@ -628,10 +594,7 @@ impl Engine {
             .into_iter()
             .zip(journaled)
             .map(|(rt, (counts, sequence, conflicts))| {
-                let mount = rt.mount.lock().ok().and_then(|m| {
-                    m.as_ref()
-                        .map(|m| crate::mounts::MountStatus::from(m.info()))
-                });
+                let mount = rt.mount_status();
                 FolderSnapshot {
                     id: rt.id.clone(),
                     path: rt.store.root().to_path_buf(),
@@ -750,7 +713,7 @@ async fn retention_loop(engine: Arc<Engine>) {
             .unwrap_or(0);
         let day_ns: i64 = 86_400 * 1_000_000_000;
         let folders = engine.folders.ids();
-        if let Ok(mut j) = engine.folders.journal.lock() {
+        if let Ok(mut j) = engine.folders.journal_lock() {
             for f in &folders {
                 if o.history_retention_days > 0 {
                     let _ = j.prune_history(f, now_ns - o.history_retention_days as i64 * day_ns);
@@ -779,7 +742,7 @@ async fn capture_loop(
     let mut policy = Policy::new(Duration::from_millis(engine.options().coalesce_ms));
     // The queue lives in the folder's runtime so that status can list it; this loop is its
     // only writer and never holds it across an await.
-    let queue = || rt.capture_queue.lock().unwrap_or_else(|p| p.into_inner());
+    let queue = || rt.capture_queue();
     let mut stopping = engine.net.stopping.subscribe();
     loop {
         let sleep = async {
@@ -848,15 +811,16 @@ async fn capture_loop(
                         tracing::info!(folder = %rt.id, "the journal's disk has room again; capture resumed");
                     }
                 }
-                let len = {
+                // A writer let go: once its path is captured (nothing of it waits here any
+                // more), the remote versions that waited for it are decided again.
+                let deferred = rt.deferred_count();
+                let (apply, len) = {
                     let c = queue();
-                    // A writer let go: once its path is captured (nothing of it waits here any
-                    // more), the remote versions that waited for it are decided again.
-                    if policy.apply_deferred_now(&c, rt.deferred_count()) {
-                        engine.apply_deferred(&rt);
-                    }
-                    c.len()
+                    (policy.apply_deferred_now(&c, deferred), c.len())
                 };
+                if apply {
+                    engine.apply_deferred(&rt);
+                }
                 publish_count(&rt, len);
             }
             _ = stopping.changed() => return,
@@ -891,7 +855,7 @@ const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);
 /// Ends `rt`'s mount, if it has one (a busy mount is detached). The slot's lock is let go
 /// before the unmount, which waits for the kernel.
 fn unmount_folder(rt: &FolderRt) {
-    let m = rt.mount.lock().ok().and_then(|mut s| s.take());
+    let m = rt.with_mount(Option::take);
     if let Some(m) = m {
         rt.mount_slot.detach();
         let point = m.info().mountpoint;

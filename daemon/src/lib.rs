@@ -20,6 +20,7 @@ pub mod identity;
 pub mod ignore;
 pub mod journal;
 pub mod last_error;
+pub mod lock;
 pub(crate) mod mapped;
 pub mod mounts;
 pub mod peers;

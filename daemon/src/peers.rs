@@ -22,7 +22,7 @@ use meshfs_sync::session::{
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -38,7 +38,7 @@ pub struct Net {
     /// The config in force (the engine replaces it on reload).
     pub config: Arc<RwLock<Config>>,
     /// Connected peers and their sync status.
-    pub peers: Mutex<Peers>,
+    pub peers: crate::lock::Ranked<Peers>,
     /// Woken when a peer connects, disconnects or reports progress.
     pub peer_changed: Notify,
     /// The devices with a live connection now, each with the folders its session exchanges
@@ -482,7 +482,7 @@ async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
 
 fn session_folders(net: &Net, peer: &DeviceId) -> Vec<SessionFolder> {
     let shared = net.shared_with(peer);
-    let Ok(mut j) = net.folders.journal.lock() else {
+    let Ok(mut j) = net.folders.journal_lock() else {
         return Vec::new();
     };
     shared
@@ -533,8 +533,7 @@ async fn drive_session(
     let first = {
         let mut j = net
             .folders
-            .journal
-            .lock()
+            .journal_lock()
             .map_err(|_| "journal lock poisoned")?;
         let mut src = JournalSource { journal: &mut j };
         let mut first = session.start(&mut src);
@@ -618,7 +617,7 @@ async fn drive_session(
                     Ok(f) => vec![f],
                     Err(_) => net.shared_with(&peer),
                 };
-                let mut j = net.folders.journal.lock().map_err(|_| "journal lock poisoned")?;
+                let mut j = net.folders.journal_lock().map_err(|_| "journal lock poisoned")?;
                 let mut src = JournalSource { journal: &mut j };
                 for f in folders {
                     pending.extend(session.local_changed(&f, &mut src));
@@ -660,7 +659,7 @@ fn our_scan(net: &Net, folder: &FolderId) -> Option<(bool, ScanCounts)> {
 
 /// Stores the progress the session reports (an action that only saves).
 fn save_progress(net: &Net, peer: &DeviceId, action: Action) {
-    let Ok(mut j) = net.folders.journal.lock() else {
+    let Ok(mut j) = net.folders.journal_lock() else {
         return;
     };
     let (folder, saved) = match action {
@@ -700,8 +699,7 @@ fn on_event(
             }
             let mut j = net
                 .folders
-                .journal
-                .lock()
+                .journal_lock()
                 .map_err(|_| "journal lock poisoned")?;
             Ok(session.handle(m, &mut JournalSource { journal: &mut j }))
         }

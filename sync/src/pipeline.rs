@@ -267,9 +267,16 @@ impl Pipeline {
     }
 
     /// The batch's round was decided: `transfers` are the targets of the contents to fetch
-    /// (numbered from 0 in this order), `redo` the records whose target changed under the
-    /// decision.
-    pub fn decided(&mut self, batch: BatchId, transfers: Vec<RelPath>, redo: Vec<FileRecord>) {
+    /// (numbered from 0 in this order), `also` other paths the round will change once they are
+    /// installed (a resolution that waits for its sibling), `redo` the records whose target
+    /// changed under the decision.
+    pub fn decided(
+        &mut self,
+        batch: BatchId,
+        transfers: Vec<RelPath>,
+        also: Vec<RelPath>,
+        redo: Vec<FileRecord>,
+    ) {
         self.unlock(batch);
         let Some(b) = self.batches.get_mut(&batch) else {
             return self.advance();
@@ -278,7 +285,7 @@ impl Pipeline {
             return self.advance();
         }
         b.decided_once = true;
-        for t in &transfers {
+        for t in transfers.iter().chain(&also) {
             b.in_flight.insert(t);
         }
         b.round = Round {
@@ -709,13 +716,27 @@ fn paths_of(records: &[FileRecord]) -> Vec<RelPath> {
     records.iter().map(|r| r.path.clone()).collect()
 }
 
-/// Live records first, parents before children; then tombstones, children before parents;
-/// ties by sequence.
+/// The order a batch's records are decided in: live records parents before children, then
+/// tombstones children before parents; ties by sequence. Except the tombstones below a path
+/// that the batch makes a file or a symlink: they come first (children before parents), so a
+/// directory replaced by a file (`rm -r d; mv f d` on the sender) is empty by the time the file
+/// is decided, instead of being kept for entries that the same batch deletes (whereupon the
+/// file, dominated by the kept directory, would be lost).
 pub fn order(mut records: Vec<FileRecord>) -> Vec<FileRecord> {
+    let replaced: HashSet<RelPath> = records
+        .iter()
+        .filter(|r| !r.deleted && r.kind != meshfs_protocol::FileKind::Dir)
+        .map(|r| r.path.clone())
+        .collect();
     records.sort_by_key(|r| {
         let depth = r.path.components().count();
+        let group = match (r.deleted, replaced.is_empty()) {
+            (false, _) => 1,
+            (true, false) if r.path.ancestors().iter().any(|a| replaced.contains(a)) => 0,
+            (true, _) => 2,
+        };
         (
-            r.deleted,
+            group,
             if r.deleted { usize::MAX - depth } else { depth },
             r.sequence,
         )
@@ -774,7 +795,7 @@ mod tests {
         assert!(
             matches!(&acts[..], [Action::Decide { batch, records, .. }] if *batch == id && records.len() == 2)
         );
-        pl.decided(id, vec![p("f"), p("g")], vec![]);
+        pl.decided(id, vec![p("f"), p("g")], vec![], vec![]);
         assert_eq!(
             drain(&mut pl),
             vec![Action::Fetch {
@@ -813,7 +834,7 @@ mod tests {
         let mut pl = Pipeline::new();
         let id = pl.receive(A, vec![rec("f", 1), rec("g", 2)], Some(2));
         drain(&mut pl);
-        pl.decided(id, vec![p("f"), p("g")], vec![]);
+        pl.decided(id, vec![p("f"), p("g")], vec![], vec![]);
         drain(&mut pl);
         pl.superseded(id, 0);
         pl.fetched(id, 1);
@@ -832,7 +853,7 @@ mod tests {
             source: A,
             up_to: Some(2)
         }));
-        pl.decided(id2, vec![p("h")], vec![]);
+        pl.decided(id2, vec![p("h")], vec![], vec![]);
         drain(&mut pl);
         pl.superseded(id2, 0);
         assert_eq!(
@@ -852,7 +873,7 @@ mod tests {
         let b = pl.receive(B, vec![rec("b", 1)], Some(1));
         let acts = drain(&mut pl);
         assert_eq!(acts.len(), 1, "b's decision waits for a's: {acts:?}");
-        pl.decided(a, vec![p("a")], vec![]);
+        pl.decided(a, vec![p("a")], vec![], vec![]);
         let acts = drain(&mut pl);
         assert!(acts
             .iter()
@@ -865,7 +886,7 @@ mod tests {
             drain(&mut pl).is_empty(),
             "a's install waits for b's decision"
         );
-        pl.decided(b, vec![p("b")], vec![]);
+        pl.decided(b, vec![p("b")], vec![], vec![]);
         let acts = drain(&mut pl);
         assert!(acts
             .iter()
@@ -882,14 +903,14 @@ mod tests {
         let two = pl.receive(A, vec![rec("y/2", 2)], Some(2));
         let acts = drain(&mut pl);
         assert_eq!(acts.len(), 1, "the second waits for the first's decision");
-        pl.decided(one, vec![p("x/1")], vec![]);
+        pl.decided(one, vec![p("x/1")], vec![], vec![]);
         let acts = drain(&mut pl);
         assert!(
             acts.iter()
                 .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == two)),
             "apart from the first's paths, the second decides while the first fetches"
         );
-        pl.decided(two, vec![p("y/2")], vec![]);
+        pl.decided(two, vec![p("y/2")], vec![], vec![]);
         drain(&mut pl);
         pl.fetched(two, 0);
         assert!(
@@ -936,7 +957,7 @@ mod tests {
         let one = pl.receive(A, vec![rec("d/f", 1)], Some(1));
         let two = pl.receive(A, vec![rec("d", 2)], Some(2));
         drain(&mut pl);
-        pl.decided(one, vec![p("d/f")], vec![]);
+        pl.decided(one, vec![p("d/f")], vec![], vec![]);
         let acts = drain(&mut pl);
         assert!(
             !acts
@@ -958,7 +979,7 @@ mod tests {
         let mut pl = Pipeline::new();
         let a = pl.receive(A, vec![rec("f", 1)], Some(1));
         drain(&mut pl);
-        pl.decided(a, vec![p("f")], vec![]);
+        pl.decided(a, vec![p("f")], vec![], vec![]);
         drain(&mut pl);
         // b offers the same version (and an unrelated one, and one below a held path).
         let b = pl.receive(B, vec![rec("f", 7), rec("g", 8)], Some(8));
@@ -973,7 +994,7 @@ mod tests {
             })
             .unwrap();
         assert_eq!(decided, ["g"]);
-        pl.decided(b, vec![p("g")], vec![]);
+        pl.decided(b, vec![p("g")], vec![], vec![]);
         drain(&mut pl);
         pl.fetched(b, 0);
         let acts = drain(&mut pl);
@@ -998,7 +1019,7 @@ mod tests {
         });
         assert_eq!(again.map(|r| r[0].path.clone()), Some(p("f")));
         // Decided again, not held again.
-        pl.decided(b, vec![], vec![]);
+        pl.decided(b, vec![], vec![], vec![]);
         assert_eq!(
             drain(&mut pl),
             vec![Action::Applied {
@@ -1021,14 +1042,14 @@ mod tests {
                     .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == id)),
                 "round {round}: {acts:?}"
             );
-            pl.decided(id, vec![p("f")], vec![]);
+            pl.decided(id, vec![p("f")], vec![], vec![]);
             pl.fetched(id, 0);
             let acts = drain(&mut pl);
             if round == 0 {
                 assert!(acts
                     .iter()
                     .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == other)));
-                pl.decided(other, vec![], vec![]);
+                pl.decided(other, vec![], vec![], vec![]);
             }
             let acts: Vec<Action> = acts.into_iter().chain(drain(&mut pl)).collect();
             assert!(acts
@@ -1073,7 +1094,7 @@ mod tests {
             .iter()
             .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == other)));
         // Late answers about the failed batches change nothing.
-        pl.decided(two, vec![p("b")], vec![]);
+        pl.decided(two, vec![p("b")], vec![], vec![]);
         assert!(!drain(&mut pl)
             .iter()
             .any(|x| matches!(x, Action::Fetch { batch, .. } if *batch == two)));
@@ -1089,11 +1110,22 @@ mod tests {
         let acts = drain(&mut pl);
         assert_eq!(acts, vec![Action::Discard { batch: one }]);
         // The decision still runs in the executor: b waits for its answer.
-        pl.decided(one, vec![p("a")], vec![]);
+        pl.decided(one, vec![p("a")], vec![], vec![]);
         let acts = drain(&mut pl);
         assert!(acts
             .iter()
             .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == other)));
+    }
+
+    #[test]
+    fn the_entries_of_a_directory_a_batch_makes_a_file_are_deleted_before_it() {
+        let mut gone = rec("d/x", 1);
+        gone.deleted = true;
+        let mut sym = rec("d", 2);
+        sym.kind = meshfs_protocol::FileKind::Symlink;
+        let out = order(vec![sym, rec("e", 3), gone]);
+        let names: Vec<String> = out.iter().map(|r| r.path.to_string()).collect();
+        assert_eq!(names, ["d/x", "d", "e"]);
     }
 
     #[test]

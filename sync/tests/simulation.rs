@@ -129,3 +129,17 @@ fn seed_4_superseded_content_does_not_block_the_index() {
 fn seed_12262_crash_recovery_completes_only_a_prefix_of_a_decision() {
     must_pass(&SimConfig::new(12262));
 }
+
+/// `rm -r b.txt; mv SIBLING b.txt` on one replica, captured in one pass, while another
+/// replica had created an entry in that directory: the receiver decided the new `b.txt`
+/// before the deletions below it that came in the same batch, kept the directory for its
+/// still-live entry, took the file's content for the sibling that the batch then deleted,
+/// and the content was lost everywhere. Deletions below a path a batch makes a file now come
+/// first (`pipeline::order`), and the scanner journals them first.
+#[test]
+fn seed_41738_a_directory_replaced_by_a_file_keeps_the_file() {
+    must_pass(&SimConfig {
+        replicas: Some(3),
+        ..SimConfig::new(41738)
+    });
+}

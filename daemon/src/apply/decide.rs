@@ -117,7 +117,11 @@ pub(super) fn decide_all(
     };
     result?;
     flushed?;
-    failpoint::hit("apply.decided", "");
+    // Between a decision and its install the folder's lock is let go (for tests: what another
+    // batch or a local edit does meanwhile). Detail: a transfer's remote path.
+    for t in &d.transfers {
+        failpoint::hit("apply.decided", t.meta.remote.path.as_str());
+    }
     Ok(Decided {
         transfers: d.transfers,
         redo: d.redo,
@@ -213,7 +217,12 @@ impl Deciding<'_> {
                 self.rt.unskip(&c.record.path);
                 self.rt.invalidator.invalidate(&c.record.path);
                 match waits {
-                    Some(i) => self.transfers[i].meta.then.push(c),
+                    Some(i) => {
+                        // What its path holds now: the change is journaled at the install only
+                        // if the path still holds it.
+                        let basis = self.stored(&c.record.path)?.map(|s| s.record.version);
+                        self.transfers[i].meta.then.push((c, basis));
+                    }
                     None => {
                         self.memo.put(&c);
                         self.done.push(c);

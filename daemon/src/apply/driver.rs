@@ -258,6 +258,13 @@ impl Driver {
                         .iter()
                         .map(|t| t.meta.record.path.clone())
                         .collect();
+                    // A change waiting for a transfer's install lands at its own path: that
+                    // path is in flight too.
+                    let also: Vec<RelPath> = d
+                        .transfers
+                        .iter()
+                        .flat_map(|t| t.meta.then.iter().map(|(c, _)| c.record.path.clone()))
+                        .collect();
                     match self.batches.get_mut(&batch) {
                         Some(b) => {
                             if let Some((at, ms)) = b.round.as_mut() {
@@ -273,7 +280,7 @@ impl Driver {
                             }
                         }
                     }
-                    self.pipe.decided(batch, paths, d.redo);
+                    self.pipe.decided(batch, paths, also, d.redo);
                 }
                 Err(e) => self.fail(batch, e),
             },
@@ -410,7 +417,10 @@ impl Driver {
                 };
                 let ready: Vec<(Meta, TempFile)> =
                     transfers.iter().filter_map(|i| b.ready.remove(i)).collect();
-                let mut dirs = b.dirs.take().unwrap_or_default();
+                // Directories walked to afresh: one the decision opened may have been moved or
+                // removed while the contents were fetched (a cached descriptor would follow it).
+                b.dirs = None;
+                let mut dirs = DirCache::default();
                 let files = ready.len();
                 let round = b.round;
                 let folders = self.folders.clone();

@@ -14,6 +14,7 @@
 //! - (h) a batch is acknowledged only once every record in it is in the journal (or a newer
 //!   version is), or was skipped because the sender no longer had its content.
 
+use super::replica::Pending;
 use super::{outcome_name, Event, Res, Sim};
 use crate::pipeline::{Action, BatchId, Source};
 use crate::plan::{plan, Disk, Plan};
@@ -48,14 +49,26 @@ pub(super) struct Work {
     last_fetched: Option<usize>,
 }
 
-/// A decided record whose plan needs content.
+/// A decided record whose plan needs content: the part of its plan the daemon does at the
+/// install (the steps with content, and the steps whose journal change waits for them), the
+/// rest being done at the decision.
 struct Transfer {
     remote: FileRecord,
     plan: Plan,
-    /// The journal's version at the record's path when decided.
-    basis: Option<VersionVector>,
+    /// The content steps, each with what its path held when decided (the daemon's `Basis`).
+    content: Vec<Staged>,
+    /// The steps that wait for an install (a local winner's resolution waits for the remote
+    /// loser's sibling), likewise.
+    waiting: Vec<Staged>,
     /// The content, once fetched.
     blobs: HashMap<Hash, Vec<u8>>,
+}
+
+/// One step held for the install, and what its path held when it was decided.
+struct Staged {
+    index: usize,
+    pending: Pending,
+    basis: Option<VersionVector>,
 }
 
 /// Whether one path is, contains or lies in the other.
@@ -210,13 +223,17 @@ impl Sim {
     fn decide(&mut self, r: usize, batch: BatchId) -> Res<()> {
         let Some(w) = self.replicas[r].work.get_mut(&batch) else {
             // Discarded meanwhile: the answer only lets the pipeline's lock go.
-            self.replicas[r].pipe.decided(batch, Vec::new(), Vec::new());
+            self.replicas[r]
+                .pipe
+                .decided(batch, Vec::new(), Vec::new(), Vec::new());
             return self.pump(r);
         };
         let records = std::mem::take(&mut w.deciding);
         let sender = w.sender;
         let (mut transfers, mut paths, mut redo, mut skipped) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Paths in flight beside the transfers' targets: where waiting changes will land.
+        let mut also = Vec::new();
         let mut grew = false;
         for remote in records {
             let decision = plan(&self.replicas[r].journal, &remote).map_err(|e| e.to_string())?;
@@ -232,37 +249,94 @@ impl Sim {
             if decision.steps.is_empty() {
                 continue;
             }
-            if let Some(content) = decision.steps.iter().find(|s| s.disk == Disk::Content) {
-                paths.push(content.record().path.clone());
-                let basis = self.replicas[r]
-                    .journal
-                    .record(&remote.path)
-                    .map(|j| j.version.clone());
-                transfers.push(Transfer {
-                    remote,
-                    plan: decision,
-                    basis,
-                    blobs: HashMap::new(),
-                });
+            let content: Vec<usize> = (0..decision.steps.len())
+                .filter(|&i| decision.steps[i].disk == Disk::Content)
+                .collect();
+            if content.is_empty() {
+                if self.blocked(r, &decision, None) {
+                    self.report.redecided += 1;
+                    redo.push(remote);
+                    continue;
+                }
+                self.count_outcome(r, &remote, &decision);
+                if self.execute(r, sender, &remote, &decision, &HashMap::new())? {
+                    return Ok(()); // crashed in the middle
+                }
+                grew = true;
                 continue;
             }
-            if self.blocked(r, &decision) {
+            // As the daemon does: the steps without content now, those with content and those
+            // whose journal change waits for them at the install.
+            let waiting: Vec<usize> = (0..decision.steps.len())
+                .filter(|&i| {
+                    decision.steps[i]
+                        .after
+                        .is_some_and(|a| content.contains(&a))
+                })
+                .collect();
+            let now_steps: Vec<usize> = (0..decision.steps.len())
+                .filter(|i| !content.contains(i) && !waiting.contains(i))
+                .collect();
+            if self.blocked(r, &decision, Some(&now_steps)) {
                 self.report.redecided += 1;
                 redo.push(remote);
                 continue;
             }
-            self.count_outcome(r, &remote, &decision);
-            if self.execute(r, sender, &remote, &decision, &HashMap::new())? {
-                return Ok(()); // crashed in the middle
+            let mut pending: Vec<Option<Pending>> = self
+                .pending_steps(r, sender, &remote, &decision)?
+                .into_iter()
+                .map(Some)
+                .collect();
+            let mut take = |i: usize| pending.get_mut(i).and_then(Option::take);
+            let now_run: Vec<(usize, Pending)> = now_steps
+                .iter()
+                .filter_map(|&i| Some((i, take(i)?)))
+                .collect();
+            let stage = |idx: &[usize], take: &mut dyn FnMut(usize) -> Option<Pending>| {
+                idx.iter()
+                    .filter_map(|&i| {
+                        Some(Staged {
+                            index: i,
+                            pending: take(i)?,
+                            basis: None,
+                        })
+                    })
+                    .collect::<Vec<Staged>>()
+            };
+            let mut staged_content = stage(&content, &mut take);
+            let mut staged_waiting = stage(&waiting, &mut take);
+            if !now_run.is_empty() {
+                self.count_outcome(r, &remote, &decision);
+                if self.run_steps(r, &decision, now_run, &HashMap::new())? {
+                    return Ok(()); // crashed in the middle
+                }
+                grew = true;
             }
-            grew = true;
+            let j = &self.replicas[r].journal;
+            for s in staged_content.iter_mut().chain(staged_waiting.iter_mut()) {
+                let path = &decision.steps[s.index].record().path;
+                s.basis = j.record(path).map(|rec| rec.version.clone());
+            }
+            paths.push(decision.steps[content[0]].record().path.clone());
+            also.extend(
+                staged_waiting
+                    .iter()
+                    .map(|s| decision.steps[s.index].record().path.clone()),
+            );
+            transfers.push(Transfer {
+                remote,
+                plan: decision,
+                content: staged_content,
+                waiting: staged_waiting,
+                blobs: HashMap::new(),
+            });
         }
         if let Some(w) = self.replicas[r].work.get_mut(&batch) {
             w.transfers = transfers;
             w.skipped.extend(skipped);
             w.last_fetched = None;
         }
-        self.replicas[r].pipe.decided(batch, paths, redo);
+        self.replicas[r].pipe.decided(batch, paths, also, redo);
         self.check_consistency(r)?;
         if grew {
             self.notify(r)?;
@@ -272,9 +346,13 @@ impl Sim {
 
     /// Whether a plan would touch something the user changed and the watcher has not
     /// reported yet (the store's expectation check, which sees it on disk).
-    fn blocked(&self, r: usize, d: &Plan) -> bool {
+    fn blocked(&self, r: usize, d: &Plan, only: Option<&[usize]>) -> bool {
         let uncaptured = &self.replicas[r].uncaptured;
-        d.steps.iter().any(|s| {
+        let steps: Vec<&crate::plan::Planned> = match only {
+            Some(idx) => idx.iter().filter_map(|&i| d.steps.get(i)).collect(),
+            None => d.steps.iter().collect(),
+        };
+        steps.into_iter().any(|s| {
             let from = match &s.disk {
                 Disk::CopyLocal { from } => Some(from),
                 _ => None,
@@ -366,30 +444,61 @@ impl Sim {
         };
         let list = std::mem::take(&mut w.installing);
         let transfers = std::mem::take(&mut w.transfers);
-        let sender = w.sender;
         let mut redo = Vec::new();
         let mut grew = false;
         for i in list {
             let Some(t) = transfers.get(i) else { continue };
-            // The journal must still hold what the decision saw: at the record's path (the
-            // daemon's `Basis`), and wherever the plan writes (a sibling name taken since is
-            // the daemon's `RENAME_NOREPLACE` refusing): the same plan again.
-            let now = self.replicas[r]
-                .journal
-                .record(&t.remote.path)
-                .map(|j| j.version.clone());
-            let same_plan =
-                plan(&self.replicas[r].journal, &t.remote).is_ok_and(|again| again == t.plan);
-            if now != t.basis || !same_plan || self.blocked(r, &t.plan) {
+            // The daemon's `Basis`: the journal still holds, at each content step's path, what
+            // the decision saw; and nothing the user changed is in the way.
+            let j = &self.replicas[r].journal;
+            let same = |s: &Staged| {
+                j.record(&t.plan.steps[s.index].record().path)
+                    .map(|rec| rec.version.clone())
+                    == s.basis
+            };
+            let content_idx: Vec<usize> = t.content.iter().map(|s| s.index).collect();
+            // A directory the file goes into that is gone since (a local `rm -r` captured
+            // meanwhile) is a changed target too: decided again, it is revived or the file
+            // conflicts with the deletion.
+            let fs = &self.replicas[r].fs;
+            let parents = t
+                .content
+                .iter()
+                .all(|s| fs.parent_is_dir(&t.plan.steps[s.index].record().path));
+            if !parents
+                || !t.content.iter().all(same)
+                || self.blocked(r, &t.plan, Some(&content_idx))
+            {
                 self.report.redecided += 1;
                 redo.push(t.remote.clone());
                 continue;
             }
+            // The waiting changes go ahead only if their paths still hold what the decision
+            // saw (else the record is decided again; the sibling just installed is kept).
+            let waiting_fresh = t.waiting.iter().all(same);
             self.count_outcome(r, &t.remote, &t.plan);
-            if self.execute(r, sender, &t.remote, &t.plan, &t.blobs)? {
+            let content = t
+                .content
+                .iter()
+                .map(|s| (s.index, s.pending.clone()))
+                .collect();
+            if self.run_steps(r, &t.plan, content, &t.blobs)? {
                 return Ok(()); // crashed in the middle
             }
             grew = true;
+            if !waiting_fresh {
+                self.report.redecided += 1;
+                redo.push(t.remote.clone());
+                continue;
+            }
+            let waiting = t
+                .waiting
+                .iter()
+                .map(|s| (s.index, s.pending.clone()))
+                .collect();
+            if self.run_steps(r, &t.plan, waiting, &t.blobs)? {
+                return Ok(());
+            }
         }
         self.replicas[r].pipe.installed(batch, redo);
         self.check_consistency(r)?;

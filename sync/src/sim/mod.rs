@@ -767,11 +767,21 @@ impl Sim {
         paths.sort();
         paths.dedup();
         let fs = &self.replicas[r].fs;
+        // As the scanner orders them: deletions below a path that is now a file or a symlink,
+        // then creations parents first, then the other deletions children first.
+        let replaced: Vec<RelPath> = paths
+            .iter()
+            .filter(|p| fs.nodes.get(*p).is_some_and(|n| n.kind() != FileKind::Dir))
+            .cloned()
+            .collect();
         paths.sort_by_key(|p| {
             let depth = p.components().count();
             match fs.nodes.contains_key(p) {
-                true => (0, depth),
-                false => (1, usize::MAX - depth),
+                true => (1, depth),
+                false if replaced.iter().any(|d| p.is_within(d) && p != d) => {
+                    (0, usize::MAX - depth)
+                }
+                false => (2, usize::MAX - depth),
             }
         });
         let now_ns = self.clock_ms(r) * 1_000_000;
@@ -827,8 +837,9 @@ impl Sim {
 
     // ---- applying a peer's records ----
 
-    /// Carries out a decision: pending records, file writes (a crash may strike between
-    /// any two), applied records.
+    /// Carries out a decision whole: pending records, file writes (a crash may strike between
+    /// any two), applied records. Returns whether the replica crashed.
+    #[allow(dead_code)]
     fn execute(
         &mut self,
         r: usize,
@@ -841,21 +852,40 @@ impl Sim {
             return Ok(false);
         }
         let pending = self.pending_steps(r, sender, remote, d)?;
-        self.replicas[r].journal.pending = pending;
-        let n = d.steps.len();
+        let steps = pending.into_iter().enumerate().collect();
+        self.run_steps(r, d, steps, blobs)
+    }
+
+    /// Carries out some steps of a decision (`steps`: their indexes and journal records, in
+    /// order), as the daemon does the part of a decision it does at once or at an install:
+    /// pending records, file writes (a crash may strike between any two), applied records.
+    /// Returns whether the replica crashed.
+    fn run_steps(
+        &mut self,
+        r: usize,
+        d: &Plan,
+        steps: Vec<(usize, Pending)>,
+        blobs: &HashMap<Hash, Vec<u8>>,
+    ) -> Res<bool> {
+        if steps.is_empty() {
+            return Ok(false);
+        }
+        let idx: Vec<usize> = steps.iter().map(|(i, _)| *i).collect();
+        self.replicas[r].journal.pending = steps.into_iter().map(|(_, p)| p).collect();
+        let n = idx.len();
         let crash_at = if self.crash_apply_p > 0.0 && self.rng.gen_bool(self.crash_apply_p) {
             Some(self.rng.gen_range(0..=n))
         } else {
             None
         };
-        for (k, step) in d.steps.iter().enumerate() {
+        for (k, &i) in idx.iter().enumerate() {
             if crash_at == Some(k) {
                 self.report.interrupted_applies += 1;
                 self.log(|| format!("r{r} crash after {k} of {n} writes"));
                 self.crash(r)?;
                 return Ok(true);
             }
-            self.write(r, step, blobs)?;
+            self.write(r, &d.steps[i], blobs)?;
         }
         if crash_at == Some(n) {
             self.report.interrupted_applies += 1;
@@ -1086,13 +1116,22 @@ impl Sim {
     /// the atomic rename, never replacing something the plan did not expect.
     fn write(&mut self, r: usize, planned: &Planned, blobs: &HashMap<Hash, Vec<u8>>) -> Res<()> {
         let rec = planned.record();
+        // A step that writes nothing only journals (a vector, a resolution the local content
+        // wins): over a change the watcher has not reported yet, the file differs from the
+        // record, and that change is captured as a version of its own when it is reported.
+        let uncaptured_here = self.replicas[r].uncaptured.iter().any(|u| u == &rec.path);
+        if planned.disk == Disk::Nothing && uncaptured_here {
+            return Ok(());
+        }
         // (g) What the user changed and the watcher has not reported yet is theirs: an apply
         // that wrote over it (or over what is below or above it) would lose that write.
         let from = match &planned.disk {
             Disk::CopyLocal { from } => Some(from),
             _ => None,
         };
-        if let Some(u) = self.replicas[r]
+        if planned.disk == Disk::Nothing {
+            // Nothing written.
+        } else if let Some(u) = self.replicas[r]
             .uncaptured
             .iter()
             .find(|u| apply::overlaps(u, &rec.path) || from.is_some_and(|f| apply::overlaps(u, f)))
