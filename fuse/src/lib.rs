@@ -62,10 +62,10 @@
 //! - **Locks** (POSIX and BSD) are the kernel's local ones: they work between processes of
 //!   this machine, which is all a replica directory can offer.
 //! - **Forwarded files** (no passthrough): the kernel keeps a file's cached pages across opens
-//!   while its backing size and times are unchanged (`kept`, D44); a write-only open writes
-//!   past the page cache (`FOPEN_DIRECT_IO`, D45).
+//!   while its backing size and times are unchanged (`kept`, D45); a write-only open writes
+//!   past the page cache (`FOPEN_DIRECT_IO`, D46).
 //! - **Not used:** the writeback cache (a write must reach the backing before the engine
-//!   hears of it, and the kernel would ignore the sizes the mount reports, D45), `FUSE_ATOMIC_O_TRUNC` (it let an `O_TRUNC` open reach the backing before
+//!   hears of it, and the kernel would ignore the sizes the mount reports, D46), `FUSE_ATOMIC_O_TRUNC` (it let an `O_TRUNC` open reach the backing before
 //!   the kernel's `ETXTBSY` check), `FLUSH` (answered `ENOSYS` once, so `close(2)` costs no
 //!   round trip: nothing is buffered here).
 #![deny(missing_docs)]
