@@ -101,6 +101,18 @@ impl Drop for TestUser {
             // SAFETY: kill takes two integers and touches no memory.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
+        // A mount its killed daemon left (a test that failed half-way) is detached, so the
+        // test's temp dir can go.
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let owner = format!("user_id={}", self.uid);
+        for l in info
+            .lines()
+            .filter(|l| l.contains(" - fuse.meshfs ") && l.contains(&owner))
+        {
+            if let Some(point) = l.split(' ').nth(4) {
+                let _ = Command::new("umount").args(["-l", point]).status();
+            }
+        }
         for _ in 0..50 {
             let out = Command::new("userdel").arg(&self.name).output();
             if out.is_ok_and(|o| o.status.success()) {
