@@ -260,10 +260,18 @@ pub struct FolderConfig {
     /// Mount the folder here when the daemon starts (`meshfs mount` does it at runtime).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount: Option<PathBuf>,
+    /// Let other users into that mount (`allow_other`, the kernel checking modes). For a
+    /// daemon run as an ordinary user, `/etc/fuse.conf` must say `user_allow_other`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub allow_other: bool,
 }
 
 fn yes() -> bool {
     true
+}
+
+fn is_false(b: &bool) -> bool {
+    !b
 }
 
 /// One `[[peer]]`.
@@ -541,6 +549,7 @@ mod tests {
             path: "/tmp/w".into(),
             watch: true,
             mount: None,
+            allow_other: false,
         });
         c.save(&home).unwrap();
         assert_eq!(Config::load(&home).unwrap(), c);
@@ -561,6 +570,7 @@ mod tests {
             path: "/tmp/w".into(),
             watch: true,
             mount: None,
+            allow_other: false,
         });
         c.peers.push(PeerConfig {
             id: peer,
@@ -642,6 +652,7 @@ mod tests {
             path,
             watch: true,
             mount: None,
+            allow_other: false,
         };
         let mut c = Config::new("a", "127.0.0.1:7788");
         c.folders.push(folder("a", dir.path().join("files")));

@@ -136,9 +136,11 @@ impl Engine {
         }
         for f in &first.folders {
             if let Some(point) = &f.mount {
-                let (e, id, point) = (engine.clone(), f.id.clone(), point.clone());
+                let (e, id, point, others) =
+                    (engine.clone(), f.id.clone(), point.clone(), f.allow_other);
                 let mounted =
-                    tokio::task::spawn_blocking(move || e.mount(&id, &point, false)).await?;
+                    tokio::task::spawn_blocking(move || e.mount(&id, &point, false, others))
+                        .await?;
                 match mounted {
                     Ok(m) => {
                         tracing::info!(folder = %f.id, mountpoint = %m.mountpoint.display(), passthrough = m.passthrough, "folder mounted")
@@ -180,13 +182,14 @@ impl Engine {
         self.net.shared_with(peer)
     }
 
-    /// Mounts `folder` at `mountpoint`, served by this daemon. Blocking (the kernel's mount
-    /// call): run it off the async workers.
+    /// Mounts `folder` at `mountpoint`, served by this daemon; `allow_other` lets other users
+    /// in. Blocking (the kernel's mount call): run it off the async workers.
     pub fn mount(
         &self,
         folder: &FolderId,
         mountpoint: &std::path::Path,
         read_only: bool,
+        allow_other: bool,
     ) -> Result<crate::mounts::MountStatus, MountError> {
         let rt = self.folders.running(folder)?;
         rt.with_mount(|slot| {
@@ -198,6 +201,7 @@ impl Engine {
             }
             let opts = meshfs_fuse::MountOptions {
                 read_only,
+                allow_other,
                 ..Default::default()
             };
             let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
