@@ -579,7 +579,7 @@ impl Engine {
         // Through its own connection, never the engine's (which an apply or a scan holds for as
         // long as its disk work takes); the journal first, and not under the peers lock.
         let own = self.status_journal.get_or_init(|| {
-            match Journal::open(&self.home.journal_file()) {
+            match Journal::open_reader(&self.home.journal_file()) {
                 Ok(j) => Some(crate::lock::Ranked::new(
                     crate::lock::Rank::Journal,
                     "status journal",
