@@ -15,6 +15,7 @@
 //! - `MESHFS_CHAOS_SEEDS`: seeds, e.g. `0-199` or `3,7,10-12`;
 //! - `MESHFS_CHAOS_DEVICES`: device counts, e.g. `3,5,8` (every seed runs on each);
 //! - `MESHFS_CHAOS_OPS`: steps per run (default 100 when seeds are given);
+//! - `MESHFS_CHAOS_CONVERGE_SECS`: how long to wait for "in sync" at the end (default 300);
 //! - `MESHFS_BIN`: the daemon to run, e.g. `target/release/meshfs` (default: this build's).
 //!
 //! Needs root (network namespaces). One seed at a time; `-- --nocapture` prints a line per seed.
@@ -29,7 +30,7 @@ mod run;
 #[path = "chaos/verdict.rs"]
 mod verdict;
 
-use common::{meshfs, tree, Device};
+use common::{meshfs, tree};
 use run::Run;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -37,8 +38,15 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How long the devices get to say "in sync" with equal trees once everything is back up.
-const CONVERGE: Duration = Duration::from_secs(300);
+/// How long the devices get to say "in sync" with equal trees once everything is back up
+/// (`MESHFS_CHAOS_CONVERGE_SECS`, default 300).
+fn converge_limit() -> Duration {
+    let secs = std::env::var("MESHFS_CHAOS_CONVERGE_SECS")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(300);
+    Duration::from_secs(secs)
+}
 
 /// `0-3,7` → 0, 1, 2, 3, 7.
 fn parse_list(s: &str) -> Vec<u64> {
@@ -122,8 +130,13 @@ fn converge(run: &Run, within: Duration) -> Result<Duration, String> {
                 })
                 .map(|d| d.name.as_str())
                 .collect();
+            let state = if not_synced.is_empty() {
+                "every device says it is in sync".to_string()
+            } else {
+                format!("not in sync: {not_synced:?}")
+            };
             return Err(format!(
-                "no convergence within {within:?}: not in sync: {not_synced:?}; trees differ at:\n  {}",
+                "no convergence within {within:?}: {state}; the replicas differ at:\n  {}",
                 tree_differences(&trees).join("\n  ")
             ));
         }
@@ -173,25 +186,27 @@ fn one_run(
 
     let mut run = Run::new(seed, n, base);
     let result = (|| {
-        converge(&run, CONVERGE).map_err(|e| format!("at start: {e}"))?;
+        converge(&run, converge_limit()).map_err(|e| format!("at start: {e}"))?;
         let began = Instant::now();
         for (i, s) in steps.iter().enumerate() {
             run.step(i, s);
         }
         let ran = began.elapsed();
         run.settle(steps.len());
-        let first = converge(&run, CONVERGE).map_err(|e| format!("after the script: {e}"))?;
+        let first = converge(&run, converge_limit()).map_err(|e| {
+            // What the invariants say of the state it got stuck in.
+            let more = verdict(&run, "meanwhile").err().unwrap_or_default();
+            format!("after the script: {e}\n{more}")
+        })?;
         run.note(steps.len(), format!("in sync after {first:?}"));
         verdict(&run, "once in sync")?;
 
         // Every daemon restarted: its start-up scan sees anything its watcher missed, and
         // nothing may change.
         let before: Vec<_> = run.devs.iter().map(|d| tree(&d.dir)).collect();
-        for d in run.devs.iter_mut() {
-            d.stop();
-        }
-        Device::start_together(&mut run.devs.iter_mut().collect::<Vec<_>>());
-        let second = converge(&run, CONVERGE).map_err(|e| format!("after restarting all: {e}"))?;
+        run.restart_all();
+        let second =
+            converge(&run, converge_limit()).map_err(|e| format!("after restarting all: {e}"))?;
         let after: Vec<_> = run.devs.iter().map(|d| tree(&d.dir)).collect();
         if after != before {
             let both: Vec<_> = before.iter().chain(after.iter().take(1)).cloned().collect();

@@ -59,6 +59,8 @@ pub struct Run {
     pub counts: Counts,
     held: BTreeMap<(usize, String), File>,
     tick: u64,
+    /// Daemon starts so far (numbers the logs kept).
+    restarts: usize,
     started: Instant,
     /// `trace.txt` in the run's directory: the trace as it happens, kept if the run fails.
     log: File,
@@ -126,6 +128,7 @@ impl Run {
             counts: Counts::default(),
             held: BTreeMap::new(),
             tick: 0,
+            restarts: 0,
             started: Instant::now(),
             log: File::create(tmp.path().join("trace.txt")).expect("trace file"),
         }
@@ -280,7 +283,7 @@ impl Run {
                 self.note(i, format!("SIGKILL r{dev}"));
             }
             Op::Restart { dev } => {
-                self.devs[*dev].start();
+                self.start(*dev);
                 self.note(i, format!("restarted r{dev}"));
             }
         }
@@ -378,6 +381,30 @@ impl Run {
         }
     }
 
+    /// Starts `dev`'s daemon, its log so far kept as `daemon.log.N` (a start truncates it).
+    fn start(&mut self, dev: usize) {
+        self.keep_log(dev);
+        self.devs[dev].start();
+    }
+
+    fn keep_log(&mut self, dev: usize) {
+        self.restarts += 1;
+        let home = &self.devs[dev].home;
+        let _ = fs::rename(
+            home.join("daemon.log"),
+            home.join(format!("daemon.log.{}", self.restarts)),
+        );
+    }
+
+    /// Stops every daemon (SIGTERM) and starts them all again.
+    pub fn restart_all(&mut self) {
+        for d in 0..self.devs.len() {
+            self.devs[d].stop();
+            self.keep_log(d);
+        }
+        Device::start_together(&mut self.devs.iter_mut().collect::<Vec<_>>());
+    }
+
     /// Closes every held file, brings every link up and every daemon back.
     pub fn settle(&mut self, last_step: usize) {
         let held: Vec<(usize, String)> = self.held.keys().cloned().collect();
@@ -387,7 +414,7 @@ impl Run {
         self.mesh.heal();
         for d in 0..self.devs.len() {
             if self.devs[d].pid().is_none() {
-                self.devs[d].start();
+                self.start(d);
                 self.note(last_step, format!("restarted r{d} to settle"));
             }
         }
