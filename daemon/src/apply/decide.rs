@@ -141,6 +141,11 @@ pub(super) fn decide_all(
     let mut in_flight = d.held_paths;
     for t in &d.transfers {
         in_flight.insert(&t.meta.record.path);
+        // A change waiting for that install (a local winner's resolution waits for the
+        // loser's sibling) is in flight too: no other batch decides its path meanwhile.
+        for (c, _) in &t.meta.then {
+            in_flight.insert(&c.record.path);
+        }
     }
     let in_flight = Arc::new(in_flight);
     let fetch = rt.fetching.start(peer, in_flight.clone());
@@ -262,7 +267,10 @@ impl Deciding<'_> {
                 self.rt.unskip(&c.record.path);
                 self.rt.invalidator.invalidate(&c.record.path);
                 match waits {
-                    Some(i) => self.transfers[i].meta.then.push(c),
+                    Some(i) => {
+                        let basis = self.stored(&c.record.path)?.map(|s| s.record.version);
+                        self.transfers[i].meta.then.push((c, basis));
+                    }
                     None => {
                         self.memo.put(&c);
                         self.done.push(c);

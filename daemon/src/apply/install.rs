@@ -83,7 +83,24 @@ pub(super) fn install(
                     source: t.source,
                     detail: t.detail,
                 });
-                changes.extend(t.then);
+                // The decision's changes that waited for this file go ahead only if their
+                // paths still hold what it saw: a local edit or another batch may have
+                // journaled a newer version meanwhile, which they would overwrite (losing it:
+                // `tests/chaos.rs` seeds 13 and 30 on 3 devices). Else the remote record is
+                // decided again; the sibling just installed is what it would keep.
+                let mut fresh = true;
+                for (c, basis) in &t.then {
+                    let now = journal
+                        .get(folder, &c.record.path)?
+                        .map(|s| s.record.version);
+                    fresh &= now == *basis;
+                }
+                if fresh {
+                    changes.extend(t.then.into_iter().map(|(c, _)| c));
+                } else {
+                    tracing::debug!(%folder, path = %t.remote.path, "changed while its sibling was fetched; decided again");
+                    redo.push(t.remote);
+                }
             }
             Err(StoreError::Changed(_)) => {
                 cleared.push(t.record.path.clone());

@@ -31,6 +31,7 @@ pub use install::recover_pending;
 pub use transfer::ApplyError;
 
 use crate::chunks;
+use crate::failpoint;
 use crate::fetching::InFlight;
 use crate::folder::{FolderRt, Folders};
 use assemble::{assemble, discard_all, finish_all, Assembled, TempWriter, Wanted};
@@ -146,8 +147,18 @@ pub async fn receive(
             let folders = folders.clone();
             let rt = rt.clone();
             let folder = folder.clone();
-            on_blocking(move || decide::decide_all(&folders, &rt, &folder, peer, todo, may_hold))
-                .await?
+            on_blocking(move || {
+                let decided = decide::decide_all(&folders, &rt, &folder, peer, todo, may_hold);
+                // Between a decision and its install, the folder's lock let go (for tests:
+                // what another batch or a local edit does meanwhile). Detail: a remote path.
+                if let Ok((d, _)) = &decided {
+                    for t in &d.transfers {
+                        failpoint::hit("apply.decided", t.meta.remote.path.as_str());
+                    }
+                }
+                decided
+            })
+            .await?
         };
         let decide_ms = deciding.elapsed().as_millis() as u64;
         if let Some(tx) = decided.take() {
