@@ -11,7 +11,9 @@
 //! (3) no lost version: every version a device made (a local row) is dominated (every
 //!     counter ≥) by the current record of its path — superseded causally, or merged by a
 //!     conflict resolution. History is kept forever by default (`history_retention_days =
-//!     0`) and tombstones for a year, so every row and every path's record is still there;
+//!     0`) and tombstones for a year, so every row and every path's record is still there.
+//!     Stronger, and checked too: on each device each row of a path dominates the one
+//!     before it (versions never move backwards);
 //! (4) the devices agree on each path's current record (kind, deleted, hash, version), and
 //!     each device's live records are exactly what its replica holds;
 //! (5) no lost content: the content of a path's last write in the whole run (no device
@@ -173,6 +175,30 @@ pub fn check(run: &Run, journals: &[Vec<Row>]) -> Vec<String> {
                     cur.sequence,
                     cur.vv_text
                 ));
+            }
+        }
+    }
+
+    // (3) and the versions of a path on a device only ever move forward: each row
+    // dominates the one before it (architecture: "versions dominate the record at their
+    // path, tombstones included, never moving backwards").
+    for (d, rows) in journals.iter().enumerate() {
+        let mut last: BTreeMap<&str, &Row> = BTreeMap::new();
+        for r in rows {
+            if let Some(before) = last.insert(r.path.as_str(), r) {
+                if !dominates(&r.version, &before.version) {
+                    bad.push(format!(
+                        "(3) version went backwards: {}'s {} of {} (seq {}, {}) after {} (seq {}, {})",
+                        name(d),
+                        r.op,
+                        r.path,
+                        r.sequence,
+                        r.vv_text,
+                        before.op,
+                        before.sequence,
+                        before.vv_text
+                    ));
+                }
             }
         }
     }
