@@ -29,7 +29,7 @@
 //! a time with `openat(O_NOFOLLOW | O_DIRECTORY)`, so a symlink planted in a parent component
 //! is refused instead of followed.
 //!
-//! Durability is batched (DESIGN §6): [`Store::install`] makes a whole batch of temp files
+//! Durability is batched (docs/design.md, "Safe apply"): [`Store::install`] makes a whole batch of temp files
 //! durable with one `syncfs`, renames them, then fsyncs each touched directory once.
 
 mod displace;

@@ -5,7 +5,7 @@
 //! floor, the incoming record) → a [`Decision`], a list of [`Step`]s that the driver (the
 //! engine with real files, or the simulation with a model) executes in order.
 //!
-//! The rules (DESIGN §7), per path, local record L against remote record R:
+//! The rules (docs/design.md, "Reconciliation"), per path, local record L against remote record R:
 //!
 //! | compare(L, R) | content | decision |
 //! |---|---|---|

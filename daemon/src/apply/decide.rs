@@ -3,7 +3,7 @@
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
 use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
-use crate::fetching::{Ended, Fetch, InFlight};
+use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, StoredRecord};
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
@@ -12,7 +12,6 @@ use meshfs_sync::plan::{self, Disk, Planned};
 use meshfs_sync::reconcile::{Outcome, ReadError, ReplicaView, Step};
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// The journal records read while deciding one batch, so that the parent directory shared by a
 /// thousand records is read once, not a thousand times. Lives only inside [`decide_all`] (which
@@ -80,30 +79,15 @@ pub(super) struct Decided {
     pub dirs: DirCache,
 }
 
-/// What step 1 leaves to the batch as a whole (not to its transfers).
-pub(super) struct Held {
-    /// Remote records held back: another peer's session is fetching what they depend on.
-    /// Decide them again once `waits` have ended.
-    pub records: Vec<FileRecord>,
-    /// The other sessions' batches the held records wait for.
-    pub waits: Vec<Ended>,
-    /// The paths this batch will change: its transfers' targets and the held records.
-    pub in_flight: Arc<InFlight>,
-    /// Its registration in the folder's [`crate::fetching::Fetching`], until dropped.
-    pub fetch: Fetch,
-}
-
-/// Step 1 for a batch, under the folder's lock and holding the journal. With `may_hold`, a
-/// record at a path another peer's session is fetching (or below or above one) is held back
-/// rather than decided, and so is every later record of the batch that depends on a held one.
+/// Step 1 for records of a batch from `peer` (those the receive pipeline did not hold back),
+/// under the folder's lock and holding the journal.
 pub(super) fn decide_all(
     folders: &Folders,
     rt: &FolderRt,
     folder: &FolderId,
     peer: DeviceId,
     records: Vec<FileRecord>,
-    may_hold: bool,
-) -> Result<(Decided, Held), ApplyError> {
+) -> Result<Decided, ApplyError> {
     let _guard = rt
         .op_lock
         .lock()
@@ -119,10 +103,6 @@ pub(super) fn decide_all(
         done: Vec::new(),
         transfers: Vec::new(),
         redo: Vec::new(),
-        may_hold,
-        held: Vec::new(),
-        held_paths: InFlight::default(),
-        waits: Vec::new(),
     };
     d.journal.begin_reads();
     let result = records.into_iter().try_for_each(|r| d.record(r));
@@ -137,31 +117,12 @@ pub(super) fn decide_all(
     };
     result?;
     flushed?;
-    // Registered before the folder's lock is let go: a session deciding next sees it.
-    let mut in_flight = d.held_paths;
-    for t in &d.transfers {
-        in_flight.insert(&t.meta.record.path);
-        // A change waiting for that install (a local winner's resolution waits for the
-        // loser's sibling) is in flight too: no other batch decides its path meanwhile.
-        for (c, _) in &t.meta.then {
-            in_flight.insert(&c.record.path);
-        }
-    }
-    let in_flight = Arc::new(in_flight);
-    let fetch = rt.fetching.start(peer, in_flight.clone());
-    Ok((
-        Decided {
-            transfers: d.transfers,
-            redo: d.redo,
-            dirs: d.dirs,
-        },
-        Held {
-            records: d.held,
-            waits: d.waits,
-            in_flight,
-            fetch,
-        },
-    ))
+    failpoint::hit("apply.decided", "");
+    Ok(Decided {
+        transfers: d.transfers,
+        redo: d.redo,
+        dirs: d.dirs,
+    })
 }
 
 /// Whether the rest of a plan goes on after a step.
@@ -184,26 +145,11 @@ struct Deciding<'a> {
     done: Vec<Change>,
     transfers: Vec<Transfer>,
     redo: Vec<FileRecord>,
-    /// Records may be held back for other sessions' batches.
-    may_hold: bool,
-    held: Vec<FileRecord>,
-    held_paths: InFlight,
-    waits: Vec<Ended>,
 }
 
 impl Deciding<'_> {
-    /// Plans one remote record and does its steps (or holds it back, see [`decide_all`]).
+    /// Plans one remote record and does its steps.
     fn record(&mut self, remote: FileRecord) -> Result<(), ApplyError> {
-        if self.may_hold {
-            let elsewhere = self.rt.fetching.elsewhere(&self.peer, &remote.path);
-            if !elsewhere.is_empty() || self.held_paths.overlaps(&remote.path) {
-                tracing::debug!(folder = %self.folder, path = %remote.path, "held back: another peer's session is fetching it");
-                self.waits.extend(elsewhere);
-                self.held_paths.insert(&remote.path);
-                self.held.push(remote);
-                return Ok(());
-            }
-        }
         // Tombstones come after every live record (children first) and ask SQLite whether
         // live entries remain below them: commit what this batch did so far first.
         if (remote.deleted || self.done.len() >= 1000) && !self.done.is_empty() {
