@@ -114,11 +114,12 @@ impl Model {
         let mut stack = vec![from];
         seen[from] = true;
         while let Some(a) = stack.pop() {
-            for b in 0..self.n {
-                if !seen[b] && self.running[b] && self.up[a][b] {
-                    seen[b] = true;
-                    stack.push(b);
-                }
+            let next: Vec<usize> = (0..self.n)
+                .filter(|&b| !seen[b] && self.running[b] && self.up[a][b])
+                .collect();
+            for b in next {
+                seen[b] = true;
+                stack.push(b);
             }
         }
         (0..self.n).filter(|&d| d != from && seen[d]).collect()
