@@ -4,7 +4,7 @@
 //! (`status --json`); the words are made here. `--watch` is `status_watch`, `--pending`
 //! `status_pending`.
 
-use crate::{EXIT_NO_DAEMON, EXIT_TIMEOUT};
+use crate::{EXIT_NOT_SHARED, EXIT_NO_DAEMON, EXIT_TIMEOUT};
 use meshfs_daemon::config::{Config, ConfigError, Home};
 use meshfs_daemon::control::{self, Request};
 use serde_json::Value;
@@ -13,7 +13,7 @@ use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use crate::status_text::{folder_summary, local_time, peer_name, plural, s, u};
-use crate::status_text::{peer_state, peers_by_id};
+use crate::status_text::{pairing_hint, pairing_questions, peer_state, peers_by_id, source_words};
 
 /// What `meshfs status` was asked.
 pub struct StatusArgs {
@@ -85,6 +85,25 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
             }
             return Ok(EXIT_NO_DAEMON);
         };
+        // A peer that does not share a folder back will not start to while we wait: that is a
+        // question for the user, answered on the other device.
+        let questions = if a.wait_synced {
+            pairing_questions(&st)
+        } else {
+            Vec::new()
+        };
+        if !questions.is_empty() {
+            drop(bar);
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&st)?);
+            } else {
+                print!("{}", render(&st));
+            }
+            for q in questions {
+                eprintln!("meshfs: {q}");
+            }
+            return Ok(EXIT_NOT_SHARED);
+        }
         let synced = st.get(key).and_then(Value::as_bool).unwrap_or(false);
         // In sync must hold on three polls in a row, so a change captured a moment ago counts.
         stable = if synced { stable + 1 } else { 0 };
@@ -244,9 +263,14 @@ pub fn render(st: &Value) -> String {
     let mut o = String::new();
     let dev = &st["device"];
     let started = u(dev, "started_unix");
+    let discovery = if dev["discovery"]["local"] == true {
+        format!("local discovery on (UDP {})", u(&dev["discovery"], "port"))
+    } else {
+        "local discovery off".to_string()
+    };
     let _ = writeln!(
         o,
-        "device  {} ({})  listening on {}",
+        "device  {} ({})  listening on {}, {discovery}",
         s(dev, "name"),
         s(dev, "id"),
         s(dev, "listen")
@@ -266,7 +290,7 @@ pub fn render(st: &Value) -> String {
     let _ = writeln!(o, "sync    {sync}");
     let peers = peers_by_id(st);
     for f in &folders {
-        render_folder(&mut o, f, &peers, started);
+        render_folder(&mut o, f, &peers, started, s(dev, "id"));
     }
     for p in st["peers"].as_array().into_iter().flatten() {
         render_peer(&mut o, p);
@@ -275,14 +299,14 @@ pub fn render(st: &Value) -> String {
         let r = r.as_str().unwrap_or("");
         let _ = writeln!(
             o,
-            "refused unknown device {r} (add it with `meshfs peer add {r} --addr HOST:PORT`)"
+            "refused unknown device {r} (add it with `meshfs peer add {r}`)"
         );
     }
     o
 }
 
 /// A folder's lines of the human status.
-fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, started: u64) {
+fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, started: u64, me: &str) {
     use std::fmt::Write as _;
     let id = s(f, "id");
     let _ = writeln!(
@@ -325,6 +349,9 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
             .get(s(p, "device_id"))
             .map_or_else(|| peer_name(p), |q| peer_name(q));
         let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
+        if p["connected"] == true && p["not_shared"] == true {
+            let _ = writeln!(o, "            {}", pairing_hint(id, me, &name));
+        }
     }
 }
 
@@ -336,8 +363,11 @@ fn render_peer(o: &mut String, p: &Value) {
         let rtt = p["rtt_ms"]
             .as_f64()
             .map_or("-".into(), |r| format!("{r:.1} ms"));
-        match at {
-            Some(a) => format!("connected at {a}, rtt {rtt}"),
+        let how = p["address_source"]
+            .as_str()
+            .map_or(String::new(), |src| format!(" ({})", source_words(src)));
+        match p["address"].as_str().or(at) {
+            Some(a) => format!("connected at {a}{how}, rtt {rtt}"),
             None => format!("connected, rtt {rtt}"),
         }
     } else {
@@ -347,8 +377,14 @@ fn render_peer(o: &mut String, p: &Value) {
             (None, _) => "never connected".into(),
         }
     };
-    let addr = match s(p, "addr") {
-        "" => "(dials us)",
+    let listed: Vec<&str> = p["addresses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let addr = match listed.join(",") {
+        a if a.is_empty() => "(dials us)".to_string(),
         a => a,
     };
     let _ = writeln!(
