@@ -14,6 +14,8 @@
 //! arrive late, from another thread; seen after the pass, they cost one more scan that finds
 //! nothing new).
 
+pub mod policy;
+
 use crate::store::{LocalStat, Stat};
 use meshfs_protocol::{FileKind, RelPath, INTERNAL_PREFIX};
 use notify::event::{AccessKind, AccessMode, CreateKind, EventKind, ModifyKind, RenameMode};

@@ -9,7 +9,6 @@
 
 use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
-use crate::peers::Inline;
 use crate::store::{read_chunk_of, DirCache, StoreError};
 use crate::transport;
 use meshfs_protocol::{
@@ -184,7 +183,7 @@ fn read_chunks(
     let mut packer = Packer::default();
     // Every location at once, under one lock of the journal; the chunks of a request mostly
     // come from one file, read through one descriptor.
-    let located = match folders.journal.lock() {
+    let located = match folders.journal_lock() {
         Ok(mut j) => j.find_chunks(&req.folder, &req.hashes),
         Err(_) => Vec::new(),
     };
@@ -492,6 +491,25 @@ async fn request_group(
     Ok(())
 }
 
+/// Which records of an outgoing index batch may carry their content ([`attach_inline`]).
+pub(crate) struct Inline {
+    /// Only records above this sequence (`Session::inline_after`).
+    pub(crate) after: u64,
+    /// Records made by a device the peer hears from directly, to leave out even above it
+    /// (`Session::peer_hears`): that device sends the peer their content itself.
+    pub(crate) relayed: std::collections::HashSet<meshfs_protocol::ShortId>,
+}
+
+impl Inline {
+    /// Nothing inline.
+    pub(crate) fn none() -> Inline {
+        Inline {
+            after: u64::MAX,
+            relayed: Default::default(),
+        }
+    }
+}
+
 /// Attaches to `batch` the content of its small files journaled after sequence `inline.after`:
 /// files of one chunk whose hash is the file's, up to [`INLINE_FILE_BYTES`] each and
 /// [`INLINE_BATCH_BYTES`] in all, compressed as in responses, if journaled as a creation or a
@@ -523,7 +541,7 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, inline: &
     // name, a metadata change or a resolution (e.g. two devices that scanned the same tree
     // merging their versions) keeps content the peer sent or has. No history left (pruned):
     // an old file, attached like a creation.
-    let ops = match folders.journal.lock() {
+    let ops = match folders.journal_lock() {
         Ok(j) => j.ops_of(&batch.folder, &sequences).unwrap_or_default(),
         Err(_) => return,
     };

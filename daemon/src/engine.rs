@@ -15,7 +15,6 @@ use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
 use crate::journal::{FolderCounts, Journal};
 use crate::peers::{self, Net, Peers};
-use crate::progress::{Progress, Work};
 use crate::store::Store;
 use crate::transport::{self, TrustStore};
 use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
@@ -115,7 +114,7 @@ impl Engine {
         let net = Arc::new(Net {
             folders: folders.clone(),
             config: config.clone(),
-            peers: Mutex::new(Peers::default()),
+            peers: crate::lock::Ranked::new(crate::lock::Rank::Peers, "peers", Peers::default()),
             peer_changed: Notify::new(),
             links: watch::channel(Default::default()).0,
             endpoint: endpoint.clone(),
@@ -126,6 +125,7 @@ impl Engine {
             seeking: watch::channel(Default::default()).0,
             link_addrs: watch::channel(Default::default()).0,
             lan: Mutex::new(None),
+            receivers: Default::default(),
         });
         net.seeking.send_replace(net.dynamic_peers());
         let engine = Arc::new(Engine {
@@ -200,42 +200,38 @@ impl Engine {
         read_only: bool,
     ) -> Result<crate::mounts::MountStatus, MountError> {
         let rt = self.folders.running(folder)?;
-        let mut slot = rt
-            .mount
-            .lock()
-            .map_err(|_| FolderError::Poisoned("mount"))?;
-        if let Some(m) = slot.as_ref() {
-            return Err(MountError::AlreadyMounted {
-                folder: folder.clone(),
-                at: m.info().mountpoint,
-            });
-        }
-        let opts = meshfs_fuse::MountOptions {
-            read_only,
-            ..Default::default()
-        };
-        let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
-        let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)?;
-        rt.mount_slot.attach(m.handle());
-        let status = crate::mounts::MountStatus::from(m.info());
-        *slot = Some(m);
-        Ok(status)
+        rt.with_mount(|slot| {
+            if let Some(m) = slot.as_ref() {
+                return Err(MountError::AlreadyMounted {
+                    folder: folder.clone(),
+                    at: m.info().mountpoint,
+                });
+            }
+            let opts = meshfs_fuse::MountOptions {
+                read_only,
+                ..Default::default()
+            };
+            let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
+            let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)?;
+            rt.mount_slot.attach(m.handle());
+            let status = crate::mounts::MountStatus::from(m.info());
+            *slot = Some(m);
+            Ok(status)
+        })
     }
 
     /// Unmounts `folder`; its replica keeps syncing. Returns where it was mounted.
     pub fn unmount(&self, folder: &FolderId) -> Result<std::path::PathBuf, MountError> {
         let rt = self.folders.running(folder)?;
-        let mut slot = rt
-            .mount
-            .lock()
-            .map_err(|_| FolderError::Poisoned("mount"))?;
-        let m = slot
-            .take()
-            .ok_or_else(|| MountError::NotMounted(folder.clone()))?;
-        rt.mount_slot.detach();
-        let point = m.info().mountpoint;
-        m.unmount()?;
-        Ok(point)
+        rt.with_mount(|slot| {
+            let m = slot
+                .take()
+                .ok_or_else(|| MountError::NotMounted(folder.clone()))?;
+            rt.mount_slot.detach();
+            let point = m.info().mountpoint;
+            m.unmount()?;
+            Ok(point)
+        })
     }
 
     /// Decides again, and applies, the remote versions that waited for a writer through the
@@ -250,18 +246,27 @@ impl Engine {
                 continue;
             };
             let (engine, folder, path) = (self.clone(), rt.id.clone(), record.path.clone());
+            let Some(receiver) = self.net.receiver(&rt.id) else {
+                continue;
+            };
             tokio::spawn(async move {
-                let (turn, _) = crate::apply::Turn::after(None);
-                let r = crate::apply::receive(
-                    &engine.folders,
-                    &folder,
+                let source = crate::apply::Receiver::new_source();
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                receiver.receive(
+                    source,
                     peer,
-                    &conn,
+                    conn,
                     vec![record.clone()],
-                    HashMap::new(),
-                    turn,
-                )
-                .await;
+                    Vec::new(),
+                    None,
+                    tx,
+                );
+                let r = match rx.recv().await {
+                    Some(crate::apply::Reply::Applied { .. }) => Ok(()),
+                    Some(crate::apply::Reply::Failed { error, .. }) => Err(error),
+                    None => Err(crate::apply::ApplyError::Task("the folder stopped".into())),
+                };
+                receiver.gone(source);
                 match r {
                     Ok(()) => {
                         tracing::info!(%folder, %path, "applied the remote version that waited for the mount's writer");
@@ -331,6 +336,7 @@ impl Engine {
         let id = f.id.clone();
         let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
+        store.set_device(self.folders.short);
         let removed = store.remove_temps();
         if removed > 0 {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
@@ -338,32 +344,8 @@ impl Engine {
         let (tx, rx) = mpsc::unbounded_channel();
         let fresh;
         let slot = Arc::new(crate::mounts::MountSlot::default());
-        let rt = Arc::new(FolderRt {
-            id: id.clone(),
-            ignore: RwLock::new(IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)))),
-            store,
-            op_lock: Mutex::new(()),
-            capture: tx.clone(),
-            capture_pending: Default::default(),
-            capture_queue: Default::default(),
-            scanning: Default::default(),
-            scan_is_long: Default::default(),
-            // Inert until the folder is mounted; then it forwards to the mount.
-            writers: slot.clone(),
-            invalidator: slot.clone(),
-            mount_slot: slot,
-            mount: Mutex::new(None),
-            deferred: Mutex::new(HashMap::new()),
-            fetching: Default::default(),
-            blocked: Mutex::new(None),
-            skipped: Mutex::new(Default::default()),
-            unreadable: Default::default(),
-            last_error: Default::default(),
-            first_scan: Arc::new(Progress::new(id.clone(), Work::FirstScan)),
-            receiving: Arc::new(Progress::new(id.clone(), Work::Receiving)),
-            echoes: Default::default(),
-            watcher: Mutex::new(None),
-        });
+        let ignore = IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)));
+        let rt = Arc::new(FolderRt::new(id.clone(), store, ignore, tx.clone(), slot));
         {
             let mut j = self.folders.journal()?;
             fresh = j.folder(&id)?.max_sequence == 0;
@@ -380,11 +362,7 @@ impl Engine {
                 capture::Nap::for_quiet(quiet),
                 rt.invalidator.clone(),
             ) {
-                Ok(w) => {
-                    if let Ok(mut slot) = rt.watcher.lock() {
-                        *slot = Some(w);
-                    }
-                }
+                Ok(w) => rt.set_watcher(Some(w)),
                 Err(e) => {
                     tracing::warn!(folder = %id, error = %e, "cannot watch the folder; changes are found by scans only")
                 }
@@ -394,6 +372,12 @@ impl Engine {
         // running and a `Scan` later that it is (a first scan runs once).
         rt.scanning
             .store(fresh, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut r) = self.net.receivers.write() {
+            r.insert(
+                id.clone(),
+                crate::apply::Receiver::start(self.folders.clone(), id.clone()),
+            );
+        }
         self.folders.insert(rt.clone());
         let started = Instant::now();
         let path = f.path.clone();
@@ -556,9 +540,10 @@ impl Engine {
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
         for rt in self.folders.retain(|id| wanted.contains(id)) {
-            if let Ok(mut w) = rt.watcher.lock() {
-                *w = None;
+            if let Ok(mut r) = self.net.receivers.write() {
+                r.remove(&rt.id);
             }
+            rt.set_watcher(None);
             // A removed folder's mount would go on serving a replica nothing journals any
             // more, out of reach of `meshfs unmount` (which knows only configured folders).
             unmount_folder(&rt);
@@ -665,7 +650,7 @@ impl Engine {
         let folders: Vec<Arc<FolderRt>> = self.folders.all();
         // The journal first, in one hold, and not under the peers lock: an install can hold
         // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        let journaled: Vec<(FolderCounts, u64, usize)> = match self.folders.journal.lock() {
+        let journaled: Vec<(FolderCounts, u64, usize)> = match self.folders.journal_lock() {
             Ok(mut j) => folders
                 .iter()
                 .map(|rt| {
@@ -683,10 +668,7 @@ impl Engine {
             .into_iter()
             .zip(journaled)
             .map(|(rt, (counts, sequence, conflicts))| {
-                let mount = rt.mount.lock().ok().and_then(|m| {
-                    m.as_ref()
-                        .map(|m| crate::mounts::MountStatus::from(m.info()))
-                });
+                let mount = rt.mount_status();
                 FolderSnapshot {
                     id: rt.id.clone(),
                     path: rt.store.root().to_path_buf(),
@@ -876,7 +858,7 @@ async fn retention_loop(engine: Arc<Engine>) {
             .unwrap_or(0);
         let day_ns: i64 = 86_400 * 1_000_000_000;
         let folders = engine.folders.ids();
-        if let Ok(mut j) = engine.folders.journal.lock() {
+        if let Ok(mut j) = engine.folders.journal_lock() {
             for f in &folders {
                 if o.history_retention_days > 0 {
                     let _ = j.prune_history(f, now_ns - o.history_retention_days as i64 * day_ns);
@@ -894,30 +876,22 @@ async fn retention_loop(engine: Arc<Engine>) {
     }
 }
 
-/// Coalesces a folder's events and scans what is ready.
+/// Coalesces a folder's events and scans what is ready: the wiring of `capture::policy`, which
+/// decides; this loop only does the IO it asks for.
 async fn capture_loop(
     engine: Arc<Engine>,
     rt: Arc<FolderRt>,
     mut rx: mpsc::UnboundedReceiver<CaptureMsg>,
 ) {
-    let quiet = Duration::from_millis(engine.options().coalesce_ms);
-    let open_quiet = Duration::from_secs(1);
+    use capture::policy::{Policy, Scanned};
+    let mut policy = Policy::new(Duration::from_millis(engine.options().coalesce_ms));
     // The queue lives in the folder's runtime so that status can list it; this loop is its
     // only writer and never holds it across an await.
-    let queue = || rt.capture_queue.lock().unwrap_or_else(|p| p.into_inner());
-    let mut next: Option<Instant> = None;
-    let mut released = false;
-    // Set while scans fail (the journal's disk full): the next success says it is over.
-    let mut scan_failing: Option<Instant> = None;
+    let queue = || rt.capture_queue();
     let mut stopping = engine.net.stopping.subscribe();
-    // New directories to scan once more, and when (`CaptureMsg::NewDir`).
-    let mut second_looks: Vec<(Instant, RelPath)> = Vec::new();
     loop {
-        if let Some(t) = second_looks.iter().map(|(t, _)| *t).min() {
-            next = Some(next.map_or(t, |n| n.min(t)));
-        }
         let sleep = async {
-            match next {
+            match policy.wake_at() {
                 Some(t) => tokio::time::sleep_until(t.into()).await,
                 None => std::future::pending().await,
             }
@@ -925,134 +899,72 @@ async fn capture_loop(
         tokio::select! {
             msg = rx.recv() => {
                 let Some(msg) = msg else { return };
-                let now = Instant::now();
-                let mut final_now = false;
-                {
-                    let mut c = queue();
-                    for m in std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok())) {
-                        match m {
-                            CaptureMsg::Released(p) => {
-                                released = true;
-                                c.finalize(&p, now);
-                                final_now = true;
-                            }
-                            CaptureMsg::NewDir(p) => {
-                                second_looks.push((now + capture::NEW_DIR_SECOND_LOOK, p.clone()));
-                                c.add(CaptureMsg::NewDir(p), now);
-                            }
-                            m => c.add(m, now),
-                        }
-                    }
-                    publish_count(&rt, c.len().max(1));
-                }
-                // A file whose last writer let go through the mount is captured at once:
-                // the quiet time only guesses when a burst of inotify events is over.
-                let due = if final_now { now } else { now + quiet };
-                next = Some(next.map_or(due, |n| n.min(due)));
+                let mut c = queue();
+                let msgs = std::iter::once(msg).chain(std::iter::from_fn(|| rx.try_recv().ok()));
+                policy.messages(&mut c, msgs, Instant::now());
+                publish_count(&rt, c.len().max(1));
             }
             _ = sleep => {
                 let now = Instant::now();
-                // New directories due for their second look: the files in them join the
-                // queue as ready now.
-                let (due, later): (Vec<_>, Vec<_>) =
-                    second_looks.drain(..).partition(|(t, _)| *t <= now);
-                second_looks = later;
-                // A directory an apply made needs none: the engine put its files there.
-                let dirs: Vec<RelPath> = due
-                    .into_iter()
-                    .map(|(_, p)| p)
-                    .filter(|d| !rt.echoes.made_dir(d))
-                    .collect();
+                let dirs = policy.due_looks(now, |d| rt.echoes.made_dir(d));
                 if !dirs.is_empty() {
                     let root = rt.store.root().to_path_buf();
                     let files = tokio::task::spawn_blocking(move || capture::files_in(&root, dirs))
                         .await
                         .unwrap_or_default();
-                    let since = now.checked_sub(quiet).unwrap_or(now);
-                    let mut c = queue();
-                    for f in files {
-                        c.add(CaptureMsg::Changed(f, capture::Hint::Other), since);
-                    }
+                    policy.looked(&mut queue(), files, now);
                 }
-                let (rescan, paths) = {
-                    let mut c = queue();
-                    let (rescan, paths, n) = c.take_ready(now, quiet, open_quiet);
-                    // A path a writer through the mount still holds waits for its release
-                    // (once).
-                    let paths: Vec<RelPath> = paths
-                        .into_iter()
-                        .filter(|p| {
-                            let held = rt.writers.has_writer(p) && c.hold(p, now);
-                            if !held {
-                                c.captured(p);
-                            }
-                            !held
-                        })
-                        .collect();
-                    next = match c.is_empty() {
-                        true => n,
-                        false => Some(n.map_or(now + open_quiet, |t| t.min(now + open_quiet))),
-                    };
-                    (rescan, paths)
-                };
-                let scopes = if rescan {
+                let pass = policy.pass(&mut queue(), now, |p| rt.writers.has_writer(p));
+                let scopes: Vec<RelPath> = if pass.rescan {
                     Vec::new()
                 } else {
                     let mut dirs = crate::store::DirCache::default();
-                    paths
+                    pass.paths
                         .into_iter()
                         .filter(|p| {
                             !rt.echoes.is_echo(p, || rt.store.stat_in(&mut dirs, p).ok().flatten())
                         })
                         .collect()
                 };
-                if rescan || !scopes.is_empty() {
+                if pass.rescan || !scopes.is_empty() {
                     let (t0, n) = (Instant::now(), scopes.len());
                     let first = tracing::enabled!(tracing::Level::DEBUG)
                         .then(|| scopes.first().cloned())
                         .flatten();
-                    match engine.scan_paths(&rt.id, scopes).await {
+                    let how = match engine.scan_paths(&rt.id, scopes).await {
                         Ok(changes) => {
-                            tracing::debug!(folder = %rt.id, rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured");
-                            if rescan {
+                            tracing::debug!(folder = %rt.id, rescan = pass.rescan, scopes = n, first = ?first, changes, ms = t0.elapsed().as_millis() as u64, "captured");
+                            if pass.rescan {
                                 first_scan_done(&engine, &rt);
                             }
-                            if scan_failing.take().is_some() && rt.unblock() {
-                                tracing::info!(folder = %rt.id, "the journal's disk has room again; capture resumed");
+                            Scanned::Done
+                        }
+                        Err(e) if e.is_disk_full() => {
+                            if rt.block(format!("journal disk full: {e}")) {
+                                tracing::error!(folder = %rt.id, error = %e, "the journal's disk is full; changes are captured again once there is room");
                             }
+                            Scanned::DiskFull
                         }
                         Err(e) => {
-                            // What the scan took from the queue is not journaled: nothing is
-                            // lost as long as a later scan covers it, so the folder is rescanned
-                            // whole after a pause.
-                            let full = e.is_disk_full();
-                            if full {
-                                if rt.block(format!("journal disk full: {e}")) {
-                                    tracing::error!(folder = %rt.id, error = %e, "the journal's disk is full; changes are captured again once there is room");
-                                }
-                            } else {
-                                tracing::warn!(folder = %rt.id, error = %e, "scan failed; rescanning the folder shortly");
-                                rt.last_error.set(format_args!("scan failed: {e}"));
-                            }
-                            let retry = Instant::now() + RESCAN_AFTER_FAILURE;
-                            scan_failing = Some(retry);
-                            queue().add(CaptureMsg::Rescan, retry);
-                            next = Some(next.map_or(retry, |n| n.min(retry)));
+                            tracing::warn!(folder = %rt.id, error = %e, "scan failed; rescanning the folder shortly");
+                            rt.last_error.set(format_args!("scan failed: {e}"));
+                            Scanned::Failed
                         }
+                    };
+                    let after = policy.scanned(&mut queue(), how, Instant::now());
+                    if after.recovered && rt.unblock() {
+                        tracing::info!(folder = %rt.id, "the journal's disk has room again; capture resumed");
                     }
                 }
-                let (empty, len) = {
-                    let c = queue();
-                    (c.is_empty(), c.len())
-                };
                 // A writer let go: once its path is captured (nothing of it waits here any
                 // more), the remote versions that waited for it are decided again.
-                if std::mem::take(&mut released) || rt.deferred_count() > 0 {
-                    if empty {
-                        engine.apply_deferred(&rt);
-                    } else {
-                        released = true;
-                    }
+                let deferred = rt.deferred_count();
+                let (apply, len) = {
+                    let c = queue();
+                    (policy.apply_deferred_now(&c, deferred), c.len())
+                };
+                if apply {
+                    engine.apply_deferred(&rt);
                 }
                 publish_count(&rt, len);
             }
@@ -1082,16 +994,13 @@ fn publish_count(rt: &FolderRt, n: usize) {
 /// (doubled at each further failure).
 const DEFERRED_RETRY: Duration = Duration::from_secs(2);
 
-/// How long the capture loop waits before rescanning a folder whose scan failed.
-const RESCAN_AFTER_FAILURE: Duration = Duration::from_secs(2);
-
 /// How long starting a folder waits for its first scan before going on while it runs.
 const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);
 
 /// Ends `rt`'s mount, if it has one (a busy mount is detached). The slot's lock is let go
 /// before the unmount, which waits for the kernel.
 fn unmount_folder(rt: &FolderRt) {
-    let m = rt.mount.lock().ok().and_then(|mut s| s.take());
+    let m = rt.with_mount(Option::take);
     if let Some(m) = m {
         rt.mount_slot.detach();
         let point = m.info().mountpoint;

@@ -11,13 +11,14 @@ use crate::capture::CaptureMsg;
 use crate::ignore::IgnoreRules;
 use crate::journal::{Change, Journal, JournalError};
 use crate::last_error::LastErrorSlot;
+use crate::lock::{Rank, Ranked, RankedGuard};
 use crate::progress::Progress;
 use crate::scanner::{self, ScanError, ScanTarget};
 use crate::store::{Store, StoreError};
 use meshfs_protocol::{DeviceId, FileRecord, FolderId, RelPath, ShortId};
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Instant;
 use tokio::sync::{broadcast, mpsc};
 
@@ -61,6 +62,11 @@ impl FolderError {
 }
 
 /// A running folder.
+///
+/// **Lock order** (`crate::lock`, checked in debug builds): the folder's `op_lock` first, then
+/// the journal, then the peers' registry; the folder's small state (its mount, watcher, capture
+/// queue, deferred, skipped and unreadable paths, why it is blocked) is held only for a few
+/// steps, never while another lock is taken, and only through the methods below.
 pub struct FolderRt {
     /// The folder id.
     pub id: FolderId,
@@ -70,7 +76,7 @@ pub struct FolderRt {
     pub ignore: RwLock<IgnoreRules>,
     /// Serializes capture and apply on this folder, so the engine never captures its own
     /// applies as local edits and never applies over an edit it has not captured.
-    pub op_lock: Mutex<()>,
+    pub op_lock: Ranked<()>,
     /// Feeds the capture loop (the watcher and, later, the FUSE layer send here).
     pub capture: mpsc::UnboundedSender<CaptureMsg>,
     /// Paths waiting in the capture loop.
@@ -78,7 +84,7 @@ pub struct FolderRt {
     /// The capture loop's queue: the loop holds the lock only between its awaits, and
     /// `status --pending` lists the paths from it when asked (building that list for every
     /// event was ~8 % of the daemon's CPU during a `tar -x` through the mount).
-    pub(crate) capture_queue: Mutex<crate::capture::Coalescer>,
+    capture_queue: Ranked<crate::capture::Coalescer>,
     /// The folder's first scan is still running, or failed and the rescan after it has not
     /// succeeded yet: the folder is not in sync meanwhile, here or with its peers (told in
     /// the Hello, then by `Scan`). Set before the folder is visible to sessions.
@@ -93,20 +99,18 @@ pub struct FolderRt {
     /// The folder's mount while it has one (both of the above forward to it).
     pub mount_slot: Arc<crate::mounts::MountSlot>,
     /// The running mount, if any.
-    pub(crate) mount: Mutex<Option<meshfs_fuse::Mount>>,
+    mount: Ranked<Option<meshfs_fuse::Mount>>,
     /// Remote versions waiting for a path's writer through the mount to let go, with the
     /// peer each came from (the newest per path).
-    pub(crate) deferred: Mutex<HashMap<RelPath, Deferred>>,
-    /// The remote versions its peer sessions are fetching: one peer's, not every peer's.
-    pub fetching: crate::fetching::Fetching,
+    deferred: Ranked<HashMap<RelPath, Deferred>>,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
-    pub(crate) blocked: Mutex<Option<String>>,
+    blocked: Ranked<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
     /// rest of the folder keeps syncing, until a later version of the path applies.
-    pub(crate) skipped: Mutex<Skipped>,
+    skipped: Ranked<Skipped>,
     /// Files of the folder that exist but cannot be read, by path, with the error: not
     /// replicated until a later scan reads them.
-    pub(crate) unreadable: Mutex<std::collections::BTreeMap<RelPath, String>>,
+    unreadable: Ranked<std::collections::BTreeMap<RelPath, String>>,
     /// The folder's last error and its time (`status`).
     pub last_error: LastErrorSlot,
     /// How far its first scan got hashing.
@@ -115,7 +119,8 @@ pub struct FolderRt {
     pub receiving: Arc<Progress>,
     /// What apply just did to paths, so the watcher's events for it are not rescanned.
     pub echoes: crate::capture::Echoes,
-    pub(crate) watcher: Mutex<Option<notify::RecommendedWatcher>>,
+    /// The folder's watcher, while it has one (dropping it stops it).
+    watcher: Ranked<Option<notify::RecommendedWatcher>>,
 }
 
 /// The remote versions a folder skipped, by path, with the error: at most [`MAX_SKIPPED`]
@@ -177,6 +182,66 @@ pub struct Deferred {
 }
 
 impl FolderRt {
+    /// A folder `id` running over `store`, with `ignore` rules, reporting local changes to
+    /// `capture`, whose mount (once it has one) plugs into `slot`.
+    pub fn new(
+        id: FolderId,
+        store: Store,
+        ignore: IgnoreRules,
+        capture: mpsc::UnboundedSender<CaptureMsg>,
+        slot: Arc<crate::mounts::MountSlot>,
+    ) -> FolderRt {
+        FolderRt {
+            ignore: RwLock::new(ignore),
+            store,
+            op_lock: Ranked::new(Rank::Folder, "folder", ()),
+            capture,
+            capture_pending: Default::default(),
+            capture_queue: Ranked::new(Rank::Leaf, "capture queue", Default::default()),
+            scanning: Default::default(),
+            scan_is_long: Default::default(),
+            // Inert until the folder is mounted; then it forwards to the mount.
+            writers: slot.clone(),
+            invalidator: slot.clone(),
+            mount_slot: slot,
+            mount: Ranked::new(Rank::Leaf, "mount", None),
+            deferred: Ranked::new(Rank::Leaf, "deferred", HashMap::new()),
+            blocked: Ranked::new(Rank::Leaf, "blocked", None),
+            skipped: Ranked::new(Rank::Leaf, "skipped", Skipped::default()),
+            unreadable: Ranked::new(Rank::Leaf, "unreadable", Default::default()),
+            last_error: Default::default(),
+            first_scan: Arc::new(Progress::new(id.clone(), crate::progress::Work::FirstScan)),
+            receiving: Arc::new(Progress::new(id.clone(), crate::progress::Work::Receiving)),
+            echoes: Default::default(),
+            watcher: Ranked::new(Rank::Leaf, "watcher", None),
+            id,
+        }
+    }
+
+    /// The capture loop's queue, held (for a few steps, never across an await).
+    pub fn capture_queue(&self) -> crate::lock::RankedGuard<'_, crate::capture::Coalescer> {
+        self.capture_queue.lock_anyway()
+    }
+
+    /// Gives the folder its watcher (`None`: stops it).
+    pub fn set_watcher(&self, w: Option<notify::RecommendedWatcher>) {
+        *self.watcher.lock_anyway() = w;
+    }
+
+    /// Runs `f` with the folder's mount slot held: mounting and unmounting (which wait for the
+    /// kernel) hold it, so two never race.
+    pub fn with_mount<R>(&self, f: impl FnOnce(&mut Option<meshfs_fuse::Mount>) -> R) -> R {
+        f(&mut self.mount.lock_anyway())
+    }
+
+    /// The mount's status, if the folder is mounted.
+    pub fn mount_status(&self) -> Option<crate::mounts::MountStatus> {
+        self.with_mount(|m| {
+            m.as_ref()
+                .map(|m| crate::mounts::MountStatus::from(m.info()))
+        })
+    }
+
     /// Holds `remote` (from `peer`) until `remote.path` has no writer through the mount.
     pub fn defer(&self, remote: FileRecord, peer: DeviceId) {
         if let Ok(mut d) = self.deferred.lock() {
@@ -361,6 +426,7 @@ impl FolderRt {
                 connected.contains(&w.peer)
                     && w.not_before.is_none_or(|t| t <= now)
                     && !self.writers.has_writer(p)
+                    && !self.store.open_for_writing(p)
             })
             .map(|(p, _)| p.clone())
             .collect();
@@ -375,7 +441,7 @@ pub struct Folders {
     /// Its short id (version-vector key).
     pub short: ShortId,
     /// The journal (blocking calls; never held across an await).
-    pub journal: Mutex<Journal>,
+    journal: Ranked<Journal>,
     map: RwLock<HashMap<FolderId, Arc<FolderRt>>>,
     /// A folder's journal gained entries (local or applied remote changes).
     pub changes: broadcast::Sender<FolderId>,
@@ -390,7 +456,7 @@ impl Folders {
         Folders {
             device,
             short: device.short(),
-            journal: Mutex::new(journal),
+            journal: Ranked::new(Rank::Journal, "journal", journal),
             map: RwLock::new(HashMap::new()),
             changes,
             ignore_dir,
@@ -398,10 +464,15 @@ impl Folders {
     }
 
     /// The journal, held (never across an await).
-    pub fn journal(&self) -> Result<MutexGuard<'_, Journal>, FolderError> {
+    pub fn journal(&self) -> Result<RankedGuard<'_, Journal>, FolderError> {
         self.journal
             .lock()
             .map_err(|_| FolderError::Poisoned("journal"))
+    }
+
+    /// The journal's lock as it is (for callers that tell a poisoned lock apart themselves).
+    pub fn journal_lock(&self) -> std::sync::LockResult<RankedGuard<'_, Journal>> {
+        self.journal.lock()
     }
 
     /// A running folder.
@@ -533,7 +604,7 @@ impl Folders {
                     }
                     streamed += changes.len();
                     tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");
-                    let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut j = self.journal.lock_anyway();
                     commit_in_batches(&mut j, folder, changes)?;
                     drop(j);
                     self.changes_notify(folder);

@@ -3,7 +3,7 @@
 //!
 //! Owns generating the key pair (rcgen, ECDSA P-256), storing it as `cert.der` (0644) and
 //! `key.der` (0600, PKCS#8) in the directory it is given, loading it back, and computing the
-//! device id of any certificate: blake3 of its SubjectPublicKeyInfo DER (DESIGN §3), found
+//! device id of any certificate: blake3 of its SubjectPublicKeyInfo DER (docs/design.md, "Data model"), found
 //! by a small DER walker rather than a full X.509 parser, because that one field is all
 //! meshfs reads from a certificate.
 //!

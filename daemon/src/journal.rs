@@ -6,7 +6,7 @@
 //! that backs it and the peer it came from; the local sequence counter and index id; the
 //! append-only history of every change applied here; per-peer progress; the chunk index
 //! (chunk hash → where a local copy lives); the *pending* rows of the apply bracket
-//! (DESIGN §6); and the *deferred* rows, remote versions waiting for a writer through the
+//! (docs/design.md, "Safe apply"); and the *deferred* rows, remote versions waiting for a writer through the
 //! mount to let go.
 //!
 //! **What it never does.** It opens no file but its database and decides nothing: it does
@@ -1207,7 +1207,7 @@ impl Journal {
         })
     }
 
-    /// Writes the pending side of the apply bracket (DESIGN §6): these remote versions are
+    /// Writes the pending side of the apply bracket (docs/design.md, "Safe apply"): these remote versions are
     /// about to be renamed into place. One transaction, flushed to disk before it returns;
     /// replaces any pending row of the same paths. [`Journal::commit`] of a path, or
     /// [`Journal::clear_pending`], removes its row.

@@ -1,5 +1,5 @@
 //! The mount: a folder served through FUSE by this daemon (`meshfs-fuse`), plugged into the
-//! folder's two engine edges (DESIGN §4, §9):
+//! folder's two engine edges (docs/design.md, "Capture" and "The mount"):
 //!
 //! - **events in:** [`CaptureSink`] turns the mount's change events into the same capture
 //!   messages the watcher sends, on the folder's capture channel. A send never blocks, so no

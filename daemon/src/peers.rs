@@ -14,7 +14,7 @@
 //! module only moves its messages and runs the applies it asks for.
 
 use crate::apply;
-use crate::chunks::{self, SERVED_AT_ONCE};
+use crate::chunks::{self, Inline, SERVED_AT_ONCE};
 use crate::config::{Config, Options};
 use crate::discovery::book::Source;
 use crate::discovery::{self, Addresses};
@@ -42,7 +42,7 @@ pub struct Net {
     /// The config in force (the engine replaces it on reload).
     pub config: Arc<RwLock<Config>>,
     /// Connected peers and their sync status.
-    pub peers: Mutex<Peers>,
+    pub peers: crate::lock::Ranked<Peers>,
     /// Woken when a peer connects, disconnects or reports progress.
     pub peer_changed: Notify,
     /// The devices with a live connection now, each with the folders its session exchanges
@@ -68,9 +68,24 @@ pub struct Net {
     pub link_addrs: watch::Sender<BTreeMap<DeviceId, SocketAddr>>,
     /// Local discovery, when it runs.
     pub lan: Mutex<Option<Arc<discovery::lan::Lan>>>,
+    /// Each running folder's receive pipeline: sessions hand their batches to it.
+    pub receivers: RwLock<HashMap<FolderId, apply::Receiver>>,
 }
 
 impl Net {
+    /// The receive pipeline of `folder`, if it runs.
+    pub fn receiver(&self, folder: &FolderId) -> Option<apply::Receiver> {
+        self.receivers.read().ok()?.get(folder).cloned()
+    }
+
+    /// Every folder's receive pipeline.
+    fn all_receivers(&self) -> Vec<apply::Receiver> {
+        self.receivers
+            .read()
+            .map(|r| r.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// This device's name.
     pub fn name(&self) -> String {
         self.config
@@ -493,7 +508,12 @@ pub(crate) async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
     }
     net.peer_changed.notify_waiters();
     let serial = link.serial;
-    let result = drive_session(&net, peer, &link).await;
+    // The session's batches, in every folder's receive pipeline.
+    let source = apply::Receiver::new_source();
+    let result = drive_session(&net, peer, &link, source).await;
+    for receiver in net.all_receivers() {
+        receiver.gone(source);
+    }
     // Read before closing: a local close replaces the reason.
     let closed_as_duplicate = conn
         .close_reason()
@@ -524,21 +544,9 @@ pub(crate) async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
         rtt_us = s.rtt.as_micros() as u64, "peer disconnected");
 }
 
-/// Waits until the filesystem of `path` has more free room than now (checked every second),
-/// or a minute at most.
-async fn wait_for_room(path: &std::path::Path) {
-    let start = crate::store::free_bytes(path).unwrap_or(0);
-    for _ in 0..60 {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        if crate::store::free_bytes(path).is_some_and(|f| f > start.saturating_add(1 << 20)) {
-            return;
-        }
-    }
-}
-
 fn session_folders(net: &Net, peer: &DeviceId) -> Vec<SessionFolder> {
     let shared = net.shared_with(peer);
-    let Ok(mut j) = net.folders.journal.lock() else {
+    let Ok(mut j) = net.folders.journal_lock() else {
         return Vec::new();
     };
     shared
@@ -562,7 +570,12 @@ fn session_folders(net: &Net, peer: &DeviceId) -> Vec<SessionFolder> {
         .collect()
 }
 
-async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Result<(), String> {
+async fn drive_session(
+    net: &Arc<Net>,
+    peer: DeviceId,
+    link: &PeerLink,
+    source: apply::Source,
+) -> Result<(), String> {
     let conn = &link.conn;
     let (send, recv) = if link.dialer == net.folders.device {
         conn.open_bi().await.map_err(|e| e.to_string())?
@@ -594,8 +607,7 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
     let first = {
         let mut j = net
             .folders
-            .journal
-            .lock()
+            .journal_lock()
             .map_err(|_| "journal lock poisoned")?;
         let mut src = JournalSource { journal: &mut j };
         let mut first = session.start(&mut src);
@@ -609,8 +621,8 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
         first
     };
     let mut pending = first;
-    // Per folder, what the next Receive waits on (the receive pipeline, `apply::Turn`).
-    let mut pipeline: HashMap<FolderId, apply::Before> = HashMap::new();
+    // What the folders' receive pipelines say of this session's batches.
+    let (replies_tx, mut replies) = mpsc::unbounded_channel::<apply::Reply>();
     let mut exchanged_told = false;
     loop {
         let mut queue: std::collections::VecDeque<Action> = std::mem::take(&mut pending).into();
@@ -638,22 +650,18 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
                     up_to,
                     inline,
                 } => {
-                    let (turn, next) = apply::Turn::after(pipeline.remove(&folder));
-                    pipeline.insert(folder.clone(), next);
-                    let batch = Received {
-                        folder,
-                        records,
-                        up_to,
-                        inline,
+                    let Some(receiver) = net.receiver(&folder) else {
+                        return Err(format!("apply failed: folder {folder} is not running here"));
                     };
-                    tokio::spawn(receive(
-                        net.clone(),
+                    receiver.receive(
+                        source,
                         peer,
                         conn.clone(),
-                        batch,
-                        turn,
-                        tx.clone(),
-                    ));
+                        records,
+                        inline,
+                        Some(up_to),
+                        replies_tx.clone(),
+                    );
                 }
                 Action::Close { reason } => return Err(reason),
                 Action::Sought { devices } => {
@@ -677,12 +685,21 @@ async fn drive_session(net: &Arc<Net>, peer: DeviceId, link: &PeerLink) -> Resul
                 let Some(ev) = ev else { return Err("link closed".into()) };
                 pending = on_event(net, peer, &mut session, ev)?;
             }
+            Some(reply) = replies.recv() => {
+                let ev = match reply {
+                    apply::Reply::Applied { folder, up_to } => {
+                        LinkEvent::Applied(folder, up_to.unwrap_or_default())
+                    }
+                    apply::Reply::Failed { folder, error } => LinkEvent::ApplyFailed(folder, error),
+                };
+                pending = on_event(net, peer, &mut session, ev)?;
+            }
             ch = changes.recv() => {
                 let folders: Vec<FolderId> = match ch {
                     Ok(f) => vec![f],
                     Err(_) => net.shared_with(&peer),
                 };
-                let mut j = net.folders.journal.lock().map_err(|_| "journal lock poisoned")?;
+                let mut j = net.folders.journal_lock().map_err(|_| "journal lock poisoned")?;
                 let mut src = JournalSource { journal: &mut j };
                 for f in folders {
                     pending.extend(session.local_changed(&f, &mut src));
@@ -748,7 +765,7 @@ fn our_scan(net: &Net, folder: &FolderId) -> Option<(bool, ScanCounts)> {
 
 /// Stores the progress the session reports (an action that only saves).
 fn save_progress(net: &Net, peer: &DeviceId, action: Action) {
-    let Ok(mut j) = net.folders.journal.lock() else {
+    let Ok(mut j) = net.folders.journal_lock() else {
         return;
     };
     let (folder, saved) = match action {
@@ -788,8 +805,7 @@ fn on_event(
             }
             let mut j = net
                 .folders
-                .journal
-                .lock()
+                .journal_lock()
                 .map_err(|_| "journal lock poisoned")?;
             Ok(session.handle(m, &mut JournalSource { journal: &mut j }))
         }
@@ -851,81 +867,8 @@ async fn serve_requests(net: Arc<Net>, peer: DeviceId, conn: quinn::Connection) 
     }
 }
 
-/// An index batch the session hands to apply.
-struct Received {
-    folder: FolderId,
-    records: Vec<FileRecord>,
-    up_to: u64,
-    inline: Vec<meshfs_protocol::ChunkResponse>,
-}
-
-/// Applies one received batch in its turn and reports the result to the session.
-async fn receive(
-    net: Arc<Net>,
-    peer: DeviceId,
-    conn: quinn::Connection,
-    batch: Received,
-    turn: apply::Turn,
-    tx: mpsc::UnboundedSender<LinkEvent>,
-) {
-    let Received {
-        folder,
-        records,
-        up_to,
-        inline,
-    } = batch;
-    tracing::debug!(%folder, records = records.len(), inline = inline.len(), up_to, "index batch received");
-    let inline = inline.into_iter().map(|c| (c.hash, c)).collect();
-    let queued = net
-        .folders
-        .get(&folder)
-        .map(|rt| rt.receiving.queue(&records));
-    let result = apply::receive(&net.folders, &folder, peer, &conn, records, inline, turn).await;
-    let ev = match result {
-        Ok(()) => {
-            if let Some(q) = queued {
-                q.applied();
-            }
-            LinkEvent::Applied(folder, up_to)
-        }
-        Err(e) => {
-            if let (true, Some(rt)) = (e.is_disk_full(), net.folders.get(&folder)) {
-                // The failed batch's temp files are gone and no user file was touched. Say it
-                // once; the session keeps serving meanwhile, and the batch is received again
-                // (at the reconnect this failure causes) once the disk has more room, or after
-                // a minute, instead of re-fetching into a full disk over and over.
-                if rt.block(format!("disk full: {e}")) {
-                    tracing::error!(%folder, error = %e, "the disk is full; receiving into this folder stopped until there is room (other folders and peers go on)");
-                }
-                wait_for_room(rt.store.root()).await;
-            }
-            LinkEvent::ApplyFailed(folder, e)
-        }
-    };
-    let _ = tx.send(ev);
-}
-
 /// Messages for the control stream, each with what of its records' content may ride inline.
 type Outgoing = mpsc::UnboundedSender<(Message, Inline)>;
-
-/// Which records of an outgoing index batch may carry their content ([`chunks::attach_inline`]).
-pub(crate) struct Inline {
-    /// Only records above this sequence ([`Session::inline_after`]).
-    pub(crate) after: u64,
-    /// Records made by a device the peer hears from directly, to leave out even above it
-    /// ([`Session::peer_hears`]): that device sends the peer their content itself.
-    pub(crate) relayed: HashSet<ShortId>,
-}
-
-impl Inline {
-    /// Nothing inline.
-    fn none() -> Inline {
-        Inline {
-            after: u64::MAX,
-            relayed: HashSet::new(),
-        }
-    }
-}
 
 /// The authors of `records` (of `folder`) other than this device whose versions the peer gets
 /// from them directly.

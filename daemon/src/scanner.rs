@@ -441,8 +441,23 @@ fn diff(
     vanished.sort_by_key(|k| std::cmp::Reverse((k.s.path.components().count(), k.s.path.clone())));
     let deletes = d.deletions(vanished);
     let mut report = d.report;
-    report.changes = d.creates;
-    report.changes.extend(deletes);
+    // The deletions below a path that is now a file or a symlink go first: a peer that gets
+    // the new file before those deletions keeps the directory for them, and the file is lost
+    // to the directory's newer version (`sync::pipeline::order` does the same with a batch).
+    let replaced: Vec<&RelPath> = d
+        .creates
+        .iter()
+        .filter(|c| !c.record.deleted && c.record.kind != FileKind::Dir)
+        .map(|c| &c.record.path)
+        .collect();
+    let (first, later): (Vec<Change>, Vec<Change>) = deletes.into_iter().partition(|c| {
+        replaced
+            .iter()
+            .any(|d| c.record.path.is_within(d) && c.record.path != **d)
+    });
+    report.changes = first;
+    report.changes.extend(d.creates);
+    report.changes.extend(later);
     Ok(report)
 }
 

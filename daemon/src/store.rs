@@ -29,11 +29,14 @@
 //! a time with `openat(O_NOFOLLOW | O_DIRECTORY)`, so a symlink planted in a parent component
 //! is refused instead of followed.
 //!
-//! Durability is batched (DESIGN §6): [`Store::install`] makes a whole batch of temp files
+//! Durability is batched (docs/design.md, "Safe apply"): [`Store::install`] makes a whole batch of temp files
 //! durable with one `syncfs`, renames them, then fsyncs each touched directory once.
 
-use crate::sys;
-use meshfs_protocol::{FileKind, Hash, RelPath, INTERNAL_PREFIX, MODE_SYNC_MASK};
+mod displace;
+
+use crate::{failpoint, sys};
+use displace::{same_version, Keeper, Old, Verdict};
+use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::fs::File;
@@ -57,6 +60,12 @@ pub enum StoreError {
         "{0}: changed on disk since it was last scanned; the change will be reconciled instead"
     )]
     Changed(RelPath),
+    /// Another program has the target open for writing: the remote version waits until it
+    /// is closed (the store's read lease on the file is refused, [`displace`]).
+    #[error(
+        "{0}: open for writing by another program; the remote version waits until it is closed"
+    )]
+    Busy(RelPath),
     /// A temp file's chunks do not cover its size.
     #[error("{path}: {written} bytes written of {size}")]
     Incomplete {
@@ -147,13 +156,15 @@ pub struct Store {
     root: PathBuf,
     root_fd: OwnedFd,
     staging: Option<Staging>,
+    /// Files an apply replaced or removed, kept aside a while ([`displace`]).
+    keeper: Keeper,
 }
 
 /// The directory temp files are assembled in, when it is outside the replica.
 #[derive(Debug)]
 struct Staging {
     path: PathBuf,
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
     /// Its filesystem: temp files are staged only for targets on the same one.
     dev: u64,
     /// How an unnamed temp file made here gets a name, if it can (probed at open).
@@ -292,10 +303,12 @@ impl Store {
     /// targets.
     pub fn open(root: &Path) -> Result<Store, StoreError> {
         std::fs::create_dir_all(root).map_err(|e| io_err(root.display(), e))?;
+        sys::ignore_sigio();
         Ok(Store {
             root: root.to_path_buf(),
             root_fd: open_path_dir(root)?,
             staging: None,
+            keeper: Keeper::default(),
         })
     }
 
@@ -318,7 +331,7 @@ impl Store {
                 let link = probe_unnamed(fd.as_fd());
                 store.staging = Some(Staging {
                     path: staging.to_path_buf(),
-                    fd,
+                    fd: Arc::new(fd),
                     dev,
                     link,
                 })
@@ -340,6 +353,28 @@ impl Store {
     /// The replica directory.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Names the conflict copies this store keeps of local writes that raced an apply after
+    /// this device (`by`, its short id).
+    pub fn set_device(&self, by: ShortId) {
+        self.keeper.set_device(by);
+    }
+
+    /// Looks now at every file an apply kept aside, instead of after its grace period (a
+    /// stopping daemon, tests).
+    pub fn settle_displaced(&self) {
+        self.keeper.settle_all();
+    }
+
+    /// Whether another program has the file at `path` open for writing (then a remote version
+    /// of it waits, as it does for a writer through the mount). `false` when nothing can be
+    /// told (no such regular file, no leases on this filesystem).
+    pub fn open_for_writing(&self, path: &RelPath) -> bool {
+        let Ok((dir, name)) = self.parent_and_name(path, false) else {
+            return false;
+        };
+        displace::open_for_writing(&*dir, &name)
     }
 
     /// Opens the directory `dir` (None: the root) without following symlinks, creating
@@ -845,7 +880,7 @@ impl Store {
             .map(|(dir, t, expect)| match dir {
                 Ok(dir) => {
                     let target = t.target.clone();
-                    let r = self.install_one(dir.as_fd(), t, expect);
+                    let r = self.install_one(&dir, t, expect);
                     if let Ok(local) = &r {
                         installed(&target, local);
                         if !touched.last().is_some_and(|d| Arc::ptr_eq(d, &dir)) {
@@ -870,7 +905,7 @@ impl Store {
 
     fn install_one(
         &self,
-        dir: BorrowedFd<'_>,
+        dir: &Arc<OwnedFd>,
         t: TempFile,
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
@@ -878,42 +913,58 @@ impl Store {
         if t.unnamed() {
             return self.install_unnamed(dir, t, &name, expect);
         }
-        let from = self.staging_fd(t.staged).unwrap_or(dir);
+        let aside = match &self.staging {
+            Some(s) if t.staged => s.fd.clone(),
+            _ => dir.clone(),
+        };
         let refuse = |e| {
-            let _ = sys::unlinkat(from, &t.name, 0);
+            let _ = sys::unlinkat(aside.as_fd(), &t.name, 0);
             Err(e)
         };
-        // A new file: the rename itself refuses an existing target (no stat first, and no
-        // window between the check and the rename). Where the filesystem cannot, check first.
-        let renamed = if expect == Expect::Absent {
-            match rename_noreplace(from, &t.name, dir, &name) {
-                Ok(done) => done,
+        // What this install wrote, before anyone else can reach it: the stat to journal.
+        let ours = match lstat_at(aside.as_fd(), &t.name) {
+            Ok(st) => stat_of(&st).local,
+            Err(e) => return refuse(io_err(&t.target, e)),
+        };
+        match expect {
+            // A new file: the rename itself refuses an existing target (no stat first, and no
+            // window between the check and the rename). Where the filesystem cannot, check first.
+            Expect::Absent => match rename_noreplace(aside.as_fd(), &t.name, dir.as_fd(), &name) {
+                Ok(true) => {}
+                Ok(false) => {
+                    if let Err(e) = check_expect(dir.as_fd(), &name, &t.target, expect) {
+                        return refuse(e);
+                    }
+                    if let Err(e) = sys::renameat(aside.as_fd(), &t.name, dir.as_fd(), &name) {
+                        return refuse(io_err(&t.target, e));
+                    }
+                }
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
                     return refuse(StoreError::Changed(t.target.clone()))
                 }
                 Err(e) => return refuse(io_err(&t.target, e)),
+            },
+            // The file the journal knows is swapped out, checked and kept aside; `replace`
+            // leaves no temp name behind whatever happens, so nothing here may remove one.
+            Expect::Matches(want) => {
+                self.replace(dir, &name, &t.target, (&aside, &t.name), &want)?;
             }
-        } else {
-            false
-        };
-        if !renamed {
-            if let Err(e) = check_expect(dir, &name, &t.target, expect) {
-                return refuse(e);
-            }
-            if let Err(e) = sys::renameat(from, &t.name, dir, &name) {
-                return refuse(io_err(&t.target, e));
+            Expect::Anything => {
+                if let Err(e) = sys::renameat(aside.as_fd(), &t.name, dir.as_fd(), &name) {
+                    return refuse(io_err(&t.target, e));
+                }
             }
         }
-        let st = lstat_at(dir, &name).map_err(|e| io_err(&t.target, e))?;
-        Ok(stat_of(&st).local)
+        failpoint::hit("install.after_rename", t.target.as_str());
+        Ok(settled(&ours, lstat_at(dir.as_fd(), &name)))
     }
 
     /// [`Store::install_one`] of an unnamed temp file: a new file is linked in (the link
     /// itself refuses an existing target); a replacement is linked into the staging directory
-    /// under a temp name, then renamed over the target. Dropping `t` frees an unlinked file.
+    /// under a temp name, then swapped into place. Dropping `t` frees an unlinked file.
     fn install_unnamed(
         &self,
-        dir: BorrowedFd<'_>,
+        dir: &Arc<OwnedFd>,
         t: TempFile,
         name: &CStr,
         expect: Expect,
@@ -923,8 +974,10 @@ impl Store {
         };
         let via = staging.link.unwrap_or(LinkVia::ProcFd);
         let fd = file.as_fd();
+        let ours = sys::fstat(fd).map_err(|e| io_err(&t.target, e))?;
+        let ours = stat_of(&ours).local;
         if expect == Expect::Absent {
-            match link_unnamed(fd, via, dir, name) {
+            match link_unnamed(fd, via, dir.as_fd(), name) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
                     return Err(StoreError::Changed(t.target.clone()))
@@ -932,20 +985,179 @@ impl Store {
                 Err(e) => return Err(io_err(&t.target, e)),
             }
         } else {
-            check_expect(dir, name, &t.target, expect)?;
-            let sdir = staging.fd.as_fd();
+            let sdir = &staging.fd;
             let tmp = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
-            link_unnamed(fd, via, sdir, &tmp).map_err(|e| io_err(&t.target, e))?;
-            if let Err(e) = sys::renameat(sdir, &tmp, dir, name) {
-                let _ = sys::unlinkat(sdir, &tmp, 0);
-                return Err(io_err(&t.target, e));
+            link_unnamed(fd, via, sdir.as_fd(), &tmp).map_err(|e| io_err(&t.target, e))?;
+            match expect {
+                Expect::Matches(want) => self.replace(dir, name, &t.target, (sdir, &tmp), &want)?,
+                _ => {
+                    if let Err(e) = sys::renameat(sdir.as_fd(), &tmp, dir.as_fd(), name) {
+                        let _ = sys::unlinkat(sdir.as_fd(), &tmp, 0);
+                        return Err(io_err(&t.target, e));
+                    }
+                }
             }
         }
-        let st = sys::fstat(fd).map_err(|e| io_err(&t.target, e))?;
-        Ok(stat_of(&st).local)
+        failpoint::hit("install.after_rename", t.target.as_str());
+        // Our own descriptor: what this install put there, whatever the path holds now.
+        Ok(settled(&ours, sys::fstat(fd)))
     }
 
-    /// Removes a file or symlink if it is still what the journal expects.
+    /// Puts the file `new` (a directory and a temp name in it) at `name` in `dir` (the target
+    /// `path`) in place of the file `want` describes, which is swapped out and kept aside
+    /// ([`displace`]). A local write that reached the old file after its check undoes the
+    /// swap (`Changed`), and so does a writer that has it open (`Busy`). Whatever it returns,
+    /// no temp name of `new`'s holds anything that must be removed: ours is dropped, installed
+    /// or kept, the old file is back, kept aside or kept as a conflict copy.
+    fn replace(
+        &self,
+        dir: &Arc<OwnedFd>,
+        name: &CStr,
+        path: &RelPath,
+        new: (&Arc<OwnedFd>, &CStr),
+        want: &LocalStat,
+    ) -> Result<(), StoreError> {
+        let (aside, tname) = new;
+        let opened = lstat_at(aside.as_fd(), tname)
+            .map(|st| stat_of(&st).local)
+            .map_err(|e| io_err(path, e))
+            .and_then(|ours| Ok((ours, Old::open(dir.as_fd(), name, path, want)?)));
+        let (ours, old) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = sys::unlinkat(aside.as_fd(), tname, 0);
+                return Err(e);
+            }
+        };
+        failpoint::hit("install.before_rename", path.as_str());
+        match sys::renameat2(
+            aside.as_fd(),
+            tname,
+            dir.as_fd(),
+            name,
+            libc::RENAME_EXCHANGE,
+        ) {
+            Ok(()) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
+                return self.replace_linked_aside(dir, name, path, new, old);
+            }
+            Err(e) => {
+                let _ = sys::unlinkat(aside.as_fd(), tname, 0);
+                return Err(io_err(path, e));
+            }
+        }
+        failpoint::hit("install.after_exchange", path.as_str());
+        // The old file is at `tname` now.
+        match old.verdict() {
+            Verdict::Same => {
+                self.keeper
+                    .keep(old, aside.clone(), tname.to_owned(), path, dir.clone());
+                Ok(())
+            }
+            v => {
+                drop(old);
+                self.put_back(dir, name, path, new, &ours);
+                Err(match v {
+                    Verdict::Writer => StoreError::Busy(path.clone()),
+                    _ => StoreError::Changed(path.clone()),
+                })
+            }
+        }
+    }
+
+    /// Undoes a swap: the old file, at the temp name in `swapped`, goes back to `name` in `dir`
+    /// in exchange for what the path holds. What comes back is dropped if it is `ours` as this
+    /// install wrote it; anything else (ours written to while it was at the path, or a file
+    /// that replaced ours meanwhile) is kept as a conflict copy. If the swap back fails, the
+    /// old file is kept as a conflict copy.
+    fn put_back(
+        &self,
+        dir: &Arc<OwnedFd>,
+        name: &CStr,
+        path: &RelPath,
+        swapped: (&Arc<OwnedFd>, &CStr),
+        ours: &LocalStat,
+    ) {
+        let (aside, tname) = swapped;
+        let by = self.keeper.device();
+        let back = sys::renameat2(
+            aside.as_fd(),
+            tname,
+            dir.as_fd(),
+            name,
+            libc::RENAME_EXCHANGE,
+        );
+        if back.is_err() {
+            let _ = displace::keep_as_copy(aside.as_fd(), tname, dir.as_fd(), path, by);
+            return;
+        }
+        match lstat_at(aside.as_fd(), tname).map(|st| stat_of(&st).local) {
+            Ok(r) if same_version(&r, ours) && r.mode == ours.mode => {
+                let _ = sys::unlinkat(aside.as_fd(), tname, 0);
+            }
+            Ok(_) => {
+                let _ = displace::keep_as_copy(aside.as_fd(), tname, dir.as_fd(), path, by);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// [`Store::replace`] where the filesystem cannot exchange two names: the old file gets a
+    /// second name aside first, the path is checked to hold it still, and ours is renamed over
+    /// it. Between that check and the rename the path can still be replaced (D39); a write to
+    /// the old file after it is only ever kept, as a conflict copy.
+    fn replace_linked_aside(
+        &self,
+        dir: &Arc<OwnedFd>,
+        name: &CStr,
+        path: &RelPath,
+        new: (&Arc<OwnedFd>, &CStr),
+        old: Old,
+    ) -> Result<(), StoreError> {
+        let (aside, tname) = new;
+        let drop_ours = |e| {
+            let _ = sys::unlinkat(aside.as_fd(), tname, 0);
+            Err(e)
+        };
+        let kept = match cstr(&format!("{TEMP_PREFIX}{}", random_suffix())) {
+            Ok(k) => k,
+            Err(e) => return drop_ours(e),
+        };
+        let linked = sys::linkat(dir.as_fd(), name, aside.as_fd(), &kept, 0).is_ok();
+        let still = lstat_at(dir.as_fd(), name)
+            .is_ok_and(|st| st.st_ino == old.inode() && (st.st_mode & libc::S_IFMT) != 0);
+        if !still {
+            if linked {
+                let _ = sys::unlinkat(aside.as_fd(), &kept, 0);
+            }
+            return drop_ours(StoreError::Changed(path.clone()));
+        }
+        if let Err(e) = sys::renameat(aside.as_fd(), tname, dir.as_fd(), name) {
+            if linked {
+                let _ = sys::unlinkat(aside.as_fd(), &kept, 0);
+            }
+            return drop_ours(io_err(path, e));
+        }
+        if !linked {
+            // No links either: the old file lives on only while someone holds it open.
+            return Ok(());
+        }
+        match old.verdict() {
+            Verdict::Written => {
+                drop(old);
+                let by = self.keeper.device();
+                let _ = displace::keep_as_copy(aside.as_fd(), &kept, dir.as_fd(), path, by);
+            }
+            _ => self
+                .keeper
+                .keep(old, aside.clone(), kept, path, dir.clone()),
+        }
+        Ok(())
+    }
+
+    /// Removes a file or symlink if it is still what the journal expects. The file is moved
+    /// aside, checked again and kept a while ([`displace`]): a local write that reached it after
+    /// the check puts it back (`Changed`), and so does a writer that has it open (`Busy`).
     pub fn remove_file(&self, path: &RelPath, expect: Expect) -> Result<(), StoreError> {
         let (dir, name) = match self.parent_and_name(path, false) {
             Ok(x) => x,
@@ -954,14 +1166,59 @@ impl Store {
             }
             Err(e) => return Err(e),
         };
-        check_expect(dir.as_fd(), &name, path, expect)?;
-        match sys::unlinkat(dir.as_fd(), &name, 0) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => return Err(io_err(path, e)),
+        let Expect::Matches(want) = expect else {
+            check_expect(dir.as_fd(), &name, path, expect)?;
+            match sys::unlinkat(dir.as_fd(), &name, 0) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(io_err(path, e)),
+            }
+            let _ = sys::fsync(dir.as_fd());
+            return Ok(());
+        };
+        let old = Old::open(dir.as_fd(), &name, path, &want)?;
+        let aside = self.aside_for(&dir, path)?;
+        let kept = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
+        failpoint::hit("remove.before_rename", path.as_str());
+        sys::renameat(dir.as_fd(), &name, aside.as_fd(), &kept).map_err(|e| io_err(path, e))?;
+        failpoint::hit("remove.after_rename", path.as_str());
+        match old.verdict() {
+            Verdict::Same => {
+                self.keeper.keep(old, aside, kept, path, dir.clone());
+                let _ = sys::fsync(dir.as_fd());
+                Ok(())
+            }
+            v => {
+                drop(old);
+                // Back where it was, unless the path was made again meanwhile: then kept.
+                let back = sys::renameat2(
+                    aside.as_fd(),
+                    &kept,
+                    dir.as_fd(),
+                    &name,
+                    libc::RENAME_NOREPLACE,
+                );
+                if back.is_err() {
+                    let by = self.keeper.device();
+                    displace::keep_as_copy(aside.as_fd(), &kept, dir.as_fd(), path, by)?;
+                }
+                Err(match v {
+                    Verdict::Writer => StoreError::Busy(path.clone()),
+                    _ => StoreError::Changed(path.clone()),
+                })
+            }
         }
-        let _ = sys::fsync(dir.as_fd());
-        Ok(())
+    }
+
+    /// Where a file removed from `dir` is kept aside: the staging directory when it is on
+    /// the same filesystem (a rename cannot cross), else `dir` itself under a temp name.
+    fn aside_for(&self, dir: &Arc<OwnedFd>, path: &RelPath) -> Result<Arc<OwnedFd>, StoreError> {
+        match &self.staging {
+            Some(s) if fstat_dev(dir.as_fd()).map_err(|e| io_err(path, e))? == s.dev => {
+                Ok(s.fd.clone())
+            }
+            _ => Ok(dir.clone()),
+        }
     }
 
     /// Removes an empty directory (a directory with entries is left alone: `NotEmpty`).
@@ -1009,7 +1266,8 @@ impl Store {
         Ok(stat_of(&st).local)
     }
 
-    /// Creates or replaces a symlink atomically (temp link + rename), after checking `expect`.
+    /// Creates or replaces a symlink atomically (a temp link, then a rename that refuses an
+    /// existing target, or a swap with the expected file, which is kept aside: [`displace`]).
     pub fn make_symlink(
         &self,
         path: &RelPath,
@@ -1018,26 +1276,55 @@ impl Store {
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
         let (dir, name) = self.parent_and_name(path, true)?;
-        let dir = dir.as_fd();
         let tmp = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
         let tgt = cstr(target)?;
-        sys::symlinkat(&tgt, dir, &tmp).map_err(|e| io_err(path, e))?;
-        let _ = sys::utimensat(dir, &tmp, &mtime_spec(mtime_ns), libc::AT_SYMLINK_NOFOLLOW);
-        if let Err(e) = check_expect(dir, &name, path, expect) {
-            let _ = sys::unlinkat(dir, &tmp, 0);
-            return Err(e);
+        sys::symlinkat(&tgt, dir.as_fd(), &tmp).map_err(|e| io_err(path, e))?;
+        let _ = sys::utimensat(
+            dir.as_fd(),
+            &tmp,
+            &mtime_spec(mtime_ns),
+            libc::AT_SYMLINK_NOFOLLOW,
+        );
+        let ours = lstat_at(dir.as_fd(), &tmp).map(|st| stat_of(&st).local);
+        let drop_tmp = |e| {
+            let _ = sys::unlinkat(dir.as_fd(), &tmp, 0);
+            Err(e)
+        };
+        let ours = match ours {
+            Ok(o) => o,
+            Err(e) => return drop_tmp(io_err(path, e)),
+        };
+        match expect {
+            Expect::Matches(want) => self.replace(&dir, &name, path, (&dir, &tmp), &want)?,
+            Expect::Absent => match rename_noreplace(dir.as_fd(), &tmp, dir.as_fd(), &name) {
+                Ok(true) => {}
+                Ok(false) => {
+                    if let Err(e) = check_expect(dir.as_fd(), &name, path, expect) {
+                        return drop_tmp(e);
+                    }
+                    if let Err(e) = sys::renameat(dir.as_fd(), &tmp, dir.as_fd(), &name) {
+                        return drop_tmp(io_err(path, e));
+                    }
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    return drop_tmp(StoreError::Changed(path.clone()))
+                }
+                Err(e) => return drop_tmp(io_err(path, e)),
+            },
+            Expect::Anything => {
+                if let Err(e) = sys::renameat(dir.as_fd(), &tmp, dir.as_fd(), &name) {
+                    return drop_tmp(io_err(path, e));
+                }
+            }
         }
-        if let Err(e) = sys::renameat(dir, &tmp, dir, &name) {
-            let _ = sys::unlinkat(dir, &tmp, 0);
-            return Err(io_err(path, e));
-        }
-        let _ = sys::fsync(dir);
-        let st = lstat_at(dir, &name).map_err(|e| io_err(path, e))?;
-        Ok(stat_of(&st).local)
+        let _ = sys::fsync(dir.as_fd());
+        Ok(settled(&ours, lstat_at(dir.as_fd(), &name)))
     }
 
     /// Sets mode (and, for files, mtime) of an existing file or directory in place, after
-    /// checking `expect`.
+    /// checking `expect`. A file is held under a read lease meanwhile ([`displace`]): nobody
+    /// can write it between the check and the stat that is journaled, and a file open for
+    /// writing is not touched (`Busy`).
     pub fn set_meta(
         &self,
         path: &RelPath,
@@ -1046,20 +1333,37 @@ impl Store {
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
         let (dir, name) = self.parent_and_name(path, false)?;
-        check_expect(dir.as_fd(), &name, path, expect)?;
-        let fd = sys::openat(dir.as_fd(), &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
-            .map_err(|e| io_err(path, e))?;
+        let is_dir =
+            lstat_at(dir.as_fd(), &name).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR);
+        let (held, fd);
+        match expect {
+            Expect::Matches(want) if !is_dir => {
+                let old = Old::open(dir.as_fd(), &name, path, &want)?;
+                fd = old.fd().try_clone().map_err(|e| io_err(path, e))?;
+                held = Some(old);
+            }
+            _ => {
+                check_expect(dir.as_fd(), &name, path, expect)?;
+                fd = sys::openat(dir.as_fd(), &name, libc::O_RDONLY | libc::O_NOFOLLOW, 0)
+                    .map_err(|e| io_err(path, e))?;
+                held = None;
+            }
+        }
+        failpoint::hit("meta.before_set", path.as_str());
         set_mode_fd(fd.as_fd(), mode).map_err(|e| io_err(path, e))?;
         if let Some(m) = mtime_ns {
             set_mtime_fd(fd.as_fd(), m).map_err(|e| io_err(path, e))?;
         }
-        let st = lstat_at(dir.as_fd(), &name).map_err(|e| io_err(path, e))?;
+        // The file's own descriptor, while the lease still holds writers off.
+        let st = sys::fstat(fd.as_fd()).map_err(|e| io_err(path, e))?;
+        drop(held);
         Ok(stat_of(&st).local)
     }
 
     /// Gives the current content of `from` a second name `to` (a hard link: instant, and the
     /// content survives when `from` is replaced by rename). Used for conflict siblings of the
-    /// local version. Falls back to a copy where links are not possible.
+    /// local version. Falls back to a copy where links are not possible. A file is held under
+    /// a read lease from its check to the stat that is journaled ([`displace`]).
     pub fn preserve_as(
         &self,
         from: &RelPath,
@@ -1067,12 +1371,19 @@ impl Store {
         expect: Expect,
     ) -> Result<LocalStat, StoreError> {
         let (fdir, fname) = self.parent_and_name(from, false)?;
-        check_expect(fdir.as_fd(), &fname, from, expect)?;
+        let held = match expect {
+            Expect::Matches(want) => Some(Old::open(fdir.as_fd(), &fname, from, &want)?),
+            _ => {
+                check_expect(fdir.as_fd(), &fname, from, expect)?;
+                None
+            }
+        };
         let (tdir, tname) = self.parent_and_name(to, true)?;
         if let Err(e) = sys::linkat(fdir.as_fd(), &fname, tdir.as_fd(), &tname, 0) {
             if e.raw_os_error() == Some(libc::EEXIST) {
                 return Err(StoreError::Changed(to.clone()));
             }
+            drop(held);
             // Symlinks, cross-device or link-limit: copy through a temp file instead.
             let st = self
                 .stat(from)?
@@ -1103,38 +1414,60 @@ impl Store {
                 .pop()
                 .unwrap_or_else(|| Err(StoreError::Changed(to.clone())));
         }
-        let _ = sys::fsync(tdir.as_fd());
         let st = lstat_at(tdir.as_fd(), &tname).map_err(|e| io_err(to, e))?;
+        // The name was linked, not the descriptor: it must be the file that was checked.
+        if let Some(old) = &held {
+            if st.st_ino != old.inode() {
+                let _ = sys::unlinkat(tdir.as_fd(), &tname, 0);
+                return Err(StoreError::Changed(from.clone()));
+            }
+        }
+        let _ = sys::fsync(tdir.as_fd());
+        drop(held);
         Ok(stat_of(&st).local)
     }
 
-    /// Removes leftover temp files below `dir` (relative to the root; `None` = everything).
-    /// Returns how many were removed. Run at start-up: a crash leaves only temp files behind.
+    /// Removes leftover temp files (run at start-up: a crash leaves only temp files behind),
+    /// except the files an apply had kept aside ([`displace`]): such a file is removed only
+    /// if it is unchanged, else moved next to its path as a conflict copy. Returns how many
+    /// were removed.
     pub fn remove_temps(&self) -> usize {
+        let by = self.keeper.device();
+        let open_dir = |p: &RelPath| self.open_dir(Some(p), false).ok();
         let mut removed = 0;
-        if let Some(s) = &self.staging {
-            for e in std::fs::read_dir(&s.path).into_iter().flatten().flatten() {
-                if e.file_name().to_string_lossy().starts_with(TEMP_PREFIX)
-                    && std::fs::remove_file(e.path()).is_ok()
+        let mut clean = |dir: &Path| {
+            let Ok(fd) = open_path_dir(dir) else { return };
+            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let name = e.file_name();
+                if !name.to_string_lossy().starts_with(TEMP_PREFIX) {
+                    continue;
+                }
+                let Ok(c) = CString::new(name.as_encoded_bytes()) else {
+                    continue;
+                };
+                if e.file_type().is_ok_and(|t| t.is_file())
+                    && displace::recover(&fd, &c, &self.root_fd, open_dir, by)
                 {
+                    continue;
+                }
+                if sys::unlinkat(fd.as_fd(), &c, 0).is_ok() {
                     removed += 1;
                 }
             }
+        };
+        if let Some(s) = &self.staging {
+            clean(&s.path);
         }
         let mut stack = vec![self.root.clone()];
         while let Some(d) = stack.pop() {
+            clean(&d);
             let Ok(rd) = std::fs::read_dir(&d) else {
                 continue;
             };
             for e in rd.flatten() {
                 let name = e.file_name();
-                let Ok(ft) = e.file_type() else { continue };
                 let n = name.to_string_lossy();
-                if n.starts_with(TEMP_PREFIX) {
-                    if std::fs::remove_file(e.path()).is_ok() {
-                        removed += 1;
-                    }
-                } else if ft.is_dir() && !n.starts_with(INTERNAL_PREFIX) {
+                if e.file_type().is_ok_and(|t| t.is_dir()) && !n.starts_with(INTERNAL_PREFIX) {
                     stack.push(e.path());
                 }
             }
@@ -1203,6 +1536,18 @@ fn rename_noreplace(
         Ok(()) => Ok(true),
         Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => Ok(false),
         Err(e) => Err(e),
+    }
+}
+
+/// The stat to journal for a file an install just put in place: `now` (what the path or the
+/// installed file's own descriptor shows) if that is still the very file the install wrote, as
+/// it wrote it (`ours`: same inode, size, mtime, mode), with the times the rename gave it; else
+/// `ours` itself, so that the local write which has landed since is seen as a change by the
+/// scanner and by the echo check. Never a stat that could hide a local write.
+fn settled(ours: &LocalStat, now: io::Result<libc::stat>) -> LocalStat {
+    match now.map(|st| stat_of(&st).local) {
+        Ok(l) if same_version(ours, &l) && l.mode == ours.mode => l,
+        _ => *ours,
     }
 }
 
@@ -1515,6 +1860,8 @@ mod tests {
             .unwrap();
         store.write_temp(&mut t, 0, b"partial").unwrap();
         drop(t);
+        // The replaced file was kept aside a while; once looked at, it is gone too.
+        store.settle_displaced();
         assert_eq!(temps_in(&staging), 0);
         assert_eq!(store.remove_temps(), 0);
         assert!(!dir.path().join("e/f").exists());

@@ -190,6 +190,67 @@ pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: libc::mode_t) -> io::Result<()> {
     cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
 
+/// `fcntl(fd, F_SETLEASE, kind)` (`F_RDLCK`, `F_WRLCK`, `F_UNLCK`). A read lease is refused
+/// (`EAGAIN`) while anyone has the file open for writing; while it is held, an open for writing
+/// (or a truncate) must first break it.
+pub(crate) fn set_lease(fd: BorrowedFd<'_>, kind: libc::c_int) -> io::Result<()> {
+    // SAFETY: F_SETLEASE takes an int argument and touches no memory of ours.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, kind) }).map(drop)
+}
+
+/// `fcntl(fd, F_GETLEASE)`: the lease `fd` holds (`F_UNLCK` once a break has begun).
+pub(crate) fn get_lease(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
+    // SAFETY: F_GETLEASE takes no argument and touches no memory of ours.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETLEASE) })
+}
+
+/// Ignores `SIGIO`: the kernel sends it to a lease holder when someone breaks the lease, and
+/// its default action ends the process. The store's leases are only held for a few system
+/// calls and read back with [`get_lease`], never waited on with the signal.
+pub(crate) fn ignore_sigio() {
+    // SAFETY: SIG_IGN installs no handler code; it only changes the disposition of SIGIO,
+    // which nothing else in the daemon uses.
+    unsafe {
+        libc::signal(libc::SIGIO, libc::SIG_IGN);
+    }
+}
+
+/// `fsetxattr(fd, name, value, 0)`.
+pub(crate) fn fsetxattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated and `value` is readable for its length; both outlive
+    // the call.
+    cvt(unsafe {
+        libc::fsetxattr(
+            fd.as_raw_fd(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    })
+    .map(drop)
+}
+
+/// `fgetxattr(fd, name)`: the value (at most 4 KiB).
+pub(crate) fn fgetxattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `name` is NUL-terminated; `buf` is writable for its length; both outlive the
+    // call.
+    let n = unsafe {
+        libc::fgetxattr(
+            fd.as_raw_fd(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    buf.truncate(n as usize);
+    Ok(buf)
+}
+
 /// `fsync(fd)` (a directory's too: its entries become durable).
 pub(crate) fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: integer arguments only; the descriptor is borrowed for the call.

@@ -259,3 +259,36 @@ fn a_file_created_again_over_its_tombstone_gets_a_newer_version() {
     commit_all(&mut j, folder, &t);
     assert_eq!(version(&j).compare(&tombstone), VvOrdering::After);
 }
+
+/// `rm -r d; mv f d`: the deletions below `d` are journaled before `d`'s new version, so a peer
+/// never keeps a directory for entries that the same change deletes (and loses the file to it).
+#[test]
+fn a_directory_replaced_by_a_file_is_journaled_after_the_deletions_below_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    std::fs::create_dir_all(root.join("d/sub")).unwrap();
+    std::fs::write(root.join("d/x"), b"x").unwrap();
+    std::fs::write(root.join("d/sub/y"), b"y").unwrap();
+    std::fs::write(root.join("f"), b"the new d").unwrap();
+    let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let fx = Fixture::new(&root);
+    let (folder, t) = (&fx.folder, fx.target());
+    commit_all(&mut j, folder, &t);
+    std::fs::remove_dir_all(root.join("d")).unwrap();
+    std::fs::rename(root.join("f"), root.join("d")).unwrap();
+    let r = scan(&t, &j, &[]).unwrap();
+    let order: Vec<(String, bool)> = r
+        .changes
+        .iter()
+        .map(|c| (c.record.path.to_string(), c.record.deleted))
+        .collect();
+    let at = |p: &str, deleted: bool| {
+        order
+            .iter()
+            .position(|(q, d)| q == p && *d == deleted)
+            .unwrap_or_else(|| panic!("{p} {deleted} not in {order:?}"))
+    };
+    assert!(at("d/sub/y", true) < at("d/sub", true), "{order:?}");
+    assert!(at("d/sub", true) < at("d", false), "{order:?}");
+    assert!(at("d/x", true) < at("d", false), "{order:?}");
+}

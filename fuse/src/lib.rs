@@ -1,7 +1,7 @@
 //! # meshfs-fuse: the mount of a replicated folder
 //!
-//! A FUSE filesystem that shows a folder's replica directory exactly as it is (DESIGN §9),
-//! plus the small interface through which it plugs into the engine (DESIGN §2, §4):
+//! A FUSE filesystem that shows a folder's replica directory exactly as it is (docs/design.md, "The mount"),
+//! plus the small interface through which it plugs into the engine (docs/design.md, "Capture" and "The mount"):
 //!
 //! - **the mount:** [`mount`] serves a backing directory at a mount point with multi-threaded
 //!   request handling, long kernel entry/attribute caching, readdirplus, directory listings

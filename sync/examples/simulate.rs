@@ -48,9 +48,10 @@ fn main() -> ExitCode {
                     println!("{line}");
                 }
                 println!(
-                    "seed {seed}: ok — {} replicas, {} ops, {} events, {} messages, {} virtual ms, {} paths, {} conflict files, outcomes {:?}, {} crashes ({} mid-apply), {} superseded, {} fetch retries",
+                    "seed {seed}: ok — {} replicas, {} ops, {} events, {} messages, {} virtual ms, {} paths, {} conflict files, outcomes {:?}, {} crashes ({} mid-apply), {} superseded, {} fetch failures, {} ran ahead, {} out of order, {} decided again, {} racing writes, {} failed sessions",
                     r.replicas, r.ops, r.events, r.messages, r.virtual_ms, r.paths, r.conflict_files, r.outcomes,
-                    r.crashes, r.interrupted_applies, r.superseded, r.fetch_retries
+                    r.crashes, r.interrupted_applies, r.superseded, r.fetch_retries, r.ran_ahead, r.out_of_order,
+                    r.redecided, r.race_writes, r.pipeline_failures
                 );
                 ExitCode::SUCCESS
             }
@@ -67,6 +68,7 @@ fn main() -> ExitCode {
     let start = Instant::now();
     let (mut events, mut conflicts, mut crashes) = (0u64, 0usize, 0u64);
     let (mut interrupted, mut superseded) = (0u64, 0u64);
+    let mut pipe = [0u64; 5];
     let (mut max_versions, mut max_extra, mut worst) = (0usize, 0usize, first);
     let mut outcomes = std::collections::BTreeMap::<String, u64>::new();
     for seed in first..first + n {
@@ -82,6 +84,15 @@ fn main() -> ExitCode {
                 crashes += r.crashes;
                 interrupted += r.interrupted_applies;
                 superseded += r.superseded;
+                for (acc, v) in pipe.iter_mut().zip([
+                    r.ran_ahead,
+                    r.out_of_order,
+                    r.redecided,
+                    r.race_writes,
+                    r.pipeline_failures,
+                ]) {
+                    *acc += v;
+                }
                 max_versions = max_versions.max(r.max_versions_per_path);
                 if r.max_extra_versions_per_path > max_extra {
                     (max_extra, worst) = (r.max_extra_versions_per_path, seed);
@@ -104,6 +115,8 @@ fn main() -> ExitCode {
         }
     }
     println!("decisions: {outcomes:?}; {interrupted} applies interrupted by a crash; {superseded} superseded records skipped");
+    let [ahead, ooo, redecided, races, failures] = pipe;
+    println!("receive pipeline: {ahead} batches decided while an earlier one of their session was in flight, {ooo} fetches completed out of order, {redecided} records decided again (their target changed), {races} local writes timed just before an install, {failures} sessions ended by a failed batch");
     println!("versions per path: at most {max_versions}, at most {max_extra} beyond its user edits (seed {worst})");
     println!("all {n} seeds passed in {:.1?}", start.elapsed());
     ExitCode::SUCCESS

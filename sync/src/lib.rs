@@ -12,6 +12,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod pipeline;
 pub mod plan;
 pub mod reconcile;
 pub mod rendezvous;

@@ -5,7 +5,7 @@
 //! floor, the incoming record) → a [`Decision`], a list of [`Step`]s that the driver (the
 //! engine with real files, or the simulation with a model) executes in order.
 //!
-//! The rules (DESIGN §7), per path, local record L against remote record R:
+//! The rules (docs/design.md, "Reconciliation"), per path, local record L against remote record R:
 //!
 //! | compare(L, R) | content | decision |
 //! |---|---|---|
@@ -541,18 +541,37 @@ pub fn conflict_name(path: &RelPath, loser: &FileRecord) -> RelPath {
     sibling_name(path, loser, None)
 }
 
+/// The conflict sibling name for a copy of `path` that this device `by` keeps of its own
+/// (a local write that raced a remote version into the file it replaced): the same pattern as
+/// [`conflict_name`], from that copy's mtime.
+pub fn local_conflict_name(path: &RelPath, mtime_ns: i64, by: ShortId) -> RelPath {
+    sibling_name_of(
+        path,
+        mtime_ns,
+        by,
+        None,
+        &Hash::of(path.as_str().as_bytes()),
+    )
+}
+
 fn sibling_name(path: &RelPath, loser: &FileRecord, tag: Option<&str>) -> RelPath {
+    sibling_name_of(path, loser.mtime_ns, loser.modified_by, tag, &loser.hash)
+}
+
+fn sibling_name_of(
+    path: &RelPath,
+    mtime_ns: i64,
+    by: ShortId,
+    tag: Option<&str>,
+    hash: &Hash,
+) -> RelPath {
     let name = path.file_name();
     let (stem, ext) = match name.rfind('.') {
         Some(0) | None => (name, ""),
         Some(i) if i + 1 == name.len() => (name, ""),
         Some(i) => (&name[..i], &name[i + 1..]),
     };
-    let mut mid = format!(
-        ".sync-conflict-{}-{}",
-        utc_stamp(loser.mtime_ns),
-        loser.modified_by.display7()
-    );
+    let mut mid = format!(".sync-conflict-{}-{}", utc_stamp(mtime_ns), by.display7());
     if let Some(tag) = tag {
         mid.push('-');
         mid.push_str(tag);
@@ -575,7 +594,7 @@ fn sibling_name(path: &RelPath, loser: &FileRecord, tag: Option<&str>) -> RelPat
     let file = format!("{}{mid}{ext_part}", &stem[..cut]);
     path.with_file_name(&file)
         .or_else(|_| RelPath::new(&file))
-        .or_else(|_| RelPath::new(&format!("sync-conflict-{}", loser.hash)))
+        .or_else(|_| RelPath::new(&format!("sync-conflict-{hash}")))
         .unwrap_or_else(|_| path.clone())
 }
 

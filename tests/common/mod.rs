@@ -35,6 +35,8 @@ pub struct Device {
     pub netns: Option<String>,
     /// A command the daemon runs under (e.g. `setpriv` with fewer capabilities); empty: none.
     pub under: Vec<String>,
+    /// Environment for the daemon (e.g. fault-injection points, [`Device::arm`]).
+    pub env: Vec<(String, String)>,
     child: Option<Child>,
     _tmp: std::sync::Arc<tempfile::TempDir>,
 }
@@ -120,6 +122,7 @@ impl Device {
             id,
             netns,
             under: Vec::new(),
+            env: Vec::new(),
             child: None,
             _tmp: tmp.clone(),
         }
@@ -187,11 +190,50 @@ impl Device {
                 "RUST_LOG",
                 std::env::var("MESHFS_TEST_LOG").unwrap_or_else(|_| "info".into()),
             )
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .unwrap();
         self.child = Some(child);
+    }
+
+    /// Arms fault-injection points for the daemon's next start (`daemon/src/failpoint.rs`):
+    /// `spec` is `POINT=ACTION,…`, e.g. `install.after_rename@f=pause`.
+    pub fn arm(&mut self, spec: &str) {
+        let dir = self.home.join("failpoints");
+        std::fs::create_dir_all(&dir).unwrap();
+        self.env.retain(|(k, _)| !k.starts_with("MESHFS_FAILPOINT"));
+        self.env.push(("MESHFS_FAILPOINTS".into(), spec.into()));
+        self.env
+            .push(("MESHFS_FAILPOINT_DIR".into(), dir.display().to_string()));
+    }
+
+    /// Waits until the daemon is paused at `point` (as armed, `name@detail`).
+    pub fn wait_paused(&self, point: &str, secs: u64) {
+        let reached = self
+            .home
+            .join("failpoints")
+            .join(format!("{}.reached", point.replace('/', "%")));
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while !reached.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "{} never reached {point}:\n{}",
+                self.name,
+                tail(&self.log(), 40)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Lets the daemon paused at `point` go on.
+    pub fn resume(&self, point: &str) {
+        let go = self
+            .home
+            .join("failpoints")
+            .join(format!("{}.go", point.replace('/', "%")));
+        std::fs::write(go, b"").unwrap();
     }
 
     fn wait_up(&self) {

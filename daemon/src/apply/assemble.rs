@@ -124,27 +124,28 @@ fn write_chunk(
 }
 
 /// Step 3: checks every file is covered by its verified chunks and makes the batch durable.
+/// Returns each ready file with its index among `metas` (a skipped one has no temp file).
 pub(super) fn finish_all(
     rt: &FolderRt,
     metas: Vec<Meta>,
     temps: Vec<Option<TempFile>>,
-) -> Result<Vec<(Meta, TempFile)>, ApplyError> {
-    let mut ready: Vec<(Meta, TempFile)> = Vec::with_capacity(metas.len());
-    for (t, temp) in metas.into_iter().zip(temps) {
+) -> Result<Vec<(usize, Meta, TempFile)>, ApplyError> {
+    let mut ready: Vec<(usize, Meta, TempFile)> = Vec::with_capacity(metas.len());
+    for (i, (t, temp)) in metas.into_iter().zip(temps).enumerate() {
         let Some(mut temp) = temp else { continue };
         match rt
             .store
             .finish_temp(&mut temp, t.record.size, t.record.mode, t.record.mtime_ns)
         {
-            Ok(()) => ready.push((t, temp)),
+            Ok(()) => ready.push((i, t, temp)),
             Err(e) => {
-                let rest = ready.into_iter().map(|(_, t)| t);
+                let rest = ready.into_iter().map(|(_, _, t)| t);
                 discard_all(rt, std::iter::once(temp).chain(rest));
                 return Err(e.into());
             }
         }
     }
-    let temps: Vec<&TempFile> = ready.iter().map(|(_, t)| t).collect();
+    let temps: Vec<&TempFile> = ready.iter().map(|(_, _, t)| t).collect();
     rt.store.sync_temps(&temps);
     Ok(ready)
 }

@@ -3,7 +3,7 @@
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
 use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
-use crate::fetching::{Ended, Fetch, InFlight};
+use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, StoredRecord};
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
@@ -12,7 +12,6 @@ use meshfs_sync::plan::{self, Disk, Planned};
 use meshfs_sync::reconcile::{Outcome, ReadError, ReplicaView, Step};
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// The journal records read while deciding one batch, so that the parent directory shared by a
 /// thousand records is read once, not a thousand times. Lives only inside [`decide_all`] (which
@@ -80,30 +79,15 @@ pub(super) struct Decided {
     pub dirs: DirCache,
 }
 
-/// What step 1 leaves to the batch as a whole (not to its transfers).
-pub(super) struct Held {
-    /// Remote records held back: another peer's session is fetching what they depend on.
-    /// Decide them again once `waits` have ended.
-    pub records: Vec<FileRecord>,
-    /// The other sessions' batches the held records wait for.
-    pub waits: Vec<Ended>,
-    /// The paths this batch will change: its transfers' targets and the held records.
-    pub in_flight: Arc<InFlight>,
-    /// Its registration in the folder's [`crate::fetching::Fetching`], until dropped.
-    pub fetch: Fetch,
-}
-
-/// Step 1 for a batch, under the folder's lock and holding the journal. With `may_hold`, a
-/// record at a path another peer's session is fetching (or below or above one) is held back
-/// rather than decided, and so is every later record of the batch that depends on a held one.
+/// Step 1 for records of a batch from `peer` (those the receive pipeline did not hold back),
+/// under the folder's lock and holding the journal.
 pub(super) fn decide_all(
     folders: &Folders,
     rt: &FolderRt,
     folder: &FolderId,
     peer: DeviceId,
     records: Vec<FileRecord>,
-    may_hold: bool,
-) -> Result<(Decided, Held), ApplyError> {
+) -> Result<Decided, ApplyError> {
     let _guard = rt
         .op_lock
         .lock()
@@ -119,10 +103,6 @@ pub(super) fn decide_all(
         done: Vec::new(),
         transfers: Vec::new(),
         redo: Vec::new(),
-        may_hold,
-        held: Vec::new(),
-        held_paths: InFlight::default(),
-        waits: Vec::new(),
     };
     d.journal.begin_reads();
     let result = records.into_iter().try_for_each(|r| d.record(r));
@@ -137,26 +117,16 @@ pub(super) fn decide_all(
     };
     result?;
     flushed?;
-    // Registered before the folder's lock is let go: a session deciding next sees it.
-    let mut in_flight = d.held_paths;
+    // Between a decision and its install the folder's lock is let go (for tests: what another
+    // batch or a local edit does meanwhile). Detail: a transfer's remote path.
     for t in &d.transfers {
-        in_flight.insert(&t.meta.record.path);
+        failpoint::hit("apply.decided", t.meta.remote.path.as_str());
     }
-    let in_flight = Arc::new(in_flight);
-    let fetch = rt.fetching.start(peer, in_flight.clone());
-    Ok((
-        Decided {
-            transfers: d.transfers,
-            redo: d.redo,
-            dirs: d.dirs,
-        },
-        Held {
-            records: d.held,
-            waits: d.waits,
-            in_flight,
-            fetch,
-        },
-    ))
+    Ok(Decided {
+        transfers: d.transfers,
+        redo: d.redo,
+        dirs: d.dirs,
+    })
 }
 
 /// Whether the rest of a plan goes on after a step.
@@ -179,26 +149,11 @@ struct Deciding<'a> {
     done: Vec<Change>,
     transfers: Vec<Transfer>,
     redo: Vec<FileRecord>,
-    /// Records may be held back for other sessions' batches.
-    may_hold: bool,
-    held: Vec<FileRecord>,
-    held_paths: InFlight,
-    waits: Vec<Ended>,
 }
 
 impl Deciding<'_> {
-    /// Plans one remote record and does its steps (or holds it back, see [`decide_all`]).
+    /// Plans one remote record and does its steps.
     fn record(&mut self, remote: FileRecord) -> Result<(), ApplyError> {
-        if self.may_hold {
-            let elsewhere = self.rt.fetching.elsewhere(&self.peer, &remote.path);
-            if !elsewhere.is_empty() || self.held_paths.overlaps(&remote.path) {
-                tracing::debug!(folder = %self.folder, path = %remote.path, "held back: another peer's session is fetching it");
-                self.waits.extend(elsewhere);
-                self.held_paths.insert(&remote.path);
-                self.held.push(remote);
-                return Ok(());
-            }
-        }
         // Tombstones come after every live record (children first) and ask SQLite whether
         // live entries remain below them: commit what this batch did so far first.
         if (remote.deleted || self.done.len() >= 1000) && !self.done.is_empty() {
@@ -262,7 +217,12 @@ impl Deciding<'_> {
                 self.rt.unskip(&c.record.path);
                 self.rt.invalidator.invalidate(&c.record.path);
                 match waits {
-                    Some(i) => self.transfers[i].meta.then.push(c),
+                    Some(i) => {
+                        // What its path holds now: the change is journaled at the install only
+                        // if the path still holds it.
+                        let basis = self.stored(&c.record.path)?.map(|s| s.record.version);
+                        self.transfers[i].meta.then.push((c, basis));
+                    }
                     None => {
                         self.memo.put(&c);
                         self.done.push(c);
@@ -324,13 +284,25 @@ impl Deciding<'_> {
     /// it again, and a restart must still find it (a journal error fails the batch instead).
     fn deferred(&mut self, planned: &Planned, remote: &FileRecord) -> Result<bool, ApplyError> {
         let path = &planned.record().path;
-        if !matches!(planned.step, Step::ApplyRemote { .. }) || !self.rt.writers.has_writer(path) {
+        if !matches!(planned.step, Step::ApplyRemote { .. }) {
             return Ok(false);
         }
-        tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
+        if self.rt.writers.has_writer(path) {
+            tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
+        } else if self.rt.store.open_for_writing(path) {
+            tracing::info!(folder = %self.folder, %path, "open for writing by another program; the remote version waits for it");
+        } else {
+            return Ok(false);
+        }
+        self.defer(remote)?;
+        Ok(true)
+    }
+
+    /// Holds `remote` until its path has no writer; journaled first (see [`Self::deferred`]).
+    fn defer(&mut self, remote: &FileRecord) -> Result<(), ApplyError> {
         self.journal.put_deferred(self.folder, remote, &self.peer)?;
         self.rt.defer(remote.clone(), self.peer);
-        Ok(true)
+        Ok(())
     }
 
     /// A step without content: does its disk work and returns its journal change.
@@ -441,6 +413,11 @@ impl Deciding<'_> {
                 self.redo.push(remote.clone());
                 Ok((None, Flow::Next))
             }
+            Err(StoreError::Busy(p)) => {
+                tracing::info!(path = %p, "open for writing by another program; the remote version waits for it");
+                self.defer(remote)?;
+                Ok((None, Flow::Next))
+            }
             Err(e) => {
                 skip_or_fail(self.rt, remote, e)?;
                 Ok((None, Flow::Stop))
@@ -466,6 +443,11 @@ impl Deciding<'_> {
                 // The local file changed since it was scanned: capture that edit, then decide
                 // again.
                 self.redo.push(remote.clone());
+                Ok((None, Flow::Stop))
+            }
+            Err(StoreError::Busy(p)) => {
+                tracing::info!(path = %p, "open for writing by another program; the remote version waits for it");
+                self.defer(remote)?;
                 Ok((None, Flow::Stop))
             }
             Err(e) => {

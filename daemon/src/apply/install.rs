@@ -4,6 +4,7 @@
 //! interrupted ([`recover_pending`]).
 
 use super::transfer::{seen_of, skip_or_fail, ApplyError, Meta};
+use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, Op};
 use crate::store::{DirCache, Expect, LocalStat, StoreError, TempFile};
@@ -13,6 +14,7 @@ pub(super) fn install(
     folders: &Folders,
     rt: &FolderRt,
     folder: &FolderId,
+    peer: DeviceId,
     dirs: &mut DirCache,
     ready: Vec<(Meta, TempFile)>,
 ) -> Result<Vec<FileRecord>, ApplyError> {
@@ -68,6 +70,7 @@ pub(super) fn install(
     let mut journal = folders.journal()?;
     let mut changes = Vec::new();
     let mut redo = Vec::new();
+    let mut busy = Vec::new();
     let mut cleared = Vec::new();
     for (t, r) in meta.into_iter().zip(results) {
         match r {
@@ -80,11 +83,39 @@ pub(super) fn install(
                     source: t.source,
                     detail: t.detail,
                 });
-                changes.extend(t.then);
+                // The decision's changes that waited for this file go ahead only if their
+                // paths still hold what it saw: a local edit or another batch may have
+                // journaled a newer version meanwhile, which they would overwrite. Else the
+                // remote record is decided again; the sibling just installed is what it keeps.
+                let mut fresh = true;
+                for (c, basis) in &t.then {
+                    let now = journal
+                        .get(folder, &c.record.path)?
+                        .map(|s| s.record.version);
+                    fresh &= now == *basis;
+                }
+                if fresh {
+                    changes.extend(t.then.into_iter().map(|(c, _)| c));
+                } else {
+                    tracing::debug!(%folder, path = %t.remote.path, "changed while its sibling was fetched; decided again");
+                    redo.push(t.remote);
+                }
             }
+            // A directory the file goes into that is gone since its decision (a local `rm -r`)
+            // is a changed target too: decided again, it is revived or meets the deletion.
             Err(StoreError::Changed(_)) => {
                 cleared.push(t.record.path.clone());
                 redo.push(t.remote);
+            }
+            Err(StoreError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+                cleared.push(t.record.path.clone());
+                redo.push(t.remote);
+            }
+            // Another program has the file open for writing: the version waits for it, as it
+            // does for a writer through the mount (decided again once the writer is gone).
+            Err(StoreError::Busy(_)) => {
+                cleared.push(t.record.path.clone());
+                busy.push(t.remote);
             }
             Err(e) => {
                 cleared.push(t.record.path.clone());
@@ -93,8 +124,14 @@ pub(super) fn install(
         }
     }
     journal.clear_pending(folder, &cleared)?;
+    for remote in busy {
+        tracing::info!(%folder, path = %remote.path, "open for writing by another program; the remote version waits for it");
+        journal.put_deferred(folder, &remote, &peer)?;
+        rt.defer(remote, peer);
+    }
     let files = changes.len();
     journal.commit(folder, changes)?;
+    failpoint::hit("apply.installed", "");
     if files >= 100 {
         tracing::debug!(%folder, files, pending_ms = pending_at.as_millis() as u64,
             reread_ms = (reread_at - pending_at).as_millis() as u64,

@@ -172,8 +172,9 @@ pub(super) struct Meta {
     pub(super) remote: FileRecord,
     /// Journal changes of the same decision that may only be committed once this file is
     /// installed (a local winner's merged vector must not exist without the remote loser's
-    /// sibling, or a crash in between would lose the loser everywhere).
-    pub(super) then: Vec<Change>,
+    /// sibling, or a crash in between would lose the loser everywhere), each with the version
+    /// its path had when decided: committed only if the path still has it.
+    pub(super) then: Vec<(Change, Basis)>,
 }
 
 /// A record that cannot be applied here (its parent is a symlink or not a directory, a

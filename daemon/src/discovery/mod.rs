@@ -20,6 +20,7 @@ pub mod limiter;
 pub mod netlink;
 pub mod remembered;
 
+use crate::lock::{Rank, Ranked, RankedGuard};
 use book::{AddressBook, Candidate, Failure, Source};
 use meshfs_protocol::DeviceId;
 use std::net::{IpAddr, SocketAddr};
@@ -31,13 +32,22 @@ use tokio::sync::watch;
 /// The address book shared by the dialers, the sessions and local discovery, with a signal for
 /// the dialers when a device gains an address, and the remembered file kept up to date.
 pub struct Addresses {
-    book: Mutex<AddressBook>,
+    /// A leaf of the lock order: read under the peers' registry by `status`, never held while
+    /// another lock is taken.
+    book: Ranked<Book>,
     /// Bumped whenever a device gains a candidate address: a dialer waiting for one tries now.
     changed: watch::Sender<u64>,
     /// The remembered addresses' file (none in tests of the book alone).
     file: Option<PathBuf>,
-    /// Held while the file is written, so writes never interleave.
-    saving: Mutex<()>,
+    /// The generation of the remembered addresses last written, held while the file is
+    /// written: a write of an older generation than the file's is skipped.
+    saving: Mutex<u64>,
+}
+
+/// The book, and how many times its remembered addresses changed.
+struct Book {
+    book: AddressBook,
+    remembered: u64,
 }
 
 impl Addresses {
@@ -51,16 +61,23 @@ impl Addresses {
             }
         }
         Arc::new(Addresses {
-            book: Mutex::new(book),
+            book: Ranked::new(
+                Rank::Leaf,
+                "address book",
+                Book {
+                    book,
+                    remembered: 0,
+                },
+            ),
             changed: watch::channel(0).0,
             file,
-            saving: Mutex::new(()),
+            saving: Mutex::new(0),
         })
     }
 
-    fn book(&self) -> std::sync::MutexGuard<'_, AddressBook> {
+    fn state(&self) -> RankedGuard<'_, Book> {
         // The book is left consistent by every method (no panic between its steps).
-        self.book.lock().unwrap_or_else(|e| e.into_inner())
+        self.book.lock_anyway()
     }
 
     /// `device` was heard of at `addr` by `source`. Returns whether that is a new address for
@@ -69,7 +86,10 @@ impl Addresses {
         if !dialable(&addr) {
             return false;
         }
-        let new = self.book().learn(device, addr, source, Instant::now());
+        let new = self
+            .state()
+            .book
+            .learn(device, addr, source, Instant::now());
         if new {
             self.changed.send_modify(|n| *n += 1);
         }
@@ -81,7 +101,12 @@ impl Addresses {
         if !dialable(&addr) {
             return;
         }
-        let changed = self.book().worked(device, addr, Instant::now());
+        let changed = {
+            let mut b = self.state();
+            let changed = b.book.worked(device, addr, Instant::now());
+            b.remembered += u64::from(changed);
+            changed
+        };
         if changed && self.file.is_some() {
             let me = self.clone();
             tokio::task::spawn_blocking(move || me.save());
@@ -93,41 +118,51 @@ impl Addresses {
         let Some(file) = &self.file else {
             return;
         };
-        let _one_at_a_time = self.saving.lock().unwrap_or_else(|e| e.into_inner());
-        let entries = self.book().remembered();
-        if let Err(e) = remembered::save(file, &entries) {
-            tracing::warn!(path = %file.display(), error = %e, "cannot save the remembered peer addresses");
+        let (generation, entries) = {
+            let b = self.state();
+            (b.remembered, b.book.remembered())
+        };
+        let mut written = self.saving.lock().unwrap_or_else(|e| e.into_inner());
+        if *written >= generation {
+            // A later snapshot is on disk already.
+            return;
+        }
+        match remembered::save(file, &entries) {
+            Ok(()) => *written = generation,
+            Err(e) => {
+                tracing::warn!(path = %file.display(), error = %e, "cannot save the remembered peer addresses")
+            }
         }
     }
 
     /// A dial of `device` at `addr` failed so.
     pub fn failed(&self, device: &DeviceId, addr: SocketAddr, how: Failure) {
-        self.book().failed(device, addr, how);
+        self.state().book.failed(device, addr, how);
     }
 
     /// The addresses to try for `device`, best first.
     pub fn candidates(&self, device: &DeviceId) -> Vec<Candidate> {
-        self.book().candidates(device, Instant::now())
+        self.state().book.candidates(device, Instant::now())
     }
 
     /// How `addr` of `device` was learned, if known.
     pub fn source_of(&self, device: &DeviceId, addr: SocketAddr) -> Option<Source> {
-        self.book().source_of(device, addr)
+        self.state().book.source_of(device, addr)
     }
 
     /// Forgets every device `keep` refuses.
     pub fn retain(&self, keep: impl Fn(&DeviceId) -> bool) {
-        self.book().retain_devices(keep);
+        self.state().book.retain_devices(keep);
     }
 
     /// Entries in the book.
     pub fn len(&self) -> usize {
-        self.book().len()
+        self.state().book.len()
     }
 
     /// The book is empty.
     pub fn is_empty(&self) -> bool {
-        self.book().is_empty()
+        self.state().book.is_empty()
     }
 
     /// Changes when a device gains an address.

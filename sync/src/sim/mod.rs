@@ -1,11 +1,15 @@
-//! Deterministic simulation of many replicas in one thread (DESIGN §11, STYLE: madsim/turmoil).
+//! Deterministic simulation of many replicas in one thread (madsim and turmoil's method: a
+//! seeded scheduler, everything else a state machine).
 //!
 //! N replicas, each with an in-memory filesystem and journal, run the REAL [`Session`] per
-//! connected peer and the REAL [`decide`] for every received record; a driver modelled on the
-//! engine executes the steps. One seeded RNG drives everything: random user operations,
-//! message delays (FIFO within a connection's control stream, reordered between
-//! connections), partitions and heals, crashes (also in the middle of an apply) and restarts,
-//! chunk fetches that fail or arrive truncated. Virtual time is in milliseconds.
+//! connected peer, the REAL receive [`Pipeline`] per folder and the REAL planner for every
+//! received record; an executor modelled on the daemon's carries out the pipeline's actions
+//! (`apply.rs`). One seeded RNG drives everything: random user operations (reported by a
+//! modelled watcher some milliseconds later, and some timed to land just before an install of
+//! the same path), message delays (FIFO within a connection's control stream, reordered between
+//! connections), partitions and heals, crashes (between any two pipeline steps, and in the
+//! middle of an apply) and restarts, fetches that complete out of order, fail when their peer
+//! goes away, or arrive corrupt. Virtual time is in milliseconds.
 //!
 //! Invariants checked, with the seed in every failure:
 //! - (a) after healing and going quiet, all replicas hold identical files and records;
@@ -18,24 +22,31 @@
 //!   atomic write), and after every event the files match the journal exactly — also after a
 //!   crash and its recovery, so an interrupted apply is never re-captured as a local edit;
 //! - (f) every replica that resolves the same two versions makes the same record (vector and
-//!   state), so a resolution is never itself a new concurrent change.
+//!   state), so a resolution is never itself a new concurrent change;
+//! - (g) no apply replaces (or removes, or writes above or below) a local change the watcher
+//!   has not reported yet: it is rescanned and decided again;
+//! - (h) a batch is acknowledged only once every record in it is in the journal (or a newer
+//!   version is), or was skipped because its sender no longer had the content. Rounds are
+//!   bounded by the pipeline ([`crate::pipeline::MAX_ROUNDS`]).
 //!
 //! **Architecture invariant:** pure, like the modules it drives: no IO, no clock, no
 //! threads. Trace lines are collected and returned, not printed.
 
+mod apply;
 mod ops;
 mod replica;
 mod truth;
 
-use crate::plan::{plan, unavailable, Disk, Plan, Planned, Unavailable};
+use crate::pipeline::{BatchId, Pipeline};
+use crate::plan::{Disk, Plan, Planned};
 use crate::reconcile::{new_local_version, Context, Outcome, Step};
-use crate::session::{Action, Session, SessionFolder, RECEIVE_DEPTH};
+use crate::session::{Action, Session, SessionFolder};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, Hash, Message, RelPath, ShortId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use replica::{captured_record, Content, Fs, Journal, Node, Pending};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::fmt;
 use truth::{EventInfo, EventKind, RecTruth, Truth};
 
@@ -92,8 +103,17 @@ pub struct SimReport {
     pub superseded: u64,
     /// Chunk fetches that failed or arrived corrupt and were retried.
     pub fetch_retries: u64,
-    /// Records of a Receive applied while the Receive before it waited for content.
+    /// Batches decided while an earlier batch of the same session was not applied yet.
     pub ran_ahead: u64,
+    /// Transfers whose content arrived before that of a transfer decided before them.
+    pub out_of_order: u64,
+    /// Records decided again because their target changed under the apply.
+    pub redecided: u64,
+    /// Local writes timed to land just before an install of the same path.
+    pub race_writes: u64,
+    /// Sessions ended because their batches could not be applied (a peer gone mid-fetch, a
+    /// corrupt chunk, paths that kept changing); the peer sends them again.
+    pub pipeline_failures: u64,
     /// Virtual time at quiescence, ms.
     pub virtual_ms: u64,
     /// Paths (records, tombstones included) on every replica at the end.
@@ -179,16 +199,23 @@ enum Event {
         to_side: usize,
         msg: Message,
     },
-    ApplyReceive {
+    /// A step of a replica's receive pipeline, due now (`epoch`: the replica's life it
+    /// belongs to; a crash ends it).
+    Step {
         replica: usize,
-        conn: u64,
+        epoch: u64,
+        step: apply::Step,
     },
-}
-
-struct PendingReceive {
-    folder: FolderId,
-    records: VecDeque<FileRecord>,
-    up_to: u64,
+    /// The replica's watcher reports its local changes: they are captured.
+    Capture {
+        replica: usize,
+        epoch: u64,
+    },
+    /// A local write to `path`, timed to land just before an install there.
+    RaceWrite {
+        replica: usize,
+        path: RelPath,
+    },
 }
 
 struct Replica {
@@ -199,9 +226,15 @@ struct Replica {
     journal: Journal,
     alive: bool,
     skew_ms: i64,
-    /// Records received on a connection, waiting to be applied: up to [`RECEIVE_DEPTH`]
-    /// Receives per connection, oldest first.
-    receives: BTreeMap<u64, VecDeque<PendingReceive>>,
+    /// The receive pipeline of the folder (the real one), and what its executor holds per
+    /// batch.
+    pipe: Pipeline,
+    work: HashMap<BatchId, apply::Work>,
+    /// Incremented by every crash: pipeline steps scheduled before it are void.
+    epoch: u64,
+    /// Paths the user changed that are not captured yet (the watcher reports them a little
+    /// later), in the order they changed.
+    uncaptured: Vec<RelPath>,
 }
 
 /// A connection: one control stream, one session at each end.
@@ -210,12 +243,6 @@ struct Conn {
     sessions: [Session; 2],
     /// Delivery time of the last message towards each end (FIFO per direction).
     last_at: [u64; 2],
-}
-
-enum Fetch {
-    Ready(HashMap<Hash, Vec<u8>>),
-    Retry,
-    Superseded,
 }
 
 struct Sim {
@@ -260,7 +287,10 @@ impl Sim {
                     journal: Journal::new(rng.gen::<u64>() | 1),
                     alive: true,
                     skew_ms: rng.gen_range(-2000..=2000),
-                    receives: BTreeMap::new(),
+                    pipe: Pipeline::new(),
+                    work: HashMap::new(),
+                    epoch: 0,
+                    uncaptured: Vec::new(),
                 }
             })
             .collect();
@@ -408,8 +438,7 @@ impl Sim {
             Event::LinkDown(a, b) => {
                 self.links.insert(key(a, b), false);
                 self.log(|| format!("link r{a}-r{b} down"));
-                self.disconnect(a, b);
-                Ok(())
+                self.disconnect(a, b)
             }
             Event::LinkUp(a, b) => {
                 self.links.insert(key(a, b), true);
@@ -418,10 +447,7 @@ impl Sim {
                 self.schedule(t, Event::Connect(a, b));
                 Ok(())
             }
-            Event::Crash(r) => {
-                self.crash(r);
-                Ok(())
-            }
+            Event::Crash(r) => self.crash(r),
             Event::Restart(r) => self.restart(r),
             Event::Heal => self.heal(),
             Event::Deliver { conn, to_side, msg } => {
@@ -432,7 +458,23 @@ impl Sim {
                 let acts = c.sessions[to_side].handle(msg, &mut self.replicas[r].journal);
                 self.process(conn, to_side, acts)
             }
-            Event::ApplyReceive { replica, conn } => self.apply_receive(replica, conn),
+            Event::Step {
+                replica,
+                epoch,
+                step,
+            } => {
+                if !self.replicas[replica].alive || self.replicas[replica].epoch != epoch {
+                    return Ok(());
+                }
+                self.step(replica, step)
+            }
+            Event::Capture { replica, epoch } => {
+                if !self.replicas[replica].alive || self.replicas[replica].epoch != epoch {
+                    return Ok(());
+                }
+                self.capture(replica)
+            }
+            Event::RaceWrite { replica, path } => self.race_write(replica, path),
         }
     }
 
@@ -503,15 +545,19 @@ impl Sim {
         Session::new(me.name.clone(), peer_dev, vec![f])
     }
 
-    fn drop_conn(&mut self, id: u64) {
+    fn drop_conn(&mut self, id: u64) -> Res<()> {
         if let Some(c) = self.conns.remove(&id) {
             for r in c.ends {
-                self.replicas[r].receives.remove(&id);
+                self.replicas[r]
+                    .pipe
+                    .source_gone(crate::pipeline::Source(id));
+                self.pump(r)?;
             }
         }
+        Ok(())
     }
 
-    fn disconnect(&mut self, a: usize, b: usize) {
+    fn disconnect(&mut self, a: usize, b: usize) -> Res<()> {
         let ids: Vec<u64> = self
             .conns
             .iter()
@@ -519,8 +565,9 @@ impl Sim {
             .map(|(&id, _)| id)
             .collect();
         for id in ids {
-            self.drop_conn(id);
+            self.drop_conn(id)?;
         }
+        Ok(())
     }
 
     /// Executes a session's actions for the replica at `side` of connection `id`.
@@ -552,27 +599,8 @@ impl Sim {
                     ..
                 } => {
                     let n = records.len();
-                    let pr = PendingReceive {
-                        folder,
-                        records: records.into(),
-                        up_to,
-                    };
-                    let queue = self.replicas[r].receives.entry(id).or_default();
-                    queue.push_back(pr);
-                    if queue.len() > RECEIVE_DEPTH {
-                        return Err(format!(
-                            "r{r}: more than {RECEIVE_DEPTH} Receives outstanding"
-                        ));
-                    }
                     self.log(|| format!("r{r} receives {n} records from r{peer} up to {up_to}"));
-                    let at = self.now + self.rng.gen_range(0..=5);
-                    self.schedule(
-                        at,
-                        Event::ApplyReceive {
-                            replica: r,
-                            conn: id,
-                        },
-                    );
+                    self.receive(r, id, peer, folder, records, up_to)?;
                 }
                 Action::SaveTheirSequence {
                     index_id, sequence, ..
@@ -617,17 +645,22 @@ impl Sim {
 
     // ---- crashes ----
 
-    fn crash(&mut self, r: usize) {
+    fn crash(&mut self, r: usize) -> Res<()> {
         if !self.replicas[r].alive {
-            return;
+            return Ok(());
         }
         self.replicas[r].alive = false;
         self.report.crashes += 1;
         self.log(|| format!("r{r} CRASHES"));
+        // Everything in memory goes: the pipeline, its steps under way, what they made.
+        let rep = &mut self.replicas[r];
+        rep.epoch += 1;
+        rep.pipe = Pipeline::new();
+        rep.work.clear();
         for (id, _) in self.conns_of(r) {
-            self.drop_conn(id);
+            self.drop_conn(id)?;
         }
-        self.replicas[r].receives.clear();
+        Ok(())
     }
 
     /// Start-up after a crash: complete the interrupted apply (the longest prefix of its
@@ -648,6 +681,8 @@ impl Sim {
             done += 1;
         }
         self.log(|| format!("r{r} restarts: {done} of {total} pending steps completed"));
+        // The start-up scan journals what the user changed before the crash.
+        self.capture(r)?;
         self.check_consistency(r).map_err(|e| {
             format!(
                 "after crash recovery (a remote version would be re-captured as a local edit): {e}"
@@ -665,6 +700,8 @@ impl Sim {
     fn heal(&mut self) -> Res<()> {
         self.log(|| "HEAL: all links up, all replicas running".to_string());
         self.crash_apply_p = 0.0;
+        // Corrupt chunks end a session; rarer from here, so the run goes quiet.
+        self.fetch_fail_p = self.fetch_fail_p.min(0.02);
         for up in self.links.values_mut() {
             *up = true;
         }
@@ -692,8 +729,66 @@ impl Sim {
             &mut self.unique,
         );
         self.log(|| format!("r{r} user: {desc}"));
+        self.changed_locally(r, changed);
+        Ok(())
+    }
+
+    /// A local write to `path` timed to land just before an install there (a user saving a
+    /// file the moment a peer's version of it arrives).
+    fn race_write(&mut self, r: usize, path: RelPath) -> Res<()> {
+        if !self.replicas[r].alive {
+            return Ok(());
+        }
+        let now_ns = self.clock_ms(r) * 1_000_000;
+        let fs = &mut self.replicas[r].fs;
+        if !ops::write_at(&mut self.rng, fs, &path, now_ns, &mut self.unique) {
+            return Ok(());
+        }
+        self.report.race_writes += 1;
+        self.log(|| format!("r{r} user (racing an install): write {path}"));
+        self.changed_locally(r, vec![path]);
+        Ok(())
+    }
+
+    /// The user changed `paths` on disk: the watcher reports them after a little while, and
+    /// until then they are the user's alone (no apply may replace them, invariant (g)).
+    fn changed_locally(&mut self, r: usize, paths: Vec<RelPath>) {
+        self.replicas[r].uncaptured.extend(paths);
+        let at = self.now + self.rng.gen_range(0..=30);
+        let epoch = self.replicas[r].epoch;
+        self.schedule(at, Event::Capture { replica: r, epoch });
+    }
+
+    /// Journals every local change not captured yet, as the scanner would: new paths parents
+    /// first, deletions children first.
+    fn capture(&mut self, r: usize) -> Res<()> {
+        let mut paths = std::mem::take(&mut self.replicas[r].uncaptured);
+        if paths.is_empty() {
+            return Ok(());
+        }
+        paths.sort();
+        paths.dedup();
+        let fs = &self.replicas[r].fs;
+        // As the scanner orders them: deletions below a path that is now a file or a symlink,
+        // then creations parents first, then the other deletions children first.
+        let replaced: Vec<RelPath> = paths
+            .iter()
+            .filter(|p| fs.nodes.get(*p).is_some_and(|n| n.kind() != FileKind::Dir))
+            .cloned()
+            .collect();
+        paths.sort_by_key(|p| {
+            let depth = p.components().count();
+            match fs.nodes.contains_key(p) {
+                true => (1, depth),
+                false if replaced.iter().any(|d| p.is_within(d) && p != d) => {
+                    (0, usize::MAX - depth)
+                }
+                false => (2, usize::MAX - depth),
+            }
+        });
+        let now_ns = self.clock_ms(r) * 1_000_000;
         let ctx = self.ctx(r);
-        for path in changed {
+        for path in paths {
             let rep = &self.replicas[r];
             let prev = rep.journal.record(&path).cloned();
             let node = rep.fs.nodes.get(&path).cloned();
@@ -744,190 +839,9 @@ impl Sim {
 
     // ---- applying a peer's records ----
 
-    /// Applies the outstanding Receives of connection `id`, oldest first. A Receive whose
-    /// content is not available yet stays outstanding (partially acknowledged) and is retried;
-    /// the one behind it runs ahead meanwhile, as the engine's pipeline lets it, unless one of
-    /// its paths is, contains or lies inside a path still waiting in the first (`apply::Turn`).
-    /// Receives are acknowledged in order.
-    fn apply_receive(&mut self, r: usize, id: u64) -> Res<()> {
-        if !self.replicas[r].alive || !self.conns.contains_key(&id) {
-            return Ok(());
-        }
-        let Some(mut queue) = self.replicas[r].receives.remove(&id) else {
-            return Ok(());
-        };
-        let side = match self.conns.get(&id) {
-            Some(c) if c.ends[0] == r => 0,
-            Some(_) => 1,
-            None => return Ok(()),
-        };
-        let sender = self.conns.get(&id).map(|c| c.ends[1 - side]).unwrap_or(r);
-        let mut grew = false;
-        let mut first_progress = None;
-        let mut waiting: Vec<meshfs_protocol::RelPath> = Vec::new();
-        for (i, pr) in queue.iter_mut().enumerate() {
-            let overlaps = pr.records.iter().any(|rec| {
-                waiting
-                    .iter()
-                    .any(|w| w.is_within(&rec.path) || rec.path.is_within(w))
-            });
-            if overlaps {
-                break;
-            }
-            let before = pr.records.len();
-            let Some((g, progress)) = self.apply_records(r, sender, pr)? else {
-                return Ok(()); // crashed mid-apply
-            };
-            grew |= g;
-            if i == 0 {
-                first_progress = progress;
-            } else {
-                self.report.ran_ahead += (before - pr.records.len()) as u64;
-            }
-            waiting.extend(pr.records.iter().map(|rec| rec.path.clone()));
-        }
-        let mut acts = Vec::new();
-        while queue.front().is_some_and(|pr| pr.records.is_empty()) {
-            let Some(pr) = queue.pop_front() else { break };
-            let Some(c) = self.conns.get_mut(&id) else {
-                return Ok(());
-            };
-            acts.extend(c.sessions[side].applied(&pr.folder, pr.up_to));
-        }
-        if let Some(blocked) = queue.front() {
-            let (folder, partial) = (blocked.folder.clone(), blocked.records[0].sequence - 1);
-            if let (Some(_), Some(c)) = (first_progress, self.conns.get_mut(&id)) {
-                acts.extend(c.sessions[side].applied(&folder, partial));
-            }
-            let at = self.now + self.rng.gen_range(20..=100);
-            self.schedule(
-                at,
-                Event::ApplyReceive {
-                    replica: r,
-                    conn: id,
-                },
-            );
-        }
-        if !queue.is_empty() {
-            self.replicas[r].receives.insert(id, queue);
-        }
-        self.process(id, side, acts)?;
-        self.check_consistency(r)?;
-        if grew {
-            self.notify(r)?;
-        }
-        Ok(())
-    }
-
-    /// Decides and executes `pr`'s records in order until one's content is unavailable.
-    /// Returns whether anything changed and the sequence of the last record done, or `None`
-    /// if the replica crashed in the middle.
-    fn apply_records(
-        &mut self,
-        r: usize,
-        sender: usize,
-        pr: &mut PendingReceive,
-    ) -> Res<Option<(bool, Option<u64>)>> {
-        let mut grew = false;
-        let mut progress = None;
-        while let Some(remote) = pr.records.front().cloned() {
-            let decision = plan(&self.replicas[r].journal, &remote).map_err(|e| e.to_string())?;
-            if let Some(local) = self.replicas[r].journal.record(&remote.path).cloned() {
-                self.truth
-                    .check_order(&local, &remote, local.version.compare(&remote.version))?;
-                self.check_resolution(r, &local, &remote, &decision)?;
-            }
-            match self.fetch(r, sender, &decision)? {
-                Fetch::Retry => break,
-                Fetch::Superseded => {
-                    self.report.superseded += 1;
-                    self.log(|| {
-                        format!(
-                            "r{r} skips superseded {} {} from r{sender}",
-                            remote.path, remote.version
-                        )
-                    });
-                }
-                Fetch::Ready(blobs) => {
-                    if !decision.steps.is_empty() {
-                        self.log(|| {
-                            format!(
-                                "r{r} {} {}: {:?}",
-                                remote.path, remote.version, decision.outcome
-                            )
-                        });
-                        *self
-                            .report
-                            .outcomes
-                            .entry(outcome_name(&decision.outcome))
-                            .or_default() += 1;
-                    }
-                    if self.execute(r, sender, &remote, &decision, &blobs)? {
-                        return Ok(None);
-                    }
-                    grew |= !decision.steps.is_empty();
-                }
-            }
-            pr.records.pop_front();
-            progress = Some(remote.sequence);
-        }
-        Ok(Some((grew, progress)))
-    }
-
-    /// The remote contents a decision needs, from this replica's own files (the chunk index)
-    /// or any connected peer; verified by hash, as the store does.
-    fn fetch(&mut self, r: usize, sender: usize, d: &Plan) -> Res<Fetch> {
-        let mut blobs = HashMap::new();
-        for step in d.steps.iter().filter(|s| s.disk == Disk::Content) {
-            let rec = step.record();
-            if blobs.contains_key(&rec.hash) {
-                continue;
-            }
-            if rec.size == 0 {
-                blobs.insert(rec.hash, Vec::new());
-                continue;
-            }
-            if let Some(b) = self.replicas[r].fs.find_content(&rec.hash) {
-                blobs.insert(rec.hash, b.to_vec());
-                continue;
-            }
-            let holders: Vec<usize> = self
-                .conns_of(r)
-                .into_iter()
-                .filter_map(|(id, side)| self.conns.get(&id).map(|c| c.ends[1 - side]))
-                .filter(|&p| {
-                    self.replicas[p].alive && self.replicas[p].fs.find_content(&rec.hash).is_some()
-                })
-                .collect();
-            if holders.is_empty() {
-                // Nobody connected has it. If the sender itself no longer has it, the version
-                // was superseded there and its successor follows in the sender's index.
-                let at_sender = self.replicas[sender].fs.find_content(&rec.hash).is_some();
-                return Ok(match unavailable(at_sender) {
-                    Unavailable::Retry => Fetch::Retry,
-                    Unavailable::Superseded => Fetch::Superseded,
-                });
-            }
-            let from = holders[self.rng.gen_range(0..holders.len())];
-            let mut data = self.replicas[from]
-                .fs
-                .find_content(&rec.hash)
-                .map(<[u8]>::to_vec)
-                .unwrap_or_default();
-            if self.rng.gen_bool(self.fetch_fail_p) {
-                data.truncate(data.len() / 2); // a transfer cut short
-            }
-            if Hash::of(&data) != rec.hash {
-                self.report.fetch_retries += 1;
-                return Ok(Fetch::Retry);
-            }
-            blobs.insert(rec.hash, data);
-        }
-        Ok(Fetch::Ready(blobs))
-    }
-
-    /// Carries out a decision: pending records, file writes (a crash may strike between
-    /// any two), applied records.
+    /// Carries out a decision whole: pending records, file writes (a crash may strike between
+    /// any two), applied records. Returns whether the replica crashed.
+    #[allow(dead_code)]
     fn execute(
         &mut self,
         r: usize,
@@ -940,26 +854,45 @@ impl Sim {
             return Ok(false);
         }
         let pending = self.pending_steps(r, sender, remote, d)?;
-        self.replicas[r].journal.pending = pending;
-        let n = d.steps.len();
+        let steps = pending.into_iter().enumerate().collect();
+        self.run_steps(r, d, steps, blobs)
+    }
+
+    /// Carries out some steps of a decision (`steps`: their indexes and journal records, in
+    /// order), as the daemon does the part of a decision it does at once or at an install:
+    /// pending records, file writes (a crash may strike between any two), applied records.
+    /// Returns whether the replica crashed.
+    fn run_steps(
+        &mut self,
+        r: usize,
+        d: &Plan,
+        steps: Vec<(usize, Pending)>,
+        blobs: &HashMap<Hash, Vec<u8>>,
+    ) -> Res<bool> {
+        if steps.is_empty() {
+            return Ok(false);
+        }
+        let idx: Vec<usize> = steps.iter().map(|(i, _)| *i).collect();
+        self.replicas[r].journal.pending = steps.into_iter().map(|(_, p)| p).collect();
+        let n = idx.len();
         let crash_at = if self.crash_apply_p > 0.0 && self.rng.gen_bool(self.crash_apply_p) {
             Some(self.rng.gen_range(0..=n))
         } else {
             None
         };
-        for (k, step) in d.steps.iter().enumerate() {
+        for (k, &i) in idx.iter().enumerate() {
             if crash_at == Some(k) {
                 self.report.interrupted_applies += 1;
                 self.log(|| format!("r{r} crash after {k} of {n} writes"));
-                self.crash(r);
+                self.crash(r)?;
                 return Ok(true);
             }
-            self.write(r, step, blobs)?;
+            self.write(r, &d.steps[i], blobs)?;
         }
         if crash_at == Some(n) {
             self.report.interrupted_applies += 1;
             self.log(|| format!("r{r} crash after all {n} writes, before marking them applied"));
-            self.crash(r);
+            self.crash(r)?;
             return Ok(true);
         }
         for p in std::mem::take(&mut self.replicas[r].journal.pending) {
@@ -1184,8 +1117,33 @@ impl Sim {
     /// One planned step's disk work, as the store does it: content verified by hash before
     /// the atomic rename, never replacing something the plan did not expect.
     fn write(&mut self, r: usize, planned: &Planned, blobs: &HashMap<Hash, Vec<u8>>) -> Res<()> {
-        let fs = &mut self.replicas[r].fs;
         let rec = planned.record();
+        // A step that writes nothing only journals (a vector, a resolution the local content
+        // wins): over a change the watcher has not reported yet, the file differs from the
+        // record, and that change is captured as a version of its own when it is reported.
+        let uncaptured_here = self.replicas[r].uncaptured.iter().any(|u| u == &rec.path);
+        if planned.disk == Disk::Nothing && uncaptured_here {
+            return Ok(());
+        }
+        // (g) What the user changed and the watcher has not reported yet is theirs: an apply
+        // that wrote over it (or over what is below or above it) would lose that write.
+        let from = match &planned.disk {
+            Disk::CopyLocal { from } => Some(from),
+            _ => None,
+        };
+        if planned.disk == Disk::Nothing {
+            // Nothing written.
+        } else if let Some(u) = self.replicas[r]
+            .uncaptured
+            .iter()
+            .find(|u| apply::overlaps(u, &rec.path) || from.is_some_and(|f| apply::overlaps(u, f)))
+        {
+            return Err(format!(
+                "(g) r{r}: an apply of {} would replace {u}, written by the user and not captured yet",
+                rec.path
+            ));
+        }
+        let fs = &mut self.replicas[r].fs;
         match &planned.disk {
             Disk::CopyLocal { from } => return copy_local(r, fs, from, rec),
             Disk::Nothing if rec.deleted => {
@@ -1270,8 +1228,9 @@ impl Sim {
     /// The files are exactly what the journal says (no partial content, nothing uncaptured).
     fn check_consistency(&self, r: usize) -> Res<()> {
         let rep = &self.replicas[r];
+        let uncaptured = |p: &RelPath| rep.uncaptured.iter().any(|u| u == p);
         for (p, e) in &rep.journal.current {
-            if !rep.fs.matches(&e.record) {
+            if !rep.fs.matches(&e.record) && !uncaptured(p) {
                 return Err(format!(
                     "(e) r{r}: {p} is {:?} on disk but the journal says {:?}",
                     rep.fs.nodes.get(p),
@@ -1280,7 +1239,7 @@ impl Sim {
             }
         }
         for p in rep.fs.nodes.keys() {
-            if rep.journal.record(p).is_none_or(|rec| rec.deleted) {
+            if rep.journal.record(p).is_none_or(|rec| rec.deleted) && !uncaptured(p) {
                 return Err(format!(
                     "(e) r{r}: {p} exists on disk but not in the journal"
                 ));
@@ -1322,8 +1281,11 @@ impl Sim {
         }
         for r in 0..self.replicas.len() {
             let rep = &self.replicas[r];
-            if !rep.receives.is_empty() || !rep.journal.pending.is_empty() {
+            if !rep.pipe.is_idle() || !rep.work.is_empty() || !rep.journal.pending.is_empty() {
                 return Err(format!("quiet, but r{r} has records waiting to be applied"));
+            }
+            if !rep.uncaptured.is_empty() {
+                return Err(format!("quiet, but r{r} has local changes not captured"));
             }
             self.check_consistency(r)?;
         }
@@ -1354,7 +1316,7 @@ impl Sim {
                     .find(|(x, y)| x != y);
                 return Err(format!("(a) r0 and r{r} differ: {diff:?}"));
             }
-            // Directory and symlink mtimes are not replicated (DESIGN §3, `same_state`).
+            // Directory and symlink mtimes are not replicated (docs/design.md, "Data model"; `same_state`).
             let norm = |n: Option<&Node>| {
                 n.map(|n| match n.content {
                     Content::File(_) => n.clone(),

@@ -231,3 +231,30 @@ fn rename_dir(rng: &mut StdRng, fs: &mut Fs) -> Option<(String, Vec<RelPath>)> {
     changed.extend(gone);
     Some((format!("mv {from} -> {to}"), changed))
 }
+
+/// Writes new content to the file at `path` (made if absent), as a user saving it would.
+/// Returns `false` where no file can be written (a directory or symlink there, no parent).
+pub(crate) fn write_at(
+    rng: &mut StdRng,
+    fs: &mut Fs,
+    path: &RelPath,
+    now_ns: i64,
+    unique: &mut u64,
+) -> bool {
+    let mode = match fs.nodes.get(path) {
+        Some(n) if matches!(n.content, Content::File(_)) => n.mode,
+        Some(_) => return false,
+        None if !fs.parent_is_dir(path) => return false,
+        None => 0o644,
+    };
+    let data = content(rng, unique);
+    fs.nodes.insert(
+        path.clone(),
+        Node {
+            content: Content::File(data),
+            mode,
+            mtime_ns: now_ns,
+        },
+    );
+    true
+}

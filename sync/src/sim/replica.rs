@@ -2,7 +2,7 @@
 //!
 //! The journal model implements the two read interfaces the real journal gives the pure
 //! modules ([`ReplicaView`] for the reconciler, [`IndexSource`] for sessions), keeps the
-//! per-peer progress a session resumes from, and the pending/applied bracket of DESIGN §6.
+//! per-peer progress a session resumes from, and the pending/applied bracket of docs/design.md, "Safe apply".
 
 use super::truth::{EventInfo, RecTruth};
 use crate::reconcile::{ReadError, ReplicaView};
@@ -144,7 +144,7 @@ pub(crate) struct Progress {
     pub our_acked: u64,
 }
 
-/// A record written as pending before the files are touched (DESIGN §6).
+/// A record written as pending before the files are touched (docs/design.md, "Safe apply").
 #[derive(Clone, Debug)]
 pub(crate) struct Pending {
     pub record: FileRecord,
