@@ -54,17 +54,7 @@ impl Namespace {
 
     /// Runs `f` on a thread that has entered this namespace (sockets it opens live there).
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.name);
-        std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).unwrap();
-            // SAFETY: setns takes an open namespace descriptor and a flag; it changes only the
-            // calling thread's network namespace (this fresh thread's), touching no memory.
-            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .unwrap()
+        self.spawn(f).join().unwrap()
     }
 
     /// Starts `f` on a thread that has entered this namespace, without waiting for it.
@@ -75,7 +65,8 @@ impl Namespace {
         let path = format!("/run/netns/{}", self.name);
         std::thread::spawn(move || {
             let file = std::fs::File::open(&path).unwrap();
-            // SAFETY: as in `run`: only this thread's network namespace changes.
+            // SAFETY: setns takes an open namespace descriptor and a flag; it changes only the
+            // calling thread's network namespace (this fresh thread's), touching no memory.
             let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
             assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
             f()
