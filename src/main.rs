@@ -8,8 +8,8 @@ mod journal_cmd;
 mod package_assets;
 mod status_cmd;
 mod status_pending;
-mod status_text;
 mod status_watch;
+mod ui_cmd;
 
 use anyhow::{anyhow, bail, Context as _};
 use clap::{CommandFactory, Parser, Subcommand};
@@ -203,6 +203,15 @@ enum Command {
         /// Keep the temporary directory afterwards.
         #[arg(long)]
         keep: bool,
+    },
+    /// Open this device's page in the browser: folders, peers, conflicts and the journal, live.
+    #[command(
+        after_help = "Examples:\n  meshfs ui\n  meshfs ui --print-url\n  http://127.0.0.1:40123/?token=3f9c…\nThe running daemon serves the page on 127.0.0.1 only; the address carries a token that only\nthis user can read (it changes at each daemon start). Exits 3 when no daemon runs. To serve\nthe page from every start: `[ui] enabled = true` in the config (docs/ui.md)."
+    )]
+    Ui {
+        /// Print the page's address (with its token) instead of opening a browser.
+        #[arg(long)]
+        print_url: bool,
     },
     /// Print shell completions.
     #[command(
@@ -429,6 +438,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Journal(args) => journal_cmd::run(home, args),
         Command::Conflicts { folder, json } => conflicts(home, folder, json),
         Command::Demo { keep } => demo::run_demo(keep),
+        Command::Ui { print_url } => ui_cmd::run(home, print_url),
         Command::PackageAssets { out } => package_assets::run(Cli::command(), &out),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "meshfs", &mut std::io::stdout());
@@ -445,7 +455,12 @@ fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A daemon's reply said `"ok": true`.
+/// The user's UTC offset now (UTC where the system does not say). The CLI runs on one thread,
+/// where the `time` crate can read it.
+fn local_offset() -> time::UtcOffset {
+    time::UtcOffset::current_local_offset().unwrap_or(time::UtcOffset::UTC)
+}
+
 /// "on" or "off", as the status and mount lines show a switch.
 fn on_off(on: bool) -> &'static str {
     if on {
@@ -455,6 +470,7 @@ fn on_off(on: bool) -> &'static str {
     }
 }
 
+/// A daemon's reply said `"ok": true`.
 fn reply_ok(r: &serde_json::Value) -> bool {
     r.get("ok").and_then(|v| v.as_bool()) == Some(true)
 }

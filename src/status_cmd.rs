@@ -12,8 +12,10 @@ use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-use crate::status_text::{folder_summary, local_time, peer_name, plural, s, u};
-use crate::status_text::{pairing_hint, pairing_questions, peer_state, peers_by_id, source_words};
+use meshfs_daemon::readout::status::{first_of, folder_summary, last_error_line, local_time};
+use meshfs_daemon::readout::status::{pairing_hint, pairing_questions, source_words};
+use meshfs_daemon::readout::status::{peer_name, peer_state, peers_by_id, plural, s, u};
+use time::UtcOffset;
 
 /// What `meshfs status` was asked.
 pub struct StatusArgs {
@@ -218,43 +220,19 @@ fn work_left(st: &Value) -> u64 {
 /// Why the device is not in sync: each folder that is not, with its reasons.
 fn not_synced_summary(st: &Value) -> String {
     let started = u(&st["device"], "started_unix");
+    let tz = crate::local_offset();
     let out: Vec<String> = st["folders"]
         .as_array()
         .into_iter()
         .flatten()
         .filter(|f| f["in_sync"] != true)
-        .map(|f| format!("folder {}: {}", s(f, "id"), folder_summary(f, started)))
+        .map(|f| format!("folder {}: {}", s(f, "id"), folder_summary(f, started, tz)))
         .collect();
     if out.is_empty() {
         "it became in sync only just now".into()
     } else {
         out.join("; ")
     }
-}
-
-/// `last error at 10:42: …`, or nothing when there was none.
-fn last_error_line(v: &Value) -> Option<String> {
-    let e = &v["last_error"];
-    let message = e["message"].as_str()?;
-    Some(format!(
-        "last error at {}: {message}",
-        local_time(u(e, "unix"))
-    ))
-}
-
-/// `secret.txt (Permission denied)` for the first of `items`, and how many more there are.
-fn first_of(items: &Value, folder: &str) -> Option<String> {
-    let all = items.as_array()?;
-    let first = all.first()?;
-    let more = match all.len() - 1 {
-        0 => String::new(),
-        n => format!(" and {n} more (`meshfs status {folder} --pending`)"),
-    };
-    Some(format!(
-        "{} ({}){more}",
-        s(first, "path"),
-        s(first, "error")
-    ))
 }
 
 /// The human status.
@@ -268,6 +246,7 @@ pub fn render(st: &Value) -> String {
     } else {
         "local discovery off".to_string()
     };
+    let tz = crate::local_offset();
     let _ = writeln!(
         o,
         "device  {} ({})  listening on {}, {discovery}",
@@ -290,10 +269,10 @@ pub fn render(st: &Value) -> String {
     let _ = writeln!(o, "sync    {sync}");
     let peers = peers_by_id(st);
     for f in &folders {
-        render_folder(&mut o, f, &peers, started, s(dev, "id"));
+        render_folder(&mut o, f, &peers, (started, tz), s(dev, "id"));
     }
     for p in st["peers"].as_array().into_iter().flatten() {
-        render_peer(&mut o, p);
+        render_peer(&mut o, p, tz);
     }
     for r in st["refused_devices"].as_array().into_iter().flatten() {
         let r = r.as_str().unwrap_or("");
@@ -306,7 +285,13 @@ pub fn render(st: &Value) -> String {
 }
 
 /// A folder's lines of the human status.
-fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, started: u64, me: &str) {
+fn render_folder(
+    o: &mut String,
+    f: &Value,
+    peers: &HashMap<&str, &Value>,
+    (started, tz): (u64, UtcOffset),
+    me: &str,
+) {
     use std::fmt::Write as _;
     let id = s(f, "id");
     let _ = writeln!(
@@ -319,7 +304,7 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
         u(f, "bytes"),
         plural(u(f, "conflicts"), "conflict", "conflicts"),
     );
-    let _ = writeln!(o, "          {}", folder_summary(f, started));
+    let _ = writeln!(o, "          {}", folder_summary(f, started, tz));
     let m = &f["mount"];
     if m.is_object() {
         let _ = writeln!(
@@ -341,14 +326,14 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
             "          remote version skipped, cannot be applied: {first}"
         );
     }
-    if let Some(e) = last_error_line(f) {
+    if let Some(e) = last_error_line(f, tz) {
         let _ = writeln!(o, "          {e}");
     }
     for p in f["peers"].as_array().into_iter().flatten() {
         let name = peers
             .get(s(p, "device_id"))
             .map_or_else(|| peer_name(p), |q| peer_name(q));
-        let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
+        let _ = writeln!(o, "          with {name}: {}", peer_state(p, started, tz));
         if p["connected"] == true && p["not_shared"] == true {
             let _ = writeln!(o, "            {}", pairing_hint(id, me, &name));
         }
@@ -356,7 +341,7 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
 }
 
 /// A peer's lines of the human status.
-fn render_peer(o: &mut String, p: &Value) {
+fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
     use std::fmt::Write as _;
     let at = p["last_seen_addr"].as_str();
     let state = if p["connected"] == true {
@@ -372,8 +357,8 @@ fn render_peer(o: &mut String, p: &Value) {
         }
     } else {
         match (p["last_seen_unix"].as_u64(), at) {
-            (Some(t), Some(a)) => format!("offline since {}, last at {a}", local_time(t)),
-            (Some(t), None) => format!("offline since {}", local_time(t)),
+            (Some(t), Some(a)) => format!("offline since {}, last at {a}", local_time(t, tz)),
+            (Some(t), None) => format!("offline since {}", local_time(t, tz)),
             (None, _) => "never connected".into(),
         }
     };
@@ -396,7 +381,7 @@ fn render_peer(o: &mut String, p: &Value) {
         u(p, "bytes_sent"),
         u(p, "bytes_received")
     );
-    if let Some(e) = last_error_line(p) {
+    if let Some(e) = last_error_line(p, tz) {
         let _ = writeln!(o, "          {e}");
     }
 }

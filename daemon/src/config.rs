@@ -75,6 +75,12 @@ impl Home {
         self.state_dir.join("control.sock")
     }
 
+    /// The page's token while the daemon serves it (`meshfs ui`; mode 0600 in the 0700 state
+    /// directory, so only the owner reads it).
+    pub fn ui_token_file(&self) -> PathBuf {
+        self.state_dir.join("ui-token")
+    }
+
     /// meshfs's own directory that `path` is, contains or lies inside, if any: a folder
     /// there would replicate the private key and journal the journal's own writes.
     /// Compares real paths (symlinks resolved as far as the paths exist).
@@ -180,6 +186,9 @@ pub struct Config {
     /// How this device finds its peers and is found.
     #[serde(default)]
     pub discovery: DiscoveryConfig,
+    /// The page (`meshfs ui`); left out of the file while it is the default.
+    #[serde(default, skip_serializing_if = "UiConfig::is_default")]
+    pub ui: UiConfig,
     /// Replicated folders. Never written as an empty `folder = []`: a `[[folder]]` table
     /// appended by hand after it would be a duplicate key.
     #[serde(default, rename = "folder", skip_serializing_if = "Vec::is_empty")]
@@ -244,6 +253,22 @@ impl Default for DiscoveryConfig {
             local: true,
             port: meshfs_protocol::DISCOVERY_PORT,
         }
+    }
+}
+
+/// `[ui]`: the page the daemon serves on `127.0.0.1` (see `docs/ui.md`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UiConfig {
+    /// Serve the page from the start; without it only `meshfs ui` starts serving.
+    pub enabled: bool,
+    /// The TCP port on `127.0.0.1`; 0: a free port chosen at each start.
+    pub port: u16,
+}
+
+impl UiConfig {
+    fn is_default(&self) -> bool {
+        self == &UiConfig::default()
     }
 }
 
@@ -387,6 +412,7 @@ impl Config {
             },
             options: Options::default(),
             discovery: DiscoveryConfig::default(),
+            ui: UiConfig::default(),
             folders: Vec::new(),
             peers: Vec::new(),
         }

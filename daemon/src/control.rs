@@ -16,6 +16,7 @@ use crate::engine::Engine;
 use crate::mounts::MountStatus;
 use crate::pending::PendingFolder;
 use crate::status::Status;
+use crate::ui::Ui;
 use meshfs_protocol::FolderId;
 use serde::{Deserialize, Serialize, Serializer};
 use std::os::unix::fs::PermissionsExt;
@@ -66,6 +67,8 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         folder: Option<FolderId>,
     },
+    /// Serve the page (`meshfs ui`) if it is not served yet; answers its address.
+    Ui,
     /// Stop the daemon.
     Stop,
 }
@@ -73,7 +76,7 @@ pub enum Request {
 impl Request {
     /// Every `op` a daemon of this version answers.
     pub const OPS: &'static [&'static str] = &[
-        "status", "reload", "scan", "mount", "unmount", "pending", "stop",
+        "status", "reload", "scan", "mount", "unmount", "pending", "ui", "stop",
     ];
 
     /// Reads one request line; the error says what is wrong with it.
@@ -132,6 +135,9 @@ pub enum Reply {
     Unmounted(PathBuf),
     /// To `pending`: `{"ok": true, "folders": […]}`.
     Pending(Vec<PendingFolder>),
+    /// To `ui`: `{"ok": true, "url": "http://127.0.0.1:PORT/"}`, the page's address without
+    /// its token (which is in the state directory's `ui-token`).
+    Ui(String),
     /// `{"ok": false, "error": "…"}`.
     Failed(String),
 }
@@ -157,6 +163,7 @@ impl Serialize for Reply {
             Reply::Mounted(mount) => m.serialize_entry("mount", mount)?,
             Reply::Unmounted(point) => m.serialize_entry("mountpoint", point)?,
             Reply::Pending(folders) => m.serialize_entry("folders", folders)?,
+            Reply::Ui(url) => m.serialize_entry("url", url)?,
             Reply::Failed(error) => m.serialize_entry("error", error)?,
         }
         m.end()
@@ -241,7 +248,12 @@ pub fn bind(home: &Home) -> Result<UnixListener, ControlError> {
 }
 
 /// Serves control requests until the daemon stops.
-pub async fn serve(engine: Arc<Engine>, listener: UnixListener, stop: Arc<tokio::sync::Notify>) {
+pub async fn serve(
+    engine: Arc<Engine>,
+    ui: Arc<Ui>,
+    listener: UnixListener,
+    stop: Arc<tokio::sync::Notify>,
+) {
     let mut pause = ACCEPT_PAUSE_MIN;
     loop {
         let stream = match listener.accept().await {
@@ -263,9 +275,10 @@ pub async fn serve(engine: Arc<Engine>, listener: UnixListener, stop: Arc<tokio:
             continue;
         }
         let engine = engine.clone();
+        let ui = ui.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
-            let _ = handle(engine, stream, stop).await;
+            let _ = handle(engine, ui, stream, stop).await;
         });
     }
 }
@@ -279,6 +292,7 @@ fn same_user(stream: &UnixStream) -> bool {
 
 async fn handle(
     engine: Arc<Engine>,
+    ui: Arc<Ui>,
     stream: UnixStream,
     stop: Arc<tokio::sync::Notify>,
 ) -> std::io::Result<()> {
@@ -296,7 +310,7 @@ async fn handle(
             ),
             Line::Text(line) => match Request::parse(&line) {
                 Err(e) => (Reply::failed(e), false),
-                Ok(req) => (answer(&engine, req, &stop).await, false),
+                Ok(req) => (answer(&engine, &ui, req, &stop).await, false),
             },
         };
         let mut out = serde_json::to_string(&reply).unwrap_or_else(|e| {
@@ -342,11 +356,18 @@ async fn next_line<R: AsyncBufRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> std
 /// the journal, whose lock an install holds for tens of milliseconds (and `--wait-synced`
 /// asks every 10–25 ms), and mounting waits for the kernel; a runtime worker waiting on them
 /// would stall the connections it drives.
-async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) -> Reply {
+async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync::Notify) -> Reply {
     match req {
         Request::Status => blocking(engine, |e| Reply::Status(Box::new(e.status()))).await,
         Request::Reload => match engine.reload().await {
-            Ok(()) => Reply::Done,
+            Ok(()) => {
+                ui.start_if_enabled();
+                Reply::Done
+            }
+            Err(e) => Reply::failed(e),
+        },
+        Request::Ui => match ui.start() {
+            Ok(url) => Reply::Ui(url),
             Err(e) => Reply::failed(e),
         },
         Request::Scan { folder } => match engine.scan_paths(&folder, Vec::new()).await {
@@ -442,7 +463,9 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     let listener = bind(&home)?;
     let engine = Engine::start(home.clone()).await?;
     let stop = Arc::new(tokio::sync::Notify::new());
-    tokio::spawn(serve(engine.clone(), listener, stop.clone()));
+    let ui = Arc::new(Ui::new(engine.clone()));
+    ui.start_if_enabled();
+    tokio::spawn(serve(engine.clone(), ui.clone(), listener, stop.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     sd_notify("READY=1\nSTATUS=running");
     tokio::select! {
@@ -452,6 +475,7 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     }
     tracing::info!("stopping");
     sd_notify("STOPPING=1");
+    ui.stop();
     engine.stop().await;
     let _ = std::fs::remove_file(home.control_socket());
     Ok(())
@@ -522,6 +546,7 @@ mod tests {
                     folder: Some(work()),
                 },
             ),
+            (json!({"op": "ui"}), Request::Ui),
         ]
     }
 
@@ -672,6 +697,10 @@ mod tests {
                 json!({"ok": true, "mount": {"mountpoint": "/m", "mode": "read-only",
                        "passthrough": false, "io_uring": true, "open_handles": 0,
                        "invalidations_pending": 0}}),
+            ),
+            (
+                Reply::Ui("http://127.0.0.1:8384/".into()),
+                json!({"ok": true, "url": "http://127.0.0.1:8384/"}),
             ),
             (
                 Reply::failed("folder work is not mounted"),

@@ -645,24 +645,29 @@ impl Engine {
     /// The daemon's state as the `status --json` document: gathers a snapshot, and
     /// [`crate::status::build`] decides what it means.
     pub fn status(&self) -> crate::status::Status {
+        // The journal first, in one hold, and not under the peers lock: an install can hold
+        // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
+        self.status_with(|folders| match self.folders.journal_lock() {
+            Ok(j) => journaled(&j, folders),
+            Err(_) => vec![Default::default(); folders.len()],
+        })
+    }
+
+    /// The same document with the journal's part read through `journal`, another connection
+    /// to this daemon's database (the page's): it never waits for the engine's journal lock,
+    /// which an install holds for as long as the disk takes (seconds when it is slow).
+    pub fn status_reading(&self, journal: &Journal) -> crate::status::Status {
+        self.status_with(|folders| journaled(journal, folders))
+    }
+
+    fn status_with(
+        &self,
+        journaled: impl FnOnce(&[Arc<FolderRt>]) -> Vec<(FolderCounts, u64, usize)>,
+    ) -> crate::status::Status {
         use crate::status::{DeviceSnapshot, FolderSnapshot, LocalWork, PeerSnapshot, Snapshot};
         let config = self.config();
         let folders: Vec<Arc<FolderRt>> = self.folders.all();
-        // The journal first, in one hold, and not under the peers lock: an install can hold
-        // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        let journaled: Vec<(FolderCounts, u64, usize)> = match self.folders.journal_lock() {
-            Ok(mut j) => folders
-                .iter()
-                .map(|rt| {
-                    (
-                        j.counts(&rt.id).unwrap_or_default(),
-                        j.folder(&rt.id).map(|s| s.max_sequence).unwrap_or(0),
-                        crate::conflicts::count(&j, &rt.id),
-                    )
-                })
-                .collect(),
-            Err(_) => vec![Default::default(); folders.len()],
-        };
+        let journaled = journaled(&folders);
         let relaxed = std::sync::atomic::Ordering::Relaxed;
         let folders = folders
             .into_iter()
@@ -763,6 +768,27 @@ impl Engine {
             bytes,
         })
     }
+}
+
+/// What the journal holds of each folder for `status`: its counts, its highest sequence and
+/// its conflicts, read only (a folder not in the journal yet has none).
+fn journaled(j: &Journal, folders: &[Arc<FolderRt>]) -> Vec<(FolderCounts, u64, usize)> {
+    let sequences: HashMap<FolderId, u64> = j
+        .folders()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(id, state)| (id, state.max_sequence))
+        .collect();
+    folders
+        .iter()
+        .map(|rt| {
+            (
+                j.counts(&rt.id).unwrap_or_default(),
+                sequences.get(&rt.id).copied().unwrap_or(0),
+                crate::conflicts::count(j, &rt.id),
+            )
+        })
+        .collect()
 }
 
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its

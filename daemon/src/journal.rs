@@ -251,8 +251,8 @@ pub struct HistoryEntry {
 /// Which history rows to return.
 ///
 /// The result is ascending by sequence. With `since_time_ns` or `since_sequence`, it is the
-/// *first* `limit` matches after that point; otherwise the *last* `limit` matches (the most
-/// recent), still ascending.
+/// *first* `limit` matches after that point (unless `newest`); otherwise the *last* `limit`
+/// matches (the most recent), still ascending.
 #[derive(Clone, Debug, Default)]
 pub struct HistoryQuery {
     /// That path, or anything below it.
@@ -267,6 +267,9 @@ pub struct HistoryQuery {
     pub limit: Option<usize>,
     /// Include bookkeeping rows ([`Op::Merged`]): vector-only changes nobody made.
     pub bookkeeping: bool,
+    /// The *last* `limit` matches even after a `since`: the page lists the newest rows first
+    /// whatever the filter, where `meshfs journal --since` prints from that point on.
+    pub newest: bool,
 }
 
 /// How far a peer and this device have exchanged one folder's index.
@@ -1005,7 +1008,8 @@ impl Journal {
                 sql.push_str(" AND sequence > ?");
                 args.push(Value::Integer(to_i64(s)));
             }
-            let oldest_first = q.since_time_ns.is_some() || q.since_sequence.is_some();
+            let oldest_first =
+                !q.newest && (q.since_time_ns.is_some() || q.since_sequence.is_some());
             sql.push_str(if oldest_first {
                 " ORDER BY sequence ASC LIMIT ?"
             } else {

@@ -1178,6 +1178,19 @@ fn history_limit_gives_the_most_recent_rows_unless_a_since_is_given() {
         ),
         vec![1, 2]
     );
+    // The page's newest-first view: the last rows after the point, not the first.
+    assert_eq!(
+        query(
+            &j,
+            HistoryQuery {
+                since_sequence: Some(2),
+                newest: true,
+                ..limit(3)
+            }
+        ),
+        vec![5, 6, 7],
+        "the last three after the point"
+    );
     assert_eq!(
         query(
             &j,

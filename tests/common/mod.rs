@@ -2,6 +2,7 @@
 //! SQLite), driven through the CLI exactly as a user or script would.
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod hostile;
 pub mod netns;
 
