@@ -10,8 +10,12 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-/// Default QUIC listen address.
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:7788";
+/// Default QUIC listen address: every address, IPv4 and IPv6 (one dual-stack socket).
+pub const DEFAULT_LISTEN: &str = "[::]:7788";
+
+/// The word in a peer's `addresses` for "wherever it is found": on the LAN, from its own
+/// connections, from other peers.
+pub const DYNAMIC: &str = "dynamic";
 
 /// Where this device's files live.
 #[derive(Clone, Debug)]
@@ -179,6 +183,9 @@ pub struct Config {
     /// Tuning knobs (all optional).
     #[serde(default)]
     pub options: Options,
+    /// How this device finds its peers and is found.
+    #[serde(default)]
+    pub discovery: DiscoveryConfig,
     /// The page (`meshfs ui`); left out of the file while it is the default.
     #[serde(default, skip_serializing_if = "UiConfig::is_default")]
     pub ui: UiConfig,
@@ -224,6 +231,27 @@ impl Default for Options {
             history_retention_days: 0,
             tombstone_retention_days: 365,
             max_redial_secs: 1,
+        }
+    }
+}
+
+/// `[discovery]`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// Local discovery: announce this device on every local network and listen for others'
+    /// announcements (on by default; off for a locked-down server: nothing is broadcast and
+    /// nothing is listened for).
+    pub local: bool,
+    /// The UDP port announcements are sent to and listened for on.
+    pub port: u16,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> DiscoveryConfig {
+        DiscoveryConfig {
+            local: true,
+            port: meshfs_protocol::DISCOVERY_PORT,
         }
     }
 }
@@ -276,7 +304,7 @@ fn is_false(b: &bool) -> bool {
 
 /// One `[[peer]]`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, try_from = "RawPeerConfig")]
 pub struct PeerConfig {
     /// The peer's device id, written as `meshfs id` prints it on that device.
     #[serde(with = "device_id_text")]
@@ -284,12 +312,84 @@ pub struct PeerConfig {
     /// A name for people.
     #[serde(default)]
     pub name: String,
-    /// Where to dial it (`HOST:PORT`); empty: only it dials us.
-    #[serde(default)]
-    pub addr: String,
+    /// Where to dial it: `HOST:PORT`s, and [`DYNAMIC`] for wherever it is found (the LAN, its
+    /// own connections, other peers). Default: `["dynamic"]`. Empty: never dialed (it dials
+    /// us).
+    pub addresses: Vec<String>,
     /// Folder ids shared with it.
     #[serde(default)]
     pub folders: Vec<FolderId>,
+}
+
+impl PeerConfig {
+    /// A peer dialed wherever it is found (`addresses = ["dynamic"]`).
+    pub fn new(id: DeviceId) -> PeerConfig {
+        PeerConfig {
+            id,
+            name: String::new(),
+            addresses: vec![DYNAMIC.to_string()],
+            folders: Vec::new(),
+        }
+    }
+
+    /// It is dialed at addresses found or learned, not only at fixed ones.
+    pub fn is_dynamic(&self) -> bool {
+        self.addresses.iter().any(|a| a == DYNAMIC)
+    }
+
+    /// Its fixed addresses (`HOST:PORT`), in config order.
+    pub fn static_addrs(&self) -> impl Iterator<Item = &str> {
+        self.addresses
+            .iter()
+            .filter(|a| *a != DYNAMIC)
+            .map(String::as_str)
+    }
+
+    /// Whether it is ever dialed (it has a fixed address or is dynamic).
+    pub fn is_dialed(&self) -> bool {
+        !self.addresses.is_empty()
+    }
+}
+
+/// A `[[peer]]` as written: `addresses`, or the older single `addr` (`""`: dynamic; a
+/// `HOST:PORT`: that address only).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPeerConfig {
+    #[serde(with = "device_id_text")]
+    id: DeviceId,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    addresses: Option<Vec<String>>,
+    #[serde(default)]
+    addr: Option<String>,
+    #[serde(default)]
+    folders: Vec<FolderId>,
+}
+
+impl TryFrom<RawPeerConfig> for PeerConfig {
+    type Error = String;
+
+    fn try_from(raw: RawPeerConfig) -> Result<PeerConfig, String> {
+        let addresses = match (raw.addresses, raw.addr) {
+            (Some(_), Some(_)) => {
+                return Err(format!(
+                    "peer {} has both `addresses` and the older `addr`: keep `addresses`",
+                    raw.id
+                ))
+            }
+            (Some(list), None) => list,
+            (None, Some(a)) if !a.is_empty() => vec![a],
+            (None, _) => vec![DYNAMIC.to_string()],
+        };
+        Ok(PeerConfig {
+            id: raw.id,
+            name: raw.name,
+            addresses,
+            folders: raw.folders,
+        })
+    }
 }
 
 /// A [`DeviceId`] in the config is the text `meshfs id` prints, not the bytes the wire
@@ -319,6 +419,7 @@ impl Config {
                 listen: listen.to_string(),
             },
             options: Options::default(),
+            discovery: DiscoveryConfig::default(),
             ui: UiConfig::default(),
             folders: Vec::new(),
             peers: Vec::new(),
@@ -378,6 +479,12 @@ impl Config {
         if self.device.name.trim().is_empty() {
             return Err(invalid("device.name".into(), "must not be empty".into()));
         }
+        if self.discovery.port == 0 {
+            return Err(invalid(
+                "discovery.port".into(),
+                "must be a UDP port, 1-65535".into(),
+            ));
+        }
         if self.device.listen.parse::<SocketAddr>().is_err()
             && !looks_like_host_port(&self.device.listen)
         {
@@ -433,11 +540,13 @@ impl Config {
                     "this peer is listed twice".into(),
                 ));
             }
-            if !p.addr.is_empty() && !looks_like_host_port(&p.addr) {
-                return Err(invalid(
-                    format!("peer[{i}].addr"),
-                    format!("{:?} is not HOST:PORT", p.addr),
-                ));
+            for (j, a) in p.addresses.iter().enumerate() {
+                if a != DYNAMIC && !looks_like_host_port(a) {
+                    return Err(invalid(
+                        format!("peer[{i}].addresses[{j}]"),
+                        format!("{a:?} is neither HOST:PORT nor \"{DYNAMIC}\""),
+                    ));
+                }
             }
             for (j, f) in p.folders.iter().enumerate() {
                 if self.folder(f).is_none() {
@@ -573,10 +682,9 @@ mod tests {
             allow_other: false,
         });
         c.peers.push(PeerConfig {
-            id: peer,
             name: "b".into(),
-            addr: String::new(),
             folders: vec![work.clone()],
+            ..PeerConfig::new(peer)
         });
         c.save(&home).unwrap();
         let text = std::fs::read_to_string(home.config_file()).unwrap();
@@ -674,6 +782,76 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn a_peer_is_dynamic_unless_given_addresses_and_the_older_addr_still_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        Config::new("a", "127.0.0.1:7788").save(&home).unwrap();
+        let good = std::fs::read_to_string(home.config_file()).unwrap();
+        let peer = DeviceId::from_bytes([9; 32]);
+        let read = |table: &str| {
+            std::fs::write(
+                home.config_file(),
+                format!("{good}\n[[peer]]\nid = \"{peer}\"\n{table}"),
+            )
+            .unwrap();
+            Config::load(&home)
+        };
+        let addresses = |table: &str| read(table).unwrap().peers[0].addresses.clone();
+        assert_eq!(addresses(""), vec!["dynamic"]);
+        assert_eq!(addresses("addr = \"\""), vec!["dynamic"]);
+        assert_eq!(addresses("addr = \"s.lan:7788\""), vec!["s.lan:7788"]);
+        assert_eq!(
+            addresses("addresses = [\"s.lan:7788\", \"dynamic\"]"),
+            vec!["s.lan:7788", "dynamic"]
+        );
+        assert!(addresses("addresses = []").is_empty());
+        let p = read("addresses = [\"10.0.0.1:1\", \"dynamic\"]")
+            .unwrap()
+            .peers[0]
+            .clone();
+        assert!(p.is_dynamic() && p.is_dialed());
+        assert_eq!(p.static_addrs().collect::<Vec<_>>(), vec!["10.0.0.1:1"]);
+        let err = read("addresses = [\"nope\"]").unwrap_err().to_string();
+        assert!(
+            err.contains("peer[0].addresses[0]") && err.contains("\"nope\""),
+            "{err}"
+        );
+        let err = read("addr = \"a:1\"\naddresses = []")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("keep `addresses`"), "{err}");
+        // Written back as `addresses`.
+        let c = read("addr = \"s.lan:7788\"").unwrap();
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(
+            text.contains("addresses = [\"s.lan:7788\"]") && !text.contains("addr ="),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn discovery_is_on_by_default_and_can_be_switched_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        assert!(c.discovery.local);
+        assert_eq!(c.discovery.port, meshfs_protocol::DISCOVERY_PORT);
+        c.discovery.local = false;
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(text.contains("[discovery]\nlocal = false"), "{text}");
+        assert!(!Config::load(&home).unwrap().discovery.local);
+        // A config written before discovery existed reads with it on.
+        std::fs::write(
+            home.config_file(),
+            "[device]\nname = 'a'\nlisten = '127.0.0.1:1'\n",
+        )
+        .unwrap();
+        assert!(Config::load(&home).unwrap().discovery.local);
     }
 
     #[test]

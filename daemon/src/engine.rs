@@ -4,10 +4,12 @@
 //!
 //! Start-up order: open the journal → for each folder: remove leftover temp files, complete
 //! interrupted applies ([`crate::apply::recover_pending`]), scan the whole folder (changes made
-//! while no daemon ran are journaled exactly once), start the watcher → listen → dial peers.
+//! while no daemon ran are journaled exactly once), start the watcher → listen → local
+//! discovery (if on) and the watch on this host's network → dial peers.
 
 use crate::capture::{self, CaptureMsg};
 use crate::config::{Config, Home, Options};
+use crate::discovery::{self, interfaces, netlink};
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
@@ -58,7 +60,8 @@ pub struct Engine {
     pub net: Arc<Net>,
     /// Devices allowed to connect.
     pub trust: TrustStore,
-    dialers: Mutex<HashMap<DeviceId, (String, Arc<Notify>)>>,
+    /// Each dialed peer's dial loop.
+    dialers: Mutex<HashMap<DeviceId, Dialer>>,
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
     traffic: Mutex<crate::traffic::Traffic>,
@@ -67,6 +70,9 @@ pub struct Engine {
     /// holds the engine's connection.
     status_journal: std::sync::OnceLock<Option<crate::lock::Ranked<Journal>>>,
 }
+
+/// A running dial loop: the peer's addresses it was started for, and its stop signal.
+type Dialer = (Vec<String>, Arc<Notify>);
 
 /// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
 /// and the config file too, whatever modes they had (an older meshfs made them readable).
@@ -107,6 +113,8 @@ impl Engine {
         ));
         let first = config.clone();
         let config = Arc::new(RwLock::new(config));
+        let addresses =
+            discovery::Addresses::new(Some(discovery::remembered::file(&home.state_dir)));
         let net = Arc::new(Net {
             folders: folders.clone(),
             config: config.clone(),
@@ -116,8 +124,14 @@ impl Engine {
             endpoint: endpoint.clone(),
             stopping,
             shutdown: Notify::new(),
+            addresses,
+            network: watch::channel(0).0,
+            seeking: watch::channel(Default::default()).0,
+            link_addrs: watch::channel(Default::default()).0,
+            lan: Mutex::new(None),
             receivers: Default::default(),
         });
+        net.seeking.send_replace(net.dynamic_peers());
         let engine = Arc::new(Engine {
             device: identity.device_id,
             short: identity.device_id.short(),
@@ -154,6 +168,8 @@ impl Engine {
         tokio::spawn(peers::accept_loop(engine.net.clone(), endpoint));
         tokio::spawn(retention_loop(engine.clone()));
         tokio::spawn(traffic_loop(engine.clone()));
+        tokio::spawn(network_loop(engine.clone()));
+        engine.sync_discovery(None);
         engine.sync_dialers();
         tracing::info!(device = %engine.device, listen = %listen, "meshfs daemon running");
         Ok(engine)
@@ -427,16 +443,68 @@ impl Engine {
         Ok(())
     }
 
-    /// Starts/stops dial loops so that every configured peer with an address has one.
+    /// Starts or stops local discovery as `[discovery]` says (`before`: the config it ran
+    /// with, `None` at start).
+    fn sync_discovery(self: &Arc<Self>, before: Option<&crate::config::DiscoveryConfig>) {
+        let now = self.config().discovery;
+        if before == Some(&now) {
+            return;
+        }
+        let Ok(mut slot) = self.net.lan.lock() else {
+            return;
+        };
+        if let Some(old) = slot.take() {
+            old.stop();
+        }
+        if !now.local {
+            tracing::info!("local discovery is off: nothing is announced or listened for");
+            return;
+        }
+        let quic = match self.net.endpoint.local_addr() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "local discovery not started: the endpoint has no address");
+                return;
+            }
+        };
+        // No device on a network can reach an endpoint on loopback: nothing to announce.
+        if quic.ip().is_loopback() {
+            tracing::info!(listen = %quic, "local discovery not started: listening on loopback only");
+            return;
+        }
+        let setup = discovery::lan::LanSetup {
+            device: self.device,
+            port: now.port,
+            quic,
+        };
+        let net = Arc::downgrade(&self.net);
+        let hook: discovery::lan::Hook = Arc::new(move |a, from| {
+            if let Some(net) = net.upgrade() {
+                net.heard(a, from);
+            }
+        });
+        match discovery::lan::start(setup, hook, self.net.stopping.subscribe()) {
+            Ok(lan) => {
+                tracing::info!(port = now.port, "local discovery on");
+                *slot = Some(lan);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "local discovery not started; peers are dialed at the addresses otherwise known")
+            }
+        }
+    }
+
+    /// Starts/stops dial loops so that every configured peer that is dialed (a fixed address
+    /// or `dynamic`) has one.
     fn sync_dialers(self: &Arc<Self>) {
         let config = self.config();
         let Ok(mut dialers) = self.dialers.lock() else {
             return;
         };
-        let mut wanted: HashMap<DeviceId, String> = HashMap::new();
+        let mut wanted: HashMap<DeviceId, Vec<String>> = HashMap::new();
         for p in &config.peers {
-            if !p.addr.is_empty() {
-                wanted.insert(p.id, p.addr.clone());
+            if p.is_dialed() {
+                wanted.insert(p.id, p.addresses.clone());
             }
         }
         dialers.retain(|id, (addr, stop)| {
@@ -449,8 +517,8 @@ impl Engine {
         for (id, addr) in wanted {
             if let std::collections::hash_map::Entry::Vacant(slot) = dialers.entry(id) {
                 let stop = Arc::new(Notify::new());
-                slot.insert((addr.clone(), stop.clone()));
-                tokio::spawn(peers::dial_loop(self.net.clone(), id, addr, stop));
+                slot.insert((addr, stop.clone()));
+                tokio::spawn(crate::dialer::dial_loop(self.net.clone(), id, stop));
             }
         }
     }
@@ -497,6 +565,16 @@ impl Engine {
                 conn.close(2u32.into(), b"configuration changed");
             }
         }
+        let dynamic = self.net.dynamic_peers();
+        self.net
+            .addresses
+            .retain(|d| dynamic.contains(d) || new.peer(d).is_some());
+        self.net.seeking.send_if_modified(|s| {
+            let changed = *s != dynamic;
+            *s = dynamic;
+            changed
+        });
+        self.sync_discovery(Some(&old.discovery));
         self.sync_dialers();
         Ok(())
     }
@@ -658,6 +736,13 @@ impl Engine {
             .peers
             .iter()
             .map(|p| PeerSnapshot {
+                address: peers.as_ref().and_then(|x| x.link(&p.id)).map(|l| {
+                    (
+                        discovery::book::canonical(l.conn.remote_address()),
+                        l.source,
+                    )
+                }),
+                candidates: self.net.addresses.candidates(&p.id),
                 config: p.clone(),
                 rtt: peers.as_ref().and_then(|x| x.stats(&p.id)).map(|s| s.rtt),
                 last_seen_unix: peers
@@ -676,6 +761,22 @@ impl Engine {
         let bytes = traffic.as_ref().map_or((0, 0), |t| t.totals());
         drop((traffic, peers));
         let uptime_secs = self.started.elapsed().as_secs();
+        let lan = self.net.lan.lock().ok().and_then(|l| l.clone());
+        let counted = |f: fn(&discovery::lan::LanStats) -> &std::sync::atomic::AtomicU64| {
+            lan.as_ref().map_or(0, |l| {
+                f(&l.stats).load(std::sync::atomic::Ordering::Relaxed)
+            })
+        };
+        let discovery = crate::status::DiscoveryStatus {
+            local: lan.is_some(),
+            port: config.discovery.port,
+            sent: counted(|s| &s.sent),
+            received: counted(|s| &s.received),
+            limited: counted(|s| &s.limited),
+            refused: counted(|s| &s.refused),
+            heard: counted(|s| &s.heard),
+            known_addresses: self.net.addresses.len(),
+        };
         crate::status::build(Snapshot {
             device: DeviceSnapshot {
                 id: self.device,
@@ -683,6 +784,7 @@ impl Engine {
                 listen: config.device.listen,
                 uptime_secs,
                 started_unix: crate::folder::now_secs().saturating_sub(uptime_secs),
+                discovery,
             },
             folders,
             peers: peer_snapshots,
@@ -726,6 +828,7 @@ async fn traffic_loop(engine: Arc<Engine>) {
         // Registered before looking, so a link that comes meanwhile wakes the next round.
         changed.as_mut().enable();
         engine.observe_traffic();
+        engine.net.observe_links();
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
             engine.tick_progress();
@@ -745,6 +848,52 @@ async fn traffic_loop(engine: Arc<Engine>) {
             _ = changed => {}
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             _ = stopping.changed() => return,
+        }
+    }
+}
+
+/// Watches this host's network (netlink; polling the interfaces where it is unavailable) and
+/// tells the peers when it changes: the addresses that went away, or that routes changed
+/// ([`crate::dialer::network_changed`]).
+async fn network_loop(engine: Arc<Engine>) {
+    let mut stopping = engine.net.stopping.subscribe();
+    let mut known = interfaces::local_ips();
+    let mut watch = match netlink::Watch::new() {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch this host's network (netlink); its addresses are compared every {} s", netlink::POLL.as_secs());
+            None
+        }
+    };
+    loop {
+        let routes = match &mut watch {
+            Some(w) => tokio::select! {
+                c = w.next() => match c {
+                    Ok(c) => c.routes,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "netlink watch failed; comparing addresses every {} s instead", netlink::POLL.as_secs());
+                        watch = None;
+                        continue;
+                    }
+                },
+                _ = stopping.changed() => return,
+            },
+            None => tokio::select! {
+                _ = tokio::time::sleep(netlink::POLL) => false,
+                _ = stopping.changed() => return,
+            },
+        };
+        let now = interfaces::local_ips();
+        let gone: std::collections::BTreeSet<std::net::IpAddr> =
+            known.difference(&now).copied().collect();
+        let addresses_changed = now != known;
+        if addresses_changed {
+            let added: Vec<_> = now.difference(&known).collect();
+            tracing::info!(?gone, ?added, "this host's addresses changed");
+        }
+        known = now;
+        if addresses_changed || routes {
+            crate::dialer::network_changed(&engine.net, &gone, addresses_changed);
         }
     }
 }

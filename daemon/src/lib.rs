@@ -13,6 +13,8 @@ pub mod chunks;
 pub mod config;
 pub mod conflicts;
 pub mod control;
+pub mod dialer;
+pub mod discovery;
 pub mod engine;
 pub mod failpoint;
 pub mod folder;

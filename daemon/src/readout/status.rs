@@ -162,6 +162,48 @@ pub fn folder_summary(f: &Value, started_unix: u64, tz: UtcOffset) -> String {
     why.join("; ")
 }
 
+/// How a peer's address was learned, in words (`address_source` in `status --json`).
+pub fn source_words(source: &str) -> &'static str {
+    match source {
+        "static" => "its configured address",
+        "lan" => "found on the LAN",
+        "peer" => "learned from a peer",
+        "incoming" => "it dialed this device",
+        "remembered" => "where it was last time",
+        _ => "learned",
+    }
+}
+
+/// What to run on `peer` so that it shares `folder` with this device (`me`): the answer to a
+/// pairing question (a connected peer that does not share the folder back).
+pub fn pairing_hint(folder: &str, me: &str, peer: &str) -> String {
+    format!(
+        "on {peer} run `meshfs share {folder} {me}` (first `meshfs folder add PATH --id {folder}` if it has no folder {folder})"
+    )
+}
+
+/// Every connected peer that does not share a folder back, with what to run on it, or none.
+pub fn pairing_questions(st: &Value) -> Vec<String> {
+    let me = s(&st["device"], "id");
+    let peers = peers_by_id(st);
+    let mut out = Vec::new();
+    for f in st["folders"].as_array().into_iter().flatten() {
+        for p in f["peers"].as_array().into_iter().flatten() {
+            if p["connected"] == true && p["not_shared"] == true {
+                let name = peers
+                    .get(s(p, "device_id"))
+                    .map_or_else(|| peer_name(p), |q| peer_name(q));
+                out.push(format!(
+                    "{name} is connected but does not share folder {} with this device: {}",
+                    s(f, "id"),
+                    pairing_hint(s(f, "id"), me, &name)
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// `last error at 10:42: …`, or nothing when there was none.
 pub fn last_error_line(v: &Value, tz: UtcOffset) -> Option<String> {
     let e = &v["last_error"];
