@@ -65,10 +65,6 @@ pub struct Engine {
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
     traffic: Mutex<crate::traffic::Traffic>,
-    /// The journal connection `status` reads through (opened at its first use): WAL lets it
-    /// read beside the engine's writes, so `status` never waits for an apply or a scan that
-    /// holds the engine's connection.
-    status_journal: std::sync::OnceLock<Option<crate::lock::Ranked<Journal>>>,
 }
 
 /// A running dial loop: the peer's addresses it was started for, and its stop signal.
@@ -143,7 +139,6 @@ impl Engine {
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
             traffic: Mutex::default(),
-            status_journal: std::sync::OnceLock::new(),
         });
         for f in &first.folders {
             engine.start_folder(f).await?;
@@ -654,27 +649,17 @@ impl Engine {
     /// The daemon's state as the `status --json` document: gathers a snapshot, and
     /// [`crate::status::build`] decides what it means.
     pub fn status(&self) -> crate::status::Status {
-        // Through its own connection, never the engine's (which an apply or a scan holds for as
+        // Through a reader, never the engine's writer (which an apply or a scan holds for as
         // long as its disk work takes); the journal first, and not under the peers lock.
-        let own = self.status_journal.get_or_init(|| {
-            match Journal::open_reader(&self.home.journal_file()) {
-                Ok(j) => Some(crate::lock::Ranked::new(
-                    crate::lock::Rank::Journal,
-                    "status journal",
-                    j,
-                )),
-                Err(e) => {
-                    tracing::warn!(error = %e, "status reads through the engine's journal connection");
-                    None
-                }
+        match self.folders.reader() {
+            Ok(j) => self.status_with(|folders| journaled(&j, folders)),
+            Err(e) => {
+                tracing::warn!(error = %e, "status reads through the engine's journal connection");
+                self.status_with(|folders| match self.folders.journal_lock() {
+                    Ok(j) => journaled(&j, folders),
+                    Err(_) => vec![Default::default(); folders.len()],
+                })
             }
-        });
-        match own {
-            Some(j) => self.status_with(|folders| journaled(&j.lock_anyway(), folders)),
-            None => self.status_with(|folders| match self.folders.journal_lock() {
-                Ok(j) => journaled(&j, folders),
-                Err(_) => vec![Default::default(); folders.len()],
-            }),
         }
     }
 
