@@ -320,8 +320,9 @@ pub enum TransportError {
         /// The dialed address.
         addr: SocketAddr,
     },
-    /// The peer closed our dial because its daemon is stopping ([`CLOSE_STOPPING`]). Not a
-    /// failure of either device: it is going offline.
+    /// The peer closed our dial because its daemon is stopping ([`CLOSE_STOPPING`]), or its
+    /// endpoint refused a new connection (QUIC's `CONNECTION_REFUSED`: it does so while it
+    /// closes). Not a failure of either device: it is going offline, and it is dialed again.
     #[error("peer {addr} is stopping")]
     Stopping {
         /// The dialed address.
@@ -944,7 +945,10 @@ impl Dial {
         if closed_as_duplicate(&e) {
             return TransportError::Duplicate { addr: self.addr };
         }
+        // Its daemon is going down: it says so, or its endpoint, closing, refuses new connections.
         if matches!(&e, ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_STOPPING)
+            || matches!(&e, ConnectionError::ConnectionClosed(close)
+                if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED)
         {
             return TransportError::Stopping { addr: self.addr };
         }
