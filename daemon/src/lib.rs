@@ -26,6 +26,7 @@ pub mod mounts;
 pub mod peers;
 pub mod pending;
 pub mod progress;
+pub mod room;
 pub mod readout;
 pub mod scanner;
 pub mod status;
