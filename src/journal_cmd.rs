@@ -76,7 +76,7 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
         e @ FilterError::Device(_) => anyhow!("--device {e}"),
         e => anyhow!(e),
     })?;
-    let journal = Journal::open(&home.journal_file())?;
+    let journal = Journal::open_reader(&home.journal_file())?;
     if !a.json && !a.follow {
         println!("{}", Row::header());
     }

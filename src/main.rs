@@ -111,6 +111,11 @@ enum Command {
         /// Refuse every change through the mount.
         #[arg(long)]
         read_only: bool,
+        /// Let other users in (a web or Samba server, root): the kernel checks every access
+        /// against the files' modes. As an ordinary user this needs `user_allow_other` in
+        /// /etc/fuse.conf.
+        #[arg(long)]
+        allow_other: bool,
     },
     /// Unmount a folder (it keeps syncing).
     #[command(
@@ -389,7 +394,8 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             folder,
             mountpoint,
             read_only,
-        } => mount(home, folder, &mountpoint, read_only),
+            allow_other,
+        } => mount(home, folder, &mountpoint, read_only, allow_other),
         Command::Unmount { folder } => unmount(home, folder),
         Command::Repair => repair(home),
         Command::Scan { folder } => scan(home, folder),
@@ -440,6 +446,26 @@ fn local_offset() -> time::UtcOffset {
 }
 
 /// "on" or "off", as the status and mount lines show a switch.
+/// ", other users allowed" where the mount lets other users in, from its status JSON.
+fn others_text(m: &serde_json::Value) -> &'static str {
+    if m["allow_other"] == true {
+        ", other users allowed"
+    } else {
+        ""
+    }
+}
+
+/// "kernel passthrough on", or "kernel passthrough off (why)", from a mount's status JSON.
+fn passthrough_text(m: &serde_json::Value) -> String {
+    if m["passthrough"] == true {
+        return "kernel passthrough on".into();
+    }
+    match m["passthrough_off"]["why"].as_str() {
+        Some(why) => format!("kernel passthrough off: {why}"),
+        None => "kernel passthrough off".into(),
+    }
+}
+
 fn on_off(on: bool) -> &'static str {
     if on {
         "on"
@@ -675,6 +701,7 @@ fn mount(
     folder: FolderId,
     mountpoint: &std::path::Path,
     read_only: bool,
+    allow_other: bool,
 ) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
     let point = std::path::absolute(mountpoint)
@@ -683,6 +710,7 @@ fn mount(
         folder: folder.clone(),
         mountpoint: point.clone(),
         read_only,
+        allow_other,
     };
     match control::request(home, &req)? {
         None => {
@@ -694,10 +722,11 @@ fn mount(
         Some(r) if reply_ok(&r) => {
             let m = &r["mount"];
             println!(
-                "folder {folder} mounted at {} ({}, kernel passthrough {}, io_uring {})",
+                "folder {folder} mounted at {} ({}{}, {}, io_uring {})",
                 point.display(),
                 m["mode"].as_str().unwrap_or("read-write"),
-                on_off(m["passthrough"] == true),
+                others_text(m),
+                passthrough_text(m),
                 on_off(m["io_uring"] == true),
             );
             Ok(0)
@@ -789,7 +818,7 @@ fn scan(home: &Home, folder: FolderId) -> anyhow::Result<u8> {
 /// `conflicts`: the conflict siblings that still exist, read from the journal.
 fn conflicts(home: &Home, folder: FolderId, json: bool) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
-    let j = meshfs_daemon::journal::Journal::open(&home.journal_file())?;
+    let j = meshfs_daemon::journal::Journal::open_reader(&home.journal_file())?;
     let list = meshfs_daemon::conflicts::list(&j, &folder);
     if json {
         println!("{}", serde_json::to_string_pretty(&list)?);
@@ -859,6 +888,7 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         watch: true,
         mount: None,
         umask: None,
+        allow_other: false,
     });
     new.validate(home)?;
     // The directories this command creates, outermost first: removed again on a refusal.

@@ -289,10 +289,11 @@ fn render_folder(
     if m.is_object() {
         let _ = writeln!(
             o,
-            "          mounted at {} ({}, kernel passthrough {}, io_uring {}, {} open handle(s))",
+            "          mounted at {} ({}{}, {}, io_uring {}, {} open handle(s))",
             t(m, "mountpoint"),
             s(m, "mode"),
-            crate::on_off(m["passthrough"] == true),
+            crate::others_text(m),
+            crate::passthrough_text(m),
             crate::on_off(m["io_uring"] == true),
             u(m, "open_handles")
         );

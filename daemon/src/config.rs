@@ -281,6 +281,10 @@ pub struct FolderConfig {
     /// keeps what meshfs needs to read and apply (`Store::local_mode`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub umask: Option<u32>,
+    /// Let other users into that mount (`allow_other`, the kernel checking modes). For a
+    /// daemon run as an ordinary user, `/etc/fuse.conf` must say `user_allow_other`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub allow_other: bool,
 }
 
 impl FolderConfig {
@@ -292,6 +296,10 @@ impl FolderConfig {
 
 fn yes() -> bool {
     true
+}
+
+fn is_false(b: &bool) -> bool {
+    !b
 }
 
 /// One `[[peer]]`.
@@ -591,6 +599,7 @@ mod tests {
             watch: true,
             mount: None,
             umask: None,
+            allow_other: false,
         });
         c.save(&home).unwrap();
         assert_eq!(Config::load(&home).unwrap(), c);
@@ -612,6 +621,7 @@ mod tests {
             watch: true,
             mount: None,
             umask: None,
+            allow_other: false,
         });
         c.peers.push(PeerConfig {
             id: peer,
@@ -694,6 +704,7 @@ mod tests {
             watch: true,
             mount: None,
             umask: None,
+            allow_other: false,
         };
         let mut c = Config::new("a", "127.0.0.1:7788");
         c.folders.push(folder("a", dir.path().join("files")));

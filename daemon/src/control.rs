@@ -55,6 +55,9 @@ pub enum Request {
         /// Refuse every change through the mount.
         #[serde(default)]
         read_only: bool,
+        /// Let other users in (`allow_other`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        allow_other: bool,
     },
     /// End a folder's mount (it keeps syncing).
     Unmount {
@@ -378,9 +381,10 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
             folder,
             mountpoint,
             read_only,
+            allow_other,
         } => {
             blocking(engine, move |e| {
-                match e.mount(&folder, &mountpoint, read_only) {
+                match e.mount(&folder, &mountpoint, read_only, allow_other) {
                     Ok(m) => Reply::Mounted(m),
                     Err(e) => Reply::failed(e),
                 }
@@ -534,6 +538,7 @@ mod tests {
                     folder: work(),
                     mountpoint: "/home/u/w".into(),
                     read_only: true,
+                    allow_other: false,
                 },
             ),
             (
@@ -574,12 +579,26 @@ mod tests {
     }
 
     #[test]
+    fn a_mount_request_letting_other_users_in_says_so_and_one_that_does_not_is_as_before() {
+        let req = Request::Mount {
+            folder: work(),
+            mountpoint: "/m".into(),
+            read_only: false,
+            allow_other: true,
+        };
+        let line = json!({"op": "mount", "folder": "work", "mountpoint": "/m", "read_only": false, "allow_other": true});
+        assert_eq!(serde_json::to_value(&req).unwrap(), line);
+        assert_eq!(Request::parse(&line.to_string()).unwrap(), req);
+    }
+
+    #[test]
     fn a_mount_request_without_read_only_mounts_read_write() {
         let req = Request::parse(r#"{"op":"mount","folder":"work","mountpoint":"/m"}"#).unwrap();
         assert!(matches!(
             req,
             Request::Mount {
                 read_only: false,
+                allow_other: false,
                 ..
             }
         ));
@@ -689,13 +708,21 @@ mod tests {
                 Reply::Mounted(MountStatus {
                     mountpoint: "/m".into(),
                     mode: "read-only",
+                    allow_other: false,
                     passthrough: false,
+                    passthrough_off: Some(crate::mounts::PassthroughOffStatus {
+                        code: "needs_cap_sys_admin",
+                        why: "registering backing files needs CAP_SYS_ADMIN".into(),
+                    }),
                     io_uring: true,
                     open_handles: 0,
                     invalidations_pending: 0,
                 }),
                 json!({"ok": true, "mount": {"mountpoint": "/m", "mode": "read-only",
-                       "passthrough": false, "io_uring": true, "open_handles": 0,
+                       "allow_other": false, "passthrough": false,
+                       "passthrough_off": {"code": "needs_cap_sys_admin",
+                                           "why": "registering backing files needs CAP_SYS_ADMIN"},
+                       "io_uring": true, "open_handles": 0,
                        "invalidations_pending": 0}}),
             ),
             (

@@ -62,6 +62,10 @@ pub struct Engine {
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
     traffic: Mutex<crate::traffic::Traffic>,
+    /// The journal connection `status` reads through (opened at its first use): WAL lets it
+    /// read beside the engine's writes, so `status` never waits for an apply or a scan that
+    /// holds the engine's connection.
+    status_journal: std::sync::OnceLock<Option<crate::lock::Ranked<Journal>>>,
 }
 
 /// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
@@ -138,15 +142,18 @@ impl Engine {
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
             traffic: Mutex::default(),
+            status_journal: std::sync::OnceLock::new(),
         });
         for f in &first.folders {
             engine.start_folder(f).await?;
         }
         for f in &first.folders {
             if let Some(point) = &f.mount {
-                let (e, id, point) = (engine.clone(), f.id.clone(), point.clone());
+                let (e, id, point, others) =
+                    (engine.clone(), f.id.clone(), point.clone(), f.allow_other);
                 let mounted =
-                    tokio::task::spawn_blocking(move || e.mount(&id, &point, false)).await?;
+                    tokio::task::spawn_blocking(move || e.mount(&id, &point, false, others))
+                        .await?;
                 match mounted {
                     Ok(m) => {
                         tracing::info!(folder = %f.id, mountpoint = %m.mountpoint.display(), passthrough = m.passthrough, "folder mounted")
@@ -188,13 +195,14 @@ impl Engine {
         self.net.shared_with(peer)
     }
 
-    /// Mounts `folder` at `mountpoint`, served by this daemon. Blocking (the kernel's mount
-    /// call): run it off the async workers.
+    /// Mounts `folder` at `mountpoint`, served by this daemon; `allow_other` lets other users
+    /// in. Blocking (the kernel's mount call): run it off the async workers.
     pub fn mount(
         &self,
         folder: &FolderId,
         mountpoint: &std::path::Path,
         read_only: bool,
+        allow_other: bool,
     ) -> Result<crate::mounts::MountStatus, MountError> {
         let rt = self.folders.running(folder)?;
         rt.with_mount(|slot| {
@@ -206,6 +214,7 @@ impl Engine {
             }
             let opts = meshfs_fuse::MountOptions {
                 read_only,
+                allow_other,
                 ..Default::default()
             };
             let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
@@ -581,12 +590,28 @@ impl Engine {
     /// The daemon's state as the `status --json` document: gathers a snapshot, and
     /// [`crate::status::build`] decides what it means.
     pub fn status(&self) -> crate::status::Status {
-        // The journal first, in one hold, and not under the peers lock: an install can hold
-        // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        self.status_with(|folders| match self.folders.journal_lock() {
-            Ok(j) => journaled(&j, folders),
-            Err(_) => vec![Default::default(); folders.len()],
-        })
+        // Through its own connection, never the engine's (which an apply or a scan holds for as
+        // long as its disk work takes); the journal first, and not under the peers lock.
+        let own = self.status_journal.get_or_init(|| {
+            match Journal::open_reader(&self.home.journal_file()) {
+                Ok(j) => Some(crate::lock::Ranked::new(
+                    crate::lock::Rank::Journal,
+                    "status journal",
+                    j,
+                )),
+                Err(e) => {
+                    tracing::warn!(error = %e, "status reads through the engine's journal connection");
+                    None
+                }
+            }
+        });
+        match own {
+            Some(j) => self.status_with(|folders| journaled(&j.lock_anyway(), folders)),
+            None => self.status_with(|folders| match self.folders.journal_lock() {
+                Ok(j) => journaled(&j, folders),
+                Err(_) => vec![Default::default(); folders.len()],
+            }),
+        }
     }
 
     /// The same document with the journal's part read through `journal`, another connection

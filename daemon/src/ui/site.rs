@@ -71,8 +71,8 @@ impl Site {
         let cell = match self.journal.get() {
             Some(cell) => cell,
             None => {
-                let j =
-                    Journal::open(&self.engine.home.journal_file()).map_err(|e| e.to_string())?;
+                let j = Journal::open_reader(&self.engine.home.journal_file())
+                    .map_err(|e| e.to_string())?;
                 let _ = self.journal.set(Mutex::new(j));
                 self.journal
                     .get()
