@@ -468,7 +468,7 @@ impl Folders {
             map: RwLock::new(HashMap::new()),
             changes,
             ignore_dir,
-            room: crate::room::Room::new(),
+            room: crate::room::Room::new(crate::store::space),
             journal_place,
         }
     }

@@ -61,19 +61,26 @@ pub struct NoRoom {
     pub reserve: u64,
 }
 
+/// (free bytes for unprivileged writers, total bytes) of the filesystem holding a path, if
+/// they can be read.
+pub type Space = fn(&Path) -> Option<(u64, u64)>;
+
 /// The claims of one daemon, by filesystem. See the module's documentation.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Room {
     /// Bytes promised and not yet written (nor let go of), by device.
     claimed: Mutex<HashMap<u64, u64>>,
-    /// Free and total bytes of a place, for tests; `None`: ask the filesystem.
-    space: Option<fn(&Path) -> Option<(u64, u64)>>,
+    /// How free and total bytes are read (`statvfs`; a table in tests).
+    space: Space,
 }
 
 impl Room {
-    /// No claims yet.
-    pub fn new() -> Arc<Room> {
-        Arc::new(Room::default())
+    /// No claims yet; `space` reads a filesystem's free and total bytes.
+    pub fn new(space: Space) -> Arc<Room> {
+        Arc::new(Room {
+            claimed: Mutex::default(),
+            space,
+        })
     }
 
     /// Claims `wants` (bytes on each place), all or none: each filesystem must keep its
@@ -121,10 +128,7 @@ impl Room {
     }
 
     fn space_of(&self, probe: &Path) -> Option<(u64, u64)> {
-        match self.space {
-            Some(f) => f(probe),
-            None => space(probe),
-        }
+        (self.space)(probe)
     }
 
     fn release(&self, dev: u64, bytes: u64) {
@@ -177,17 +181,6 @@ impl Drop for Claim {
     }
 }
 
-/// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`.
-pub fn space(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let st = crate::sys::statvfs(&c).ok()?;
-    Some((
-        st.f_bavail.saturating_mul(st.f_frsize),
-        st.f_blocks.saturating_mul(st.f_frsize),
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,10 +193,7 @@ mod tests {
     }
 
     fn room() -> (Arc<Room>, Place) {
-        let room = Arc::new(Room {
-            claimed: Default::default(),
-            space: Some(disk),
-        });
+        let room = Room::new(disk);
         let place = Place {
             dev: 7,
             probe: PathBuf::from("/x"),

@@ -1676,7 +1676,18 @@ fn set_mtime_fd(fd: BorrowedFd<'_>, mtime_ns: i64) -> io::Result<()> {
 
 /// Free bytes for unprivileged writers on the filesystem holding `path`.
 pub fn free_bytes(path: &Path) -> Option<u64> {
-    crate::room::space(path).map(|(free, _)| free)
+    space(path).map(|(free, _)| free)
+}
+
+/// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`
+/// (a [`crate::room::Space`]).
+pub fn space(path: &Path) -> Option<(u64, u64)> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let st = sys::statvfs(&c).ok()?;
+    Some((
+        st.f_bavail.saturating_mul(st.f_frsize),
+        st.f_blocks.saturating_mul(st.f_frsize),
+    ))
 }
 
 /// Reads `len` bytes at `offset` of `f`, the open file at `path`, and checks they hash to
