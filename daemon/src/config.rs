@@ -135,6 +135,10 @@ pub fn private_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 
+/// The umask a folder applies to remote versions unless its config says otherwise: no
+/// group or world write.
+pub const DEFAULT_UMASK: u32 = 0o022;
+
 /// Why a config could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -277,7 +281,7 @@ pub struct FolderConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount: Option<PathBuf>,
     /// Permission bits a peer's version never gets here (`umask = 0o027`); unset: no group or
-    /// world write ([`crate::store::DEFAULT_UMASK`]). Group and world bits only: the owner
+    /// world write ([`DEFAULT_UMASK`]). Group and world bits only: the owner
     /// keeps what meshfs needs to read and apply (`Store::local_mode`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub umask: Option<u32>,
@@ -290,7 +294,7 @@ pub struct FolderConfig {
 impl FolderConfig {
     /// The umask applied to this folder's remote versions.
     pub fn umask(&self) -> u32 {
-        self.umask.unwrap_or(crate::store::DEFAULT_UMASK)
+        self.umask.unwrap_or(DEFAULT_UMASK)
     }
 }
 

@@ -163,9 +163,7 @@ pub struct Store {
     umask: std::sync::atomic::AtomicU32,
 }
 
-/// The umask a folder applies to remote versions unless its config says otherwise: no
-/// group or world write.
-pub const DEFAULT_UMASK: u32 = 0o022;
+pub use crate::config::DEFAULT_UMASK;
 
 /// The directory temp files are assembled in, when it is outside the replica.
 #[derive(Debug)]
