@@ -57,7 +57,10 @@ fn peer_name(config: &Config, device_id: &str) -> String {
         .peers
         .iter()
         .find(|p| p.id.to_string() == device_id && !p.name.is_empty())
-        .map_or_else(|| device_id.chars().take(7).collect(), |p| printable(&p.name))
+        .map_or_else(
+            || device_id.chars().take(7).collect(),
+            |p| printable(&p.name),
+        )
 }
 
 /// One section: its heading with the count, its lines, and how many are not shown.

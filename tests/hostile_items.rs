@@ -576,9 +576,12 @@ fn setuid_bits_are_refused_and_other_modes_arrive_through_the_umask() {
             .map(|md| md.permissions().mode() & 0o7777)
             .ok()
     };
-    wait_until(30, "modes within the mask apply through the umask", &s.a, || {
-        mode("none.txt") == Some(0o400) && mode("sticky.txt") == Some(0o1644)
-    });
+    wait_until(
+        30,
+        "modes within the mask apply through the umask",
+        &s.a,
+        || mode("none.txt") == Some(0o400) && mode("sticky.txt") == Some(0o1644),
+    );
     s.honest_peer_syncs("during");
     drop(m);
     s.honest_peer_syncs("after");

@@ -247,8 +247,7 @@ fn declared_sizes_never_take_the_reserve_and_status_and_an_honest_folder_go_on()
     // big2.bin is refused now, big1.bin's room being promised (without a running total it
     // would pass, and both be written once big1.bin goes on): waited for at most 20 s.
     let t0 = Instant::now();
-    while !a.log().contains("No space left on device") && t0.elapsed() < Duration::from_secs(20)
-    {
+    while !a.log().contains("No space left on device") && t0.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(50));
     }
     a.resume("apply.copying@big1.bin");
@@ -355,9 +354,12 @@ fn a_shared_ignore_file_that_does_not_compile_leaves_the_local_rules_in_force() 
     wait_until(60, "the shared file arrives", &s.a, || {
         std::fs::metadata(s.a.path(".meshignore")).is_ok_and(|m| m.len() == text.len() as u64)
     });
-    wait_until(60, "the shared file is reported as not compiled", &s.a, || {
-        s.a.log().contains("could not be compiled")
-    });
+    wait_until(
+        60,
+        "the shared file is reported as not compiled",
+        &s.a,
+        || s.a.log().contains("could not be compiled"),
+    );
     // Shown in status as the folder's last error.
     let st = s.a.status();
     assert!(
@@ -368,15 +370,15 @@ fn a_shared_ignore_file_that_does_not_compile_leaves_the_local_rules_in_force() 
     );
     let key = file_record("secret.key", b"theirs", version(&[(by, 2)]), by);
     let fine = file_record("fine.txt", b"fine", version(&[(by, 3)]), by);
-    s.rt.block_on(m.send_batch(
-        vec![key, fine],
-        vec![inline(b"theirs"), inline(b"fine")],
-    ))
-    .unwrap();
+    s.rt.block_on(m.send_batch(vec![key, fine], vec![inline(b"theirs"), inline(b"fine")]))
+        .unwrap();
     wait_until(60, "the rest of the batch applies", &s.a, || {
         s.a.path("fine.txt").exists()
     });
-    assert!(!s.a.path("secret.key").exists(), "the local rules were switched off");
+    assert!(
+        !s.a.path("secret.key").exists(),
+        "the local rules were switched off"
+    );
     // A local file the local rules ignore stays here.
     write(&s.a.path("secret-local.txt"), b"mine");
     s.honest_peer_syncs("after");
@@ -435,10 +437,15 @@ fn remote_modes_get_the_umask_and_never_lock_the_owner_out() {
         .iter()
         .filter(|e| {
             ["open", "open/f.txt", "locked"].contains(&e["path"].as_str().unwrap_or(""))
-                && e["modified_by"].as_str().is_some_and(|b| b.starts_with(&s.a.id[..7]))
+                && e["modified_by"]
+                    .as_str()
+                    .is_some_and(|b| b.starts_with(&s.a.id[..7]))
         })
         .collect();
-    assert!(by_a.is_empty(), "local versions made of the umask: {by_a:?}");
+    assert!(
+        by_a.is_empty(),
+        "local versions made of the umask: {by_a:?}"
+    );
 }
 
 #[test]
@@ -481,15 +488,26 @@ fn the_config_and_its_directory_are_the_owners_alone_after_every_command() {
     // SAFETY: umask only sets this process's file creation mask.
     let old = unsafe { libc::umask(0o022) };
     let check = |after: &str| {
-        assert_eq!(mode(&home.join("config.toml")), 0o600, "config after {after}");
+        assert_eq!(
+            mode(&home.join("config.toml")),
+            0o600,
+            "config after {after}"
+        );
         assert_eq!(mode(&home), 0o700, "config dir after {after}");
-        assert_eq!(mode(&home.join("ignore")), 0o700, "ignore dir after {after}");
+        assert_eq!(
+            mode(&home.join("ignore")),
+            0o700,
+            "ignore dir after {after}"
+        );
     };
     ok(&home, &["init", "--name", "x", "--listen", "127.0.0.1:0"]);
     check("init");
     let dir = t.path().join("replica");
     std::fs::create_dir_all(&dir).unwrap();
-    ok(&home, &["folder", "add", dir.to_str().unwrap(), "--id", "work"]);
+    ok(
+        &home,
+        &["folder", "add", dir.to_str().unwrap(), "--id", "work"],
+    );
     check("folder add");
     let peer = meshfs_daemon::identity::Identity::generate()
         .unwrap()

@@ -306,11 +306,20 @@ mod tests {
         let t0 = std::time::Instant::now();
         rules.reload(d.path(), Some(&local));
         eprintln!("a shared file that does not compile: {:?}", t0.elapsed());
-        let problem = rules.problem().expect("the failure is reported").to_string();
+        let problem = rules
+            .problem()
+            .expect("the failure is reported")
+            .to_string();
         assert!(problem.contains("could not be compiled"), "{problem}");
         assert!(problem.contains("in force before it stay"), "{problem}");
-        assert!(rules.is_ignored(&p("secret.key"), false), "the local rules hold");
-        assert!(rules.is_ignored(&p("x.tmp"), false), "the older shared rules stay");
+        assert!(
+            rules.is_ignored(&p("secret.key"), false),
+            "the local rules hold"
+        );
+        assert!(
+            rules.is_ignored(&p("x.tmp"), false),
+            "the older shared rules stay"
+        );
         // Loaded fresh, the same files: the local rules alone.
         let fresh = IgnoreRules::load(d.path(), Some(&local));
         assert!(fresh.is_ignored(&p("secret.key"), false));
@@ -326,6 +335,9 @@ mod tests {
         let rules = IgnoreRules::load(d.path(), Some(&local));
         assert!(rules.is_ignored(&p("secret.key"), false));
         assert!(rules.is_ignored(&p("other.log"), false));
-        assert!(!rules.is_ignored(&p("keep.log"), false), "a local negation keeps it");
+        assert!(
+            !rules.is_ignored(&p("keep.log"), false),
+            "a local negation keeps it"
+        );
     }
 }

@@ -11,8 +11,7 @@
 use crate::apply;
 use crate::chunks::{self, Inline, SERVED_AT_ONCE};
 use crate::config::{Config, Options};
-use crate::folder::Folders;
-use crate::journal::Journal;
+use crate::folder::{Folders, Reader};
 use crate::last_error::LastError;
 use crate::transport::{self, LinkStats};
 use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message, ShortId};
@@ -387,8 +386,22 @@ async fn resolve(addr: &str) -> Option<SocketAddr> {
 }
 
 /// The journal as the session's source of records to send.
+/// The index a session sends, read through a connection that only reads ([`Folders::reader`]),
+/// in one read transaction: a session of one folder never waits for another folder's apply or
+/// scan holding the writer.
 struct JournalSource<'a> {
-    journal: &'a mut Journal,
+    journal: Reader<'a>,
+}
+
+impl<'a> JournalSource<'a> {
+    fn open(net: &'a Net) -> Result<Self, String> {
+        let mut journal = net
+            .folders
+            .reader()
+            .map_err(|e| format!("cannot read the journal: {e}"))?;
+        journal.begin_reads();
+        Ok(JournalSource { journal })
+    }
 }
 
 impl IndexSource for JournalSource<'_> {
@@ -419,8 +432,8 @@ impl IndexSource for JournalSource<'_> {
 
     fn max_sequence(&mut self, folder: &FolderId) -> Result<u64, ReadError> {
         self.journal
-            .folder(folder)
-            .map(|s| s.max_sequence)
+            .folder_state(folder)
+            .map(|s| s.map_or(0, |s| s.max_sequence))
             .map_err(ReadError::from_display)
     }
 }
@@ -531,11 +544,7 @@ async fn drive_session(
     let linked = links_by_folder(net, &peer, &links.borrow_and_update());
     let _ = session.connected_peers(linked);
     let first = {
-        let mut j = net
-            .folders
-            .journal_lock()
-            .map_err(|_| "journal lock poisoned")?;
-        let mut src = JournalSource { journal: &mut j };
+        let mut src = JournalSource::open(net)?;
         let mut first = session.start(&mut src);
         // A first scan that moved on (or ended) between reading it for the session and
         // subscribing to the changes was not announced on the channel.
@@ -617,8 +626,7 @@ async fn drive_session(
                     Ok(f) => vec![f],
                     Err(_) => net.shared_with(&peer),
                 };
-                let mut j = net.folders.journal_lock().map_err(|_| "journal lock poisoned")?;
-                let mut src = JournalSource { journal: &mut j };
+                let mut src = JournalSource::open(net)?;
                 for f in folders {
                     pending.extend(session.local_changed(&f, &mut src));
                     if let Some((scanning, counts)) = our_scan(net, &f) {
@@ -697,11 +705,7 @@ fn on_event(
                     net.peer_error(peer, format_args!("the peer reported {code:?}: {message}"));
                 }
             }
-            let mut j = net
-                .folders
-                .journal_lock()
-                .map_err(|_| "journal lock poisoned")?;
-            Ok(session.handle(m, &mut JournalSource { journal: &mut j }))
+            Ok(session.handle(m, &mut JournalSource::open(net)?))
         }
         LinkEvent::Applied(folder, up_to) => {
             if net.folders.get(&folder).is_some_and(|rt| rt.unblock()) {

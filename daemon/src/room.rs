@@ -241,12 +241,18 @@ mod tests {
             dev: 8,
             probe: PathBuf::from("/y"),
         };
-        assert!(room.claim(&[(&place, 10 * MIB), (&other, 490 * MIB)]).is_err());
+        assert!(room
+            .claim(&[(&place, 10 * MIB), (&other, 490 * MIB)])
+            .is_err());
         assert_eq!((room.claimed(&place), room.claimed(&other)), (0, 0));
-        let both = room.claim(&[(&place, 10 * MIB), (&other, 10 * MIB)]).unwrap();
+        let both = room
+            .claim(&[(&place, 10 * MIB), (&other, 10 * MIB)])
+            .unwrap();
         assert_eq!(both.len(), 2);
         // Two parts on one filesystem are checked together.
-        assert!(room.claim(&[(&place, 300 * MIB), (&place, 200 * MIB)]).is_err());
+        assert!(room
+            .claim(&[(&place, 300 * MIB), (&place, 200 * MIB)])
+            .is_err());
     }
 
     #[test]

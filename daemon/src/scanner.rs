@@ -487,7 +487,11 @@ impl Diff<'_> {
                     && l.size == s.local.size
                     && l.mtime_ns == s.local.mtime_ns
                 {
-                    if !self.t.store.same_mode(k.s.mode, s.local.mode, FileKind::File) {
+                    if !self
+                        .t
+                        .store
+                        .same_mode(k.s.mode, s.local.mode, FileKind::File)
+                    {
                         let Some(mut r) = self.lk.full(k) else { return };
                         r.mode = s.local.mode;
                         self.creates.push(version(
@@ -503,14 +507,10 @@ impl Diff<'_> {
                     }
                     return;
                 }
-                if l.size == s.local.size
-                    && l.mtime_ns == s.local.mtime_ns
-                    && self.t.store.same_mode(k.s.mode, s.local.mode, FileKind::File)
-                {
-                    // Same content and times, new inode (e.g. restored by a copy): no version.
-                    self.report.restat.push((s.path.clone(), s.local));
-                    return;
-                }
+                // A new inode is read even with the old size and mtime: two files of one size
+                // written in the same clock tick share an mtime, and one renamed over the
+                // other looks unchanged but is not. The same content (a restore by a copy
+                // keeping the times) is still no version (`add_hashed`).
                 self.jobs.push(HashJob {
                     path: s.path,
                     local: s.local,
@@ -526,7 +526,10 @@ impl Diff<'_> {
         let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
         let changed = match live_prev {
             Some(k) if k.s.kind == FileKind::Dir => {
-                !self.t.store.same_mode(k.s.mode, s.local.mode, FileKind::Dir)
+                !self
+                    .t
+                    .store
+                    .same_mode(k.s.mode, s.local.mode, FileKind::Dir)
             }
             _ => true,
         };

@@ -1419,7 +1419,11 @@ impl Store {
             }
         }
         failpoint::hit("meta.before_set", path.as_str());
-        let kind = if is_dir { FileKind::Dir } else { FileKind::File };
+        let kind = if is_dir {
+            FileKind::Dir
+        } else {
+            FileKind::File
+        };
         set_mode_fd(fd.as_fd(), self.local_mode(mode, kind)).map_err(|e| io_err(path, e))?;
         if let Some(m) = mtime_ns {
             set_mtime_fd(fd.as_fd(), m).map_err(|e| io_err(path, e))?;
@@ -1790,7 +1794,12 @@ mod tests {
         // A copy that finds nothing leaves the temp file uncovered: it cannot be finished.
         let mut t = store.create_temp(&p("out2")).unwrap();
         let absent = store
-            .copy_chunks_in(&mut DirCache::default(), &mut t, &copies[57..58], &HashMap::new())
+            .copy_chunks_in(
+                &mut DirCache::default(),
+                &mut t,
+                &copies[57..58],
+                &HashMap::new(),
+            )
             .unwrap();
         assert_eq!(absent, vec![0]);
         assert!(matches!(

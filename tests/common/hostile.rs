@@ -424,7 +424,10 @@ impl rustls::client::ClientSessionStore for CountingTickets {
     ) {
         self.inner.set_kx_hint(server_name, group)
     }
-    fn kx_hint(&self, server_name: &rustls::pki_types::ServerName<'_>) -> Option<rustls::NamedGroup> {
+    fn kx_hint(
+        &self,
+        server_name: &rustls::pki_types::ServerName<'_>,
+    ) -> Option<rustls::NamedGroup> {
         self.inner.kx_hint(server_name)
     }
     fn set_tls12_session(
@@ -457,7 +460,8 @@ impl rustls::client::ClientSessionStore for CountingTickets {
     ) -> Option<rustls::client::Tls13ClientSessionValue> {
         let t = self.inner.take_tls13_ticket(server_name);
         if t.is_some() {
-            self.offered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.offered
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         t
     }
@@ -512,7 +516,10 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
 
 /// A QUIC client config for `identity` that keeps and offers TLS resumption tickets in
 /// `tickets` (the daemon's own dialer never resumes: `transport::client_config`).
-pub fn resuming_client(identity: &Identity, tickets: std::sync::Arc<CountingTickets>) -> quinn::ClientConfig {
+pub fn resuming_client(
+    identity: &Identity,
+    tickets: std::sync::Arc<CountingTickets>,
+) -> quinn::ClientConfig {
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
     let key = rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
         identity.key_der.clone(),

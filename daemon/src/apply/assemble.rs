@@ -62,9 +62,9 @@ pub(super) fn assemble(
                 }
                 // For tests: the copying of a record's local chunks is under way (no lock held).
                 failpoint::hit("apply.copying", meta.remote.path.as_str());
-                let not_here = rt
-                    .store
-                    .copy_chunks_in(&mut dirs, &mut temp, &copies, &sources.held)?;
+                let not_here =
+                    rt.store
+                        .copy_chunks_in(&mut dirs, &mut temp, &copies, &sources.held)?;
                 Ok((temp, not_here))
             });
         let (mut temp, not_here) = match made {
@@ -92,7 +92,11 @@ pub(super) fn assemble(
             (c.hash, c.len, c.offset)
         });
         for (h, len, off) in absent.into_iter().chain(stale) {
-            missing.entry(h).or_insert((len, Vec::new())).1.push((i, off));
+            missing
+                .entry(h)
+                .or_insert((len, Vec::new()))
+                .1
+                .push((i, off));
         }
         temps.push(Some(temp));
         metas.push(meta);

@@ -7,6 +7,7 @@ use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::ignore::{IgnoreRules, IGNORE_FILE};
 use crate::journal::{Change, Journal, StoredRecord};
+use crate::lock::RankedGuard;
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
 use meshfs_sync::plan::{self, Disk, Planned};
@@ -91,58 +92,67 @@ pub(super) fn decide_all(
     peer: DeviceId,
     records: Vec<FileRecord>,
 ) -> Result<Decided, ApplyError> {
-    let _guard = rt
-        .op_lock
-        .lock()
-        .map_err(|_| FolderError::Poisoned("folder"))?;
-    let ignore = rt
-        .ignore
-        .read()
-        .map_err(|_| FolderError::Poisoned("ignore"))?;
-    let mut journal = folders.journal()?;
-    let mut d = Deciding {
-        journal: &mut journal,
-        folders,
-        rt,
-        ignore: &ignore,
-        sources: Sources::default(),
-        touched_ignore: false,
-        folder,
-        peer,
-        memo: Memo::default(),
-        dirs: DirCache::default(),
-        done: Vec::new(),
-        transfers: Vec::new(),
-        redo: Vec::new(),
+    // The locks and the rules are let go before the rules are read again.
+    let (decided, touched_ignore) = {
+        let _guard = rt
+            .op_lock
+            .lock()
+            .map_err(|_| FolderError::Poisoned("folder"))?;
+        let ignore = rt
+            .ignore
+            .read()
+            .map_err(|_| FolderError::Poisoned("ignore"))?;
+        let mut d = Deciding {
+            journal: Held {
+                folders,
+                guard: None,
+            },
+            folders,
+            rt,
+            ignore: &ignore,
+            sources: Sources::default(),
+            touched_ignore: false,
+            folder,
+            peer,
+            memo: Memo::default(),
+            dirs: DirCache::default(),
+            done: Vec::new(),
+            transfers: Vec::new(),
+            redo: Vec::new(),
+        };
+        let result = records.into_iter().try_for_each(|r| d.record(r));
+        d.journal.release();
+        // Changes done on disk are committed even when deciding fails.
+        let flushed = match d.done.is_empty() {
+            true => Ok(()),
+            false => folders
+                .journal()?
+                .commit(folder, std::mem::take(&mut d.done))
+                .map(|_| ()),
+        };
+        result?;
+        flushed?;
+        // Between a decision and its install the folder's lock is let go (for tests: what another
+        // batch or a local edit does meanwhile). Detail: a transfer's remote path.
+        for t in &d.transfers {
+            failpoint::hit("apply.decided", t.meta.remote.path.as_str());
+        }
+        let Deciding {
+            transfers,
+            redo,
+            dirs,
+            sources,
+            touched_ignore,
+            ..
+        } = d;
+        let decided = Decided {
+            transfers,
+            redo,
+            dirs,
+            sources,
+        };
+        (decided, touched_ignore)
     };
-    d.journal.begin_reads();
-    let result = records.into_iter().try_for_each(|r| d.record(r));
-    d.journal.end_reads();
-    // Changes done on disk are committed even when deciding fails.
-    let flushed = match d.done.is_empty() {
-        true => Ok(()),
-        false => d
-            .journal
-            .commit(folder, std::mem::take(&mut d.done))
-            .map(|_| ()),
-    };
-    result?;
-    flushed?;
-    // Between a decision and its install the folder's lock is let go (for tests: what another
-    // batch or a local edit does meanwhile). Detail: a transfer's remote path.
-    for t in &d.transfers {
-        failpoint::hit("apply.decided", t.meta.remote.path.as_str());
-    }
-    let touched_ignore = d.touched_ignore;
-    let decided = Decided {
-        transfers: d.transfers,
-        redo: d.redo,
-        dirs: d.dirs,
-        sources: d.sources,
-    };
-    drop(journal);
-    drop(ignore);
-    drop(_guard);
     if touched_ignore {
         folders.reload_ignore(rt);
     }
@@ -159,9 +169,38 @@ enum Flow {
     Stop,
 }
 
+/// The journal as a decision holds it: in one read transaction (`Journal::begin_reads`), let go
+/// while a transfer copies local chunks (disk work whose size the peer's record decides), so
+/// that other folders' sessions and scans do not wait for it, and taken again at its next use.
+/// This folder's records cannot change meanwhile: the decision holds the folder's lock.
+struct Held<'a> {
+    folders: &'a Folders,
+    guard: Option<RankedGuard<'a, Journal>>,
+}
+
+impl Held<'_> {
+    fn get(&mut self) -> Result<&mut Journal, ApplyError> {
+        let guard = match self.guard.take() {
+            Some(g) => g,
+            None => {
+                let mut g = self.folders.journal()?;
+                g.begin_reads();
+                g
+            }
+        };
+        Ok(&mut **self.guard.insert(guard))
+    }
+
+    fn release(&mut self) {
+        if let Some(mut g) = self.guard.take() {
+            g.end_reads();
+        }
+    }
+}
+
 /// One batch being decided: the journal held, and what the steps done so far left.
 struct Deciding<'a> {
-    journal: &'a mut Journal,
+    journal: Held<'a>,
     folders: &'a Folders,
     rt: &'a FolderRt,
     /// The files this batch's contents copy chunks from.
@@ -192,14 +231,16 @@ impl Deciding<'_> {
         // live entries remain below them: commit what this batch did so far first.
         if (remote.deleted || self.done.len() >= 1000) && !self.done.is_empty() {
             self.journal
+                .get()?
                 .commit(self.folder, std::mem::take(&mut self.done))?;
         }
+        let journal = self.journal.get()?;
         let local_before = self
             .memo
-            .get(self.journal, self.folder, &remote.path)?
+            .get(journal, self.folder, &remote.path)?
             .map(|s| s.record);
         let view = View {
-            journal: self.journal,
+            journal,
             folder: self.folder,
             memo: &self.memo,
         };
@@ -221,7 +262,7 @@ impl Deciding<'_> {
             .map(|s| (s.record().clone(), None))
             .collect();
         if !made_here.is_empty() {
-            self.journal.put_pending(self.folder, &made_here)?;
+            self.journal.get()?.put_pending(self.folder, &made_here)?;
         }
         let conflict = plan.conflict.map(|winner_is_local| {
             conflict_detail(local_before.as_ref(), &remote, winner_is_local)
@@ -294,8 +335,9 @@ impl Deciding<'_> {
     }
 
     /// The journal's record at `path` (read through the batch's memo).
-    fn stored(&self, path: &RelPath) -> Result<Option<StoredRecord>, ApplyError> {
-        Ok(self.memo.get(self.journal, self.folder, path)?)
+    fn stored(&mut self, path: &RelPath) -> Result<Option<StoredRecord>, ApplyError> {
+        let journal = self.journal.get()?;
+        Ok(self.memo.get(journal, self.folder, path)?)
     }
 
     /// A step whose content comes from chunks: starts its transfer. Returns the transfer's
@@ -323,8 +365,9 @@ impl Deciding<'_> {
             content_room: None,
             journal_room: None,
         };
+        // Room claimed and sources found under the lock; the copying is the assembly's.
         let t = prepare(
-            self.journal,
+            self.journal.get()?,
             self.folders,
             self.rt,
             meta,
@@ -358,7 +401,9 @@ impl Deciding<'_> {
 
     /// Holds `remote` until its path has no writer; journaled first (see [`Self::deferred`]).
     fn defer(&mut self, remote: &FileRecord) -> Result<(), ApplyError> {
-        self.journal.put_deferred(self.folder, remote, &self.peer)?;
+        self.journal
+            .get()?
+            .put_deferred(self.folder, remote, &self.peer)?;
         self.rt.defer(remote.clone(), self.peer);
         Ok(())
     }

@@ -18,6 +18,7 @@ use super::install::install;
 use super::on_blocking;
 use super::transfer::{ApplyError, Meta, Sources, Transfer};
 use crate::chunks;
+use crate::failpoint;
 use crate::folder::{FolderRt, Folders};
 use crate::progress::Queued;
 use crate::store::{DirCache, TempFile};
@@ -518,7 +519,15 @@ async fn fetch(
         skipped,
     } = {
         let rt = rt.clone();
-        on_blocking(move || assemble(&rt, dirs, work, &sources, attached)).await?
+        on_blocking(move || {
+            // Decided, the folder's lock let go, nothing fetched or installed yet (for tests:
+            // what a local edit or another batch does meanwhile). Detail: a remote path.
+            for t in &work {
+                failpoint::hit("apply.fetch", t.meta.remote.path.as_str());
+            }
+            assemble(&rt, dirs, work, &sources, attached)
+        })
+        .await?
     };
     // Skipped here (shown in `status`): nothing to install for them.
     let mut superseded = skipped;

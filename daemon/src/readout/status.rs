@@ -189,5 +189,9 @@ pub fn first_of(items: &Value, folder: &str) -> Option<String> {
         0 => String::new(),
         n => format!(" and {n} more (`meshfs status {folder} --pending`)"),
     };
-    Some(format!("{} ({}){more}", t(first, "path"), t(first, "error")))
+    Some(format!(
+        "{} ({}){more}",
+        t(first, "path"),
+        t(first, "error")
+    ))
 }
