@@ -264,17 +264,14 @@ impl Driver {
                         .iter()
                         .flat_map(|t| t.meta.then.iter().map(|(c, _)| c.record.path.clone()))
                         .collect();
-                    match self.batches.get_mut(&batch) {
-                        Some(b) => {
-                            if let Some((at, ms)) = b.round.as_mut() {
-                                *ms = at.elapsed().as_millis() as u64;
-                            }
-                            b.transfers = d.transfers;
-                            b.dirs = Some(d.dirs);
-                            b.sources = Some(d.sources);
+                    // Discarded while it was decided: its claims and sources go with it.
+                    if let Some(b) = self.batches.get_mut(&batch) {
+                        if let Some((at, ms)) = b.round.as_mut() {
+                            *ms = at.elapsed().as_millis() as u64;
                         }
-                        // Discarded while it was decided: its claims and sources go with it.
-                        None => {}
+                        b.transfers = d.transfers;
+                        b.dirs = Some(d.dirs);
+                        b.sources = Some(d.sources);
                     }
                     self.pipe.decided(batch, paths, also, d.redo);
                 }
