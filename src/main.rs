@@ -16,6 +16,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use meshfs_daemon::config::{Config, FolderConfig, Home, PeerConfig, DEFAULT_LISTEN};
 use meshfs_daemon::control::{self, Request};
 use meshfs_daemon::identity::Identity;
+use meshfs_daemon::readout::journal::printable;
 use meshfs_protocol::{DeviceId, FolderId};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -853,7 +854,9 @@ fn conflicts(home: &Home, folder: FolderId, json: bool) -> anyhow::Result<u8> {
         println!("no conflicts in {folder}");
     } else {
         for c in list {
-            println!("{}\n    belongs to {}; losing version by {} at {} ({} bytes); kept version by {} ({} bytes)", c.path, c.original, c.loser_device, c.loser_time, c.size, c.winner_device.as_deref().unwrap_or("-"), c.winner_size.map_or("-".into(), |s| s.to_string()));
+            // Names come from peers: control characters are shown escaped, as `journal` does.
+            let (path, original) = (printable(&c.path), printable(&c.original));
+            println!("{path}\n    belongs to {original}; losing version by {} at {} ({} bytes); kept version by {} ({} bytes)", printable(&c.loser_device), printable(&c.loser_time), c.size, printable(c.winner_device.as_deref().unwrap_or("-")), c.winner_size.map_or("-".into(), |s| s.to_string()));
         }
     }
     Ok(0)
@@ -912,6 +915,7 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         path: real.clone(),
         watch: true,
         mount: None,
+        umask: None,
         allow_other: false,
     });
     new.validate(home)?;

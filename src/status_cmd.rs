@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use meshfs_daemon::readout::status::{first_of, folder_summary, last_error_line, local_time};
 use meshfs_daemon::readout::status::{pairing_hint, pairing_questions, source_words};
-use meshfs_daemon::readout::status::{peer_name, peer_state, peers_by_id, plural, s, u};
+use meshfs_daemon::readout::status::{peer_name, peer_state, peers_by_id, plural, s, t, u};
 use time::UtcOffset;
 
 /// What `meshfs status` was asked.
@@ -202,19 +202,24 @@ fn work_left(st: &Value) -> u64 {
         .into_iter()
         .flatten()
         .map(|f| {
+            // A peer says how many files its scan has left (any u64): the sums saturate.
             let to_send: u64 = f["peers"]
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|p| u(p, "pending_records") + u(&p["scan"], "left"))
-                .sum();
-            u(f, "capture_pending")
-                + u(f, "waiting_for_writers")
-                + u(&f["progress"]["scan"], "left")
-                + u(&f["progress"]["receive"], "left")
-                + to_send
+                .map(|p| u(p, "pending_records").saturating_add(u(&p["scan"], "left")))
+                .fold(0, u64::saturating_add);
+            [
+                u(f, "capture_pending"),
+                u(f, "waiting_for_writers"),
+                u(&f["progress"]["scan"], "left"),
+                u(&f["progress"]["receive"], "left"),
+                to_send,
+            ]
+            .into_iter()
+            .fold(0, u64::saturating_add)
         })
-        .sum()
+        .fold(0, u64::saturating_add)
 }
 
 /// Why the device is not in sync: each folder that is not, with its reasons.
@@ -250,7 +255,7 @@ pub fn render(st: &Value) -> String {
     let _ = writeln!(
         o,
         "device  {} ({})  listening on {}, {discovery}",
-        s(dev, "name"),
+        t(dev, "name"),
         s(dev, "id"),
         s(dev, "listen")
     );
@@ -298,7 +303,7 @@ fn render_folder(
         o,
         "folder  {:<12} {}  {} files, {} dirs, {} bytes, {}",
         id,
-        s(f, "path"),
+        t(f, "path"),
         u(f, "files"),
         u(f, "dirs"),
         u(f, "bytes"),
@@ -310,7 +315,7 @@ fn render_folder(
         let _ = writeln!(
             o,
             "          mounted at {} ({}{}, {}, io_uring {}, {} open handle(s))",
-            s(m, "mountpoint"),
+            t(m, "mountpoint"),
             s(m, "mode"),
             crate::others_text(m),
             crate::passthrough_text(m),
@@ -371,13 +376,13 @@ fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
         .collect();
     let addr = match listed.join(",") {
         a if a.is_empty() => "(dials us)".to_string(),
-        a => a,
+        a => meshfs_daemon::readout::journal::printable(&a),
     };
     let _ = writeln!(
         o,
         "peer    {} {:<12} {:<22} {state}  sent {} B  received {} B",
         s(p, "short_id"),
-        s(p, "name"),
+        t(p, "name"),
         addr,
         u(p, "bytes_sent"),
         u(p, "bytes_received")

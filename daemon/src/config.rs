@@ -55,6 +55,11 @@ impl Home {
         self.config_dir.join("config.toml")
     }
 
+    /// The directory of the local ignore files (`ignore/FOLDER-ID`, rules no peer can change).
+    pub fn local_ignore_dir(&self) -> PathBuf {
+        self.config_dir.join("ignore")
+    }
+
     /// The journal database.
     pub fn journal_file(&self) -> PathBuf {
         self.state_dir.join("journal.db")
@@ -122,6 +127,21 @@ pub fn real_path(path: &Path) -> PathBuf {
         }
     }
 }
+
+/// Makes `dir` (and its missing parents) and gives it mode 0700, whatever it had: meshfs's
+/// config and local ignore rules are the owner's alone.
+pub fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// The umask a folder applies to remote versions unless its config says otherwise: no
+/// group or world write.
+pub const DEFAULT_UMASK: u32 = 0o022;
 
 /// Why a config could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -288,10 +308,22 @@ pub struct FolderConfig {
     /// Mount the folder here when the daemon starts (`meshfs mount` does it at runtime).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount: Option<PathBuf>,
+    /// Permission bits a peer's version never gets here (`umask = 0o027`); unset: no group or
+    /// world write ([`DEFAULT_UMASK`]). Group and world bits only: the owner
+    /// keeps what meshfs needs to read and apply (`Store::local_mode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub umask: Option<u32>,
     /// Let other users into that mount (`allow_other`, the kernel checking modes). For a
     /// daemon run as an ordinary user, `/etc/fuse.conf` must say `user_allow_other`.
     #[serde(default, skip_serializing_if = "is_false")]
     pub allow_other: bool,
+}
+
+impl FolderConfig {
+    /// The umask applied to this folder's remote versions.
+    pub fn umask(&self) -> u32 {
+        self.umask.unwrap_or(DEFAULT_UMASK)
+    }
 }
 
 fn yes() -> bool {
@@ -444,14 +476,18 @@ impl Config {
         Ok(config)
     }
 
-    /// Writes the config atomically (temp file, fsync, rename).
+    /// Writes the config atomically (temp file, fsync, rename), the owner's alone whatever
+    /// the umask: the file 0600, its directory and the local ignore rules' directory 0700
+    /// (the config names every peer and folder; the ignore files say what is secret).
     pub fn save(&self, home: &Home) -> Result<(), ConfigError> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let path = home.config_file();
         let io = |source| ConfigError::Io {
             path: path.clone(),
             source,
         };
-        std::fs::create_dir_all(&home.config_dir).map_err(io)?;
+        private_dir(&home.config_dir).map_err(io)?;
+        private_dir(&home.local_ignore_dir()).map_err(io)?;
         let text = toml::to_string_pretty(self).map_err(|source| ConfigError::Encode {
             path: path.clone(),
             source,
@@ -459,7 +495,16 @@ impl Config {
         let tmp = home.config_dir.join(".config.toml.tmp");
         {
             use std::io::Write;
-            let mut f = std::fs::File::create(&tmp).map_err(io)?;
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io)?;
+            // The mode given at creation is cut by the umask; 0600 is set whatever it was.
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(io)?;
             f.write_all(text.as_bytes()).map_err(io)?;
             f.sync_all().map_err(io)?;
         }
@@ -505,6 +550,14 @@ impl Config {
                 return Err(invalid(
                     format!("folder[{i}].path"),
                     "must be an absolute path".into(),
+                ));
+            }
+            if let Some(u) = f.umask.filter(|u| *u & !0o077 != 0) {
+                return Err(invalid(
+                    format!("folder[{i}].umask"),
+                    format!(
+                        "{u:#o} masks more than group and world bits (write it in octal, e.g. 0o027); the owner's are kept so that meshfs can read and apply every path"
+                    ),
                 ));
             }
             if let Some(own) = home.overlap(&f.path) {
@@ -658,6 +711,7 @@ mod tests {
             path: "/tmp/w".into(),
             watch: true,
             mount: None,
+            umask: None,
             allow_other: false,
         });
         c.save(&home).unwrap();
@@ -679,6 +733,7 @@ mod tests {
             path: "/tmp/w".into(),
             watch: true,
             mount: None,
+            umask: None,
             allow_other: false,
         });
         c.peers.push(PeerConfig {
@@ -760,6 +815,7 @@ mod tests {
             path,
             watch: true,
             mount: None,
+            umask: None,
             allow_other: false,
         };
         let mut c = Config::new("a", "127.0.0.1:7788");

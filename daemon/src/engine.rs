@@ -71,7 +71,8 @@ pub struct Engine {
 type Dialer = (Vec<String>, Arc<Notify>);
 
 /// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
-/// and the config file too, whatever modes they had (an older meshfs made them readable).
+/// and the config file, its directory and the local ignore files too, whatever modes they
+/// had (an older meshfs made them readable).
 fn private_state(home: &Home) {
     use std::os::unix::fs::PermissionsExt;
     let set = |p: &std::path::Path, mode: u32| {
@@ -82,7 +83,19 @@ fn private_state(home: &Home) {
         }
     };
     set(&home.state_dir, 0o700);
+    set(&home.config_dir, 0o700);
+    set(&home.local_ignore_dir(), 0o700);
     set(&home.config_file(), 0o600);
+    // The local ignore files say what is secret; they are the user's, written by hand.
+    for e in std::fs::read_dir(home.local_ignore_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if e.file_type().is_ok_and(|t| t.is_file()) {
+            set(&e.path(), 0o600);
+        }
+    }
 }
 
 impl Engine {
@@ -105,7 +118,7 @@ impl Engine {
         let folders = Arc::new(Folders::new(
             identity.device_id,
             journal,
-            home.config_dir.join("ignore"),
+            home.local_ignore_dir(),
         ));
         let first = config.clone();
         let config = Arc::new(RwLock::new(config));
@@ -341,6 +354,7 @@ impl Engine {
         let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
         store.set_device(self.folders.short);
+        store.set_umask(f.umask());
         let removed = store.remove_temps();
         if removed > 0 {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");

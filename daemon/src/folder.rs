@@ -451,12 +451,20 @@ pub struct Folders {
     pub changes: broadcast::Sender<FolderId>,
     /// Where local ignore files live (`CONFIG_DIR/ignore`).
     ignore_dir: PathBuf,
+    /// Disk room promised to remote versions being received, on every folder's filesystem.
+    pub room: Arc<crate::room::Room>,
+    /// The journal's filesystem: its growth is claimed there.
+    pub journal_place: Option<crate::room::Place>,
 }
 
 impl Folders {
     /// The folders of `device`, none running yet.
     pub fn new(device: DeviceId, journal: Journal, ignore_dir: PathBuf) -> Folders {
         let (changes, _) = broadcast::channel(4096);
+        let journal_place = journal
+            .path()
+            .parent()
+            .and_then(|d| crate::room::Place::of(d).ok());
         Folders {
             device,
             short: device.short(),
@@ -466,6 +474,8 @@ impl Folders {
             map: RwLock::new(HashMap::new()),
             changes,
             ignore_dir,
+            room: crate::room::Room::new(crate::store::space),
+            journal_place,
         }
     }
 
@@ -553,6 +563,22 @@ impl Folders {
         self.ignore_dir.join(folder.as_str())
     }
 
+    /// Reads `rt`'s ignore files again ([`IgnoreRules::reload`]): a shared file that does not
+    /// compile keeps the shared rules in force and is shown as the folder's last error.
+    pub fn reload_ignore(&self, rt: &FolderRt) {
+        let local = self.local_ignore(&rt.id);
+        let problem = match rt.ignore.write() {
+            Ok(mut ig) => {
+                ig.reload(rt.store.root(), Some(&local));
+                ig.problem().map(str::to_string)
+            }
+            Err(_) => None,
+        };
+        if let Some(p) = problem {
+            rt.last_error.set(p);
+        }
+    }
+
     /// Tells sessions that `folder`'s journal gained entries, or that its first scan moved on.
     pub fn changes_notify(&self, folder: &FolderId) {
         let _ = self.changes.send(folder.clone());
@@ -580,9 +606,7 @@ impl Folders {
                 .iter()
                 .any(|p| p.as_str() == crate::ignore::IGNORE_FILE)
         {
-            if let Ok(mut ig) = rt.ignore.write() {
-                *ig = IgnoreRules::load(rt.store.root(), Some(&self.local_ignore(&rt.id)));
-            }
+            self.reload_ignore(&rt);
         }
         let _guard = rt
             .op_lock

@@ -29,6 +29,7 @@ pub mod peers;
 pub mod pending;
 pub mod progress;
 pub mod readout;
+pub mod room;
 pub mod scanner;
 pub mod status;
 pub mod store;

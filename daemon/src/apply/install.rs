@@ -131,8 +131,18 @@ pub(super) fn install(
         rt.defer(remote, peer);
     }
     let files = changes.len();
+    let touched_ignore = changes
+        .iter()
+        .any(|c| c.record.path.as_str() == crate::ignore::IGNORE_FILE);
     journal.commit(folder, changes)?;
     failpoint::hit("apply.installed", "");
+    if touched_ignore {
+        // A new shared ignore file: its rules apply from the next decision on (read once the
+        // locks are let go; one that does not compile keeps the older shared rules).
+        drop(journal);
+        drop(_guard);
+        folders.reload_ignore(rt);
+    }
     if files >= 100 {
         tracing::debug!(%folder, files, pending_ms = pending_at.as_millis() as u64,
             reread_ms = (reread_at - pending_at).as_millis() as u64,

@@ -3,6 +3,7 @@
 //! `status --json` document only; times are shown at the reader's UTC offset, which the caller
 //! knows (the CLI its own, the page the browser's) and this module never looks up.
 
+use super::journal::printable;
 use serde_json::Value;
 use std::collections::HashMap;
 use time::UtcOffset;
@@ -10,6 +11,13 @@ use time::UtcOffset;
 /// A string field, or "".
 pub fn s<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("")
+}
+
+/// A text field for a terminal, or "": control characters escaped as `meshfs journal` shows
+/// them ([`printable`]). Paths, errors and names can be a peer's words: a file name or an
+/// error message holding escape sequences must not move the cursor or retitle the terminal.
+pub fn t(v: &Value, k: &str) -> String {
+    printable(s(v, k))
 }
 
 /// A number field, or 0.
@@ -47,11 +55,11 @@ pub fn peers_by_id(st: &Value) -> HashMap<&str, &Value> {
         .collect()
 }
 
-/// A peer's name, or its short id.
+/// A peer's name (escaped, [`t`]), or its short id.
 pub fn peer_name(p: &Value) -> String {
     match s(p, "name") {
         "" => s(p, "device_id").chars().take(7).collect(),
-        n => n.to_string(),
+        n => printable(n),
     }
 }
 
@@ -111,7 +119,7 @@ pub fn folder_summary(f: &Value, started_unix: u64, tz: UtcOffset) -> String {
         ));
     }
     if let Some(b) = f["blocked"].as_str() {
-        why.push(format!("receiving stopped ({b})"));
+        why.push(format!("receiving stopped ({})", printable(b)));
     }
     let writers = u(f, "waiting_for_writers");
     if writers > 0 {
@@ -204,10 +212,11 @@ pub fn pairing_questions(st: &Value) -> Vec<String> {
     out
 }
 
-/// `last error at 10:42: …`, or nothing when there was none.
+/// `last error at 10:42: …` (the message escaped: it can hold a peer's words), or nothing
+/// when there was none.
 pub fn last_error_line(v: &Value, tz: UtcOffset) -> Option<String> {
     let e = &v["last_error"];
-    let message = e["message"].as_str()?;
+    let message = printable(e["message"].as_str()?);
     Some(format!(
         "last error at {}: {message}",
         local_time(u(e, "unix"), tz)
@@ -224,7 +233,7 @@ pub fn first_of(items: &Value, folder: &str) -> Option<String> {
     };
     Some(format!(
         "{} ({}){more}",
-        s(first, "path"),
-        s(first, "error")
+        t(first, "path"),
+        t(first, "error")
     ))
 }
