@@ -14,6 +14,7 @@ pub mod error;
 pub mod pipeline;
 pub mod plan;
 pub mod reconcile;
+pub mod role;
 pub mod session;
 pub mod sim;
 #[cfg(test)]
