@@ -3,7 +3,8 @@
 
 use anyhow::{anyhow, bail};
 use meshfs_daemon::config::{Config, Home};
-use meshfs_daemon::journal::{HistoryEntry, HistoryQuery, Journal};
+use meshfs_daemon::journal::{HistoryEntry, HistoryQuery, Journal, PrunedEvent};
+use meshfs_daemon::versions::listing::{Content, ContentCheck};
 use meshfs_protocol::{DeviceId, FolderId, RelPath, ShortId};
 use std::time::Duration;
 
@@ -29,8 +30,9 @@ pub struct JournalArgs {
     /// Keep printing new entries as they are journaled.
     #[arg(long)]
     follow: bool,
-    /// Also show bookkeeping entries (op `merged`): two devices' versions of the same state
-    /// met and only the version vector changed.
+    /// Also show bookkeeping entries (op `merged`: two devices' versions of the same state
+    /// met and only the version vector changed) and the past versions retention pruned (op
+    /// `pruned`).
     #[arg(long)]
     all: bool,
     /// One JSON object per entry.
@@ -136,7 +138,36 @@ fn parse_since_at(s: &str, now: time::OffsetDateTime) -> Option<Since> {
     })
 }
 
-fn time_str(ns: i64) -> String {
+/// A time as `restore --at` and `mount --at` take it: RFC 3339 (`2026-11-27T18:50:00Z`) or a
+/// local `YYYY-MM-DD HH:MM:SS` (also with a `T`, or without seconds); ns since the epoch.
+pub fn parse_time(s: &str) -> Result<i64, String> {
+    let now = time::OffsetDateTime::now_utc();
+    let offset = time::UtcOffset::local_offset_at(now).unwrap_or(time::UtcOffset::UTC);
+    parse_time_at(s, offset).ok_or_else(|| {
+        format!("{s:?} is not a time: use RFC 3339 (2026-11-27T18:50:00Z) or a local time (2026-11-27 18:50:00)")
+    })
+}
+
+/// [`parse_time`] with the local time zone at `offset`.
+fn parse_time_at(s: &str, offset: time::UtcOffset) -> Option<i64> {
+    use time::macros::format_description;
+    let s = s.trim();
+    if let Ok(t) = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339) {
+        return Some(t.unix_timestamp_nanos() as i64);
+    }
+    let local = [
+        format_description!("[year]-[month]-[day] [hour]:[minute]:[second]"),
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]"),
+        format_description!("[year]-[month]-[day] [hour]:[minute]"),
+    ];
+    local.iter().find_map(|f| {
+        let t = time::PrimitiveDateTime::parse(s, f).ok()?;
+        Some(t.assume_offset(offset).unix_timestamp_nanos() as i64)
+    })
+}
+
+/// A time as the journal shows it (UTC, to the millisecond).
+pub fn time_str(ns: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp_nanos(ns as i128)
         .ok()
         .and_then(|t| {
@@ -148,7 +179,7 @@ fn time_str(ns: i64) -> String {
         .unwrap_or_else(|| ns.to_string())
 }
 
-fn to_json(folder: &FolderId, e: &HistoryEntry) -> serde_json::Value {
+fn to_json(folder: &FolderId, e: &HistoryEntry, content: Content) -> serde_json::Value {
     serde_json::json!({
         "folder": folder.to_string(),
         "sequence": e.sequence,
@@ -165,6 +196,22 @@ fn to_json(folder: &FolderId, e: &HistoryEntry) -> serde_json::Value {
         "size": e.size,
         "mode": format!("{:o}", e.mode),
         "detail": e.detail,
+        "content": content.as_str(),
+    })
+}
+
+fn pruned_json(folder: &FolderId, p: &PrunedEvent) -> serde_json::Value {
+    serde_json::json!({
+        "folder": folder.to_string(),
+        "sequence": null,
+        "time_ns": p.time_ns,
+        "time": time_str(p.time_ns),
+        "path": p.path.to_string(),
+        "op": "pruned",
+        "version_sequence": p.sequence,
+        "hash": p.hash.to_string(),
+        "size": p.size,
+        "detail": p.reason,
     })
 }
 
@@ -183,29 +230,80 @@ fn printable(name: &str) -> String {
         .collect()
 }
 
-fn print(folder: &FolderId, entries: &[HistoryEntry], json: bool) {
-    for e in entries {
-        if json {
-            println!("{}", to_json(folder, e));
-        } else {
-            let hash = if e.deleted || e.hash == meshfs_protocol::Hash::ZERO {
-                "-".to_string()
-            } else {
-                e.hash.short()
-            };
-            println!(
-                "{:>6}  {}  {}  {:<8} {:<40} {:>10}  {}  {}",
-                e.sequence,
-                time_str(e.time_ns),
-                e.modified_by.display7(),
-                e.op.as_str(),
-                printable(e.path.as_str()),
-                e.size,
-                hash,
-                e.version
-            );
+/// One line of the journal's output: a history row and where its content is, or a pruning.
+enum Line<'a> {
+    Row(&'a HistoryEntry, Content),
+    Pruned(&'a PrunedEvent),
+}
+
+impl Line<'_> {
+    fn time_ns(&self) -> i64 {
+        match self {
+            Line::Row(e, _) => e.time_ns,
+            Line::Pruned(p) => p.time_ns,
         }
     }
+}
+
+fn print(folder: &FolderId, lines: &[Line<'_>], json: bool) {
+    for l in lines {
+        match (l, json) {
+            (Line::Row(e, c), true) => println!("{}", to_json(folder, e, *c)),
+            (Line::Pruned(p), true) => println!("{}", pruned_json(folder, p)),
+            (Line::Row(e, c), false) => {
+                let hash = if e.deleted || e.hash == meshfs_protocol::Hash::ZERO {
+                    "-".to_string()
+                } else {
+                    e.hash.short()
+                };
+                let content = match c {
+                    Content::None => "-",
+                    c => c.as_str(),
+                };
+                println!(
+                    "{:>6}  {}  {}  {:<8} {:<40} {:>10}  {}  {:<8}  {}",
+                    e.sequence,
+                    time_str(e.time_ns),
+                    e.modified_by.display7(),
+                    e.op.as_str(),
+                    printable(e.path.as_str()),
+                    e.size,
+                    hash,
+                    content,
+                    e.version
+                );
+            }
+            (Line::Pruned(p), false) => println!(
+                "{:>6}  {}  {:<7}  {:<8} {:<40} {:>10}  {}  {:<8}  version {} ({})",
+                "-",
+                time_str(p.time_ns),
+                "",
+                "pruned",
+                printable(p.path.as_str()),
+                p.size,
+                p.hash.short(),
+                "-",
+                p.sequence,
+                p.reason
+            ),
+        }
+    }
+}
+
+/// The lines of `entries` (with their content marks) and, with `--all`, the prunings of the
+/// same span, by time.
+fn lines<'a>(
+    check: &mut ContentCheck<'_>,
+    entries: &'a [HistoryEntry],
+    pruned: &'a [PrunedEvent],
+) -> anyhow::Result<Vec<Line<'a>>> {
+    let mut out = Vec::with_capacity(entries.len() + pruned.len());
+    for e in entries {
+        out.push(Line::Row(e, check.of(e)?));
+    }
+    out.extend(pruned.iter().map(Line::Pruned));
+    out.sort_by_key(|l| l.time_ns());
+    Ok(out)
 }
 
 /// Runs `meshfs journal`.
@@ -232,6 +330,8 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
         None => (None, None),
     };
     let journal = Journal::open(&home.journal_file())?;
+    let vault = meshfs_daemon::vault::Vault::open_read_only(&home.vault_file(&folder))?;
+    let mut check = ContentCheck::new(&journal, &folder, vault.as_ref());
     let mut q = HistoryQuery {
         path,
         device,
@@ -242,12 +342,23 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
     };
     if !a.json && !a.follow {
         println!(
-            "{:>6}  {:<23}  {:<7}  {:<8} {:<40} {:>10}  {:<8}  version",
-            "seq", "time", "device", "op", "path", "size", "hash"
+            "{:>6}  {:<23}  {:<7}  {:<8} {:<40} {:>10}  {:<8}  {:<8}  version",
+            "seq", "time", "device", "op", "path", "size", "hash", "content"
         );
     }
     let first = journal.history(&folder, &q)?;
-    print(&folder, &first, a.json);
+    // With --all, the prunings since the first row shown (all of them when none is).
+    let pruned = if a.all && q.device.is_none() {
+        let since = first.first().map_or(0, |e| e.time_ns);
+        journal
+            .pruned_since(&folder, since, a.limit)?
+            .into_iter()
+            .filter(|p| q.path.as_ref().is_none_or(|w| p.path.is_within(w)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    print(&folder, &lines(&mut check, &first, &pruned)?, a.json);
     if !a.follow {
         return Ok(0);
     }
@@ -273,7 +384,7 @@ pub fn run(home: &Home, a: JournalArgs) -> anyhow::Result<u8> {
         if let Some(e) = more.last() {
             last = e.sequence;
         }
-        print(&folder, &more, a.json);
+        print(&folder, &lines(&mut check, &more, &[])?, a.json);
         use std::io::Write;
         let _ = std::io::stdout().flush();
     }
@@ -328,6 +439,26 @@ mod tests {
             "99999999999999999w",
         ] {
             assert_eq!(parse_since_at(bad, now()), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn times_for_restore_and_mount_are_rfc_3339_or_local() {
+        let plus_one = time::UtcOffset::from_hms(1, 0, 0).unwrap();
+        let ns = |t: time::OffsetDateTime| Some(t.unix_timestamp_nanos() as i64);
+        assert_eq!(
+            super::parse_time_at("2026-11-27T18:50:00Z", plus_one),
+            ns(datetime!(2026-11-27 18:50:00 UTC))
+        );
+        for local in ["2026-11-27 18:50:00", "2026-11-27T18:50:00", "2026-11-27 18:50"] {
+            assert_eq!(
+                super::parse_time_at(local, plus_one),
+                ns(datetime!(2026-11-27 18:50:00 +1)),
+                "{local}"
+            );
+        }
+        for bad in ["", "10m", "yesterday", "2026-11-27", "27/11/2026 18:50"] {
+            assert_eq!(super::parse_time_at(bad, plus_one), None, "{bad}");
         }
     }
 

@@ -320,6 +320,9 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
     if let Some(e) = last_error_line(f) {
         let _ = writeln!(o, "          {e}");
     }
+    for line in crate::status_text::versions_lines(f) {
+        let _ = writeln!(o, "          {line}");
+    }
     for p in f["peers"].as_array().into_iter().flatten() {
         let name = peers
             .get(s(p, "device_id"))

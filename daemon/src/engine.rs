@@ -62,6 +62,8 @@ pub struct Engine {
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
     traffic: Mutex<crate::traffic::Traffic>,
+    /// The folders mounted as they were at a past time (`meshfs mount --at`).
+    pub snapshots: crate::versions::snapshot::Snapshots,
 }
 
 /// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
@@ -125,6 +127,7 @@ impl Engine {
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
             traffic: Mutex::default(),
+            snapshots: Default::default(),
         });
         for f in &first.folders {
             engine.start_folder(f).await?;
@@ -284,11 +287,60 @@ impl Engine {
         }
     }
 
-    /// Unmounts every mounted folder (the daemon is stopping).
+    /// Unmounts every mounted folder and snapshot (the daemon is stopping).
     pub fn unmount_all(&self) {
         for rt in self.folders.all() {
             unmount_folder(&rt);
         }
+        self.snapshots.unmount_all(None);
+    }
+
+    /// `meshfs restore`: brings a past version (or a tree as it was at a time) back as a new
+    /// local change ([`crate::versions::restore`]).
+    pub async fn restore(
+        &self,
+        folder: &FolderId,
+        path: RelPath,
+        pick: crate::versions::restore::Pick,
+        to: Option<RelPath>,
+    ) -> Result<crate::versions::restore::RestoreReport, crate::versions::restore::RestoreError>
+    {
+        let peers = self.peers_of(folder);
+        crate::versions::restore::restore(self.folders.clone(), folder.clone(), path, pick, to, peers)
+            .await
+    }
+
+    /// `meshfs mount FOLDER DIR --at TIME`: the folder as it was at `at_ns`, read-only at
+    /// `mountpoint`. Blocking (the kernel's mount): run it on a blocking thread. Returns where
+    /// it is mounted and how many paths it shows.
+    pub fn mount_at(
+        &self,
+        folder: &FolderId,
+        mountpoint: &std::path::Path,
+        at_ns: i64,
+    ) -> Result<(std::path::PathBuf, usize), crate::versions::snapshot::SnapshotError> {
+        let (net, config, id) = (self.net.clone(), self.config.clone(), folder.clone());
+        let peers: crate::versions::snapshot::Peers = Arc::new(move || {
+            let config = config.read().map(|c| c.clone()).unwrap_or_else(|p| p.into_inner().clone());
+            net.links()
+                .into_iter()
+                .filter(|(d, _)| config.peer(d).is_some_and(|p| p.folders.contains(&id)))
+                .map(|(_, c)| c)
+                .collect()
+        });
+        self.snapshots
+            .mount(self.folders.clone(), folder, at_ns, mountpoint, peers)
+    }
+
+    /// The connections to every peer that shares `folder` with this device, now.
+    pub fn peers_of(&self, folder: &FolderId) -> Vec<quinn::Connection> {
+        let config = self.config();
+        self.net
+            .links()
+            .into_iter()
+            .filter(|(id, _)| config.peer(id).is_some_and(|p| p.folders.contains(folder)))
+            .map(|(_, c)| c)
+            .collect()
     }
 
     /// The folder's local ignore file (`CONFIG_DIR/ignore/FOLDER-ID`): rules no peer can
@@ -330,6 +382,7 @@ impl Engine {
         let slot = Arc::new(crate::mounts::MountSlot::default());
         let ignore = IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)));
         let rt = Arc::new(FolderRt::new(id.clone(), store, ignore, tx.clone(), slot));
+        crate::versions::start_folder(&self.folders, &rt, f, &self.home.vault_file(&id));
         {
             let mut j = self.folders.journal()?;
             fresh = j.folder(&id)?.max_sequence == 0;
@@ -468,6 +521,8 @@ impl Engine {
         for f in &new.folders {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
+            } else if let Some(rt) = self.folders.get(&f.id) {
+                rt.set_policy(crate::folder::FolderPolicy::from(f));
             }
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
@@ -479,6 +534,7 @@ impl Engine {
             // A removed folder's mount would go on serving a replica nothing journals any
             // more, out of reach of `meshfs unmount` (which knows only configured folders).
             unmount_folder(&rt);
+            self.snapshots.unmount_all(Some(&rt.id));
         }
         let links = self.net.links();
         for (id, conn) in links {
@@ -572,24 +628,26 @@ impl Engine {
         let folders: Vec<Arc<FolderRt>> = self.folders.all();
         // The journal first, in one hold, and not under the peers lock: an install can hold
         // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        let journaled: Vec<(FolderCounts, u64, usize)> = match self.folders.journal_lock() {
-            Ok(mut j) => folders
-                .iter()
-                .map(|rt| {
-                    (
-                        j.counts(&rt.id).unwrap_or_default(),
-                        j.folder(&rt.id).map(|s| s.max_sequence).unwrap_or(0),
-                        crate::conflicts::count(&j, &rt.id),
-                    )
-                })
-                .collect(),
-            Err(_) => vec![Default::default(); folders.len()],
-        };
+        let journaled: Vec<(FolderCounts, u64, usize, crate::status::VersionsStatus)> =
+            match self.folders.journal_lock() {
+                Ok(mut j) => folders
+                    .iter()
+                    .map(|rt| {
+                        (
+                            j.counts(&rt.id).unwrap_or_default(),
+                            j.folder(&rt.id).map(|s| s.max_sequence).unwrap_or(0),
+                            crate::conflicts::count(&j, &rt.id),
+                            crate::versions::status_of(&j, rt),
+                        )
+                    })
+                    .collect(),
+                Err(_) => vec![Default::default(); folders.len()],
+            };
         let relaxed = std::sync::atomic::Ordering::Relaxed;
         let folders = folders
             .into_iter()
             .zip(journaled)
-            .map(|(rt, (counts, sequence, conflicts))| {
+            .map(|(rt, (counts, sequence, conflicts, versions))| {
                 let mount = rt.mount_status();
                 FolderSnapshot {
                     id: rt.id.clone(),
@@ -614,6 +672,7 @@ impl Engine {
                         receive: rt.receiving.counts(),
                     },
                     mount,
+                    versions,
                 }
             })
             .collect();
@@ -698,9 +757,14 @@ async fn traffic_loop(engine: Arc<Engine>) {
     }
 }
 
-/// Applies the history and tombstone retention of `[options]` once an hour.
+/// Applies the history and tombstone retention of `[options]` once an hour, and each folder's
+/// version retention every few minutes (`crate::versions::retention`).
 async fn retention_loop(engine: Arc<Engine>) {
     let mut stopping = engine.net.stopping.subscribe();
+    tokio::spawn(crate::versions::retention_loop(
+        engine.folders.clone(),
+        engine.net.stopping.subscribe(),
+    ));
     loop {
         let o = engine.options();
         let now_ns = std::time::SystemTime::now()

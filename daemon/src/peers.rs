@@ -386,9 +386,11 @@ async fn resolve(addr: &str) -> Option<SocketAddr> {
     tokio::net::lookup_host(addr).await.ok()?.next()
 }
 
-/// The journal as the session's source of records to send.
+/// The journal as the session's source of records to send; `folders` tells each folder's role
+/// (a receive-only folder's own records are not sent: `meshfs_sync::role::sends`).
 struct JournalSource<'a> {
     journal: &'a mut Journal,
+    folders: &'a Folders,
 }
 
 impl IndexSource for JournalSource<'_> {
@@ -409,9 +411,17 @@ impl IndexSource for JournalSource<'_> {
         } else {
             rows.last().map_or(max, |r| r.record.sequence)
         };
+        let role = self
+            .folders
+            .get(folder)
+            .map(|rt| rt.role())
+            .unwrap_or_default();
         let recs = rows
             .into_iter()
-            .filter(|r| r.source.as_ref() != Some(peer))
+            .filter(|r| {
+                r.source.as_ref() != Some(peer)
+                    && meshfs_sync::role::sends(role, r.source.is_none())
+            })
             .map(|r| r.record)
             .collect();
         Ok((recs, scanned.max(after)))
@@ -535,7 +545,10 @@ async fn drive_session(
             .folders
             .journal_lock()
             .map_err(|_| "journal lock poisoned")?;
-        let mut src = JournalSource { journal: &mut j };
+        let mut src = JournalSource {
+            journal: &mut j,
+            folders: &net.folders,
+        };
         let mut first = session.start(&mut src);
         // A first scan that moved on (or ended) between reading it for the session and
         // subscribing to the changes was not announced on the channel.
@@ -618,7 +631,10 @@ async fn drive_session(
                     Err(_) => net.shared_with(&peer),
                 };
                 let mut j = net.folders.journal_lock().map_err(|_| "journal lock poisoned")?;
-                let mut src = JournalSource { journal: &mut j };
+                let mut src = JournalSource {
+                    journal: &mut j,
+                    folders: &net.folders,
+                };
                 for f in folders {
                     pending.extend(session.local_changed(&f, &mut src));
                     if let Some((scanning, counts)) = our_scan(net, &f) {
@@ -701,7 +717,13 @@ fn on_event(
                 .folders
                 .journal_lock()
                 .map_err(|_| "journal lock poisoned")?;
-            Ok(session.handle(m, &mut JournalSource { journal: &mut j }))
+            Ok(session.handle(
+                m,
+                &mut JournalSource {
+                    journal: &mut j,
+                    folders: &net.folders,
+                },
+            ))
         }
         LinkEvent::Applied(folder, up_to) => {
             if net.folders.get(&folder).is_some_and(|rt| rt.unblock()) {

@@ -36,6 +36,7 @@ mod displace;
 
 use crate::{failpoint, sys};
 use displace::{same_version, Keeper, Old, Verdict};
+pub use displace::{Displaced, DisplacedSink};
 use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -359,6 +360,13 @@ impl Store {
     /// this device (`by`, its short id).
     pub fn set_device(&self, by: ShortId) {
         self.keeper.set_device(by);
+    }
+
+    /// Hands every regular file an apply replaces or removes to `sink` as it is kept aside
+    /// (the content of a version leaving the tree: `crate::versions` keeps what it needs of
+    /// it). Set once, before the folder's first apply.
+    pub fn on_displaced(&self, sink: DisplacedSink) {
+        self.keeper.on_displaced(sink);
     }
 
     /// Looks now at every file an apply kept aside, instead of after its grace period (a

@@ -218,8 +218,11 @@ fn schema_3_gives_multi_chunk_files_their_chunk_list_hash() {
             [&old.0[..]],
         )
         .unwrap();
-        // Without what later migrations added (4: the deferred table).
-        c.execute_batch("DROP TABLE deferred; PRAGMA user_version = 2;")
+        // Without what later migrations added (4: the deferred table; 5: versions, roles).
+        c.execute_batch(
+            "DROP TABLE deferred; DROP TABLE versions; DROP TABLE pruned; DROP TABLE held; \
+             DROP TABLE local_only; PRAGMA user_version = 2;",
+        )
             .unwrap();
     }
     let j = Journal::open(&path).unwrap();

@@ -76,9 +76,11 @@ mod invalidate;
 mod mount;
 mod prefetch;
 mod recent;
+mod snapshot;
 mod sys;
 
 pub use mount::{mount, Mount, MountError, MountHandle, MountInfo, MountOptions};
+pub use snapshot::{mount_snapshot, SnapshotContent, SnapshotEntry, SnapshotKind, SnapshotMount};
 
 use meshfs_protocol::RelPath;
 use std::sync::{Mutex, MutexGuard};

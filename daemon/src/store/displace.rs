@@ -252,11 +252,31 @@ struct Kept {
     until: Instant,
 }
 
+/// A file an apply replaced or deleted, handed over as it is kept aside: the content of a
+/// version leaving the tree, for the engine to keep what it needs of it (`crate::versions`)
+/// off the folder's lock. The descriptor is the file's own (read-only): it stays readable
+/// after the keeper removes its name.
+#[derive(Debug)]
+pub struct Displaced {
+    /// Where it was.
+    pub path: RelPath,
+    /// Its stat when it was checked against the journal (inode, size, mtime).
+    pub stat: LocalStat,
+    /// The file, open for reading.
+    pub file: std::fs::File,
+}
+
+/// Where displaced files go ([`Displaced`]). Called on the installing thread: it must not
+/// block, nor take the journal or the folder's lock (an install may hold both).
+pub type DisplacedSink = Arc<dyn Fn(Displaced) + Send + Sync>;
+
 /// The old files kept aside, each looked at once more after [`GRACE`] by a thread of its own
 /// (started when the first file is kept, gone when none is left).
 #[derive(Default)]
 pub(super) struct Keeper {
     state: Arc<(Mutex<KeeperState>, Condvar)>,
+    /// Told of every regular file kept aside, if set.
+    sink: std::sync::OnceLock<DisplacedSink>,
 }
 
 #[derive(Default)]
@@ -286,6 +306,12 @@ impl Keeper {
         self.state.0.lock().map(|s| s.by).unwrap_or_default()
     }
 
+    /// Hands every regular file kept aside from now on to `sink` too (once; later calls are
+    /// ignored).
+    pub(super) fn on_displaced(&self, sink: DisplacedSink) {
+        let _ = self.sink.set(sink);
+    }
+
     /// Keeps `old`, now at `name` in `dir`, for [`GRACE`]; `path` is where it was, in
     /// `target_dir`.
     pub(super) fn keep(
@@ -301,6 +327,16 @@ impl Keeper {
             Ok(st) => stat_of(&st).local,
             Err(_) => old.st,
         };
+        if let (Some(sink), true) = (self.sink.get(), old.regular) {
+            // A descriptor of its own: the old one's lease goes with `old`.
+            if let Ok(fd) = old.fd.try_clone() {
+                sink(Displaced {
+                    path: path.clone(),
+                    stat: old.st,
+                    file: std::fs::File::from(fd),
+                });
+            }
+        }
         drop(old);
         let (lock, wake) = &*self.state;
         let Ok(mut s) = lock.lock() else { return };
