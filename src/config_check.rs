@@ -5,6 +5,7 @@
 use anyhow::{anyhow, bail};
 use meshfs_daemon::config::{Config, Home};
 use meshfs_daemon::identity::Identity;
+use meshfs_daemon::mounts::{fuse_conf_allows_other, FUSE_CONF};
 
 /// Runs the check; prints what was checked, or fails naming the file and field at fault.
 pub fn run(home: &Home) -> anyhow::Result<u8> {
@@ -38,6 +39,18 @@ pub fn run(home: &Home) -> anyhow::Result<u8> {
                     "{}: field `folder[{i}].mount`: {} is not an existing directory",
                     file.display(),
                     m.display()
+                );
+            }
+        }
+        // SAFETY: geteuid cannot fail and touches no memory.
+        let root = unsafe { libc::geteuid() } == 0;
+        if f.allow_other && !root {
+            let conf = std::fs::read_to_string(FUSE_CONF).unwrap_or_default();
+            if !fuse_conf_allows_other(&conf) {
+                bail!(
+                    "{}: field `folder[{i}].allow_other`: letting other users into the mount as an ordinary user needs the line `user_allow_other` in {}; add it there (as root), or remove allow_other",
+                    file.display(),
+                    FUSE_CONF
                 );
             }
         }

@@ -8,8 +8,8 @@ mod journal_cmd;
 mod package_assets;
 mod status_cmd;
 mod status_pending;
-mod status_text;
 mod status_watch;
+mod ui_cmd;
 mod versions_cmd;
 
 use anyhow::{anyhow, bail, Context as _};
@@ -111,8 +111,13 @@ enum Command {
         /// Refuse every change through the mount.
         #[arg(long)]
         read_only: bool,
+        /// Let other users in (a web or Samba server, root): the kernel checks every access
+        /// against the files' modes. As an ordinary user this needs `user_allow_other` in
+        /// /etc/fuse.conf.
+        #[arg(long)]
+        allow_other: bool,
         /// Show the folder as it was at this time, read-only.
-        #[arg(long, value_parser = journal_cmd::parse_time)]
+        #[arg(long, value_parser = versions_cmd::parse_time)]
         at: Option<i64>,
     },
     /// Unmount a folder (it keeps syncing), or a snapshot mounted with --at.
@@ -236,6 +241,15 @@ enum Command {
         /// Keep the temporary directory afterwards.
         #[arg(long)]
         keep: bool,
+    },
+    /// Open this device's page in the browser: folders, peers, conflicts and the journal, live.
+    #[command(
+        after_help = "Examples:\n  meshfs ui\n  meshfs ui --print-url\n  http://127.0.0.1:40123/?token=3f9c…\nThe running daemon serves the page on 127.0.0.1 only; the address carries a token that only\nthis user can read (it changes at each daemon start). Exits 3 when no daemon runs. To serve\nthe page from every start: `[ui] enabled = true` in the config (docs/ui.md)."
+    )]
+    Ui {
+        /// Print the page's address (with its token) instead of opening a browser.
+        #[arg(long)]
+        print_url: bool,
     },
     /// Print shell completions.
     #[command(
@@ -422,10 +436,13 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             folder,
             mountpoint,
             read_only,
+            allow_other,
             at,
-        } => mount(home, folder, &mountpoint, read_only, at),
+        } => mount(home, folder, &mountpoint, read_only, allow_other, at),
         Command::Unmount { folder, mountpoint } => unmount(home, folder, mountpoint),
-        Command::Versions { folder, path, json } => versions_cmd::versions(home, folder, &path, json),
+        Command::Versions { folder, path, json } => {
+            versions_cmd::versions(home, folder, &path, json)
+        }
         Command::Restore(args) => versions_cmd::restore(home, args),
         Command::Override { folder } => versions_cmd::role_command(home, folder, false),
         Command::Revert { folder } => versions_cmd::role_command(home, folder, true),
@@ -454,6 +471,7 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Journal(args) => journal_cmd::run(home, args),
         Command::Conflicts { folder, json } => conflicts(home, folder, json),
         Command::Demo { keep } => demo::run_demo(keep),
+        Command::Ui { print_url } => ui_cmd::run(home, print_url),
         Command::PackageAssets { out } => package_assets::run(Cli::command(), &out),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "meshfs", &mut std::io::stdout());
@@ -470,8 +488,33 @@ fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A daemon's reply said `"ok": true`.
+/// The user's UTC offset now (UTC where the system does not say). The CLI runs on one thread,
+/// where the `time` crate can read it.
+fn local_offset() -> time::UtcOffset {
+    time::UtcOffset::current_local_offset().unwrap_or(time::UtcOffset::UTC)
+}
+
 /// "on" or "off", as the status and mount lines show a switch.
+/// ", other users allowed" where the mount lets other users in, from its status JSON.
+fn others_text(m: &serde_json::Value) -> &'static str {
+    if m["allow_other"] == true {
+        ", other users allowed"
+    } else {
+        ""
+    }
+}
+
+/// "kernel passthrough on", or "kernel passthrough off (why)", from a mount's status JSON.
+fn passthrough_text(m: &serde_json::Value) -> String {
+    if m["passthrough"] == true {
+        return "kernel passthrough on".into();
+    }
+    match m["passthrough_off"]["why"].as_str() {
+        Some(why) => format!("kernel passthrough off: {why}"),
+        None => "kernel passthrough off".into(),
+    }
+}
+
 fn on_off(on: bool) -> &'static str {
     if on {
         "on"
@@ -480,6 +523,7 @@ fn on_off(on: bool) -> &'static str {
     }
 }
 
+/// A daemon's reply said `"ok": true`.
 fn reply_ok(r: &serde_json::Value) -> bool {
     r.get("ok").and_then(|v| v.as_bool()) == Some(true)
 }
@@ -706,6 +750,7 @@ fn mount(
     folder: FolderId,
     mountpoint: &std::path::Path,
     read_only: bool,
+    allow_other: bool,
     at: Option<i64>,
 ) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
@@ -715,6 +760,7 @@ fn mount(
         folder: folder.clone(),
         mountpoint: point.clone(),
         read_only,
+        allow_other,
         at_ns: at,
     };
     match control::request(home, &req)? {
@@ -737,10 +783,11 @@ fn mount(
         Some(r) if reply_ok(&r) => {
             let m = &r["mount"];
             println!(
-                "folder {folder} mounted at {} ({}, kernel passthrough {}, io_uring {})",
+                "folder {folder} mounted at {} ({}{}, {}, io_uring {})",
                 point.display(),
                 m["mode"].as_str().unwrap_or("read-write"),
-                on_off(m["passthrough"] == true),
+                others_text(m),
+                passthrough_text(m),
                 on_off(m["io_uring"] == true),
             );
             Ok(0)
@@ -836,7 +883,7 @@ fn scan(home: &Home, folder: FolderId) -> anyhow::Result<u8> {
 /// `conflicts`: the conflict siblings that still exist, read from the journal.
 fn conflicts(home: &Home, folder: FolderId, json: bool) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
-    let j = meshfs_daemon::journal::Journal::open(&home.journal_file())?;
+    let j = meshfs_daemon::journal::Journal::open_reader(&home.journal_file())?;
     let list = meshfs_daemon::conflicts::list(&j, &folder);
     if json {
         println!("{}", serde_json::to_string_pretty(&list)?);
@@ -898,7 +945,8 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         );
     }
     let mut new = old.clone();
-    new.folders.push(FolderConfig::new(id.clone(), real.clone()));
+    new.folders
+        .push(FolderConfig::new(id.clone(), real.clone()));
     new.validate(home)?;
     // The directories this command creates, outermost first: removed again on a refusal.
     let created: Vec<PathBuf> = real

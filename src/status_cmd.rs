@@ -12,8 +12,9 @@ use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-use crate::status_text::{folder_summary, local_time, peer_name, plural, s, u};
-use crate::status_text::{peer_state, peers_by_id};
+use meshfs_daemon::readout::status::{first_of, folder_summary, last_error_line, local_time};
+use meshfs_daemon::readout::status::{peer_name, peer_state, peers_by_id, plural, s, u};
+use time::UtcOffset;
 
 /// What `meshfs status` was asked.
 pub struct StatusArgs {
@@ -199,12 +200,13 @@ fn work_left(st: &Value) -> u64 {
 /// Why the device is not in sync: each folder that is not, with its reasons.
 fn not_synced_summary(st: &Value) -> String {
     let started = u(&st["device"], "started_unix");
+    let tz = crate::local_offset();
     let out: Vec<String> = st["folders"]
         .as_array()
         .into_iter()
         .flatten()
         .filter(|f| f["in_sync"] != true)
-        .map(|f| format!("folder {}: {}", s(f, "id"), folder_summary(f, started)))
+        .map(|f| format!("folder {}: {}", s(f, "id"), folder_summary(f, started, tz)))
         .collect();
     if out.is_empty() {
         "it became in sync only just now".into()
@@ -213,37 +215,13 @@ fn not_synced_summary(st: &Value) -> String {
     }
 }
 
-/// `last error at 10:42: …`, or nothing when there was none.
-fn last_error_line(v: &Value) -> Option<String> {
-    let e = &v["last_error"];
-    let message = e["message"].as_str()?;
-    Some(format!(
-        "last error at {}: {message}",
-        local_time(u(e, "unix"))
-    ))
-}
-
-/// `secret.txt (Permission denied)` for the first of `items`, and how many more there are.
-fn first_of(items: &Value, folder: &str) -> Option<String> {
-    let all = items.as_array()?;
-    let first = all.first()?;
-    let more = match all.len() - 1 {
-        0 => String::new(),
-        n => format!(" and {n} more (`meshfs status {folder} --pending`)"),
-    };
-    Some(format!(
-        "{} ({}){more}",
-        s(first, "path"),
-        s(first, "error")
-    ))
-}
-
 /// The human status.
 pub fn render(st: &Value) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();
     let dev = &st["device"];
     let started = u(dev, "started_unix");
+    let tz = crate::local_offset();
     let _ = writeln!(
         o,
         "device  {} ({})  listening on {}",
@@ -266,10 +244,10 @@ pub fn render(st: &Value) -> String {
     let _ = writeln!(o, "sync    {sync}");
     let peers = peers_by_id(st);
     for f in &folders {
-        render_folder(&mut o, f, &peers, started);
+        render_folder(&mut o, f, &peers, started, tz);
     }
     for p in st["peers"].as_array().into_iter().flatten() {
-        render_peer(&mut o, p);
+        render_peer(&mut o, p, tz);
     }
     for r in st["refused_devices"].as_array().into_iter().flatten() {
         let r = r.as_str().unwrap_or("");
@@ -282,7 +260,13 @@ pub fn render(st: &Value) -> String {
 }
 
 /// A folder's lines of the human status.
-fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, started: u64) {
+fn render_folder(
+    o: &mut String,
+    f: &Value,
+    peers: &HashMap<&str, &Value>,
+    started: u64,
+    tz: UtcOffset,
+) {
     use std::fmt::Write as _;
     let id = s(f, "id");
     let _ = writeln!(
@@ -295,15 +279,16 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
         u(f, "bytes"),
         plural(u(f, "conflicts"), "conflict", "conflicts"),
     );
-    let _ = writeln!(o, "          {}", folder_summary(f, started));
+    let _ = writeln!(o, "          {}", folder_summary(f, started, tz));
     let m = &f["mount"];
     if m.is_object() {
         let _ = writeln!(
             o,
-            "          mounted at {} ({}, kernel passthrough {}, io_uring {}, {} open handle(s))",
+            "          mounted at {} ({}{}, {}, io_uring {}, {} open handle(s))",
             s(m, "mountpoint"),
             s(m, "mode"),
-            crate::on_off(m["passthrough"] == true),
+            crate::others_text(m),
+            crate::passthrough_text(m),
             crate::on_off(m["io_uring"] == true),
             u(m, "open_handles")
         );
@@ -317,22 +302,22 @@ fn render_folder(o: &mut String, f: &Value, peers: &HashMap<&str, &Value>, start
             "          remote version skipped, cannot be applied: {first}"
         );
     }
-    if let Some(e) = last_error_line(f) {
+    if let Some(e) = last_error_line(f, tz) {
         let _ = writeln!(o, "          {e}");
     }
-    for line in crate::status_text::versions_lines(f) {
+    for line in meshfs_daemon::readout::status::versions_lines(f) {
         let _ = writeln!(o, "          {line}");
     }
     for p in f["peers"].as_array().into_iter().flatten() {
         let name = peers
             .get(s(p, "device_id"))
             .map_or_else(|| peer_name(p), |q| peer_name(q));
-        let _ = writeln!(o, "          with {name}: {}", peer_state(p, started));
+        let _ = writeln!(o, "          with {name}: {}", peer_state(p, started, tz));
     }
 }
 
 /// A peer's lines of the human status.
-fn render_peer(o: &mut String, p: &Value) {
+fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
     use std::fmt::Write as _;
     let at = p["last_seen_addr"].as_str();
     let state = if p["connected"] == true {
@@ -345,8 +330,8 @@ fn render_peer(o: &mut String, p: &Value) {
         }
     } else {
         match (p["last_seen_unix"].as_u64(), at) {
-            (Some(t), Some(a)) => format!("offline since {}, last at {a}", local_time(t)),
-            (Some(t), None) => format!("offline since {}", local_time(t)),
+            (Some(t), Some(a)) => format!("offline since {}, last at {a}", local_time(t, tz)),
+            (Some(t), None) => format!("offline since {}", local_time(t, tz)),
             (None, _) => "never connected".into(),
         }
     };
@@ -363,7 +348,7 @@ fn render_peer(o: &mut String, p: &Value) {
         u(p, "bytes_sent"),
         u(p, "bytes_received")
     );
-    if let Some(e) = last_error_line(p) {
+    if let Some(e) = last_error_line(p, tz) {
         let _ = writeln!(o, "          {e}");
     }
 }

@@ -2,11 +2,11 @@
 //! `versions` reads the journal and the vault straight from disk (read-only, beside a running
 //! daemon or without one); the others ask the daemon, which writes through the store.
 
-use crate::journal_cmd::{parse_time, time_str};
 use anyhow::{anyhow, bail};
 use meshfs_daemon::config::{Config, Home};
 use meshfs_daemon::control::{self, Request};
 use meshfs_daemon::journal::Journal;
+use meshfs_daemon::readout::journal::time_str;
 use meshfs_daemon::versions::listing::{self, Listed};
 use meshfs_protocol::{FolderId, RelPath};
 
@@ -220,14 +220,20 @@ pub fn role_command(home: &Home, folder: FolderId, revert: bool) -> anyhow::Resu
     for p in &done {
         println!("{}", p.as_str().unwrap_or("?"));
     }
-    let failed = r["report"]["failed"].as_array().cloned().unwrap_or_default();
+    let failed = r["report"]["failed"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     for f in &failed {
         eprintln!("meshfs: {what} failed for {}", f);
     }
     if revert {
         println!("{} path(s) of {folder} back to the shared state; the local edits are kept as past versions (`meshfs versions`)", done.len());
     } else {
-        println!("{} path(s) of {folder}: this device's state is sent as the newer version", done.len());
+        println!(
+            "{} path(s) of {folder}: this device's state is sent as the newer version",
+            done.len()
+        );
     }
     Ok(if failed.is_empty() { 0 } else { 1 })
 }
@@ -235,4 +241,59 @@ pub fn role_command(home: &Home, folder: FolderId, revert: bool) -> anyhow::Resu
 /// The time `--at` gave, for messages.
 pub fn at_text(ns: i64) -> String {
     time_str(ns)
+}
+
+/// A time as `restore --at` and `mount --at` take it: RFC 3339 (`2026-11-27T18:50:00Z`) or a
+/// local `YYYY-MM-DD HH:MM:SS` (also with a `T`, or without seconds); ns since the epoch.
+pub fn parse_time(s: &str) -> Result<i64, String> {
+    parse_time_at(s, crate::local_offset()).ok_or_else(|| {
+        format!("{s:?} is not a time: use RFC 3339 (2026-11-27T18:50:00Z) or a local time (2026-11-27 18:50:00)")
+    })
+}
+
+/// [`parse_time`] with the local time zone at `offset`.
+fn parse_time_at(s: &str, offset: time::UtcOffset) -> Option<i64> {
+    use time::macros::format_description;
+    let s = s.trim();
+    if let Ok(t) = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339) {
+        return Some(t.unix_timestamp_nanos() as i64);
+    }
+    let local = [
+        format_description!("[year]-[month]-[day] [hour]:[minute]:[second]"),
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]"),
+        format_description!("[year]-[month]-[day] [hour]:[minute]"),
+    ];
+    local.iter().find_map(|f| {
+        let t = time::PrimitiveDateTime::parse(s, f).ok()?;
+        Some(t.assume_offset(offset).unix_timestamp_nanos() as i64)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use time::macros::datetime;
+
+    #[test]
+    fn times_for_restore_and_mount_are_rfc_3339_or_local() {
+        let plus_one = time::UtcOffset::from_hms(1, 0, 0).unwrap();
+        let ns = |t: time::OffsetDateTime| Some(t.unix_timestamp_nanos() as i64);
+        assert_eq!(
+            super::parse_time_at("2026-11-27T18:50:00Z", plus_one),
+            ns(datetime!(2026-11-27 18:50:00 UTC))
+        );
+        for local in [
+            "2026-11-27 18:50:00",
+            "2026-11-27T18:50:00",
+            "2026-11-27 18:50",
+        ] {
+            assert_eq!(
+                super::parse_time_at(local, plus_one),
+                ns(datetime!(2026-11-27 18:50:00 +1)),
+                "{local}"
+            );
+        }
+        for bad in ["", "10m", "yesterday", "2026-11-27", "27/11/2026 18:50"] {
+            assert_eq!(super::parse_time_at(bad, plus_one), None, "{bad}");
+        }
+    }
 }

@@ -79,6 +79,12 @@ impl Home {
         self.state_dir.join("control.sock")
     }
 
+    /// The page's token while the daemon serves it (`meshfs ui`; mode 0600 in the 0700 state
+    /// directory, so only the owner reads it).
+    pub fn ui_token_file(&self) -> PathBuf {
+        self.state_dir.join("ui-token")
+    }
+
     /// meshfs's own directory that `path` is, contains or lies inside, if any: a folder
     /// there would replicate the private key and journal the journal's own writes.
     /// Compares real paths (symlinks resolved as far as the paths exist).
@@ -181,6 +187,9 @@ pub struct Config {
     /// Tuning knobs (all optional).
     #[serde(default)]
     pub options: Options,
+    /// The page (`meshfs ui`); left out of the file while it is the default.
+    #[serde(default, skip_serializing_if = "UiConfig::is_default")]
+    pub ui: UiConfig,
     /// Replicated folders. Never written as an empty `folder = []`: a `[[folder]]` table
     /// appended by hand after it would be a duplicate key.
     #[serde(default, rename = "folder", skip_serializing_if = "Vec::is_empty")]
@@ -227,6 +236,22 @@ impl Default for Options {
     }
 }
 
+/// `[ui]`: the page the daemon serves on `127.0.0.1` (see `docs/ui.md`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UiConfig {
+    /// Serve the page from the start; without it only `meshfs ui` starts serving.
+    pub enabled: bool,
+    /// The TCP port on `127.0.0.1`; 0: a free port chosen at each start.
+    pub port: u16,
+}
+
+impl UiConfig {
+    fn is_default(&self) -> bool {
+        self == &UiConfig::default()
+    }
+}
+
 /// One `[[folder]]`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -243,6 +268,10 @@ pub struct FolderConfig {
     /// Mount the folder here when the daemon starts (`meshfs mount` does it at runtime).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount: Option<PathBuf>,
+    /// Let other users into that mount (`allow_other`, the kernel checking modes). For a
+    /// daemon run as an ordinary user, `/etc/fuse.conf` must say `user_allow_other`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub allow_other: bool,
     /// What this device does with the folder's changes: `send-receive` (the default),
     /// `send-only` or `receive-only` ([`meshfs_sync::role`]).
     #[serde(default, with = "role_text", skip_serializing_if = "is_send_receive")]
@@ -295,6 +324,7 @@ impl FolderConfig {
             path,
             watch: true,
             mount: None,
+            allow_other: false,
             role: Role::SendReceive,
             versions_days: VERSIONS_DAYS,
             versions_space_percent: VERSIONS_SPACE_PERCENT,
@@ -324,6 +354,10 @@ mod role_text {
 
 fn yes() -> bool {
     true
+}
+
+fn is_false(b: &bool) -> bool {
+    !b
 }
 
 /// One `[[peer]]`.
@@ -371,6 +405,7 @@ impl Config {
                 listen: listen.to_string(),
             },
             options: Options::default(),
+            ui: UiConfig::default(),
             folders: Vec::new(),
             peers: Vec::new(),
         }

@@ -16,6 +16,7 @@ use crate::engine::Engine;
 use crate::mounts::MountStatus;
 use crate::pending::PendingFolder;
 use crate::status::Status;
+use crate::ui::Ui;
 use meshfs_protocol::FolderId;
 use serde::{Deserialize, Serialize, Serializer};
 use std::os::unix::fs::PermissionsExt;
@@ -57,6 +58,9 @@ pub enum Request {
         /// Mount the folder as it was at this time (ns since the epoch), read-only.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         at_ns: Option<i64>,
+        /// Let other users in (`allow_other`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        allow_other: bool,
     },
     /// End a folder's mount (it keeps syncing), or the snapshot of it at `mountpoint`.
     Unmount {
@@ -98,6 +102,8 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         folder: Option<FolderId>,
     },
+    /// Serve the page (`meshfs ui`) if it is not served yet; answers its address.
+    Ui,
     /// Stop the daemon.
     Stop,
 }
@@ -105,8 +111,8 @@ pub enum Request {
 impl Request {
     /// Every `op` a daemon of this version answers.
     pub const OPS: &'static [&'static str] = &[
-        "status", "reload", "scan", "mount", "unmount", "pending", "stop", "restore", "override",
-        "revert",
+        "status", "reload", "scan", "mount", "unmount", "pending", "ui", "stop", "restore",
+        "override", "revert",
     ];
 
     /// Reads one request line; the error says what is wrong with it.
@@ -178,6 +184,9 @@ pub enum Reply {
     },
     /// To `override` and `revert`: `{"ok": true, "report": {…}}`.
     Roles(crate::roles::RoleReport),
+    /// To `ui`: `{"ok": true, "url": "http://127.0.0.1:PORT/"}`, the page's address without
+    /// its token (which is in the state directory's `ui-token`).
+    Ui(String),
     /// `{"ok": false, "error": "…"}`.
     Failed(String),
 }
@@ -213,6 +222,7 @@ impl Serialize for Reply {
                 &serde_json::json!({"mountpoint": mountpoint, "paths": paths, "at_ns": at_ns}),
             )?,
             Reply::Roles(r) => m.serialize_entry("report", r)?,
+            Reply::Ui(url) => m.serialize_entry("url", url)?,
             Reply::Failed(error) => m.serialize_entry("error", error)?,
         }
         m.end()
@@ -297,7 +307,12 @@ pub fn bind(home: &Home) -> Result<UnixListener, ControlError> {
 }
 
 /// Serves control requests until the daemon stops.
-pub async fn serve(engine: Arc<Engine>, listener: UnixListener, stop: Arc<tokio::sync::Notify>) {
+pub async fn serve(
+    engine: Arc<Engine>,
+    ui: Arc<Ui>,
+    listener: UnixListener,
+    stop: Arc<tokio::sync::Notify>,
+) {
     let mut pause = ACCEPT_PAUSE_MIN;
     loop {
         let stream = match listener.accept().await {
@@ -319,9 +334,10 @@ pub async fn serve(engine: Arc<Engine>, listener: UnixListener, stop: Arc<tokio:
             continue;
         }
         let engine = engine.clone();
+        let ui = ui.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
-            let _ = handle(engine, stream, stop).await;
+            let _ = handle(engine, ui, stream, stop).await;
         });
     }
 }
@@ -335,6 +351,7 @@ fn same_user(stream: &UnixStream) -> bool {
 
 async fn handle(
     engine: Arc<Engine>,
+    ui: Arc<Ui>,
     stream: UnixStream,
     stop: Arc<tokio::sync::Notify>,
 ) -> std::io::Result<()> {
@@ -352,7 +369,7 @@ async fn handle(
             ),
             Line::Text(line) => match Request::parse(&line) {
                 Err(e) => (Reply::failed(e), false),
-                Ok(req) => (answer(&engine, req, &stop).await, false),
+                Ok(req) => (answer(&engine, &ui, req, &stop).await, false),
             },
         };
         let mut out = serde_json::to_string(&reply).unwrap_or_else(|e| {
@@ -398,11 +415,18 @@ async fn next_line<R: AsyncBufRead + Unpin>(r: &mut R, buf: &mut Vec<u8>) -> std
 /// the journal, whose lock an install holds for tens of milliseconds (and `--wait-synced`
 /// asks every 10–25 ms), and mounting waits for the kernel; a runtime worker waiting on them
 /// would stall the connections it drives.
-async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) -> Reply {
+async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync::Notify) -> Reply {
     match req {
         Request::Status => blocking(engine, |e| Reply::Status(Box::new(e.status()))).await,
         Request::Reload => match engine.reload().await {
-            Ok(()) => Reply::Done,
+            Ok(()) => {
+                ui.start_if_enabled();
+                Reply::Done
+            }
+            Err(e) => Reply::failed(e),
+        },
+        Request::Ui => match ui.start() {
+            Ok(url) => Reply::Ui(url),
             Err(e) => Reply::failed(e),
         },
         Request::Scan { folder } => match engine.scan_paths(&folder, Vec::new()).await {
@@ -415,13 +439,15 @@ async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) 
             at_ns: Some(at_ns),
             ..
         } => {
-            blocking(engine, move |e| match e.mount_at(&folder, &mountpoint, at_ns) {
-                Ok((mountpoint, paths)) => Reply::Snapshot {
-                    mountpoint,
-                    paths,
-                    at_ns,
-                },
-                Err(e) => Reply::failed(e),
+            blocking(engine, move |e| {
+                match e.mount_at(&folder, &mountpoint, at_ns) {
+                    Ok((mountpoint, paths)) => Reply::Snapshot {
+                        mountpoint,
+                        paths,
+                        at_ns,
+                    },
+                    Err(e) => Reply::failed(e),
+                }
             })
             .await
         }
@@ -429,10 +455,11 @@ async fn answer(engine: &Arc<Engine>, req: Request, stop: &tokio::sync::Notify) 
             folder,
             mountpoint,
             read_only,
+            allow_other,
             at_ns: None,
         } => {
             blocking(engine, move |e| {
-                match e.mount(&folder, &mountpoint, read_only) {
+                match e.mount(&folder, &mountpoint, read_only, allow_other) {
                     Ok(m) => Reply::Mounted(m),
                     Err(e) => Reply::failed(e),
                 }
@@ -594,7 +621,9 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     let listener = bind(&home)?;
     let engine = Engine::start(home.clone()).await?;
     let stop = Arc::new(tokio::sync::Notify::new());
-    tokio::spawn(serve(engine.clone(), listener, stop.clone()));
+    let ui = Arc::new(Ui::new(engine.clone()));
+    ui.start_if_enabled();
+    tokio::spawn(serve(engine.clone(), ui.clone(), listener, stop.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     sd_notify("READY=1\nSTATUS=running");
     tokio::select! {
@@ -604,6 +633,7 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     }
     tracing::info!("stopping");
     sd_notify("STOPPING=1");
+    ui.stop();
     engine.stop().await;
     let _ = std::fs::remove_file(home.control_socket());
     Ok(())
@@ -663,6 +693,7 @@ mod tests {
                     mountpoint: "/home/u/w".into(),
                     read_only: true,
                     at_ns: None,
+                    allow_other: false,
                 },
             ),
             (
@@ -696,6 +727,7 @@ mod tests {
                     folder: Some(work()),
                 },
             ),
+            (json!({"op": "ui"}), Request::Ui),
         ]
     }
 
@@ -723,12 +755,27 @@ mod tests {
     }
 
     #[test]
+    fn a_mount_request_letting_other_users_in_says_so_and_one_that_does_not_is_as_before() {
+        let req = Request::Mount {
+            folder: work(),
+            mountpoint: "/m".into(),
+            read_only: false,
+            allow_other: true,
+            at_ns: None,
+        };
+        let line = json!({"op": "mount", "folder": "work", "mountpoint": "/m", "read_only": false, "allow_other": true});
+        assert_eq!(serde_json::to_value(&req).unwrap(), line);
+        assert_eq!(Request::parse(&line.to_string()).unwrap(), req);
+    }
+
+    #[test]
     fn a_mount_request_without_read_only_mounts_read_write() {
         let req = Request::parse(r#"{"op":"mount","folder":"work","mountpoint":"/m"}"#).unwrap();
         assert!(matches!(
             req,
             Request::Mount {
                 read_only: false,
+                allow_other: false,
                 ..
             }
         ));
@@ -838,14 +885,26 @@ mod tests {
                 Reply::Mounted(MountStatus {
                     mountpoint: "/m".into(),
                     mode: "read-only",
+                    allow_other: false,
                     passthrough: false,
+                    passthrough_off: Some(crate::mounts::PassthroughOffStatus {
+                        code: "needs_cap_sys_admin",
+                        why: "registering backing files needs CAP_SYS_ADMIN".into(),
+                    }),
                     io_uring: true,
                     open_handles: 0,
                     invalidations_pending: 0,
                 }),
                 json!({"ok": true, "mount": {"mountpoint": "/m", "mode": "read-only",
-                       "passthrough": false, "io_uring": true, "open_handles": 0,
+                       "allow_other": false, "passthrough": false,
+                       "passthrough_off": {"code": "needs_cap_sys_admin",
+                                           "why": "registering backing files needs CAP_SYS_ADMIN"},
+                       "io_uring": true, "open_handles": 0,
                        "invalidations_pending": 0}}),
+            ),
+            (
+                Reply::Ui("http://127.0.0.1:8384/".into()),
+                json!({"ok": true, "url": "http://127.0.0.1:8384/"}),
             ),
             (
                 Reply::failed("folder work is not mounted"),

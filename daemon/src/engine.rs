@@ -64,6 +64,10 @@ pub struct Engine {
     traffic: Mutex<crate::traffic::Traffic>,
     /// The folders mounted as they were at a past time (`meshfs mount --at`).
     pub snapshots: crate::versions::snapshot::Snapshots,
+    /// The journal connection `status` reads through (opened at its first use): WAL lets it
+    /// read beside the engine's writes, so `status` never waits for an apply or a scan that
+    /// holds the engine's connection.
+    status_journal: std::sync::OnceLock<Option<crate::lock::Ranked<Journal>>>,
 }
 
 /// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
@@ -128,15 +132,18 @@ impl Engine {
             started: Instant::now(),
             traffic: Mutex::default(),
             snapshots: Default::default(),
+            status_journal: std::sync::OnceLock::new(),
         });
         for f in &first.folders {
             engine.start_folder(f).await?;
         }
         for f in &first.folders {
             if let Some(point) = &f.mount {
-                let (e, id, point) = (engine.clone(), f.id.clone(), point.clone());
+                let (e, id, point, others) =
+                    (engine.clone(), f.id.clone(), point.clone(), f.allow_other);
                 let mounted =
-                    tokio::task::spawn_blocking(move || e.mount(&id, &point, false)).await?;
+                    tokio::task::spawn_blocking(move || e.mount(&id, &point, false, others))
+                        .await?;
                 match mounted {
                     Ok(m) => {
                         tracing::info!(folder = %f.id, mountpoint = %m.mountpoint.display(), passthrough = m.passthrough, "folder mounted")
@@ -178,13 +185,14 @@ impl Engine {
         self.net.shared_with(peer)
     }
 
-    /// Mounts `folder` at `mountpoint`, served by this daemon. Blocking (the kernel's mount
-    /// call): run it off the async workers.
+    /// Mounts `folder` at `mountpoint`, served by this daemon; `allow_other` lets other users
+    /// in. Blocking (the kernel's mount call): run it off the async workers.
     pub fn mount(
         &self,
         folder: &FolderId,
         mountpoint: &std::path::Path,
         read_only: bool,
+        allow_other: bool,
     ) -> Result<crate::mounts::MountStatus, MountError> {
         let rt = self.folders.running(folder)?;
         rt.with_mount(|slot| {
@@ -196,6 +204,7 @@ impl Engine {
             }
             let opts = meshfs_fuse::MountOptions {
                 read_only,
+                allow_other,
                 ..Default::default()
             };
             let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
@@ -306,8 +315,15 @@ impl Engine {
     ) -> Result<crate::versions::restore::RestoreReport, crate::versions::restore::RestoreError>
     {
         let peers = self.peers_of(folder);
-        crate::versions::restore::restore(self.folders.clone(), folder.clone(), path, pick, to, peers)
-            .await
+        crate::versions::restore::restore(
+            self.folders.clone(),
+            folder.clone(),
+            path,
+            pick,
+            to,
+            peers,
+        )
+        .await
     }
 
     /// `meshfs mount FOLDER DIR --at TIME`: the folder as it was at `at_ns`, read-only at
@@ -321,7 +337,10 @@ impl Engine {
     ) -> Result<(std::path::PathBuf, usize), crate::versions::snapshot::SnapshotError> {
         let (net, config, id) = (self.net.clone(), self.config.clone(), folder.clone());
         let peers: crate::versions::snapshot::Peers = Arc::new(move || {
-            let config = config.read().map(|c| c.clone()).unwrap_or_else(|p| p.into_inner().clone());
+            let config = config
+                .read()
+                .map(|c| c.clone())
+                .unwrap_or_else(|p| p.into_inner().clone());
             net.links()
                 .into_iter()
                 .filter(|(d, _)| config.peer(d).is_some_and(|p| p.folders.contains(&id)))
@@ -623,26 +642,45 @@ impl Engine {
     /// The daemon's state as the `status --json` document: gathers a snapshot, and
     /// [`crate::status::build`] decides what it means.
     pub fn status(&self) -> crate::status::Status {
+        // Through its own connection, never the engine's (which an apply or a scan holds for as
+        // long as its disk work takes); the journal first, and not under the peers lock.
+        let own = self.status_journal.get_or_init(|| {
+            match Journal::open_reader(&self.home.journal_file()) {
+                Ok(j) => Some(crate::lock::Ranked::new(
+                    crate::lock::Rank::Journal,
+                    "status journal",
+                    j,
+                )),
+                Err(e) => {
+                    tracing::warn!(error = %e, "status reads through the engine's journal connection");
+                    None
+                }
+            }
+        });
+        match own {
+            Some(j) => self.status_with(|folders| journaled(&j.lock_anyway(), folders)),
+            None => self.status_with(|folders| match self.folders.journal_lock() {
+                Ok(j) => journaled(&j, folders),
+                Err(_) => vec![Default::default(); folders.len()],
+            }),
+        }
+    }
+
+    /// The same document with the journal's part read through `journal`, another connection
+    /// to this daemon's database (the page's): it never waits for the engine's journal lock,
+    /// which an install holds for as long as the disk takes (seconds when it is slow).
+    pub fn status_reading(&self, journal: &Journal) -> crate::status::Status {
+        self.status_with(|folders| journaled(journal, folders))
+    }
+
+    fn status_with(
+        &self,
+        journaled: impl FnOnce(&[Arc<FolderRt>]) -> Vec<Journaled>,
+    ) -> crate::status::Status {
         use crate::status::{DeviceSnapshot, FolderSnapshot, LocalWork, PeerSnapshot, Snapshot};
         let config = self.config();
         let folders: Vec<Arc<FolderRt>> = self.folders.all();
-        // The journal first, in one hold, and not under the peers lock: an install can hold
-        // the journal for tens of milliseconds, and the sessions take the peers lock meanwhile.
-        let journaled: Vec<(FolderCounts, u64, usize, crate::status::VersionsStatus)> =
-            match self.folders.journal_lock() {
-                Ok(mut j) => folders
-                    .iter()
-                    .map(|rt| {
-                        (
-                            j.counts(&rt.id).unwrap_or_default(),
-                            j.folder(&rt.id).map(|s| s.max_sequence).unwrap_or(0),
-                            crate::conflicts::count(&j, &rt.id),
-                            crate::versions::status_of(&j, rt),
-                        )
-                    })
-                    .collect(),
-                Err(_) => vec![Default::default(); folders.len()],
-            };
+        let journaled = journaled(&folders);
         let relaxed = std::sync::atomic::Ordering::Relaxed;
         let folders = folders
             .into_iter()
@@ -721,6 +759,31 @@ impl Engine {
         })
     }
 }
+
+/// What the journal holds of each folder for `status`: its counts, its highest sequence and
+/// its conflicts and past versions, read only (a folder not in the journal yet has none).
+fn journaled(j: &Journal, folders: &[Arc<FolderRt>]) -> Vec<Journaled> {
+    let sequences: HashMap<FolderId, u64> = j
+        .folders()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(id, state)| (id, state.max_sequence))
+        .collect();
+    folders
+        .iter()
+        .map(|rt| {
+            (
+                j.counts(&rt.id).unwrap_or_default(),
+                sequences.get(&rt.id).copied().unwrap_or(0),
+                crate::conflicts::count(j, &rt.id),
+                crate::versions::status_of(j, rt),
+            )
+        })
+        .collect()
+}
+
+/// A folder's counts, highest sequence, conflicts and past versions, as `status` reads them.
+type Journaled = (FolderCounts, u64, usize, crate::status::VersionsStatus);
 
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
 /// connection (the sessions wake `peer_changed` when a link is registered or ends), and ticks

@@ -61,6 +61,7 @@ mod roles;
 mod rows;
 mod schema;
 mod versions;
+mod wal;
 
 pub use versions::{Departed, KeptVersion, PrunedEvent, Retired};
 
@@ -255,8 +256,8 @@ pub struct HistoryEntry {
 /// Which history rows to return.
 ///
 /// The result is ascending by sequence. With `since_time_ns` or `since_sequence`, it is the
-/// *first* `limit` matches after that point; otherwise the *last* `limit` matches (the most
-/// recent), still ascending.
+/// *first* `limit` matches after that point (unless `newest`); otherwise the *last* `limit`
+/// matches (the most recent), still ascending.
 #[derive(Clone, Debug, Default)]
 pub struct HistoryQuery {
     /// That path, or anything below it.
@@ -271,6 +272,9 @@ pub struct HistoryQuery {
     pub limit: Option<usize>,
     /// Include bookkeeping rows ([`Op::Merged`]): vector-only changes nobody made.
     pub bookkeeping: bool,
+    /// The *last* `limit` matches even after a `since`: the page lists the newest rows first
+    /// whatever the filter, where `meshfs journal --since` prints from that point on.
+    pub newest: bool,
 }
 
 /// How far a peer and this device have exchanged one folder's index.
@@ -327,54 +331,27 @@ pub struct Journal {
     keys: std::cell::RefCell<std::collections::HashMap<FolderId, i64>>,
     /// A read transaction is held open ([`Journal::begin_reads`]).
     reading: bool,
-    /// The salts of the write-ahead log last recorded beside the database ([`wal_salts`]).
-    wal_seen: Option<[u8; 8]>,
+    /// What the note beside the database says of our write-ahead log ([`wal`]).
+    note: wal::Note,
+    /// This is the daemon's journal: it marks its log and notes its salts, and leaves a log
+    /// behind when it closes ([`Journal::open`]); a reader ([`Journal::open_reader`]) only
+    /// checks.
+    owner: bool,
 }
 
-/// The salts of `db`'s write-ahead log (bytes 16–23 of its header), if it has one. SQLite
-/// replays any WAL file found under the database's name; the salts are what tie it to this
-/// database: salt-1 goes up by one and salt-2 is drawn anew each time the log restarts.
-fn wal_salts(db: &Path) -> Option<[u8; 8]> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(format!("{}-wal", db.display())).ok()?;
-    let mut h = [0u8; 32];
-    f.read_exact(&mut h).ok()?;
-    let magic = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
-    if magic & !1 != 0x377f_0682 {
-        return None;
+impl Drop for Journal {
+    fn drop(&mut self) {
+        if self.owner {
+            if let Err(e) = self.close_wal() {
+                tracing::warn!(path = %self.path.display(), error = %e, "closing the journal's write-ahead log failed; it is checked at the next start as it is");
+            }
+        }
+        // The log stays on disk when the connection closes, whole: with a size limit SQLite
+        // would truncate it to nothing, and the next writer would start one from nothing.
+        if let Err(e) = self.conn.pragma_update(None, "journal_size_limit", -1) {
+            tracing::debug!(error = %e, "cannot lift the journal size limit before closing");
+        }
     }
-    let mut salts = [0u8; 8];
-    salts.copy_from_slice(&h[16..24]);
-    Some(salts)
-}
-
-/// Where the WAL salts last seen are kept, beside the database.
-fn wal_note_path(db: &Path) -> PathBuf {
-    PathBuf::from(format!("{}-meshfs-wal", db.display()))
-}
-
-/// Refuses a write-ahead log that is not this database's (copied from another journal, or
-/// left by one that was replaced): SQLite would replay its pages into ours. A log one restart
-/// ahead of the recorded salts is ours (a crash between a restart and its note).
-fn check_wal_belongs(db: &Path) -> Result<()> {
-    let (Some(wal), Ok(note)) = (wal_salts(db), std::fs::read(wal_note_path(db))) else {
-        return Ok(());
-    };
-    let Ok(note) = <[u8; 8]>::try_from(note.as_slice()) else {
-        return Ok(());
-    };
-    let s1 = u32::from_be_bytes([note[0], note[1], note[2], note[3]]);
-    let w1 = u32::from_be_bytes([wal[0], wal[1], wal[2], wal[3]]);
-    if wal == note || w1 == s1.wrapping_add(1) {
-        return Ok(());
-    }
-    Err(JournalError::NotAJournal {
-        path: db.to_path_buf(),
-        reason: format!(
-            "its write-ahead log {}-wal belongs to another database",
-            db.display()
-        ),
-    })
 }
 
 impl fmt::Debug for Journal {
@@ -487,6 +464,24 @@ fn lookup_folder(conn: &Connection, folder: &FolderId) -> Result<Option<(i64, Fo
     }))
 }
 
+/// A new random mark for the log ([`wal`]).
+fn new_mark() -> [u8; wal::MARK_LEN] {
+    rand::random()
+}
+
+/// Writes the note beside `db` (at `step`, for the failpoints); a failure is logged (the
+/// daemon runs on: the note only matters to tell a foreign log after a crash) and returned as
+/// false.
+fn note_or_warn(db: &Path, note: &wal::Note, step: &str) -> bool {
+    match wal::write_note(db, note, step) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(path = %wal::note_path(db).display(), error = %e, "cannot record the identity of the journal's write-ahead log; after a crash now, the next start may take it for another database's");
+            false
+        }
+    }
+}
+
 fn new_index_id() -> u64 {
     loop {
         let id: u64 = rand::random();
@@ -514,11 +509,50 @@ fn ensure_folder(conn: &Connection, folder: &FolderId) -> Result<(i64, FolderSta
 }
 
 impl Journal {
-    /// Opens the journal at `path`, creating it if missing and migrating it to the current
-    /// schema. A file that is not a meshfs journal, is damaged, or was written by a newer
-    /// meshfs gives an error naming the path.
+    /// Opens the journal at `path` as the daemon's own, creating it if missing and migrating
+    /// it to the current schema. A file that is not a meshfs journal, is damaged, or was
+    /// written by a newer meshfs gives an error naming the path; so does a write-ahead log
+    /// beside it that is another database's ([`wal`]).
+    ///
+    /// The daemon's journal keeps its log identifiable through any crash (the steps, each a
+    /// failpoint named in brackets, are what `tests/wal_identity.rs` kills):
+    /// 1. the log is checked against the note, before SQLite may replay it;
+    /// 2. SQLite opens it; a new journal, or one older than the `wal_mark` table, first loses
+    ///    its note (nothing to protect yet, and a migration could not carry a mark) and is
+    ///    migrated;
+    /// 3. a new random mark is noted durably \[`journal.open.mark_noted`\], then written into
+    ///    `wal_mark` \[`journal.open.marked`\]: whatever log that write starts (random salts
+    ///    if it starts one from nothing) holds the mark the note names;
+    /// 4. the log's salts are noted \[`journal.open.noted`\], and again whenever a commit
+    ///    finds the log started again \[`journal.wal.restarted`\];
+    /// 5. at close ([`Drop`]) the log is checkpointed and emptied
+    ///    \[`journal.close.checkpointed`\], marked as in 3 \[`journal.close.mark_noted`,
+    ///    `journal.close.marked`\], its salts noted \[`journal.close.noted`\], and kept on disk
+    ///    (persistent WAL): another program that writes the journal before the next start
+    ///    appends to that log, under the noted salts, rather than start one with salts nobody
+    ///    noted.
+    ///
+    /// Each note write is a synced temp file renamed over the note, then the directory synced
+    /// \[`journal.note.synced@STEP`, `journal.note.renamed@STEP`, STEP one of `open.mark`,
+    /// `open.salts`, `close.mark`, `close.salts`, `restart.salts`, `migrate.mark`\]. The
+    /// failpoints are `daemon/src/failpoint.rs`'s: `MESHFS_FAILPOINTS=journal.open.marked=abort`.
     pub fn open(path: &Path) -> Result<Journal> {
-        check_wal_belongs(path)?;
+        Journal::open_as(path, true)
+    }
+
+    /// Opens the journal to read it beside a running daemon (`meshfs journal`, `meshfs
+    /// conflicts`): the log is checked as by [`Journal::open`], but never marked or noted, and
+    /// left on disk at close if this was the last connection.
+    pub fn open_reader(path: &Path) -> Result<Journal> {
+        Journal::open_as(path, false)
+    }
+
+    fn open_as(path: &Path, owner: bool) -> Result<Journal> {
+        wal::check(path).map_err(|reason| JournalError::NotAJournal {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+        let mut note = wal::read_note(path).unwrap_or_default();
         let opened = (|| {
             let mut conn = Connection::open(path)?;
             // Every path, its history and the peers' ids: the owner's alone (SQLite gives
@@ -548,6 +582,11 @@ impl Journal {
             // scan) is copied into the database once. Truncate the WAL back after that.
             conn.pragma_update(None, "wal_autocheckpoint", 4000)?;
             conn.pragma_update(None, "journal_size_limit", 64i64 << 20)?;
+            // The last connection to close keeps the log file (see `open`, step 5).
+            conn.file_control(
+                Some(rusqlite::MAIN_DB),
+                rusqlite::FileControl::PersistWal(&mut 1),
+            )?;
             conn.set_prepared_statement_cache_capacity(64);
             // Plans never depend on bound values: without this, a statement whose plan looked
             // at a parameter (a LIMIT ?, a range bound) is re-prepared on every execution,
@@ -556,8 +595,25 @@ impl Journal {
                 rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG,
                 true,
             )?;
-            let version = schema::migrate(&mut conn, path, found)?;
-            Ok((conn, version))
+            if found < schema::LATEST_VERSION {
+                // A migration may start the log; only one from the version with `wal_mark`
+                // on can carry a mark. Before that the note goes (accepting any log until
+                // the first mark), and it comes back with the first mark.
+                let mark = (found >= schema::WAL_MARK_VERSION).then(new_mark);
+                if let Some(m) = mark {
+                    note.mark = Some(m);
+                    note_or_warn(path, &note, "migrate.mark");
+                } else {
+                    note = wal::Note::default();
+                    if let Err(e) = wal::remove_note(path) {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot remove the journal's WAL note before migrating");
+                    }
+                }
+                let version = schema::migrate(&mut conn, path, found, mark.as_ref())?;
+                crate::failpoint::hit("journal.open.migrated", "");
+                return Ok((conn, version));
+            }
+            Ok((conn, found))
         })();
         let (conn, schema_version) = opened.map_err(|e| match e {
             JournalError::Sqlite(err)
@@ -570,14 +626,44 @@ impl Journal {
             }
             e => classify(path, e),
         })?;
-        Ok(Journal {
+        let mut j = Journal {
             conn,
             path: path.to_path_buf(),
             schema_version,
             keys: Default::default(),
             reading: false,
-            wal_seen: None,
-        })
+            note,
+            owner,
+        };
+        if owner {
+            j.mark_wal("open");
+        }
+        Ok(j)
+    }
+
+    /// Notes a new mark, then writes it into `wal_mark`, then notes the log's salts (steps
+    /// 3–4 of [`Journal::open`]); `at` names the failpoints (`journal.{at}.…`). A failure to
+    /// write the mark (a full disk) is logged, not returned: the journal works without it, and
+    /// its log is then known by its salts alone until the next mark.
+    fn mark_wal(&mut self, at: &str) {
+        let mark = new_mark();
+        let noted = wal::Note {
+            mark: Some(mark),
+            ..self.note
+        };
+        if !note_or_warn(&self.path, &noted, &format!("{at}.mark")) {
+            // Unnoted, a mark would prove nothing: the log keeps its salts' identity alone.
+            return;
+        }
+        self.note = noted;
+        crate::failpoint::hit(&format!("journal.{at}.mark_noted"), "");
+        if let Err(e) = self.transact(|tx| schema::put_wal_mark(tx, &mark)) {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot write the journal's WAL mark; its log is known by its salts alone for now");
+            return;
+        }
+        crate::failpoint::hit(&format!("journal.{at}.marked"), "");
+        self.note_wal_salts(&format!("{at}.salts"));
+        crate::failpoint::hit(&format!("journal.{at}.noted"), "");
     }
 
     /// Checks the whole database file (`PRAGMA quick_check`): the daemon runs it at start so
@@ -671,6 +757,13 @@ impl Journal {
     }
 
     fn write_now<T>(&mut self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        let v = self.transact(f)?;
+        self.note_wal();
+        Ok(v)
+    }
+
+    /// One IMMEDIATE transaction, nothing else.
+    fn transact<T>(&mut self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
         let r = (|| {
             let tx = self
                 .conn
@@ -679,28 +772,52 @@ impl Journal {
             tx.commit()?;
             Ok(v)
         })();
-        if r.is_ok() {
-            self.note_wal();
-        }
         r.map_err(|e| classify(&self.path, e))
     }
 
-    /// Records the WAL's salts beside the database when they changed (the log restarted), so
-    /// the next open can tell this database's log from another's ([`check_wal_belongs`]).
+    /// The close of the daemon's journal (step 5 of [`Journal::open`]): the log checkpointed
+    /// and emptied, marked, its salts noted. Skipped when another connection reads (the
+    /// checkpoint cannot empty the log under it): the log is then left as it is, noted.
+    fn close_wal(&mut self) -> Result<()> {
+        self.end_reads();
+        self.conn.busy_timeout(Duration::ZERO)?;
+        let busy: i64 = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+        if busy != 0 {
+            return Ok(());
+        }
+        crate::failpoint::hit("journal.close.checkpointed", "");
+        self.mark_wal("close");
+        Ok(())
+    }
+
+    /// Notes the log's salts beside the database when they changed (the log started again),
+    /// so the next open can tell this database's log from another's ([`wal`]). Only the
+    /// daemon's journal notes.
     fn note_wal(&mut self) {
-        let Some(salts) = wal_salts(&self.path) else {
-            return;
-        };
-        if self.wal_seen == Some(salts) {
+        if !self.owner {
             return;
         }
-        let note = wal_note_path(&self.path);
-        let tmp = PathBuf::from(format!("{}.tmp", note.display()));
-        if std::fs::write(&tmp, salts)
-            .and_then(|_| std::fs::rename(&tmp, &note))
-            .is_ok()
-        {
-            self.wal_seen = Some(salts);
+        match wal::header(&self.path) {
+            Some(h) if self.note.salts != Some(h.salts) => {
+                crate::failpoint::hit("journal.wal.restarted", "");
+                self.note_wal_salts("restart.salts");
+            }
+            _ => {}
+        }
+    }
+
+    fn note_wal_salts(&mut self, step: &str) {
+        let Some(h) = wal::header(&self.path) else {
+            return;
+        };
+        let noted = wal::Note {
+            salts: Some(h.salts),
+            ..self.note
+        };
+        if noted != self.note && note_or_warn(&self.path, &noted, step) {
+            self.note = noted;
         }
     }
 
@@ -1029,7 +1146,8 @@ impl Journal {
                 sql.push_str(" AND sequence > ?");
                 args.push(Value::Integer(to_i64(s)));
             }
-            let oldest_first = q.since_time_ns.is_some() || q.since_sequence.is_some();
+            let oldest_first =
+                !q.newest && (q.since_time_ns.is_some() || q.since_sequence.is_some());
             sql.push_str(if oldest_first {
                 " ORDER BY sequence ASC LIMIT ?"
             } else {

@@ -24,6 +24,10 @@ use meshfs_fuse::{
 };
 use meshfs_protocol::RelPath;
 use std::path::PathBuf;
+
+/// Whether `/etc/fuse.conf` lets ordinary users mount with `allow_other` (checked by
+/// `meshfs config check`, as the mount itself does).
+pub use meshfs_fuse::{fuse_conf_allows_other, FUSE_CONF};
 use std::sync::{Arc, RwLock};
 use tokio::sync::mpsc;
 
@@ -122,8 +126,12 @@ pub struct MountStatus {
     pub mountpoint: PathBuf,
     /// `"read-only"` or `"read-write"`.
     pub mode: &'static str,
+    /// Other users may enter (`allow_other`; the kernel checks modes).
+    pub allow_other: bool,
     /// Whether the kernel passes reads and writes straight to the backing files.
     pub passthrough: bool,
+    /// Why not, when it does not.
+    pub passthrough_off: Option<PassthroughOffStatus>,
     /// Whether requests come over io_uring, answered on the caller's CPU
     /// (`meshfs_fuse::MountOptions::io_uring`).
     pub io_uring: bool,
@@ -132,6 +140,15 @@ pub struct MountStatus {
     /// Invalidations of what the kernel caches, queued and not yet sent (a folder is not in
     /// sync until they are: the mount could still show a path's previous state).
     pub invalidations_pending: usize,
+}
+
+/// Why kernel passthrough is off on a mount ([`meshfs_fuse::PassthroughOff`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PassthroughOffStatus {
+    /// A stable name: `not_asked`, `not_offered`, `needs_cap_sys_admin`, `stacked`, `refused`.
+    pub code: &'static str,
+    /// The reason in words.
+    pub why: String,
 }
 
 impl From<MountInfo> for MountStatus {
@@ -143,7 +160,12 @@ impl From<MountInfo> for MountStatus {
             } else {
                 "read-write"
             },
+            allow_other: i.allow_other,
             passthrough: i.passthrough,
+            passthrough_off: i.passthrough_off.map(|why| PassthroughOffStatus {
+                code: why.code(),
+                why: why.to_string(),
+            }),
             io_uring: i.io_uring,
             open_handles: i.open_handles,
             invalidations_pending: i.invalidations_pending,

@@ -173,11 +173,10 @@ pub async fn revert(
     check_role(&rt, Role::ReceiveOnly, "revert")?;
     let f = folders.clone();
     let id = folder.clone();
-    let items: Vec<Shared> = tokio::task::spawn_blocking(move || {
-        Ok::<_, FolderError>(f.journal()?.local_only(&id)?)
-    })
-    .await
-    .map_err(|e| RoleError::Task(e.to_string()))??;
+    let items: Vec<Shared> =
+        tokio::task::spawn_blocking(move || Ok::<_, FolderError>(f.journal()?.local_only(&id)?))
+            .await
+            .map_err(|e| RoleError::Task(e.to_string()))??;
     let mut report = RoleReport::default();
     // Content no local source has comes from the peers first, into the vault.
     let wanted: Vec<(Hash, u32)> = items
@@ -191,7 +190,9 @@ pub async fn revert(
         .await
         .map_err(|e| RoleError::Task(e.to_string()))?;
     if !missing.is_empty() {
-        report.fetched_chunks = content::fetch_into_vault(&rt, &folder, missing, &peers).await.0;
+        report.fetched_chunks = content::fetch_into_vault(&rt, &folder, missing, &peers)
+            .await
+            .0;
     }
     let f = folders.clone();
     let report = tokio::task::spawn_blocking(move || put_back(&f, &rt, items, local, report))
@@ -269,7 +270,12 @@ fn put_back(
                 (r, None)
             }
         };
-        changes.push(reverted(current.as_ref().map(|c| &c.record), record, None, source));
+        changes.push(reverted(
+            current.as_ref().map(|c| &c.record),
+            record,
+            None,
+            source,
+        ));
         report.done.push(path.to_string());
         cleared.push(path);
     }

@@ -5,7 +5,7 @@
 //! field) and the rule ([`in_sync`]). Both are pure: [`build`] takes a [`Snapshot`] of plain
 //! values that the engine gathered under its locks, and reads no lock, clock, file or socket
 //! itself, so every reason a folder is not in sync is tested here with plain values. The words
-//! `meshfs status` prints are made from the document by the CLI, not here.
+//! `meshfs status` prints are made from the document by `readout`, not here.
 
 use crate::config::PeerConfig;
 use crate::journal::FolderCounts;

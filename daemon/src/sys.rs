@@ -338,6 +338,20 @@ pub(crate) fn geteuid() -> libc::uid_t {
     unsafe { libc::geteuid() }
 }
 
+/// The CPU time the calling thread has used so far (`clock_gettime(CLOCK_THREAD_CPUTIME_ID)`);
+/// zero if the clock cannot be read.
+pub(crate) fn thread_cpu_time() -> std::time::Duration {
+    let mut ts = MaybeUninit::<libc::timespec>::uninit();
+    // SAFETY: `ts` is a writable timespec for the kernel to fill; the call touches nothing else.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, ts.as_mut_ptr()) };
+    if r != 0 {
+        return std::time::Duration::ZERO;
+    }
+    // SAFETY: clock_gettime succeeded, so it filled `ts`.
+    let ts = unsafe { ts.assume_init() };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

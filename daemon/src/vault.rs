@@ -425,11 +425,17 @@ mod tests {
         let added = v
             .put(&[(ht, text.clone()), (hr, random.clone()), (ht, text.clone())])
             .unwrap();
-        assert!(added < (text.len() + random.len()) as u64, "text compressed");
+        assert!(
+            added < (text.len() + random.len()) as u64,
+            "text compressed"
+        );
         assert_eq!(v.put(&[(ht, text.clone())]).unwrap(), 0, "stored once");
         assert_eq!(v.get(&ht).unwrap().unwrap(), text);
         assert_eq!(v.get(&hr).unwrap().unwrap(), random);
-        assert_eq!(v.has(&[ht, Hash::of(b"x"), hr]).unwrap(), [true, false, true]);
+        assert_eq!(
+            v.has(&[ht, Hash::of(b"x"), hr]).unwrap(),
+            [true, false, true]
+        );
         assert_eq!(v.stored().unwrap().0, 2);
         let (n, _) = v.sweep(|h| *h == ht).unwrap();
         assert_eq!(n, 1);
@@ -442,7 +448,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let v = Vault::open(&dir.path().join("v.db")).unwrap();
         let good = b"good".to_vec();
-        let r = v.put(&[(Hash::of(&good), good.clone()), (Hash::of(b"a"), b"b".to_vec())]);
+        let r = v.put(&[
+            (Hash::of(&good), good.clone()),
+            (Hash::of(b"a"), b"b".to_vec()),
+        ]);
         assert!(matches!(r, Err(VaultError::Damaged { .. })), "{r:?}");
         assert!(v.get(&Hash::of(&good)).unwrap().is_none());
     }

@@ -218,12 +218,13 @@ fn schema_3_gives_multi_chunk_files_their_chunk_list_hash() {
             [&old.0[..]],
         )
         .unwrap();
-        // Without what later migrations added (4: the deferred table; 5: versions, roles).
+        // Without what later migrations added (4: the deferred table, 5: the WAL mark, 6:
+        // versions and roles).
         c.execute_batch(
-            "DROP TABLE deferred; DROP TABLE versions; DROP TABLE pruned; DROP TABLE held; \
-             DROP TABLE local_only; PRAGMA user_version = 2;",
+            "DROP TABLE deferred; DROP TABLE wal_mark; DROP TABLE versions; DROP TABLE pruned; \
+             DROP TABLE held; DROP TABLE local_only; PRAGMA user_version = 2;",
         )
-            .unwrap();
+        .unwrap();
     }
     let j = Journal::open(&path).unwrap();
     assert!(j.schema_version() >= 3);
@@ -1180,6 +1181,19 @@ fn history_limit_gives_the_most_recent_rows_unless_a_since_is_given() {
             }
         ),
         vec![1, 2]
+    );
+    // The page's newest-first view: the last rows after the point, not the first.
+    assert_eq!(
+        query(
+            &j,
+            HistoryQuery {
+                since_sequence: Some(2),
+                newest: true,
+                ..limit(3)
+            }
+        ),
+        vec![5, 6, 7],
+        "the last three after the point"
     );
     assert_eq!(
         query(

@@ -1,6 +1,7 @@
 //! A FUSE server that does no work: the floor under any FUSE filesystem's create path on this
 //! machine, measured with the same transport the mount uses (fuser 0.18 as vendored, io_uring
-//! where the kernel offers it, kernel passthrough for the data).
+//! where the kernel offers it, kernel passthrough for the data where the process may register
+//! backing files; otherwise, as for an ordinary user, data forwarded and answered at once).
 //!
 //! ```text
 //! null_mount [--no-io-uring] <scratch-dir> <mountpoint>
@@ -10,7 +11,9 @@
 //! `drop_caches`). Every other LOOKUP is a negative entry; CREATE, MKDIR, SYMLINK, MKNOD and LINK
 //! hand out a node id with made-up attributes (GETATTR and SETATTR too; the id carries the kind),
 //! UNLINK, RMDIR and RENAME succeed, OPEN passes through to the scratch file below,
-//! GETXATTR answers "no such attribute", RELEASE and FORGET do nothing.
+//! GETXATTR answers "no such attribute", RELEASE and FORGET do nothing. Run by an ordinary user
+//! (no `CAP_SYS_ADMIN`, so no passthrough, as meshfs's own mount then), WRITE is acknowledged
+//! whole at once and READ returns nothing.
 //! File data goes by kernel passthrough to one scratch file, `<scratch-dir>/null-backing`, that
 //! every created file shares (its content is meaningless; it stays in the page cache). So a
 //! create (`open(O_CREAT)`, `write`, `close`) costs exactly the requests the kernel itself sends
@@ -61,6 +64,19 @@ struct Null {
     next_ino: AtomicU64,
     want_io_uring: bool,
     passthrough: Arc<AtomicBool>,
+}
+
+/// Whether this process may register backing files (`CAP_SYS_ADMIN` in the initial user
+/// namespace, which fuse_backing_open asks for): otherwise data is forwarded.
+fn capable_sys_admin() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .unwrap_or(0);
+    let map = std::fs::read_to_string("/proc/self/uid_map").unwrap_or_default();
+    eff & (1 << 21) != 0 && map.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -132,6 +148,7 @@ impl Filesystem for Null {
         }
         let _ = config.set_max_write(1 << 20);
         if caps.contains(InitFlags::FUSE_PASSTHROUGH)
+            && capable_sys_admin()
             && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
             && config.set_max_stack_depth(1).is_ok()
         {
@@ -258,7 +275,7 @@ impl Filesystem for Null {
     ) {
         let a = attr(self.new_ino(0));
         if !self.passthrough.load(Ordering::Relaxed) {
-            return reply.error(Errno::ENOSYS);
+            return reply.created(&TTL, &a, Generation(0), FileHandle(0), FopenFlags::empty());
         }
         match self.backing_id(|f| reply.open_backing(f)) {
             Some(id) => reply.created_passthrough(
@@ -275,12 +292,43 @@ impl Filesystem for Null {
 
     fn open(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         if !self.passthrough.load(Ordering::Relaxed) {
-            return reply.error(Errno::ENOSYS);
+            return reply.opened(FileHandle(0), FopenFlags::empty());
         }
         match self.backing_id(|f| reply.open_backing(f)) {
             Some(id) => reply.opened_passthrough(FileHandle(0), FopenFlags::empty(), &id),
             None => reply.error(Errno::EIO),
         }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        data: &[u8],
+        _write_flags: fuser::WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<fuser::LockOwner>,
+        reply: fuser::ReplyWrite,
+    ) {
+        reply.written(data.len() as u32);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<fuser::LockOwner>,
+        reply: fuser::ReplyData,
+    ) {
+        reply.data(&[]);
     }
 
     fn getxattr(

@@ -2,7 +2,7 @@
 //! change events the mount reported.
 //!
 //! ```text
-//! passthrough_mount [--no-passthrough] [--no-io-uring] [--no-read-ahead] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>
+//! passthrough_mount [--no-passthrough] [--no-io-uring] [--no-read-ahead] [--no-keep-cache] [--no-write-direct] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>
 //! ```
 //!
 //! Used to run conformance suites (pjdfstest) and timings against the mount.
@@ -30,6 +30,8 @@ fn main() {
             "--no-passthrough" => opts.passthrough = false,
             "--no-io-uring" => opts.io_uring = false,
             "--no-read-ahead" => opts.read_ahead = false,
+            "--no-keep-cache" => opts.keep_cache = false,
+            "--no-write-direct" => opts.write_direct = false,
             "--ro" => opts.read_only = true,
             "--print-events" => print = true,
             "--allow-other" => opts.allow_other = true,
@@ -37,7 +39,7 @@ fn main() {
         }
     }
     let [backing, mountpoint] = paths.as_slice() else {
-        eprintln!("usage: passthrough_mount [--no-passthrough] [--no-io-uring] [--no-read-ahead] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>");
+        eprintln!("usage: passthrough_mount [--no-passthrough] [--no-io-uring] [--no-read-ahead] [--no-keep-cache] [--no-write-direct] [--ro] [--allow-other] [--threads N] [--print-events] <backing-dir> <mountpoint>");
         std::process::exit(2);
     };
 
@@ -59,8 +61,12 @@ fn main() {
         }
     };
     let info = mount.info();
+    let off = info
+        .passthrough_off
+        .map(|why| format!(" [{why}]"))
+        .unwrap_or_default();
     println!(
-        "mounted {} at {} (passthrough: {}, threads: {}, io_uring: {})",
+        "mounted {} at {} (passthrough: {}{off}, threads: {}, io_uring: {})",
         info.backing.display(),
         info.mountpoint.display(),
         info.passthrough,

@@ -16,6 +16,8 @@
 use crate::dircache::DirCache;
 use crate::handles::{Handle, Handles};
 use crate::inodes::{Remembered, Table, ROOT};
+use crate::kept::Kept;
+use crate::passthrough::PassthroughOff;
 use crate::prefetch::Prefetcher;
 use crate::recent::Recent;
 use crate::sys::{self, Stat, SysResult};
@@ -69,6 +71,8 @@ pub(crate) struct Shared {
     pub want_passthrough: bool,
     /// Kernel passthrough is negotiated and has not been refused.
     pub passthrough: AtomicBool,
+    /// Why kernel passthrough is off (`None` while it is on, or before FUSE_INIT).
+    pub passthrough_off: Mutex<Option<PassthroughOff>>,
     /// The caller asked for FUSE over io_uring where the kernel offers it.
     pub want_io_uring: bool,
     /// The effective ids of this process (the owner of what the backing creates).
@@ -84,6 +88,16 @@ pub(crate) struct Shared {
     pub prefetch: Prefetcher,
     /// Paths changed through the mount lately: the watcher's reports of them are echoes.
     pub recent: Mutex<Recent>,
+    /// Files whose cached pages the kernel may keep across opens.
+    pub kept: Kept,
+    /// Whether they may be kept at all (`MountOptions::keep_cache`).
+    pub keep_cache: bool,
+    /// The caller asked for write-only forwarded opens to bypass the kernel's pages
+    /// (`MountOptions::write_direct`).
+    pub want_write_direct: bool,
+    /// They do: asked for, and the kernel drops the pages such a write covers
+    /// (`FUSE_DIRECT_IO_ALLOW_MMAP` agreed at FUSE_INIT).
+    pub write_direct: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -377,6 +391,14 @@ impl Shared {
 
     /// Registers a backing file with the kernel for passthrough; turns passthrough off for
     /// the mount if the kernel refuses it for lack of privilege.
+    /// Kernel passthrough is off from now on, for `why`.
+    pub(crate) fn passthrough_refused(&self, why: PassthroughOff) {
+        *lock(&self.passthrough_off) = Some(why);
+        if self.passthrough.swap(false, Ordering::Relaxed) {
+            warn!(reason = %why, "kernel passthrough off; forwarding reads and writes");
+        }
+    }
+
     pub(crate) fn make_backing(
         &self,
         fd: BorrowedFd<'_>,
@@ -386,9 +408,9 @@ impl Shared {
             Ok(id) => Some(id),
             Err(e) => {
                 if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::EOPNOTSUPP)) {
-                    if self.passthrough.swap(false, Ordering::Relaxed) {
-                        warn!(error = %e, "kernel passthrough refused; forwarding reads and writes");
-                    }
+                    self.passthrough_refused(PassthroughOff::from_errno(
+                        e.raw_os_error().unwrap_or(libc::EIO),
+                    ));
                 } else {
                     debug!(error = %e, "no passthrough for this open; forwarding it");
                 }

@@ -25,6 +25,8 @@ use crate::backing::{
 };
 use crate::handles::MakeBacking;
 use crate::inodes::ROOT;
+use crate::kept::ContentSig;
+use crate::passthrough::{capable_sys_admin, PassthroughOff};
 use crate::prefetch::{Job, Prefetcher};
 use crate::sys::{self, SetTime, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind};
@@ -41,6 +43,15 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+
+thread_local! {
+    /// Each request thread's buffer for READ replies, reused (a fresh zeroed vector per
+    /// request was a memset of up to 1 MiB each time).
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The largest READ buffer a request thread keeps between requests.
+const KEPT_READ_BUF: usize = 256 * 1024;
 
 /// Bytes asked of `getdents64` per call.
 const DIRENT_BUF: usize = 32 * 1024;
@@ -133,6 +144,27 @@ impl Passthrough {
         Ok(st)
     }
 
+    /// The open flags of a forwarded open of `ino` (now `st`) with open(2) `flags`. A
+    /// write-only open writes past the kernel's pages (`FOPEN_DIRECT_IO`): each write goes
+    /// straight from the caller's buffer to the mount, one copy and one page cache fewer (a
+    /// program that only writes a file does not read it back through that descriptor). Any
+    /// other open keeps the kernel's cached pages where they are still the file's content
+    /// (`kept`).
+    fn open_flags(&self, ino: u64, st: &Stat, flags: i32) -> FopenFlags {
+        if st.kind() != libc::S_IFREG {
+            return FopenFlags::empty();
+        }
+        let keep = self.sh.kept.open(ino, ContentSig::of(st));
+        if self.sh.write_direct.load(Ordering::Relaxed) && flags & libc::O_ACCMODE == libc::O_WRONLY
+        {
+            FopenFlags::FOPEN_DIRECT_IO
+        } else if self.sh.keep_cache && keep {
+            FopenFlags::FOPEN_KEEP_CACHE
+        } else {
+            FopenFlags::empty()
+        }
+    }
+
     fn created(&self, parent: u64, name: &OsStr, st: &Stat, reply: ReplyEntry) {
         self.sh.entry(parent, name, st, reply);
         self.sh
@@ -215,8 +247,16 @@ impl Filesystem for Passthrough {
             // Lets the kernel mark inodes "no security xattr" (SB_NOSEC): otherwise every
             // write(2), passthrough ones included, first asks GETXATTR security.capability.
             // In exchange the mount clears set-id bits itself (see `kill_suidgid`).
-            | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
+            | InitFlags::FUSE_HANDLE_KILLPRIV_V2
+            // A write-only forwarded open bypasses the kernel's pages (`open_flags`); with this
+            // the kernel writes back and drops the pages of the range such a write covers, so
+            // other opens (mmap included) never read around it.
+            | InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP;
         let _ = config.add_capabilities(wanted & caps);
+        self.sh.write_direct.store(
+            self.sh.want_write_direct && caps.contains(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP),
+            Ordering::Relaxed,
+        );
         // The kernel offers io_uring only where it is enabled (see `MountOptions::io_uring`).
         if self.sh.want_io_uring {
             let _ = config.add_capabilities(InitFlags::FUSE_OVER_IO_URING & caps);
@@ -225,15 +265,26 @@ impl Filesystem for Passthrough {
         // it also sizes each io_uring entry's payload buffer.
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_background(64);
-        if self.sh.want_passthrough && caps.contains(InitFlags::FUSE_PASSTHROUGH) {
-            // Depth 1: the backing is a plain filesystem, and the mount itself may still be
-            // stacked under overlayfs.
-            if config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
-                && config.set_max_stack_depth(1).is_ok()
-            {
-                self.sh.passthrough.store(true, Ordering::Relaxed);
-            }
-        }
+        let off = if !self.sh.want_passthrough {
+            Some(PassthroughOff::NotAsked)
+        } else if !caps.contains(InitFlags::FUSE_PASSTHROUGH) {
+            Some(PassthroughOff::NotOffered)
+        } else if !capable_sys_admin() {
+            // Not asked for at all: the kernel would refuse every backing file.
+            Some(PassthroughOff::NeedsCapSysAdmin)
+        } else if config
+            .add_capabilities(InitFlags::FUSE_PASSTHROUGH)
+            .is_err()
+            || config.set_max_stack_depth(1).is_err()
+        {
+            // Depth 1 (above): the backing is a plain filesystem, and the mount itself may
+            // still be stacked under overlayfs.
+            Some(PassthroughOff::NotOffered)
+        } else {
+            None
+        };
+        self.sh.passthrough.store(off.is_none(), Ordering::Relaxed);
+        *lock(&self.sh.passthrough_off) = off;
         Ok(())
     }
 
@@ -265,6 +316,7 @@ impl Filesystem for Passthrough {
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
         if lock(&self.sh.table).forget(ino.0, nlookup) {
             self.sh.dirs.remove(ino.0);
+            self.sh.kept.forget(ino.0);
         }
     }
 
@@ -602,7 +654,7 @@ impl Filesystem for Passthrough {
         };
         match backing {
             Some(id) => reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id),
-            None => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            None => reply.opened(FileHandle(fh), self.open_flags(ino, &st, flags)),
         }
     }
 
@@ -620,10 +672,16 @@ impl Filesystem for Passthrough {
         let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
-        match sys::pread(h.fd(), offset, size as usize) {
-            Ok(data) => reply.data(&data),
-            Err(e) => reply.error(err(e)),
-        }
+        READ_BUF.with_borrow_mut(|buf| {
+            match sys::pread_into(h.fd(), offset, size as usize, buf) {
+                Ok(()) => reply.data(buf),
+                Err(e) => reply.error(err(e)),
+            }
+            // Readahead asks 128 KiB at a time; a rare bigger read (O_DIRECT) is not kept.
+            if buf.capacity() > KEPT_READ_BUF {
+                *buf = Vec::new();
+            }
+        });
     }
 
     fn write(
@@ -688,6 +746,12 @@ impl Filesystem for Passthrough {
         let f = &*r.handle;
         if !f.writable {
             return;
+        }
+        if !f.passthrough && f.wrote.load(Ordering::Relaxed) {
+            // Written through the mount, so through the kernel's pages: they are the content.
+            if let Ok(st) = sys::fstat(f.fd()) {
+                self.sh.kept.wrote(f.ino, ContentSig::of(&st));
+            }
         }
         let path = self.sh.path_of(f.ino);
         // With passthrough the writes never came here: any writable open may have written.
@@ -1010,7 +1074,7 @@ impl Filesystem for Passthrough {
                 &attr,
                 generation,
                 FileHandle(fh),
-                FopenFlags::empty(),
+                self.open_flags(ino, &st, flags),
             ),
         }
         self.sh

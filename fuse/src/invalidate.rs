@@ -77,6 +77,7 @@ fn invalidate(sh: &Shared, notifier: &Notifier, path: &RelPath) {
             sh.dirs.remove(ino);
         }
         // Offset 0, length 0: attributes and every cached page.
+        sh.kept.forget(ino);
         if let Err(e) = notifier.inval_inode(INodeNo(ino), 0, 0) {
             debug!(%path, error = %e, "inval_inode");
         }

@@ -61,8 +61,11 @@
 //!   trip; READDIR and FSYNCDIR open the directory for the request alone.
 //! - **Locks** (POSIX and BSD) are the kernel's local ones: they work between processes of
 //!   this machine, which is all a replica directory can offer.
+//! - **Forwarded files** (no passthrough): the kernel keeps a file's cached pages across opens
+//!   while its backing size and times are unchanged (`kept`, D48); a write-only open writes
+//!   past the page cache (`FOPEN_DIRECT_IO`, D49).
 //! - **Not used:** the writeback cache (a write must reach the backing before the engine
-//!   hears of it), `FUSE_ATOMIC_O_TRUNC` (it let an `O_TRUNC` open reach the backing before
+//!   hears of it, and the kernel would ignore the sizes the mount reports, D49), `FUSE_ATOMIC_O_TRUNC` (it let an `O_TRUNC` open reach the backing before
 //!   the kernel's `ETXTBSY` check), `FLUSH` (answered `ENOSYS` once, so `close(2)` costs no
 //!   round trip: nothing is buffered here).
 #![deny(missing_docs)]
@@ -73,13 +76,20 @@ mod fs;
 mod handles;
 mod inodes;
 mod invalidate;
+mod kept;
 mod mount;
+mod passthrough;
 mod prefetch;
 mod recent;
 mod snapshot;
 mod sys;
+mod unmount;
 
-pub use mount::{mount, Mount, MountError, MountHandle, MountInfo, MountOptions};
+pub use mount::{
+    fuse_conf_allows_other, mount, Mount, MountError, MountHandle, MountInfo, MountOptions,
+    FUSE_CONF,
+};
+pub use passthrough::PassthroughOff;
 pub use snapshot::{mount_snapshot, SnapshotContent, SnapshotEntry, SnapshotKind, SnapshotMount};
 
 use meshfs_protocol::RelPath;

@@ -64,6 +64,14 @@ pub struct MountOptions {
     /// `find` or `ls -R` then finds the backing's inodes in memory. Metadata only, bounded,
     /// never for a warm listing.
     pub read_ahead: bool,
+    /// Let the kernel keep a forwarded file's cached pages across opens while the file is
+    /// unchanged (`FOPEN_KEEP_CACHE`, see `kept`); off, every open drops them, as FUSE does by
+    /// default.
+    pub keep_cache: bool,
+    /// A forwarded write-only open writes past the kernel's pages (`FOPEN_DIRECT_IO`): one
+    /// copy and one page cache fewer per write; the kernel drops the pages other opens cached
+    /// of what it overwrites.
+    pub write_direct: bool,
 }
 
 impl Default for MountOptions {
@@ -77,6 +85,8 @@ impl Default for MountOptions {
             allow_other: false,
             io_uring: true,
             read_ahead: true,
+            keep_cache: true,
+            write_direct: true,
         }
     }
 }
@@ -113,7 +123,7 @@ pub enum MountError {
         backing: PathBuf,
     },
     /// A dead mount (its daemon was killed) could not be detached.
-    #[error("{} is a dead mount (transport endpoint is not connected) and detaching it failed: {source}; try `umount -l {}` as root", path.display(), path.display())]
+    #[error("{} is a dead mount (transport endpoint is not connected) and detaching it failed: {source}; try `fusermount3 -u -z {}`, or `umount -l {}` as root", path.display(), path.display(), path.display())]
     DeadMount {
         /// The mount point.
         path: PathBuf,
@@ -144,6 +154,20 @@ pub enum MountError {
         /// What failed.
         source: io::Error,
     },
+    /// Other users were asked in by a mount of an ordinary user, and fuse.conf does not
+    /// allow it.
+    #[error("letting other users into the mount (allow_other) as an ordinary user needs the line `user_allow_other` in {}; add it there (as root), or mount without allow_other", .0.display())]
+    AllowOtherNotPermitted(PathBuf),
+}
+
+/// Where fusermount3 reads whether ordinary users may mount with `allow_other`.
+pub const FUSE_CONF: &str = "/etc/fuse.conf";
+
+/// Whether the text of fuse.conf lets ordinary users mount with `allow_other`: a line holding
+/// `user_allow_other` alone (what follows a `#` is a comment), as fusermount3 reads it.
+pub fn fuse_conf_allows_other(conf: &str) -> bool {
+    conf.lines()
+        .any(|l| l.split('#').next().unwrap_or("").trim() == "user_allow_other")
 }
 
 /// What a mount is doing.
@@ -155,8 +179,13 @@ pub struct MountInfo {
     pub backing: PathBuf,
     /// Mounted read-only.
     pub read_only: bool,
+    /// Other users than the mounting one may enter (`allow_other`, with the kernel checking
+    /// modes).
+    pub allow_other: bool,
     /// Reads and writes go through kernel passthrough (negotiated and not refused).
     pub passthrough: bool,
+    /// Why not, when it is off.
+    pub passthrough_off: Option<crate::PassthroughOff>,
     /// Open files (the mount keeps no directory handles).
     pub open_handles: usize,
     /// Inodes the kernel holds (the inode table's size).
@@ -233,6 +262,7 @@ pub struct Mount {
     mountpoint: PathBuf,
     backing: PathBuf,
     threads: usize,
+    allow_other: bool,
     io_uring: fuser::UringQueues,
     handle: Arc<MountHandle>,
     unmounter: Option<fuser::SessionUnmounter>,
@@ -268,9 +298,9 @@ pub(crate) fn prepare_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountErro
         Err(libc::ENOENT) => return Err(MountError::MountPointMissing(mountpoint.into())),
         Err(e) if sys::is_dead_mount(e) => {
             warn!(mountpoint = %mountpoint.display(), "dead mount point (its daemon died); detaching it");
-            sys::umount2(&c, libc::MNT_DETACH).map_err(|e| MountError::DeadMount {
+            crate::unmount::detach(mountpoint).map_err(|source| MountError::DeadMount {
                 path: mountpoint.into(),
-                source: os_err(e),
+                source,
             })?;
         }
         Err(e) => {
@@ -319,6 +349,12 @@ pub fn mount(
         source,
     };
     let backing_abs = backing.canonicalize().map_err(backing_err)?;
+    if opts.allow_other && sys::effective_ids().0 != 0 {
+        let conf = std::fs::read_to_string(FUSE_CONF).unwrap_or_default();
+        if !fuse_conf_allows_other(&conf) {
+            return Err(MountError::AllowOtherNotPermitted(FUSE_CONF.into()));
+        }
+    }
     let mp = prepare_mountpoint(mountpoint)?;
     if mp.starts_with(&backing_abs) {
         return Err(MountError::Nested {
@@ -362,6 +398,7 @@ pub fn mount(
         mountpoint: mp,
         backing: backing_abs,
         threads,
+        allow_other: opts.allow_other,
         io_uring: session.io_uring,
         handle: Arc::new(MountHandle { sh }),
         unmounter: Some(session.unmounter),
@@ -391,7 +428,7 @@ fn abandon_session(session: Session, mp: &Path) {
     let mut unmounter = session.unmounter;
     if let Err(e) = unmounter.unmount() {
         warn!(mountpoint = %mp.display(), error = %e, "unmounting the abandoned session failed; detaching it");
-        let _ = sys::umount2(&cpath(mp), libc::MNT_DETACH);
+        let _ = crate::unmount::detach(mp);
     }
     if aborted {
         let _ = session.thread.join();
@@ -435,12 +472,17 @@ fn shared(
         want_passthrough: opts.passthrough,
         want_io_uring: opts.io_uring,
         passthrough: AtomicBool::new(false),
+        passthrough_off: Mutex::new(None),
         euid,
         egid,
         invalidations: Mutex::new(None),
         invalidations_pending: AtomicUsize::new(0),
         prefetch: Prefetcher::start(opts.read_ahead),
         recent: Mutex::new(Recent::default()),
+        kept: Default::default(),
+        keep_cache: opts.keep_cache,
+        want_write_direct: opts.write_direct,
+        write_direct: AtomicBool::new(false),
     })
 }
 
@@ -497,6 +539,12 @@ fn start_session(
     };
     let mut session =
         fuser::Session::new(Passthrough::new(sh.clone()), mp, config).map_err(mount_err)?;
+    // FUSE_INIT is answered: what passthrough would meet is known before the first open.
+    if sh.passthrough.load(Ordering::Relaxed) {
+        if let Err(why) = crate::passthrough::probe(session.as_fd(), sh.root.as_fd()) {
+            sh.passthrough_refused(why);
+        }
+    }
     let notifier = session.notifier();
     let io_uring = session.io_uring_queues();
     let mut unmounter = session.unmount_callable();
@@ -525,7 +573,9 @@ impl Mount {
             mountpoint: self.mountpoint.clone(),
             backing: self.backing.clone(),
             read_only: sh.read_only,
+            allow_other: self.allow_other,
             passthrough: sh.passthrough.load(Ordering::Relaxed),
+            passthrough_off: *lock(&sh.passthrough_off),
             open_handles: sh.handles.count(),
             known_inodes: lock(&sh.table).len(),
             cached_dirs: sh.dirs.len(),
@@ -555,16 +605,28 @@ impl Mount {
         let mut detached = false;
         let mut result = Ok(());
         if let Some(mut unmounter) = self.unmounter.take() {
-            match unmounter.unmount() {
+            // As an ordinary user fuser's unmount detaches (`fusermount3 -u -z`) even a busy
+            // mount and reports success: the session would then be joined while its last users
+            // hold it. Ask fusermount3 for a plain unmount first, which says busy.
+            let user = sys::effective_ids().0 != 0;
+            let first = if user {
+                match crate::unmount::unmount_as_user(&self.mountpoint) {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+                    other => other,
+                }
+            } else {
+                Ok(())
+            };
+            match first.and_then(|()| unmounter.unmount()) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                     info!(mountpoint = %self.mountpoint.display(), "mount busy; detaching it");
-                    match sys::umount2(&cpath(&self.mountpoint), libc::MNT_DETACH) {
+                    match crate::unmount::detach(&self.mountpoint) {
                         Ok(()) => detached = true,
-                        Err(e) => {
+                        Err(source) => {
                             result = Err(MountError::Unmount {
                                 path: self.mountpoint.clone(),
-                                source: os_err(e),
+                                source,
                             })
                         }
                     }
@@ -611,5 +673,22 @@ impl Invalidator for Mount {
 impl WriterRegistry for Mount {
     fn has_writer(&self, path: &RelPath) -> bool {
         self.handle.has_writer(path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fuse_conf_allows_other_users_only_with_user_allow_other_on_a_line_of_its_own() {
+        let debian = "# user_allow_other - Using the allow_other mount option...\n#user_allow_other\n\n#mount_max = 1000\n";
+        assert!(!fuse_conf_allows_other(debian));
+        assert!(!fuse_conf_allows_other(""));
+        assert!(fuse_conf_allows_other(
+            "mount_max = 10\n  user_allow_other  \n"
+        ));
+        assert!(fuse_conf_allows_other("user_allow_other # for samba\n"));
+        assert!(!fuse_conf_allows_other("user_allow_other_not\n"));
     }
 }

@@ -391,7 +391,12 @@ impl Filesystem for Snapshot {
             };
             (c, kind, name.as_os_str())
         });
-        for (i, (ino, kind, name)) in dots.into_iter().chain(rest).enumerate().skip(offset as usize) {
+        for (i, (ino, kind, name)) in dots
+            .into_iter()
+            .chain(rest)
+            .enumerate()
+            .skip(offset as usize)
+        {
             if reply.add(INodeNo(ino), i as u64 + 1, kind, name) {
                 break;
             }

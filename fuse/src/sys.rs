@@ -437,30 +437,44 @@ pub(crate) fn ftruncate(fd: BorrowedFd<'_>, size: u64) -> SysResult<()> {
     check(unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) }).map(drop)
 }
 
-/// `pread` until `len` bytes or end of file.
-pub(crate) fn pread(fd: BorrowedFd<'_>, offset: u64, len: usize) -> SysResult<Vec<u8>> {
-    let mut buf = vec![0u8; len];
+/// `pread` of up to `len` bytes at `offset` into `buf` (cleared first; short at end of
+/// file). The buffer's memory is reused and never zeroed: a request's reply is read into the
+/// same allocation as the last one's, and the pages are written only by the kernel's copy.
+pub(crate) fn pread_into(
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    len: usize,
+    buf: &mut Vec<u8>,
+) -> SysResult<()> {
+    buf.clear();
+    buf.reserve(len);
     let mut done = 0;
     while done < len {
-        // SAFETY: the destination is inside `buf` and writable for `len - done` bytes.
+        // SAFETY: the destination is the vector's spare capacity, `len - done` bytes past its
+        // `done` initialised ones, all inside the `len` reserved above; the kernel writes at
+        // most that many.
         let r = unsafe {
             libc::pread(
                 fd.as_raw_fd(),
-                buf[done..].as_mut_ptr().cast(),
+                buf.as_mut_ptr().add(done).cast(),
                 len - done,
                 (offset + done as u64) as libc::off_t,
             )
         };
         match check_size(r) {
             Ok(0) => break,
-            Ok(n) => done += n,
+            Ok(n) => {
+                done += n;
+                // SAFETY: the kernel initialised the `n` bytes it reported, right after the
+                // `done - n` initialised before; `done <= len <= capacity`.
+                unsafe { buf.set_len(done) };
+            }
             Err(libc::EINTR) => continue,
             Err(e) if done == 0 => return Err(e),
             Err(_) => break,
         }
     }
-    buf.truncate(done);
-    Ok(buf)
+    Ok(())
 }
 
 /// `pwrite` of all of `data` (or what fits before an error, if some was written).
@@ -757,6 +771,22 @@ pub(crate) fn private_zero_umask() -> bool {
 pub(crate) fn effective_ids() -> (u32, u32) {
     // SAFETY: geteuid/getegid cannot fail.
     unsafe { (libc::geteuid(), libc::getegid()) }
+}
+
+/// `FUSE_DEV_IOC_BACKING_CLOSE`: drops the backing file `id` registered on the FUSE device
+/// `dev`.
+pub(crate) fn backing_close(dev: BorrowedFd<'_>, id: u32) -> SysResult<()> {
+    // _IOW(229, 2, uint32_t), include/uapi/linux/fuse.h.
+    const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = (1 << 30) | (4 << 16) | (229 << 8) | 2;
+    // SAFETY: the ioctl reads one u32 at the pointer, which outlives the call.
+    check(unsafe {
+        libc::ioctl(
+            dev.as_raw_fd(),
+            FUSE_DEV_IOC_BACKING_CLOSE,
+            &id as *const u32,
+        )
+    })
+    .map(drop)
 }
 
 /// `umount2(path, flags)`.

@@ -188,6 +188,113 @@ fn create_write_read_back(fx: &Fixture) {
     );
 }
 
+/// How many of the pages of the file at `path` the kernel holds in its page cache, seen
+/// through an open of it (`mmap` + `mincore`, which read nothing).
+fn resident_pages(path: &Path) -> usize {
+    let f = File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    // SAFETY: a fresh read-only shared mapping of an open file; unmapped below.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(addr, libc::MAP_FAILED);
+    let pages = len.div_ceil(4096);
+    let mut vec = vec![0u8; pages];
+    // SAFETY: `addr` maps `len` bytes; `vec` has one byte per page of them.
+    let r = unsafe { libc::mincore(addr, len, vec.as_mut_ptr()) };
+    // SAFETY: the mapping made above, of that length.
+    unsafe { libc::munmap(addr, len) };
+    assert_eq!(r, 0);
+    vec.iter().filter(|&&b| b & 1 != 0).count()
+}
+
+#[test]
+fn a_forwarded_file_opened_again_keeps_its_cached_pages_until_it_changes() {
+    let fx = Fixture::with(forwarding());
+    let data = vec![7u8; 1 << 20];
+    fs::write(fx.b("f"), &data).unwrap();
+    // Read once (the kernel may drop its pages once more as it first sees the file's times).
+    assert_eq!(fs::read(fx.m("f")).unwrap(), data);
+    fs::metadata(fx.m("f")).unwrap();
+    assert_eq!(fs::read(fx.m("f")).unwrap(), data);
+    // Opened again and again, unchanged: the pages are kept.
+    for _ in 0..3 {
+        assert_eq!(resident_pages(&fx.m("f")), 256);
+    }
+    // Changed behind the mount's back, in place, same size (no watcher here): the next open
+    // drops the pages, and the new content is read.
+    let new = vec![9u8; 1 << 20];
+    OpenOptions::new()
+        .write(true)
+        .open(fx.b("f"))
+        .unwrap()
+        .write_all(&new)
+        .unwrap();
+    assert_eq!(resident_pages(&fx.m("f")), 0);
+    assert_eq!(fs::read(fx.m("f")).unwrap(), new);
+    fs::metadata(fx.m("f")).unwrap();
+    assert_eq!(fs::read(fx.m("f")).unwrap(), new);
+    assert_eq!(resident_pages(&fx.m("f")), 256);
+    // An invalidation from the engine drops them too.
+    fx.mount().handle().invalidate(&rel("f"));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while fx.mount().info().invalidations_pending > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(resident_pages(&fx.m("f")), 0);
+    // Written through the mount: what is read back is what was written.
+    let mut f = OpenOptions::new().write(true).open(fx.m("f")).unwrap();
+    f.write_all(&data[..4096]).unwrap();
+    drop(f);
+    fx.wait_for_open_handles(0);
+    let mut want = new.clone();
+    want[..4096].copy_from_slice(&data[..4096]);
+    assert_eq!(fs::read(fx.m("f")).unwrap(), want);
+    assert_eq!(fs::read(fx.b("f")).unwrap(), want);
+}
+
+#[test]
+fn a_write_only_writer_bypassing_the_page_cache_is_seen_by_a_reader_that_mapped_the_file() {
+    let fx = Fixture::with(forwarding());
+    fs::write(fx.b("f"), vec![b'o'; 8192]).unwrap();
+    let reader = File::open(fx.m("f")).unwrap();
+    // SAFETY: a fresh read-only shared mapping of an open file, unmapped below.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&reader),
+            0,
+        )
+    };
+    assert_ne!(addr, libc::MAP_FAILED);
+    // SAFETY: the mapping is 8192 bytes long and lives until the munmap below.
+    let mapped = unsafe { std::slice::from_raw_parts(addr as *const u8, 8192) };
+    assert_eq!(mapped[4096], b'o', "the reader's pages are cached now");
+    // A write-only open writes past the page cache (FOPEN_DIRECT_IO).
+    let mut w = OpenOptions::new().write(true).open(fx.m("f")).unwrap();
+    w.seek(SeekFrom::Start(4096)).unwrap();
+    w.write_all(b"new").unwrap();
+    drop(w);
+    assert_eq!(&mapped[4096..4099], b"new", "the mapping shows the write");
+    let mut buf = [0u8; 3];
+    use std::os::unix::fs::FileExt;
+    reader.read_exact_at(&mut buf, 4096).unwrap();
+    assert_eq!(&buf, b"new", "so does a read of the reader's descriptor");
+    // SAFETY: the mapping made above, of that length.
+    unsafe { libc::munmap(addr, 8192) };
+    assert_eq!(&fs::read(fx.b("f")).unwrap()[4096..4099], b"new");
+}
+
 #[test]
 fn a_file_written_through_the_mount_reads_back_with_passthrough() {
     let fx = Fixture::new();
@@ -198,6 +305,10 @@ fn a_file_written_through_the_mount_reads_back_with_passthrough() {
 fn a_file_written_through_the_mount_reads_back_when_forwarded() {
     let fx = Fixture::with(forwarding());
     assert!(!fx.mount().info().passthrough);
+    assert_eq!(
+        fx.mount().info().passthrough_off,
+        Some(meshfs_fuse::PassthroughOff::NotAsked)
+    );
     create_write_read_back(&fx);
 }
 
@@ -280,6 +391,7 @@ fn kernel_passthrough_is_active_where_the_kernel_allows_it() {
     fs::write(fx.m("f"), b"x").unwrap();
     let _open = File::open(fx.m("f")).unwrap();
     assert!(fx.mount().info().passthrough, "{:?}", fx.mount().info());
+    assert_eq!(fx.mount().info().passthrough_off, None);
     fx.wait_for_open_handles(1);
 }
 

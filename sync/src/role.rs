@@ -140,7 +140,10 @@ mod tests {
         let concurrent = rec(&[(2, 1)]);
         let older = rec(&[(1, 4)]);
         assert_eq!(intake(Role::SendOnly, Some(&ours), &newer), Intake::Hold);
-        assert_eq!(intake(Role::SendOnly, Some(&ours), &concurrent), Intake::Hold);
+        assert_eq!(
+            intake(Role::SendOnly, Some(&ours), &concurrent),
+            Intake::Hold
+        );
         assert_eq!(intake(Role::SendOnly, None, &newer), Intake::Hold);
         assert_eq!(intake(Role::SendOnly, Some(&ours), &older), Intake::Decide);
         assert_eq!(intake(Role::SendOnly, Some(&ours), &ours), Intake::Decide);
@@ -151,10 +154,19 @@ mod tests {
         let shared = rec(&[(2, 3)]);
         let local_edit = rec(&[(2, 3), (1, 9)]);
         let theirs = rec(&[(2, 4)]);
-        assert_eq!(intake(Role::ReceiveOnly, Some(&local_edit), &theirs), Intake::Take);
-        assert_eq!(intake(Role::ReceiveOnly, Some(&shared), &theirs), Intake::Decide);
+        assert_eq!(
+            intake(Role::ReceiveOnly, Some(&local_edit), &theirs),
+            Intake::Take
+        );
+        assert_eq!(
+            intake(Role::ReceiveOnly, Some(&shared), &theirs),
+            Intake::Decide
+        );
         assert_eq!(intake(Role::ReceiveOnly, None, &theirs), Intake::Decide);
-        assert_eq!(intake(Role::ReceiveOnly, Some(&local_edit), &shared), Intake::Decide);
+        assert_eq!(
+            intake(Role::ReceiveOnly, Some(&local_edit), &shared),
+            Intake::Decide
+        );
         assert!(!sends(Role::ReceiveOnly, true));
         assert!(sends(Role::ReceiveOnly, false));
         assert!(sends(Role::SendOnly, true) && sends(Role::SendReceive, true));

@@ -2,7 +2,9 @@
 //! SQLite), driven through the CLI exactly as a user or script would.
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod hostile;
+pub mod user;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -36,6 +38,9 @@ pub struct Device {
     pub under: Vec<String>,
     /// Environment for the daemon (e.g. fault-injection points, [`Device::arm`]).
     pub env: Vec<(String, String)>,
+    /// A command the CLI calls of this device's own methods (`status`, `journal`) run under
+    /// (a daemon run as another user answers only that user); empty: none.
+    pub cli_under: Vec<String>,
     child: Option<Child>,
     _tmp: std::sync::Arc<tempfile::TempDir>,
 }
@@ -116,6 +121,7 @@ impl Device {
             netns,
             under: Vec::new(),
             env: Vec::new(),
+            cli_under: Vec::new(),
             child: None,
             _tmp: tmp.clone(),
         }
@@ -128,6 +134,11 @@ impl Device {
     pub fn start(&mut self) {
         self.spawn();
         self.wait_up();
+    }
+
+    /// Starts the daemon without waiting for it to answer.
+    pub fn start_detached(&mut self) {
+        self.spawn();
     }
 
     /// Starts every device before waiting for any: they come up, and dial, at once.
@@ -172,6 +183,48 @@ impl Device {
         self.child = Some(child);
     }
 
+    /// Starts the daemon and waits up to `secs` for it to end by itself (a failpoint, a
+    /// refusal); its exit status.
+    pub fn run_to_exit(&mut self, secs: u64) -> std::process::ExitStatus {
+        self.spawn();
+        let mut c = self.child.take().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                panic!(
+                    "daemon {} still running after {secs} s:\n{}",
+                    self.name,
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM, and the exit status (`None`: it had to be killed after 10 s, or was not
+    /// running).
+    pub fn stop_status(&mut self) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        // SAFETY: kill takes two integers and touches no memory. The child has not been
+        // waited for, so its pid cannot have been reused by another process.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = c.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        None
+    }
+
     /// Arms fault-injection points for the daemon's next start (`daemon/src/failpoint.rs`):
     /// `spec` is `POINT=ACTION,…`, e.g. `install.after_rename@f=pause`.
     pub fn arm(&mut self, spec: &str) {
@@ -213,7 +266,7 @@ impl Device {
     fn wait_up(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if meshfs(&self.home, &["status", "--json"]).status.success() {
+            if self.cli(&["status", "--json"]).status.success() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -223,20 +276,7 @@ impl Device {
 
     /// SIGTERM and wait.
     pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: kill takes two integers and touches no memory. The child has not been
-            // waited for, so its pid cannot have been reused by another process.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.stop_status();
     }
 
     /// SIGKILL.
@@ -263,12 +303,42 @@ impl Device {
             .unwrap_or(0)
     }
 
+    /// `meshfs --home HOME ARGS`, under `cli_under`.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        let mut cmd = match self.cli_under.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin());
+                c
+            }
+            None => Command::new(bin()),
+        };
+        cmd.arg("--home")
+            .arg(&self.home)
+            .args(args)
+            .output()
+            .expect("run meshfs")
+    }
+
+    /// As [`Device::cli`], asserting success; its stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "meshfs {:?} failed: {}{}",
+            args,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.home.join("daemon.log")).unwrap_or_default()
     }
 
     pub fn status(&self) -> serde_json::Value {
-        serde_json::from_str(&ok(&self.home, &["status", "--json"])).unwrap()
+        serde_json::from_str(&self.cli_ok(&["status", "--json"])).unwrap()
     }
 
     /// Bytes sent + received over all connections so far.
@@ -280,7 +350,7 @@ impl Device {
     pub fn journal(&self, args: &[&str]) -> Vec<serde_json::Value> {
         let mut a = vec!["journal", "work", "--json"];
         a.extend_from_slice(args);
-        ok(&self.home, &a)
+        self.cli_ok(&a)
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect()
@@ -345,7 +415,7 @@ pub fn wait_synced(devs: &[&Device], secs: u64) {
                 eprintln!(
                     "=== {} status\n{}\n=== tree {:#?}\n=== log tail\n{}",
                     d.name,
-                    String::from_utf8_lossy(&meshfs(&d.home, &["status", "--json"]).stdout),
+                    String::from_utf8_lossy(&d.cli(&["status", "--json"]).stdout),
                     tree(&d.dir).keys().take(30).collect::<Vec<_>>(),
                     tail(&d.log(), 40)
                 );

@@ -29,7 +29,10 @@ fn device_of(folder: &FolderId, path: &str, blob: Option<Vec<u8>>) -> Result<Opt
         None => Ok(None),
         Some(b) => {
             let arr: [u8; 32] = b.as_slice().try_into().map_err(|_| JournalError::Corrupt {
-                what: format!("folder {folder}, path {path:?}: a device id of {} bytes", b.len()),
+                what: format!(
+                    "folder {folder}, path {path:?}: a device id of {} bytes",
+                    b.len()
+                ),
             })?;
             Ok(Some(DeviceId::from_bytes(arr)))
         }
@@ -93,7 +96,11 @@ impl Journal {
 
     /// Forgets the held remote versions of `paths`.
     pub fn clear_held(&mut self, folder: &FolderId, paths: &[RelPath]) -> Result<()> {
-        self.clear_paths(folder, "DELETE FROM held WHERE folder = ?1 AND path = ?2", paths)
+        self.clear_paths(
+            folder,
+            "DELETE FROM held WHERE folder = ?1 AND path = ?2",
+            paths,
+        )
     }
 
     /// Notes that each path of `items` of a receive-only folder is about to change here (a

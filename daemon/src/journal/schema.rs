@@ -29,7 +29,8 @@ const MIGRATIONS: &[Migration] = &[
     Migration::Sql(CONFLICT_INDEX_2),
     Migration::Code(file_hash_from_chunks_3),
     Migration::Sql(DEFERRED_4),
-    Migration::Sql(VERSIONS_5),
+    Migration::Sql(WAL_MARK_5),
+    Migration::Sql(VERSIONS_6),
 ];
 
 const SCHEMA_1: &str =
@@ -183,7 +184,29 @@ const DEFERRED_4: &str = r#"
     ) STRICT;
     "#;
 
-// 5: past versions and folder roles.
+// 5: the mark the daemon writes at each open and close, after noting it beside the database,
+// so that a write-ahead log started with random salts nobody could note first is still known
+// as ours by its content (`journal/wal.rs`). One row.
+const WAL_MARK_5: &str = r#"
+    CREATE TABLE wal_mark (
+        id   INTEGER PRIMARY KEY CHECK (id = 0),
+        mark BLOB NOT NULL
+    ) STRICT;
+    "#;
+
+/// The first schema version with the `wal_mark` table.
+pub(super) const WAL_MARK_VERSION: u32 = 5;
+
+/// Writes `mark` as the journal's WAL mark (schema 5 on).
+pub(super) fn put_wal_mark(tx: &Connection, mark: &[u8]) -> Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO wal_mark (id, mark) VALUES (0, ?1) ON CONFLICT (id) DO UPDATE SET mark = ?1",
+    )?
+    .execute([mark])?;
+    Ok(())
+}
+
+// 6: past versions and folder roles.
 // - `versions`: every version that left this device's tree (a live file or symlink replaced by
 //   other content or another kind, or deleted), copied from `records` by the commit that
 //   replaced it, in the same transaction, with its chunk list: what `meshfs versions` lists,
@@ -196,7 +219,7 @@ const DEFERRED_4: &str = r#"
 // - `local_only`: a receive-only folder's paths changed here and not sent, each with the
 //   record it had before its first local change (`shared`, and the peer it came from;
 //   NULL: the path did not exist), for `status` and `meshfs revert`.
-const VERSIONS_5: &str = r#"
+const VERSIONS_6: &str = r#"
     CREATE TABLE versions (
         id             INTEGER PRIMARY KEY,
         folder         INTEGER NOT NULL,
@@ -259,8 +282,15 @@ const VERSIONS_5: &str = r#"
 pub(super) const LATEST_VERSION: u32 = MIGRATIONS.len() as u32;
 
 /// Migrates a database that [`check_identity`] accepted at version `found` to
-/// [`LATEST_VERSION`]. Returns the schema version.
-pub(super) fn migrate(conn: &mut Connection, path: &Path, found: u32) -> Result<u32> {
+/// [`LATEST_VERSION`]. Returns the schema version. Each migration's transaction from
+/// [`WAL_MARK_VERSION`] on also writes `mark` (noted beside the database before), so a log
+/// that a migration starts is known as ours.
+pub(super) fn migrate(
+    conn: &mut Connection,
+    path: &Path,
+    found: u32,
+    mark: Option<&[u8; 16]>,
+) -> Result<u32> {
     if found == LATEST_VERSION {
         return Ok(found);
     }
@@ -279,6 +309,9 @@ pub(super) fn migrate(conn: &mut Connection, path: &Path, found: u32) -> Result<
         }
         tx.pragma_update(None, "user_version", version)?;
         tx.pragma_update(None, "application_id", APPLICATION_ID)?;
+        if let Some(m) = mark.filter(|_| version >= WAL_MARK_VERSION) {
+            put_wal_mark(&tx, m)?;
+        }
         tx.commit()?;
     }
     let now = user_version(conn)?;

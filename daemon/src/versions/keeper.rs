@@ -142,7 +142,10 @@ fn resolve(
     folders: &Folders,
     folder: &FolderId,
     waiting: Vec<Waiting>,
-) -> (Vec<(Displaced, KeptVersion, Vec<(u64, u32, Hash)>)>, Vec<Waiting>) {
+) -> (
+    Vec<(Displaced, KeptVersion, Vec<(u64, u32, Hash)>)>,
+    Vec<Waiting>,
+) {
     let mut ready = Vec::new();
     let mut still = Vec::new();
     let mut rest = waiting.into_iter().peekable();

@@ -43,7 +43,12 @@ static PRUNE_SOON: tokio::sync::Notify = tokio::sync::Notify::const_new();
 /// Gives a starting folder its policy, its vault (`vault_path`) and the keeper of what its
 /// applies displace. Without a vault (it cannot be opened) the folder syncs and keeps no
 /// versions, and says so in the log.
-pub fn start_folder(folders: &Arc<Folders>, rt: &Arc<FolderRt>, f: &FolderConfig, vault_path: &Path) {
+pub fn start_folder(
+    folders: &Arc<Folders>,
+    rt: &Arc<FolderRt>,
+    f: &FolderConfig,
+    vault_path: &Path,
+) {
     rt.set_policy(FolderPolicy::from(f));
     let vault = match Vault::open(vault_path) {
         Ok(v) => Arc::new(v),
@@ -58,7 +63,10 @@ pub fn start_folder(folders: &Arc<Folders>, rt: &Arc<FolderRt>, f: &FolderConfig
         folders.clone(),
         rt.id.clone(),
         vault,
-        move || weak.upgrade().is_some_and(|rt| rt.policy().versions_days > 0),
+        move || {
+            weak.upgrade()
+                .is_some_and(|rt| rt.policy().versions_days > 0)
+        },
         |_| PRUNE_SOON.notify_one(),
     );
     rt.store.on_displaced(sink);
@@ -66,7 +74,10 @@ pub fn start_folder(folders: &Arc<Folders>, rt: &Arc<FolderRt>, f: &FolderConfig
 
 /// Runs every folder's retention at start, every [`RETENTION_EVERY`], and a second after the
 /// keeper added to a vault, until `stopping`.
-pub async fn retention_loop(folders: Arc<Folders>, mut stopping: tokio::sync::watch::Receiver<bool>) {
+pub async fn retention_loop(
+    folders: Arc<Folders>,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) {
     loop {
         for rt in folders.all() {
             let f = folders.clone();
@@ -76,7 +87,8 @@ pub async fn retention_loop(folders: Arc<Folders>, mut stopping: tokio::sync::wa
             let room = rt
                 .vault()
                 .and_then(|v| v.path().parent().and_then(crate::store::free_bytes));
-            let ran = tokio::task::spawn_blocking(move || retention::run(&f, &rt, now_ns, room)).await;
+            let ran =
+                tokio::task::spawn_blocking(move || retention::run(&f, &rt, now_ns, room)).await;
             if let Ok(Err(e)) = ran {
                 tracing::warn!(error = %e, "version retention failed; tried again at the next round");
             }

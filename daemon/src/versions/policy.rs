@@ -177,7 +177,13 @@ mod tests {
     #[test]
     fn off_retires_everything_and_age_retires_only_what_is_too_old() {
         let p = RelPath::new("f").unwrap();
-        let v = cands(&p, &[(1, NOW - 40 * DAY_NS, &[1]), (2, NOW - 60_000_000_000, &[2])]);
+        let v = cands(
+            &p,
+            &[
+                (1, NOW - 40 * DAY_NS, &[1]),
+                (2, NOW - 60_000_000_000, &[2]),
+            ],
+        );
         let stored = HashMap::new();
         let off = Policy::new(0, 10, 1 << 30, None);
         assert_eq!(retire(&off, &v, &stored, NOW), vec![(1, "off"), (2, "off")]);
@@ -225,7 +231,12 @@ mod tests {
             spec.push((i as i64, NOW - (3 * 24 * 60 - i) as i64 * min, &[][..]));
         }
         let v = cands(&p, &spec);
-        let gone = retire(&Policy::new(30, 10, 1 << 40, None), &v, &HashMap::new(), NOW);
+        let gone = retire(
+            &Policy::new(30, 10, 1 << 40, None),
+            &v,
+            &HashMap::new(),
+            NOW,
+        );
         let kept = v.len() - gone.len();
         assert!(gone.iter().all(|g| g.1 == "thinned"));
         // 60 of the last hour, ~23 hours of the last day, ~2-3 days.

@@ -244,10 +244,9 @@ fn choose(
     };
     if let Some(to) = to {
         for t in &mut targets {
-            t.path = t
-                .path
-                .rebase(path, to)
-                .ok_or_else(|| RestoreError::NoVersion(format!("{} cannot go below {to}", t.path)))?;
+            t.path = t.path.rebase(path, to).ok_or_else(|| {
+                RestoreError::NoVersion(format!("{} cannot go below {to}", t.path))
+            })?;
         }
     }
     // Parents before children (order by path).
@@ -288,8 +287,7 @@ pub(super) fn version_of(
             }));
         }
     }
-    Ok(j
-        .version_with_content(folder, &e.path, &e.hash)?
+    Ok(j.version_with_content(folder, &e.path, &e.hash)?
         .map(|v| FileRecord {
             sequence: e.sequence,
             mode: e.mode,

@@ -1,8 +1,11 @@
 //! The words of `meshfs status`: reading fields of the status document and the summary
-//! lines both the plain view and `status --watch` print.
+//! lines the plain view, `status --watch` and the page (`meshfs ui`) show. Made from the
+//! `status --json` document only; times are shown at the reader's UTC offset, which the caller
+//! knows (the CLI its own, the page the browser's) and this module never looks up.
 
 use serde_json::Value;
 use std::collections::HashMap;
+use time::UtcOffset;
 
 /// A string field, or "".
 pub fn s<'a>(v: &'a Value, k: &str) -> &'a str {
@@ -19,9 +22,8 @@ pub fn plural(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
-/// A Unix time as the user's local `HH:MM`, with the date when it is not today.
-pub fn local_time(unix: u64) -> String {
-    let offset = time::UtcOffset::current_local_offset().unwrap_or(time::UtcOffset::UTC);
+/// A Unix time as `HH:MM` at `offset`, with the date when it is not today there.
+pub fn local_time(unix: u64, offset: UtcOffset) -> String {
     let Ok(t) = time::OffsetDateTime::from_unix_timestamp(unix as i64) else {
         return "?".into();
     };
@@ -66,13 +68,13 @@ pub fn scan_words(scan: &Value) -> String {
 /// Where a folder's peer stands, in words: `up to date`, `syncing (3 records to send)`,
 /// `waiting for its first scan: 1000 files hashed so far, 1400 left`, `offline since 10:42`,
 /// `connected, but it does not share this folder with this device`.
-pub fn peer_state(p: &Value, started_unix: u64) -> String {
+pub fn peer_state(p: &Value, started_unix: u64, tz: UtcOffset) -> String {
     if p["connected"] != true {
         return match p["last_seen_unix"].as_u64() {
-            Some(t) => format!("offline since {}", local_time(t)),
+            Some(t) => format!("offline since {}", local_time(t, tz)),
             None => format!(
                 "never connected since the daemon started at {}",
-                local_time(started_unix)
+                local_time(started_unix, tz)
             ),
         };
     }
@@ -96,7 +98,7 @@ pub fn peer_state(p: &Value, started_unix: u64) -> String {
 /// One folder's sync state in words: `in sync with every peer that shares it (b)`, or `up to
 /// date with 1 of 2 peers; b offline since 10:42`, or `up to date with 0 of 1 peer; waiting for
 /// a's first scan: 1000 files hashed so far, 1400 left`.
-pub fn folder_summary(f: &Value, started_unix: u64) -> String {
+pub fn folder_summary(f: &Value, started_unix: u64, tz: UtcOffset) -> String {
     let mut why = Vec::new();
     if f["scanning"] == true {
         why.push("first scan running".to_string());
@@ -150,7 +152,11 @@ pub fn folder_summary(f: &Value, started_unix: u64) -> String {
                 scan_words(&p["scan"])
             ));
         } else {
-            why.push(format!("{} {}", peer_name(p), peer_state(p, started_unix)));
+            why.push(format!(
+                "{} {}",
+                peer_name(p),
+                peer_state(p, started_unix, tz)
+            ));
         }
     }
     why.join("; ")
@@ -172,10 +178,7 @@ pub fn versions_lines(f: &Value) -> Vec<String> {
             plural(days, "day", "days")
         )
     };
-    out.push(format!(
-        "past versions: {} ({kept})",
-        u(v, "count")
-    ));
+    out.push(format!("past versions: {} ({kept})", u(v, "count")));
     let list = |l: &Value| -> String {
         let items: Vec<&str> = l["items"]
             .as_array()
@@ -220,4 +223,29 @@ pub fn versions_lines(f: &Value) -> Vec<String> {
         _ => {}
     }
     out
+}
+
+/// `last error at 10:42: …`, or nothing when there was none.
+pub fn last_error_line(v: &Value, tz: UtcOffset) -> Option<String> {
+    let e = &v["last_error"];
+    let message = e["message"].as_str()?;
+    Some(format!(
+        "last error at {}: {message}",
+        local_time(u(e, "unix"), tz)
+    ))
+}
+
+/// `secret.txt (Permission denied)` for the first of `items`, and how many more there are.
+pub fn first_of(items: &Value, folder: &str) -> Option<String> {
+    let all = items.as_array()?;
+    let first = all.first()?;
+    let more = match all.len() - 1 {
+        0 => String::new(),
+        n => format!(" and {n} more (`meshfs status {folder} --pending`)"),
+    };
+    Some(format!(
+        "{} ({}){more}",
+        s(first, "path"),
+        s(first, "error")
+    ))
 }
