@@ -93,7 +93,7 @@ fn listed_line(l: &Listed) {
 pub fn versions(home: &Home, folder: FolderId, path: &str, json: bool) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
     let path = rel(path)?;
-    let journal = Journal::open(&home.journal_file())?;
+    let journal = Journal::open_reader(&home.journal_file())?;
     let vault = meshfs_daemon::vault::Vault::open_read_only(&home.vault_file(&folder))?;
     let (own, below) = listing::versions(&journal, vault.as_ref(), &folder, &path)?;
     if json {

@@ -392,16 +392,18 @@ impl Engine {
         let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
         store.set_device(self.folders.short);
-        let removed = store.remove_temps();
-        if removed > 0 {
-            tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
-        }
         let (tx, rx) = mpsc::unbounded_channel();
         let fresh;
         let slot = Arc::new(crate::mounts::MountSlot::default());
         let ignore = IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)));
         let rt = Arc::new(FolderRt::new(id.clone(), store, ignore, tx.clone(), slot));
+        // The keeper first: an old file kept aside when the daemon stopped goes to it as the
+        // temp files are removed (`Store::remove_temps`).
         crate::versions::start_folder(&self.folders, &rt, f, &self.home.vault_file(&id));
+        let removed = rt.store.remove_temps();
+        if removed > 0 {
+            tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
+        }
         {
             let mut j = self.folders.journal()?;
             fresh = j.folder(&id)?.max_sequence == 0;

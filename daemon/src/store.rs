@@ -1437,10 +1437,12 @@ impl Store {
 
     /// Removes leftover temp files (run at start-up: a crash leaves only temp files behind),
     /// except the files an apply had kept aside ([`displace`]): such a file is removed only
-    /// if it is unchanged, else moved next to its path as a conflict copy. Returns how many
+    /// if it is unchanged (after it is handed to [`Store::on_displaced`]'s sink, if set), else
+    /// moved next to its path as a conflict copy. Returns how many
     /// were removed.
     pub fn remove_temps(&self) -> usize {
         let by = self.keeper.device();
+        let sink = self.keeper.sink();
         let open_dir = |p: &RelPath| self.open_dir(Some(p), false).ok();
         let mut removed = 0;
         let mut clean = |dir: &Path| {
@@ -1454,7 +1456,7 @@ impl Store {
                     continue;
                 };
                 if e.file_type().is_ok_and(|t| t.is_file())
-                    && displace::recover(&fd, &c, &self.root_fd, open_dir, by)
+                    && displace::recover(&fd, &c, &self.root_fd, open_dir, by, sink)
                 {
                     continue;
                 }

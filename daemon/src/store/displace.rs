@@ -312,6 +312,11 @@ impl Keeper {
         let _ = self.sink.set(sink);
     }
 
+    /// Where displaced files go, once set.
+    pub(super) fn sink(&self) -> Option<&DisplacedSink> {
+        self.sink.get()
+    }
+
     /// Keeps `old`, now at `name` in `dir`, for [`GRACE`]; `path` is where it was, in
     /// `target_dir`.
     pub(super) fn keep(
@@ -442,14 +447,16 @@ fn settle(mut k: Kept, by: ShortId) -> Option<Kept> {
 
 /// At start-up: a temp-named file `name` in `dir` is either a temp file (no mark: `false`, the
 /// caller removes it) or an old file kept aside when the daemon stopped. That one is removed
-/// if unchanged, else moved next to its path (found from `root`) as a conflict copy. Returns
-/// `true` when it was dealt with here.
+/// if unchanged (handed to `sink` first, as a displaced file: a crash between an install and
+/// the keeping of what it replaced loses no past version), else moved next to its path (found
+/// from `root`) as a conflict copy. Returns `true` when it was dealt with here.
 pub(super) fn recover(
     dir: impl AsFd,
     name: &CStr,
     root: impl AsFd,
     open_dir: impl Fn(&RelPath) -> Option<Arc<OwnedFd>>,
     by: ShortId,
+    sink: Option<&DisplacedSink>,
 ) -> bool {
     let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
     let Ok(fd) = sys::openat(dir.as_fd(), name, flags, 0) else {
@@ -461,10 +468,19 @@ pub(super) fn recover(
     let Some((size, mtime, path)) = parse_mark(&mark) else {
         return false;
     };
-    let unchanged = sys::fstat(fd.as_fd()).is_ok_and(|st| {
-        let l = stat_of(&st).local;
-        l.size == size && l.mtime_ns == mtime
-    });
+    let st = sys::fstat(fd.as_fd()).ok().map(|st| stat_of(&st).local);
+    let unchanged = st.is_some_and(|l| l.size == size && l.mtime_ns == mtime);
+    if let (true, Some(sink), Some(stat)) = (unchanged, sink, st) {
+        // Read-only, so the keeper's reads never count as a writer.
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+        if let Ok(ro) = sys::openat(dir.as_fd(), name, flags, 0) {
+            sink(Displaced {
+                path: path.clone(),
+                stat,
+                file: std::fs::File::from(ro),
+            });
+        }
+    }
     drop(fd);
     if unchanged {
         let _ = sys::unlinkat(dir.as_fd(), name, 0);
