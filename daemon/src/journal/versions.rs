@@ -358,6 +358,21 @@ impl Journal {
         })
     }
 
+    /// Forgets the prunings recorded before `before_ns` (they are shown by `meshfs journal
+    /// --all` for as long as the versions they retired would have been kept). Returns how many.
+    pub fn forget_pruned(&mut self, folder: &FolderId, before_ns: i64) -> Result<u64> {
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(0);
+            };
+            let n = tx.execute(
+                "DELETE FROM pruned WHERE folder = ?1 AND time_ns < ?2",
+                params![key, before_ns],
+            )?;
+            Ok(n as u64)
+        })
+    }
+
     /// How many history rows the folder has (for `status` and measurements).
     pub fn history_count(&self, folder: &FolderId) -> Result<u64> {
         self.read(|c| {

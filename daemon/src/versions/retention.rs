@@ -25,7 +25,7 @@ pub struct Pruned {
     pub chunks: u64,
     /// Bytes dropped from the vault.
     pub bytes: u64,
-    /// History rows thinned.
+    /// History rows thinned, and pruning rows forgotten.
     pub history: u64,
 }
 
@@ -94,6 +94,9 @@ pub fn run(
     let mut j = folders.journal()?;
     out.history += j.thin_history(folder, now_ns - DAY_NS, now_ns - HOUR_NS, HOUR_NS)?;
     out.history += j.thin_history(folder, 0, now_ns - DAY_NS, DAY_NS)?;
+    // Prunings are shown as long as what they retired would have been kept, a day at least.
+    let days = p.versions_days.clamp(1, 100_000) as i64;
+    out.history += j.forget_pruned(folder, now_ns - days * DAY_NS)?;
     drop(j);
     if out != Pruned::default() {
         tracing::info!(%folder, versions = out.versions, chunks = out.chunks, bytes = out.bytes, history = out.history, "retention pruned");
