@@ -827,6 +827,12 @@ impl Journal {
         self.write(|tx| Ok(ensure_folder(tx, folder)?.1))
     }
 
+    /// A folder's identity and sequence counter as the journal has them, without creating the
+    /// folder (`None` for one it has nothing of): for connections that only read.
+    pub fn folder_state(&self, folder: &FolderId) -> Result<Option<FolderState>> {
+        self.read(|c| Ok(lookup_folder(c, folder)?.map(|(_, st)| st)))
+    }
+
     /// Every folder in the journal, ordered by folder id.
     pub fn folders(&self) -> Result<Vec<(FolderId, FolderState)>> {
         self.read(|c| {

@@ -11,8 +11,7 @@
 use crate::apply;
 use crate::chunks::{self, Inline, SERVED_AT_ONCE};
 use crate::config::{Config, Options};
-use crate::folder::Folders;
-use crate::journal::Journal;
+use crate::folder::{Folders, Reader};
 use crate::last_error::LastError;
 use crate::transport::{self, LinkStats};
 use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message, ShortId};
@@ -388,9 +387,26 @@ async fn resolve(addr: &str) -> Option<SocketAddr> {
 
 /// The journal as the session's source of records to send; `folders` tells each folder's role
 /// (a receive-only folder's own records are not sent: `meshfs_sync::role::sends`).
+/// The index a session sends, read through a connection that only reads ([`Folders::reader`]),
+/// in one read transaction: a session of one folder never waits for another folder's apply or
+/// scan holding the writer.
 struct JournalSource<'a> {
-    journal: &'a mut Journal,
+    journal: Reader<'a>,
     folders: &'a Folders,
+}
+
+impl<'a> JournalSource<'a> {
+    fn open(net: &'a Net) -> Result<Self, String> {
+        let mut journal = net
+            .folders
+            .reader()
+            .map_err(|e| format!("cannot read the journal: {e}"))?;
+        journal.begin_reads();
+        Ok(JournalSource {
+            journal,
+            folders: &net.folders,
+        })
+    }
 }
 
 impl IndexSource for JournalSource<'_> {
@@ -429,8 +445,8 @@ impl IndexSource for JournalSource<'_> {
 
     fn max_sequence(&mut self, folder: &FolderId) -> Result<u64, ReadError> {
         self.journal
-            .folder(folder)
-            .map(|s| s.max_sequence)
+            .folder_state(folder)
+            .map(|s| s.map_or(0, |s| s.max_sequence))
             .map_err(ReadError::from_display)
     }
 }
@@ -541,14 +557,7 @@ async fn drive_session(
     let linked = links_by_folder(net, &peer, &links.borrow_and_update());
     let _ = session.connected_peers(linked);
     let first = {
-        let mut j = net
-            .folders
-            .journal_lock()
-            .map_err(|_| "journal lock poisoned")?;
-        let mut src = JournalSource {
-            journal: &mut j,
-            folders: &net.folders,
-        };
+        let mut src = JournalSource::open(net)?;
         let mut first = session.start(&mut src);
         // A first scan that moved on (or ended) between reading it for the session and
         // subscribing to the changes was not announced on the channel.
@@ -630,11 +639,7 @@ async fn drive_session(
                     Ok(f) => vec![f],
                     Err(_) => net.shared_with(&peer),
                 };
-                let mut j = net.folders.journal_lock().map_err(|_| "journal lock poisoned")?;
-                let mut src = JournalSource {
-                    journal: &mut j,
-                    folders: &net.folders,
-                };
+                let mut src = JournalSource::open(net)?;
                 for f in folders {
                     pending.extend(session.local_changed(&f, &mut src));
                     if let Some((scanning, counts)) = our_scan(net, &f) {
@@ -713,17 +718,7 @@ fn on_event(
                     net.peer_error(peer, format_args!("the peer reported {code:?}: {message}"));
                 }
             }
-            let mut j = net
-                .folders
-                .journal_lock()
-                .map_err(|_| "journal lock poisoned")?;
-            Ok(session.handle(
-                m,
-                &mut JournalSource {
-                    journal: &mut j,
-                    folders: &net.folders,
-                },
-            ))
+            Ok(session.handle(m, &mut JournalSource::open(net)?))
         }
         LinkEvent::Applied(folder, up_to) => {
             if net.folders.get(&folder).is_some_and(|rt| rt.unblock()) {

@@ -503,14 +503,10 @@ impl Diff<'_> {
                     }
                     return;
                 }
-                if l.size == s.local.size
-                    && l.mtime_ns == s.local.mtime_ns
-                    && k.s.mode == s.local.mode
-                {
-                    // Same content and times, new inode (e.g. restored by a copy): no version.
-                    self.report.restat.push((s.path.clone(), s.local));
-                    return;
-                }
+                // A new inode is read even with the old size and mtime: two files of one size
+                // written in the same clock tick share an mtime, and one renamed over the
+                // other looks unchanged but is not. The same content (a restore by a copy
+                // keeping the times) is still no version (`add_hashed`).
                 self.jobs.push(HashJob {
                     path: s.path,
                     local: s.local,

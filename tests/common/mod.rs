@@ -15,8 +15,22 @@ use std::time::{Duration, Instant};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
+/// The `meshfs` binary the tests run: `$MESHFS_BIN` if set (e.g. `target/release/meshfs` for a
+/// long randomized run), else the one cargo built for this test.
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_meshfs")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        std::env::var("MESHFS_BIN")
+            .ok()
+            .filter(|b| !b.is_empty())
+            .map(|b| {
+                std::fs::canonicalize(&b)
+                    .unwrap_or_else(|e| panic!("MESHFS_BIN={b}: {e}"))
+                    .display()
+                    .to_string()
+            })
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_meshfs").to_string())
+    })
 }
 
 /// A free UDP port on `ip`.

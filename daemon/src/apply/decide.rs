@@ -2,10 +2,13 @@
 //! content (metadata, directories, symlinks, deletions, copies of local losers), journaling
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
-use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
+use super::transfer::{
+    locate, prepare, seen_of, skip_or_fail, ApplyError, Meta, Transfer, MAX_OPEN_TEMPS,
+};
 use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, StoredRecord};
+use crate::lock::RankedGuard;
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
 use meshfs_sync::plan::{self, Disk, Planned};
@@ -93,9 +96,11 @@ pub(super) fn decide_all(
         .op_lock
         .lock()
         .map_err(|_| FolderError::Poisoned("folder"))?;
-    let mut journal = folders.journal()?;
     let mut d = Deciding {
-        journal: &mut journal,
+        journal: Held {
+            folders,
+            guard: None,
+        },
         rt,
         folder,
         peer,
@@ -105,14 +110,13 @@ pub(super) fn decide_all(
         transfers: Vec::new(),
         redo: Vec::new(),
     };
-    d.journal.begin_reads();
     let result = records.into_iter().try_for_each(|r| d.record(r));
-    d.journal.end_reads();
+    d.journal.release();
     // Changes done on disk are committed even when deciding fails.
     let flushed = match d.done.is_empty() {
         true => Ok(()),
-        false => d
-            .journal
+        false => folders
+            .journal()?
             .commit(folder, std::mem::take(&mut d.done))
             .map(|_| ()),
     };
@@ -136,9 +140,41 @@ enum Flow {
     Stop,
 }
 
+/// Copying this many bytes of local chunks into a transfer lets the journal go meanwhile.
+const RELEASE_FOR_COPIES: u64 = 1 << 20;
+
+/// The journal as a decision holds it: in one read transaction (`Journal::begin_reads`), let go
+/// while a transfer copies local chunks (disk work whose size the peer's record decides), so
+/// that other folders' sessions and scans do not wait for it, and taken again at its next use.
+/// This folder's records cannot change meanwhile: the decision holds the folder's lock.
+struct Held<'a> {
+    folders: &'a Folders,
+    guard: Option<RankedGuard<'a, Journal>>,
+}
+
+impl Held<'_> {
+    fn get(&mut self) -> Result<&mut Journal, ApplyError> {
+        let guard = match self.guard.take() {
+            Some(g) => g,
+            None => {
+                let mut g = self.folders.journal()?;
+                g.begin_reads();
+                g
+            }
+        };
+        Ok(&mut **self.guard.insert(guard))
+    }
+
+    fn release(&mut self) {
+        if let Some(mut g) = self.guard.take() {
+            g.end_reads();
+        }
+    }
+}
+
 /// One batch being decided: the journal held, and what the steps done so far left.
 struct Deciding<'a> {
-    journal: &'a mut Journal,
+    journal: Held<'a>,
     rt: &'a FolderRt,
     folder: &'a FolderId,
     peer: DeviceId,
@@ -159,14 +195,16 @@ impl Deciding<'_> {
         // live entries remain below them: commit what this batch did so far first.
         if (remote.deleted || self.done.len() >= 1000) && !self.done.is_empty() {
             self.journal
+                .get()?
                 .commit(self.folder, std::mem::take(&mut self.done))?;
         }
+        let journal = self.journal.get()?;
         let local_before = self
             .memo
-            .get(self.journal, self.folder, &remote.path)?
+            .get(journal, self.folder, &remote.path)?
             .map(|s| s.record);
         let view = View {
-            journal: self.journal,
+            journal,
             folder: self.folder,
             memo: &self.memo,
         };
@@ -177,7 +215,9 @@ impl Deciding<'_> {
             Intake::Take => plan::plan_taking(&view, &remote)?,
             Intake::Hold => {
                 tracing::debug!(folder = %self.folder, path = %remote.path, "send-only: a peer's version is held, not applied");
-                self.journal.put_held(self.folder, &remote, &self.peer)?;
+                self.journal
+                    .get()?
+                    .put_held(self.folder, &remote, &self.peer)?;
                 return Ok(());
             }
         };
@@ -198,7 +238,7 @@ impl Deciding<'_> {
             .map(|s| (s.record().clone(), None))
             .collect();
         if !made_here.is_empty() {
-            self.journal.put_pending(self.folder, &made_here)?;
+            self.journal.get()?.put_pending(self.folder, &made_here)?;
         }
         let conflict = plan.conflict.map(|winner_is_local| {
             conflict_detail(local_before.as_ref(), &remote, winner_is_local)
@@ -248,8 +288,9 @@ impl Deciding<'_> {
     }
 
     /// The journal's record at `path` (read through the batch's memo).
-    fn stored(&self, path: &RelPath) -> Result<Option<StoredRecord>, ApplyError> {
-        Ok(self.memo.get(self.journal, self.folder, path)?)
+    fn stored(&mut self, path: &RelPath) -> Result<Option<StoredRecord>, ApplyError> {
+        let journal = self.journal.get()?;
+        Ok(self.memo.get(journal, self.folder, path)?)
     }
 
     /// A step whose content comes from chunks: starts its transfer. Returns the transfer's
@@ -276,14 +317,11 @@ impl Deciding<'_> {
             then: Vec::new(),
         };
         let keep_open = self.transfers.len() < MAX_OPEN_TEMPS;
-        let t = prepare(
-            self.journal,
-            self.rt,
-            self.folder,
-            meta,
-            keep_open,
-            &mut self.dirs,
-        )?;
+        let local = locate(self.journal.get()?, self.folder, &meta.record);
+        if local.copy_bytes() >= RELEASE_FOR_COPIES {
+            self.journal.release();
+        }
+        let t = prepare(self.rt, meta, local, keep_open, &mut self.dirs)?;
         self.transfers.push(t);
         Ok(Some(self.transfers.len() - 1))
     }
@@ -311,7 +349,9 @@ impl Deciding<'_> {
 
     /// Holds `remote` until its path has no writer; journaled first (see [`Self::deferred`]).
     fn defer(&mut self, remote: &FileRecord) -> Result<(), ApplyError> {
-        self.journal.put_deferred(self.folder, remote, &self.peer)?;
+        self.journal
+            .get()?
+            .put_deferred(self.folder, remote, &self.peer)?;
         self.rt.defer(remote.clone(), self.peer);
         Ok(())
     }

@@ -18,6 +18,7 @@ use super::install::install;
 use super::on_blocking;
 use super::transfer::{ApplyError, Meta, Transfer};
 use crate::chunks;
+use crate::failpoint;
 use crate::folder::{FolderRt, Folders};
 use crate::progress::Queued;
 use crate::store::{DirCache, TempFile};
@@ -532,7 +533,15 @@ async fn fetch(
         dirs,
     } = {
         let rt = rt.clone();
-        on_blocking(move || assemble(&rt, dirs, work, missing, attached)).await?
+        on_blocking(move || {
+            // Decided, the folder's lock let go, nothing fetched or installed yet (for tests:
+            // what a local edit or another batch does meanwhile). Detail: a remote path.
+            for t in &work {
+                failpoint::hit("apply.fetch", t.meta.remote.path.as_str());
+            }
+            assemble(&rt, dirs, work, missing, attached)
+        })
+        .await?
     };
     let mut superseded = Vec::new();
     let temps = if wanted.is_empty() {

@@ -103,10 +103,9 @@ pub(super) struct Transfer {
 /// outside the lock (`transfer`): creating a thousand files was a fifth of a receiving
 /// daemon's time under the lock, which the next batch's decision waits for.
 pub(super) fn prepare(
-    journal: &Journal,
     rt: &FolderRt,
-    folder: &FolderId,
     meta: Meta,
+    local: Located,
     keep_open: bool,
     dirs: &mut DirCache,
 ) -> Result<Transfer, ApplyError> {
@@ -120,7 +119,45 @@ pub(super) fn prepare(
             free,
         });
     }
+    let Located {
+        copies,
+        mut missing,
+    } = local;
     let mut temp: Option<TempFile> = None;
+    if !copies.is_empty() {
+        let t = temp.insert(rt.store.create_temp_in(dirs, &record.path, keep_open)?);
+        let absent = rt.store.copy_chunks_in(dirs, t, &copies)?;
+        missing.extend(absent.into_iter().map(|i| {
+            let c = &copies[i];
+            (c.hash, c.len, c.offset)
+        }));
+    }
+    if let (Some(t), false) = (&mut temp, keep_open) {
+        rt.store.close_temp(t);
+    }
+    Ok(Transfer {
+        meta,
+        temp,
+        missing,
+    })
+}
+
+/// Where the chunks of a version are: copies from local files (the chunk index), and the rest
+/// to fetch.
+pub(super) struct Located {
+    pub(super) copies: Vec<LocalCopy>,
+    pub(super) missing: Vec<(Hash, u32, u64)>,
+}
+
+impl Located {
+    /// Bytes to copy from local files.
+    pub(super) fn copy_bytes(&self) -> u64 {
+        self.copies.iter().map(|c| c.len as u64).sum()
+    }
+}
+
+/// Looks up which chunks of `record` this device holds (the journal's chunk index).
+pub(super) fn locate(journal: &Journal, folder: &FolderId, record: &FileRecord) -> Located {
     let mut missing = Vec::new();
     let mut copies = Vec::new();
     for (offset, c) in record.chunk_offsets() {
@@ -142,22 +179,7 @@ pub(super) fn prepare(
             });
         }
     }
-    if !copies.is_empty() {
-        let t = temp.insert(rt.store.create_temp_in(dirs, &record.path, keep_open)?);
-        let absent = rt.store.copy_chunks_in(dirs, t, &copies)?;
-        missing.extend(absent.into_iter().map(|i| {
-            let c = &copies[i];
-            (c.hash, c.len, c.offset)
-        }));
-    }
-    if let (Some(t), false) = (&mut temp, keep_open) {
-        rt.store.close_temp(t);
-    }
-    Ok(Transfer {
-        meta,
-        temp,
-        missing,
-    })
+    Located { copies, missing }
 }
 
 /// A transfer's record and bookkeeping: what its install checks and journals.
