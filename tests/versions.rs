@@ -373,7 +373,7 @@ fn a_send_only_device_holds_peers_changes_lists_them_and_override_makes_its_stat
 
 /// The vault's bytes on disk (the database and its WAL).
 fn vault_bytes(d: &Device) -> u64 {
-    let dir = d.home.join("versions");
+    let dir = d.home.join("state").join("versions");
     std::fs::read_dir(&dir)
         .map(|rd| {
             rd.flatten()

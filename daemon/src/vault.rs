@@ -373,7 +373,12 @@ impl Vault {
             );
             // The pages freed go back to the filesystem (best effort: the next sweep tries
             // again), and the log with them.
-            let _ = c.execute_batch("PRAGMA incremental_vacuum");
+            // The pragma frees one page per step: every step is taken.
+            let _ = c.prepare("PRAGMA incremental_vacuum").and_then(|mut st| {
+                let mut rows = st.raw_query();
+                while rows.next()?.is_some() {}
+                Ok(())
+            });
             let _ = c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)");
         }
         Ok((gone.len() as u64, bytes))
