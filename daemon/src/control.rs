@@ -55,12 +55,44 @@ pub enum Request {
         /// Refuse every change through the mount.
         #[serde(default)]
         read_only: bool,
+        /// Mount the folder as it was at this time (ns since the epoch), read-only.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_ns: Option<i64>,
         /// Let other users in (`allow_other`).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         allow_other: bool,
     },
-    /// End a folder's mount (it keeps syncing).
+    /// End a folder's mount (it keeps syncing), or the snapshot of it at `mountpoint`.
     Unmount {
+        /// The folder.
+        folder: FolderId,
+        /// A snapshot's mount point (`mount --at`); none: the folder's mount.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mountpoint: Option<PathBuf>,
+    },
+    /// Bring a past version back as a new local change.
+    Restore {
+        /// The folder.
+        folder: FolderId,
+        /// The path (as the user typed it, relative to the folder).
+        path: String,
+        /// That version (its sequence).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        seq: Option<u64>,
+        /// The path as it was at this time (ns since the epoch).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_ns: Option<i64>,
+        /// Put it there instead.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        to: Option<String>,
+    },
+    /// A send-only folder: this device's state wins over every peer version it holds.
+    Override {
+        /// The folder.
+        folder: FolderId,
+    },
+    /// A receive-only folder: its local changes give way to the shared state.
+    Revert {
         /// The folder.
         folder: FolderId,
     },
@@ -79,7 +111,8 @@ pub enum Request {
 impl Request {
     /// Every `op` a daemon of this version answers.
     pub const OPS: &'static [&'static str] = &[
-        "status", "reload", "scan", "mount", "unmount", "pending", "ui", "stop",
+        "status", "reload", "scan", "mount", "unmount", "pending", "ui", "stop", "restore",
+        "override", "revert",
     ];
 
     /// Reads one request line; the error says what is wrong with it.
@@ -138,6 +171,19 @@ pub enum Reply {
     Unmounted(PathBuf),
     /// To `pending`: `{"ok": true, "folders": […]}`.
     Pending(Vec<PendingFolder>),
+    /// To `restore`: `{"ok": true, "restore": {…}}`.
+    Restored(crate::versions::restore::RestoreReport),
+    /// To `mount` with `at_ns`: `{"ok": true, "snapshot": {"mountpoint", "paths", "at_ns"}}`.
+    Snapshot {
+        /// Where.
+        mountpoint: PathBuf,
+        /// How many paths it shows.
+        paths: usize,
+        /// As of when.
+        at_ns: i64,
+    },
+    /// To `override` and `revert`: `{"ok": true, "report": {…}}`.
+    Roles(crate::roles::RoleReport),
     /// To `ui`: `{"ok": true, "url": "http://127.0.0.1:PORT/"}`, the page's address without
     /// its token (which is in the state directory's `ui-token`).
     Ui(String),
@@ -166,6 +212,16 @@ impl Serialize for Reply {
             Reply::Mounted(mount) => m.serialize_entry("mount", mount)?,
             Reply::Unmounted(point) => m.serialize_entry("mountpoint", point)?,
             Reply::Pending(folders) => m.serialize_entry("folders", folders)?,
+            Reply::Restored(r) => m.serialize_entry("restore", r)?,
+            Reply::Snapshot {
+                mountpoint,
+                paths,
+                at_ns,
+            } => m.serialize_entry(
+                "snapshot",
+                &serde_json::json!({"mountpoint": mountpoint, "paths": paths, "at_ns": at_ns}),
+            )?,
+            Reply::Roles(r) => m.serialize_entry("report", r)?,
             Reply::Ui(url) => m.serialize_entry("url", url)?,
             Reply::Failed(error) => m.serialize_entry("error", error)?,
         }
@@ -388,8 +444,27 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
         Request::Mount {
             folder,
             mountpoint,
+            at_ns: Some(at_ns),
+            ..
+        } => {
+            blocking(engine, move |e| {
+                match e.mount_at(&folder, &mountpoint, at_ns) {
+                    Ok((mountpoint, paths)) => Reply::Snapshot {
+                        mountpoint,
+                        paths,
+                        at_ns,
+                    },
+                    Err(e) => Reply::failed(e),
+                }
+            })
+            .await
+        }
+        Request::Mount {
+            folder,
+            mountpoint,
             read_only,
             allow_other,
+            at_ns: None,
         } => {
             blocking(engine, move |e| {
                 match e.mount(&folder, &mountpoint, read_only, allow_other) {
@@ -399,12 +474,31 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
             })
             .await
         }
-        Request::Unmount { folder } => {
-            blocking(engine, move |e| match e.unmount(&folder) {
-                Ok(point) => Reply::Unmounted(point),
-                Err(e) => Reply::failed(e),
+        Request::Unmount { folder, mountpoint } => {
+            blocking(engine, move |e| unmount(e, &folder, mountpoint.as_deref())).await
+        }
+        Request::Restore {
+            folder,
+            path,
+            seq,
+            at_ns,
+            to,
+        } => restore(engine, folder, &path, seq, at_ns, to.as_deref()).await,
+        Request::Override { folder } => {
+            blocking(engine, move |e| {
+                match crate::roles::override_held(&e.folders, &folder, e.short) {
+                    Ok(r) => Reply::Roles(r),
+                    Err(e) => Reply::failed(e),
+                }
             })
             .await
+        }
+        Request::Revert { folder } => {
+            let peers = engine.peers_of(&folder);
+            match crate::roles::revert(engine.folders.clone(), folder, engine.short, peers).await {
+                Ok(r) => Reply::Roles(r),
+                Err(e) => Reply::failed(e),
+            }
         }
         Request::Pending { folder } => {
             blocking(engine, move |e| match e.pending(folder.as_ref()) {
@@ -417,6 +511,66 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
             stop.notify_one();
             Reply::Done
         }
+    }
+}
+
+/// `unmount`: the snapshot at `mountpoint` if one is named; else the folder's mount, or its
+/// only snapshot when it has no mount.
+fn unmount(e: &Engine, folder: &FolderId, mountpoint: Option<&Path>) -> Reply {
+    if let Some(mp) = mountpoint {
+        return match e.snapshots.unmount(folder, Some(mp)) {
+            Ok(Some(point)) => Reply::Unmounted(point),
+            Ok(None) => Reply::failed(format!(
+                "no snapshot of folder {folder} is mounted at {}",
+                mp.display()
+            )),
+            Err(err) => Reply::failed(err),
+        };
+    }
+    match e.unmount(folder) {
+        Ok(point) => Reply::Unmounted(point),
+        Err(crate::engine::MountError::NotMounted(_)) => match e.snapshots.unmount(folder, None) {
+            Ok(Some(point)) => Reply::Unmounted(point),
+            Ok(None) => Reply::failed(format!(
+                "folder {folder} is not mounted (a snapshot: name its mount point)"
+            )),
+            Err(err) => Reply::failed(err),
+        },
+        Err(err) => Reply::failed(err),
+    }
+}
+
+/// `restore`: checks the paths, then restores.
+async fn restore(
+    engine: &Arc<Engine>,
+    folder: FolderId,
+    path: &str,
+    seq: Option<u64>,
+    at_ns: Option<i64>,
+    to: Option<&str>,
+) -> Reply {
+    use crate::versions::restore::Pick;
+    let rel = |p: &str, what: &str| {
+        meshfs_protocol::RelPath::normalized(p.trim_end_matches('/'))
+            .map_err(|e| format!("{what} {p:?}: {e}"))
+    };
+    let path = match rel(path, "path") {
+        Ok(p) => p,
+        Err(e) => return Reply::Failed(e),
+    };
+    let to = match to.map(|t| rel(t, "--to")).transpose() {
+        Ok(t) => t,
+        Err(e) => return Reply::Failed(e),
+    };
+    let pick = match (seq, at_ns) {
+        (Some(_), Some(_)) => return Reply::failed("give --seq or --at, not both"),
+        (Some(s), None) => Pick::Sequence(s),
+        (None, Some(t)) => Pick::At(t),
+        (None, None) => Pick::Newest,
+    };
+    match engine.restore(&folder, path, pick, to).await {
+        Ok(r) => Reply::Restored(r),
+        Err(e) => Reply::failed(e),
     }
 }
 
@@ -546,12 +700,34 @@ mod tests {
                     folder: work(),
                     mountpoint: "/home/u/w".into(),
                     read_only: true,
+                    at_ns: None,
                     allow_other: false,
                 },
             ),
             (
                 json!({"op": "unmount", "folder": "work"}),
-                Request::Unmount { folder: work() },
+                Request::Unmount {
+                    folder: work(),
+                    mountpoint: None,
+                },
+            ),
+            (
+                json!({"op": "restore", "folder": "work", "path": "a/b", "at_ns": 5}),
+                Request::Restore {
+                    folder: work(),
+                    path: "a/b".into(),
+                    seq: None,
+                    at_ns: Some(5),
+                    to: None,
+                },
+            ),
+            (
+                json!({"op": "override", "folder": "work"}),
+                Request::Override { folder: work() },
+            ),
+            (
+                json!({"op": "revert", "folder": "work"}),
+                Request::Revert { folder: work() },
             ),
             (
                 json!({"op": "pending", "folder": "work"}),
@@ -593,6 +769,7 @@ mod tests {
             mountpoint: "/m".into(),
             read_only: false,
             allow_other: true,
+            at_ns: None,
         };
         let line = json!({"op": "mount", "folder": "work", "mountpoint": "/m", "read_only": false, "allow_other": true});
         assert_eq!(serde_json::to_value(&req).unwrap(), line);

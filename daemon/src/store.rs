@@ -37,6 +37,7 @@ mod displace;
 use crate::room::Claim;
 use crate::{failpoint, sys};
 use displace::{same_version, Keeper, Old, Verdict};
+pub use displace::{Displaced, DisplacedSink};
 use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -417,6 +418,13 @@ impl Store {
     /// this device (`by`, its short id).
     pub fn set_device(&self, by: ShortId) {
         self.keeper.set_device(by);
+    }
+
+    /// Hands every regular file an apply replaces or removes to `sink` as it is kept aside
+    /// (the content of a version leaving the tree: `crate::versions` keeps what it needs of
+    /// it). Set once, before the folder's first apply.
+    pub fn on_displaced(&self, sink: DisplacedSink) {
+        self.keeper.on_displaced(sink);
     }
 
     /// Looks now at every file an apply kept aside, instead of after its grace period (a
@@ -1503,10 +1511,12 @@ impl Store {
 
     /// Removes leftover temp files (run at start-up: a crash leaves only temp files behind),
     /// except the files an apply had kept aside ([`displace`]): such a file is removed only
-    /// if it is unchanged, else moved next to its path as a conflict copy. Returns how many
+    /// if it is unchanged (after it is handed to [`Store::on_displaced`]'s sink, if set), else
+    /// moved next to its path as a conflict copy. Returns how many
     /// were removed.
     pub fn remove_temps(&self) -> usize {
         let by = self.keeper.device();
+        let sink = self.keeper.sink();
         let open_dir = |p: &RelPath| self.open_dir(Some(p), false).ok();
         let mut removed = 0;
         let mut clean = |dir: &Path| {
@@ -1520,7 +1530,7 @@ impl Store {
                     continue;
                 };
                 if e.file_type().is_ok_and(|t| t.is_file())
-                    && displace::recover(&fd, &c, &self.root_fd, open_dir, by)
+                    && displace::recover(&fd, &c, &self.root_fd, open_dir, by, sink)
                 {
                     continue;
                 }

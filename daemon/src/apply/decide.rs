@@ -12,6 +12,7 @@ use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
 use meshfs_sync::plan::{self, Disk, Planned};
 use meshfs_sync::reconcile::{Outcome, ReadError, ReplicaView, Step};
+use meshfs_sync::role::{self, Intake};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -244,7 +245,19 @@ impl Deciding<'_> {
             folder: self.folder,
             memo: &self.memo,
         };
-        let plan = plan::plan(&view, &remote)?;
+        // The folder's role may keep a peer's version from being applied, or take it as it
+        // is (`meshfs_sync::role`).
+        let plan = match role::intake(self.rt.role(), local_before.as_ref(), &remote) {
+            Intake::Decide => plan::plan(&view, &remote)?,
+            Intake::Take => plan::plan_taking(&view, &remote)?,
+            Intake::Hold => {
+                tracing::debug!(folder = %self.folder, path = %remote.path, "send-only: a peer's version is held, not applied");
+                self.journal
+                    .get()?
+                    .put_held(self.folder, &remote, &self.peer)?;
+                return Ok(());
+            }
+        };
         if let Outcome::Refused(why) = &plan.outcome {
             // Keeping it would make a record no peer accepts: shown, the rest goes on.
             if self.rt.skip(remote.path.clone(), why.to_string()) {
