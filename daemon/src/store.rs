@@ -1002,6 +1002,10 @@ impl Store {
             Ok(st) => stat_of(&st).local,
             Err(e) => return refuse(io_err(&t.target, e)),
         };
+        let expect = match clear_dir(dir, &name, &t.target, expect) {
+            Ok(e) => e,
+            Err(e) => return refuse(e),
+        };
         match expect {
             // A new file: the rename itself refuses an existing target (no stat first, and no
             // window between the check and the rename). Where the filesystem cannot, check first.
@@ -1049,6 +1053,7 @@ impl Store {
             return Err(io_err(&t.target, io::Error::from_raw_os_error(libc::EBADF)));
         };
         let via = staging.link.unwrap_or(LinkVia::ProcFd);
+        let expect = clear_dir(dir, name, &t.target, expect)?;
         let fd = file.as_fd();
         let ours = sys::fstat(fd).map_err(|e| io_err(&t.target, e))?;
         let ours = stat_of(&ours).local;
@@ -1632,6 +1637,36 @@ fn settled(ours: &LocalStat, now: io::Result<libc::stat>) -> LocalStat {
     match now.map(|st| stat_of(&st).local) {
         Ok(l) if same_version(ours, &l) && l.mode == ours.mode => l,
         _ => *ours,
+    }
+}
+
+/// A file replacing the directory the journal knows at its path: the directory goes first if
+/// it is empty (`rmdir` refuses one with entries: `Changed`, and the decision, made again, sees
+/// what is below it), and the file then goes in as a new one (`Expect::Absent`: whatever
+/// appears at the path meanwhile is not replaced). Any other expectation is returned as it is.
+fn clear_dir(
+    dir: &Arc<OwnedFd>,
+    name: &CStr,
+    path: &RelPath,
+    expect: Expect,
+) -> Result<Expect, StoreError> {
+    let Expect::Matches(want) = expect else {
+        return Ok(expect);
+    };
+    match lstat_at(dir.as_fd(), name) {
+        Ok(st) if st.st_mode & libc::S_IFMT != libc::S_IFDIR => return Ok(expect),
+        Ok(st) if st.st_ino == want.inode => {}
+        Ok(_) => return Err(StoreError::Changed(path.clone())),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(expect),
+        Err(e) => return Err(io_err(path, e)),
+    }
+    match sys::unlinkat(dir.as_fd(), name, libc::AT_REMOVEDIR) {
+        Ok(()) => Ok(Expect::Absent),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(Expect::Absent),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {
+            Err(StoreError::Changed(path.clone()))
+        }
+        Err(e) => Err(io_err(path, e)),
     }
 }
 
