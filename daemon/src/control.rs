@@ -312,6 +312,7 @@ pub async fn serve(
     ui: Arc<Ui>,
     listener: UnixListener,
     stop: Arc<tokio::sync::Notify>,
+    main: tokio::runtime::Handle,
 ) {
     let mut pause = ACCEPT_PAUSE_MIN;
     loop {
@@ -336,8 +337,9 @@ pub async fn serve(
         let engine = engine.clone();
         let ui = ui.clone();
         let stop = stop.clone();
+        let main = main.clone();
         tokio::spawn(async move {
-            let _ = handle(engine, ui, stream, stop).await;
+            let _ = handle(engine, ui, stream, stop, main).await;
         });
     }
 }
@@ -354,6 +356,7 @@ async fn handle(
     ui: Arc<Ui>,
     stream: UnixStream,
     stop: Arc<tokio::sync::Notify>,
+    main: tokio::runtime::Handle,
 ) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
@@ -371,7 +374,20 @@ async fn handle(
                 Err(e) => (Reply::failed(e), false),
                 Ok(req) => {
                     let asked = std::time::Instant::now();
-                    let reply = answer(&engine, &ui, req, &stop).await;
+                    let reply = match req {
+                        // Read-only and asked often (`--wait-synced` polls it): answered on
+                        // this thread's runtime, never queued behind the engine's work.
+                        Request::Status => {
+                            blocking(&engine, |e| Reply::Status(Box::new(e.status()))).await
+                        }
+                        // Everything else runs where the engine's tasks run.
+                        req => {
+                            let (engine, ui, stop) = (engine.clone(), ui.clone(), stop.clone());
+                            main.spawn(async move { answer(&engine, &ui, req, &stop).await })
+                                .await
+                                .unwrap_or_else(Reply::failed)
+                        }
+                    };
                     // How long the daemon took, apart from the client's own start and the
                     // socket: `RUST_LOG=meshfs_daemon::control=debug`.
                     tracing::debug!(request = %line.chars().take(40).collect::<String>(),
@@ -622,6 +638,35 @@ pub fn request(home: &Home, req: &Request) -> Result<Option<serde_json::Value>, 
         .map_err(|source| ControlError::BadReply { path, source })
 }
 
+/// Serves the control socket ([`serve`]) on a thread and runtime of its own: a `status` is
+/// read and answered there, so it never waits for a runtime worker that the engine keeps busy
+/// (a receive at full speed on a 2-core laptop); other requests are carried out on the
+/// engine's runtime (`main`).
+fn serve_apart(
+    engine: Arc<Engine>,
+    ui: Arc<Ui>,
+    listener: UnixListener,
+    stop: Arc<tokio::sync::Notify>,
+) -> std::io::Result<()> {
+    let listener = listener.into_std()?;
+    let main = tokio::runtime::Handle::current();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .thread_name("meshfs-control")
+        .build()?;
+    std::thread::Builder::new()
+        .name("meshfs-control".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                match UnixListener::from_std(listener) {
+                    Ok(l) => serve(engine, ui, l, stop, main).await,
+                    Err(e) => tracing::error!(error = %e, "cannot serve the control socket"),
+                }
+            })
+        })?;
+    Ok(())
+}
+
 /// Runs the daemon for `home` until SIGINT/SIGTERM or a `stop` request. Under systemd
 /// (`Type=notify`) it says `READY=1` once the folders are started, the endpoint listens and the
 /// control socket answers, and `STOPPING=1` when it begins to stop.
@@ -631,7 +676,7 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     let stop = Arc::new(tokio::sync::Notify::new());
     let ui = Arc::new(Ui::new(engine.clone()));
     ui.start_if_enabled();
-    tokio::spawn(serve(engine.clone(), ui.clone(), listener, stop.clone()));
+    serve_apart(engine.clone(), ui.clone(), listener, stop.clone())?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     sd_notify("READY=1\nSTATUS=running");
     tokio::select! {
