@@ -735,7 +735,20 @@ impl Folders {
                 drop(j);
                 let mut reader = self.reader()?;
                 reader.begin_reads();
-                scanner::scan(&target, &reader, paths)?
+                let mut report = scanner::scan(&target, &reader, paths)?;
+                if !paths.is_empty() {
+                    // A file with several names (a conflict copy is made as a hard link of
+                    // the file it copies) written through one of them changed under the
+                    // others too, and the watcher reports only the name it was written by.
+                    let others = other_names(&rt.store, &reader, folder, paths, &report.changes);
+                    if !others.is_empty() {
+                        let more = scanner::scan(&target, &reader, &others)?;
+                        report.changes.extend(more.changes);
+                        report.restat.extend(more.restat);
+                        report.unread.extend(more.unread);
+                    }
+                }
+                report
             }
         };
         let scanned = t0.elapsed();
@@ -798,6 +811,39 @@ fn note_local_only(
         items.push((c.record.path.clone(), before.map(|s| (s.record, s.source))));
     }
     j.note_local_only(folder, &items)
+}
+
+/// The journal's other live names of the files among `changes` that have more than one link
+/// on disk, not among `scanned` already.
+fn other_names(
+    store: &crate::store::Store,
+    journal: &Journal,
+    folder: &FolderId,
+    scanned: &[RelPath],
+    changes: &[Change],
+) -> Vec<RelPath> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out: Vec<RelPath> = Vec::new();
+    for c in changes {
+        if c.record.deleted || c.record.kind != meshfs_protocol::FileKind::File {
+            continue;
+        }
+        let Ok(md) = std::fs::symlink_metadata(store.root().join(c.record.path.as_str())) else {
+            continue;
+        };
+        if md.nlink() < 2 {
+            continue;
+        }
+        for p in journal
+            .paths_with_inode(folder, md.ino())
+            .unwrap_or_default()
+        {
+            if p != c.record.path && !scanned.contains(&p) && !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    out
 }
 
 /// Commits scanned changes, [`SCAN_COMMIT_BATCH`] per transaction.

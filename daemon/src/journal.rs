@@ -845,6 +845,28 @@ impl Journal {
         self.write(|tx| Ok(ensure_folder(tx, folder)?.1))
     }
 
+    /// The live paths whose journaled local stat names `inode` (other names of a file with
+    /// several links: a conflict copy made as a hard link of the file it copies). Not indexed:
+    /// asked only for a file that has more than one link.
+    pub fn paths_with_inode(&self, folder: &FolderId, inode: u64) -> Result<Vec<RelPath>> {
+        self.read(|c| {
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(
+                "SELECT path FROM records WHERE folder = ?1 AND local_inode = ?2 AND deleted = 0",
+            )?;
+            let rows = st.query_map(params![key, to_i64(inode)], |r| r.get::<_, String>(0))?;
+            let mut out = Vec::new();
+            for p in rows {
+                if let Ok(p) = RelPath::new(&p?) {
+                    out.push(p);
+                }
+            }
+            Ok(out)
+        })
+    }
+
     /// A folder's identity and sequence counter as the journal has them, without creating the
     /// folder (`None` for one it has nothing of): for connections that only read.
     pub fn folder_state(&self, folder: &FolderId) -> Result<Option<FolderState>> {
