@@ -220,7 +220,14 @@ fn forty_files_overwritten_the_moment_a_peer_version_lands_lose_nothing_in_twent
             .into_keys()
             .filter(|k| k.contains(".sync-conflict-"))
             .collect();
-        assert!(conflicts.is_empty(), "round {round}: {conflicts:?}");
+        if !conflicts.is_empty() {
+            let base = conflicts[0].split(".sync-conflict-").next().unwrap_or("");
+            let j = |d: &Device| {
+                String::from_utf8_lossy(&d.cli(&["journal", "work", "--path", base]).stdout)
+                    .into_owned()
+            };
+            panic!("round {round}: {conflicts:?}\na:\n{}\nb:\n{}", j(&a), j(&b));
+        }
     }
 }
 

@@ -839,9 +839,21 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<chunker::
                 let content = store
                     .open_file_in(&mut dirs, &job.path)
                     .ok()
-                    .and_then(|f| chunker::chunk_file(f, job.local.size).ok());
+                    .and_then(|f| {
+                        // A file written while it is hashed has content the stat taken before
+                        // does not describe: no version now (its writer's events bring it
+                        // back), rather than a version whose stat a later scan finds changed
+                        // and journals again as a metadata change (a version of its own, that
+                        // a peer's next version then conflicts with).
+                        let again = f.try_clone().ok();
+                        let c = chunker::chunk_file(f, job.local.size).ok()?;
+                        let after = sys::fstat(std::os::fd::AsFd::as_fd(&again?)).ok()?;
+                        let now = crate::store::stat_of(&after).local;
+                        (now.size == job.local.size && now.mtime_ns == job.local.mtime_ns)
+                            .then_some(c)
+                    });
                 if content.is_none() {
-                    tracing::debug!(path = %job.path, "vanished or unreadable while hashing; will be picked up by the next event");
+                    tracing::debug!(path = %job.path, "vanished, unreadable or written while hashing; will be picked up by the next event");
                 }
                 if let Ok(mut r) = results.lock() {
                     r.push((job, content));
