@@ -3,7 +3,7 @@
 //! systemd when it is ready and stops on SIGTERM, and (where cargo-deb is installed, as
 //! `.ci/run` does) a `.deb` that dpkg installs into a clean directory root, where it runs.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! renames move no data, small edits to big files cost a chunk, unknown devices get nothing,
 //! and a receiver killed mid-transfer never exposes a partial file.
 
-mod common;
+use crate::common;
 use common::*;
 use std::os::unix::fs::PermissionsExt;
 
