@@ -176,10 +176,7 @@ fn renaming_a_16_mib_file_and_editing_4_kib_of_a_64_mib_file_cost_almost_nothing
     std::fs::rename(a.path("dir100/blob.bin"), a.path("dir100/renamed.bin")).unwrap();
     wait_synced(&[&a, &b], 120);
     let cost = a.wire_bytes() - before;
-    assert!(
-        cost < (16 << 20) / 100,
-        "renaming 16 MiB cost {cost} bytes"
-    );
+    assert!(cost < (16 << 20) / 100, "renaming 16 MiB cost {cost} bytes");
 
     let before = a.wire_bytes();
     std::fs::rename(a.path("dir100"), a.path("dir100-moved")).unwrap();
