@@ -197,9 +197,13 @@ fn two_devices(root: &Path) -> anyhow::Result<(DemoDevice, DemoDevice)> {
         let home = root.join(name);
         let files = root.join(format!("{name}-files"));
         let addr = format!("127.0.0.1:{}", free_port()?);
-        let id = run(&home, &["init", "--name", name, "--listen", &addr])?
-            .trim()
-            .to_string();
+        // Loopback only: nothing announced on this machine's networks.
+        let id = run(
+            &home,
+            &["init", "--name", name, "--listen", &addr, "--no-discovery"],
+        )?
+        .trim()
+        .to_string();
         run(
             &home,
             &[

@@ -16,6 +16,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use meshfs_daemon::config::{Config, FolderConfig, Home, PeerConfig, DEFAULT_LISTEN};
 use meshfs_daemon::control::{self, Request};
 use meshfs_daemon::identity::Identity;
+use meshfs_daemon::readout::journal::printable;
 use meshfs_protocol::{DeviceId, FolderId};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,13 +29,16 @@ const EXIT_ERROR: u8 = 1;
 const EXIT_NO_DAEMON: u8 = 3;
 /// Exit code: `--wait-synced` timed out.
 const EXIT_TIMEOUT: u8 = 4;
+/// Exit code: `--wait-synced` found a connected peer that does not share a folder back (a
+/// pairing question: waiting would not end it).
+const EXIT_NOT_SHARED: u8 = 5;
 
 /// Log levels `--log-level` accepts (a typo would otherwise silence every log line).
 const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
 
 #[derive(Parser)]
 #[command(name = "meshfs", version, about = "Continuously synchronized folders across your devices", long_about = None,
-    after_help = "Quick start on two devices:\n  A$ meshfs init --name laptop && meshfs id\n  B$ meshfs init --name server && meshfs id\n  A$ meshfs folder add ~/work --id work\n  A$ meshfs peer add <B-ID> --addr server.lan:7788 --share work\n  B$ meshfs folder add ~/work --id work\n  B$ meshfs peer add <A-ID> --addr laptop.lan:7788 --share work\n  A$ meshfs daemon    B$ meshfs daemon\n  A$ meshfs status --wait-synced")]
+    after_help = "Quick start on two devices:\n  A$ meshfs init --name laptop && meshfs id\n  B$ meshfs init --name server && meshfs id\n  A$ meshfs folder add ~/work --id work\n  A$ meshfs peer add <B-ID> --share work\n  B$ meshfs folder add ~/work --id work\n  B$ meshfs peer add <A-ID> --share work\n  A$ meshfs daemon    B$ meshfs daemon\n  A$ meshfs status --wait-synced\nOn one LAN the devices find each other; elsewhere give a device with a fixed name\nits address (`--addr server.example.org:7788`) and the others learn where the rest\nare from it.")]
 struct Cli {
     /// Where config, keys and state live (default: XDG config and data dirs).
     #[arg(long, global = true, env = "MESHFS_HOME")]
@@ -56,9 +60,14 @@ enum Command {
         /// A name for this device.
         #[arg(long)]
         name: Option<String>,
-        /// UDP address for QUIC: IP:PORT or HOST:PORT.
+        /// UDP address for QUIC: IP:PORT or HOST:PORT (default: every address, IPv4 and IPv6).
         #[arg(long, default_value = DEFAULT_LISTEN, value_parser = parse_host_port)]
         listen: String,
+        /// Local discovery off (`[discovery] local = false`): this device announces nothing on
+        /// the LAN and listens for no announcement; its peers need a fixed address (`peer add
+        /// --addr`) or to dial it.
+        #[arg(long)]
+        no_discovery: bool,
     },
     /// Print this device's id (give it to your other devices' `peer add`).
     #[command(
@@ -74,7 +83,7 @@ enum Command {
     /// Known peers.
     #[command(
         subcommand,
-        after_help = "Examples:\n  meshfs peer add QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP --addr server.lan:7788 --share work\n  meshfs peer list\n  meshfs peer remove QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP"
+        after_help = "Examples:\n  meshfs peer add QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP --share work\n  meshfs peer add QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP --addr server.lan:7788 --addr dynamic\n  meshfs peer list\n  meshfs peer remove QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP"
     )]
     Peer(PeerCmd),
     /// Share a folder with a known peer.
@@ -142,7 +151,7 @@ enum Command {
     },
     /// Folders, peers, connections, pending work: in sync with every peer, or why not.
     #[command(
-        after_help = "A folder is in sync when its own changes are recorded and every peer that shares it is\nconnected and caught up both ways. Otherwise status says why, e.g.\n  up to date with 1 of 2 peers; b offline since 10:42\n\nExamples:\n  meshfs status\n  meshfs daemon & meshfs status --wait-synced --timeout 60   # waits for the daemon too\n  meshfs status --watch                # live: done, left, rates, ETA; Ctrl-C to stop\n  meshfs status work --pending         # what waits in folder work, path by path, and why\n  meshfs status --json | jq .folders[0].in_sync\nExit codes: 0 ok/in sync, 1 error (e.g. not initialised), 3 no daemon, 4 timed out."
+        after_help = "A folder is in sync when its own changes are recorded and every peer that shares it is\nconnected and caught up both ways. Otherwise status says why, e.g.\n  up to date with 1 of 2 peers; b offline since 10:42\n\nExamples:\n  meshfs status\n  meshfs daemon & meshfs status --wait-synced --timeout 60   # waits for the daemon too\n  meshfs status --watch                # live: done, left, rates, ETA; Ctrl-C to stop\n  meshfs status work --pending         # what waits in folder work, path by path, and why\n  meshfs status --json | jq .folders[0].in_sync\nExit codes: 0 ok/in sync, 1 error (e.g. not initialised), 3 no daemon, 4 timed out,\n5 a connected peer does not share a folder back (status says what to run on it)."
     )]
     Status {
         /// With --pending: only this folder.
@@ -152,7 +161,9 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Wait (for the daemon to come up, then) until every folder is in sync with every
-        /// peer that shares it. On a terminal a progress bar shows what is left.
+        /// peer that shares it. On a terminal a progress bar shows what is left. A connected
+        /// peer that does not share a folder back ends the wait at once (exit 5), saying what
+        /// to run on it.
         #[arg(long, conflicts_with_all = ["watch", "pending"])]
         wait_synced: bool,
         /// With --wait-synced: only the peers connected now count (a peer that is down is
@@ -270,15 +281,16 @@ enum FolderCmd {
 enum PeerCmd {
     /// Trust a device and (optionally) share folders with it.
     #[command(
-        after_help = "Example: meshfs peer add QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP --addr 192.168.1.20:7788 --share work\nPrints nothing and exits 0; adding a known peer again updates its address, name and shares."
+        after_help = "Example: meshfs peer add QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP --share work\nPrints nothing and exits 0; adding a known peer again updates its addresses (when --addr is\ngiven), name and shares.\nWithout --addr the peer's address is \"dynamic\": found on the LAN (local discovery), learned\nfrom its own connections, and from other peers that reach it (a server both devices use\ntells each where the other is). --addr gives fixed addresses, e.g. for a server with a\nfixed name: `--addr server.lan:7788 --addr 10.0.0.5:7788`; add `--addr dynamic` to use both."
     )]
     Add {
         /// The peer's device id (`meshfs id` on that device).
         #[arg(value_parser = parse_device)]
         device: DeviceId,
-        /// Where to reach it (HOST:PORT); omit if only it dials you.
-        #[arg(long, value_parser = parse_host_port)]
-        addr: Option<String>,
+        /// Where to reach it: HOST:PORT, or `dynamic` (wherever it is found: the default).
+        /// Repeatable, or comma-separated; replaces the addresses it had.
+        #[arg(long = "addr", value_parser = parse_peer_addr, value_delimiter = ',')]
+        addr: Vec<String>,
         /// A name for it.
         #[arg(long)]
         name: Option<String>,
@@ -288,7 +300,7 @@ enum PeerCmd {
     },
     /// List peers.
     #[command(
-        after_help = "Example: meshfs peer list\n  QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP  server       192.168.1.20:7788      work\n(device id, name, address or \"(dials us)\", shared folders). With --json:\n[{\"device_id\": ..., \"name\": \"server\", \"addr\": \"192.168.1.20:7788\", \"folders\": [\"work\"]}]"
+        after_help = "Example: meshfs peer list\n  QSXL24Z-U5YL3KP-VQSJWYR-7RR64YM-OHFT5UL-DUJDYZO-JUXOZ5B-R7IJOAP  server       192.168.1.20:7788      work\n(device id, name, addresses — \"dynamic\" for wherever it is found, \"(dials us)\" for none —,\nshared folders). With --json:\n[{\"device_id\": ..., \"name\": \"server\", \"addresses\": [\"192.168.1.20:7788\"], \"folders\": [\"work\"]}]"
     )]
     List {
         /// JSON output.
@@ -362,6 +374,14 @@ fn parse_host_port(s: &str) -> Result<String, String> {
     }
 }
 
+/// A peer address argument: `HOST:PORT` or `dynamic`.
+fn parse_peer_addr(s: &str) -> Result<String, String> {
+    if s == meshfs_daemon::config::DYNAMIC {
+        return Ok(s.to_string());
+    }
+    parse_host_port(s).map_err(|e| format!("{e}, or \"dynamic\""))
+}
+
 /// A folder id argument.
 fn parse_folder_id(s: &str) -> Result<FolderId, String> {
     FolderId::new(s).map_err(|e| e.to_string())
@@ -377,7 +397,11 @@ fn random_folder_id() -> anyhow::Result<FolderId> {
 
 fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
     match cmd {
-        Command::Init { name, listen } => init(home, name, &listen),
+        Command::Init {
+            name,
+            listen,
+            no_discovery,
+        } => init(home, name, &listen, no_discovery),
         Command::Id => {
             let id = Identity::load(&home.identity_dir())
                 .map_err(|e| anyhow!("{e} (run `meshfs init` first)"))?;
@@ -484,7 +508,7 @@ fn reply_error<'a>(r: &'a serde_json::Value, default: &'a str) -> &'a str {
 }
 
 /// `init`: a new identity and config; refuses to overwrite either.
-fn init(home: &Home, name: Option<String>, listen: &str) -> anyhow::Result<u8> {
+fn init(home: &Home, name: Option<String>, listen: &str, no_discovery: bool) -> anyhow::Result<u8> {
     if Identity::exists(&home.identity_dir()) || home.config_file().exists() {
         bail!("meshfs is already initialised in {} (identity or config exists); refusing to overwrite it. Use another --home to create a second device.", home.config_dir.display());
     }
@@ -497,7 +521,9 @@ fn init(home: &Home, name: Option<String>, listen: &str) -> anyhow::Result<u8> {
         .with_context(|| format!("creating {}", home.state_dir.display()))?;
     let id = Identity::generate()?;
     id.save(&home.identity_dir())?;
-    Config::new(&name, listen).save(home)?;
+    let mut config = Config::new(&name, listen);
+    config.discovery.local = !no_discovery;
+    config.save(home)?;
     println!("{}", id.device_id);
     eprintln!(
         "initialised device {name:?} in {}",
@@ -569,17 +595,17 @@ fn peer_cmd(home: &Home, cmd: PeerCmd) -> anyhow::Result<u8> {
         PeerCmd::List { json } => {
             let config = Config::load(home)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&config.peers.iter().map(|p| serde_json::json!({"device_id": p.id.to_string(), "name": p.name, "addr": p.addr, "folders": p.folders})).collect::<Vec<_>>())?);
+                println!("{}", serde_json::to_string_pretty(&config.peers.iter().map(|p| serde_json::json!({"device_id": p.id.to_string(), "name": p.name, "addresses": p.addresses, "folders": p.folders})).collect::<Vec<_>>())?);
             } else {
                 for p in &config.peers {
                     println!(
                         "{}  {:<12} {:<22} {}",
                         p.id,
                         p.name,
-                        if p.addr.is_empty() {
-                            "(dials us)"
+                        if p.addresses.is_empty() {
+                            "(dials us)".to_string()
                         } else {
-                            &p.addr
+                            p.addresses.join(",")
                         },
                         p.folders
                             .iter()
@@ -604,11 +630,12 @@ fn peer_cmd(home: &Home, cmd: PeerCmd) -> anyhow::Result<u8> {
     Ok(0)
 }
 
-/// `peer add`: trusts `id`, or updates what is known of it.
+/// `peer add`: trusts `id`, or updates what is known of it. `addr` empty: a new peer is
+/// dynamic, a known one keeps its addresses.
 fn peer_add(
     home: &Home,
     id: DeviceId,
-    addr: Option<String>,
+    addr: Vec<String>,
     name: Option<String>,
     share: &[String],
 ) -> anyhow::Result<()> {
@@ -628,8 +655,8 @@ fn peer_add(
         .collect::<anyhow::Result<Vec<FolderId>>>()?;
     match config.peer_mut(&id) {
         Some(p) => {
-            if let Some(a) = addr {
-                p.addr = a;
+            if !addr.is_empty() {
+                p.addresses = addr;
             }
             if let Some(n) = name {
                 p.name = n;
@@ -641,10 +668,14 @@ fn peer_add(
             }
         }
         None => config.peers.push(PeerConfig {
-            id,
             name: name.unwrap_or_default(),
-            addr: addr.unwrap_or_default(),
+            addresses: if addr.is_empty() {
+                PeerConfig::new(id).addresses
+            } else {
+                addr
+            },
             folders: share,
+            ..PeerConfig::new(id)
         }),
     }
     config.save(home)?;
@@ -658,9 +689,7 @@ fn share(home: &Home, folder: FolderId, device: DeviceId) -> anyhow::Result<u8> 
         bail!("no folder {:?} (see `meshfs folder list`)", folder.as_str());
     }
     let p = config.peer_mut(&device).ok_or_else(|| {
-        anyhow!(
-            "unknown peer {device}: add it first with `meshfs peer add {device} --addr HOST:PORT`"
-        )
+        anyhow!("unknown peer {device}: add it first with `meshfs peer add {device}`")
     })?;
     if !p.folders.contains(&folder) {
         p.folders.push(folder);
@@ -825,7 +854,9 @@ fn conflicts(home: &Home, folder: FolderId, json: bool) -> anyhow::Result<u8> {
         println!("no conflicts in {folder}");
     } else {
         for c in list {
-            println!("{}\n    belongs to {}; losing version by {} at {} ({} bytes); kept version by {} ({} bytes)", c.path, c.original, c.loser_device, c.loser_time, c.size, c.winner_device.as_deref().unwrap_or("-"), c.winner_size.map_or("-".into(), |s| s.to_string()));
+            // Names come from peers: control characters are shown escaped, as `journal` does.
+            let (path, original) = (printable(&c.path), printable(&c.original));
+            println!("{path}\n    belongs to {original}; losing version by {} at {} ({} bytes); kept version by {} ({} bytes)", printable(&c.loser_device), printable(&c.loser_time), c.size, printable(c.winner_device.as_deref().unwrap_or("-")), c.winner_size.map_or("-".into(), |s| s.to_string()));
         }
     }
     Ok(0)
@@ -884,6 +915,7 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         path: real.clone(),
         watch: true,
         mount: None,
+        umask: None,
         allow_other: false,
     });
     new.validate(home)?;

@@ -4,7 +4,7 @@
 //! (`status --json`); the words are made here. `--watch` is `status_watch`, `--pending`
 //! `status_pending`.
 
-use crate::{EXIT_NO_DAEMON, EXIT_TIMEOUT};
+use crate::{EXIT_NOT_SHARED, EXIT_NO_DAEMON, EXIT_TIMEOUT};
 use meshfs_daemon::config::{Config, ConfigError, Home};
 use meshfs_daemon::control::{self, Request};
 use serde_json::Value;
@@ -13,7 +13,8 @@ use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use meshfs_daemon::readout::status::{first_of, folder_summary, last_error_line, local_time};
-use meshfs_daemon::readout::status::{peer_name, peer_state, peers_by_id, plural, s, u};
+use meshfs_daemon::readout::status::{pairing_hint, pairing_questions, source_words};
+use meshfs_daemon::readout::status::{peer_name, peer_state, peers_by_id, plural, s, t, u};
 use time::UtcOffset;
 
 /// What `meshfs status` was asked.
@@ -86,6 +87,25 @@ pub fn run(home: &Home, a: StatusArgs) -> anyhow::Result<u8> {
             }
             return Ok(EXIT_NO_DAEMON);
         };
+        // A peer that does not share a folder back will not start to while we wait: that is a
+        // question for the user, answered on the other device.
+        let questions = if a.wait_synced {
+            pairing_questions(&st)
+        } else {
+            Vec::new()
+        };
+        if !questions.is_empty() {
+            drop(bar);
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&st)?);
+            } else {
+                print!("{}", render(&st));
+            }
+            for q in questions {
+                eprintln!("meshfs: {q}");
+            }
+            return Ok(EXIT_NOT_SHARED);
+        }
         let synced = st.get(key).and_then(Value::as_bool).unwrap_or(false);
         // In sync must hold on three polls in a row, so a change captured a moment ago counts.
         stable = if synced { stable + 1 } else { 0 };
@@ -182,19 +202,24 @@ fn work_left(st: &Value) -> u64 {
         .into_iter()
         .flatten()
         .map(|f| {
+            // A peer says how many files its scan has left (any u64): the sums saturate.
             let to_send: u64 = f["peers"]
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|p| u(p, "pending_records") + u(&p["scan"], "left"))
-                .sum();
-            u(f, "capture_pending")
-                + u(f, "waiting_for_writers")
-                + u(&f["progress"]["scan"], "left")
-                + u(&f["progress"]["receive"], "left")
-                + to_send
+                .map(|p| u(p, "pending_records").saturating_add(u(&p["scan"], "left")))
+                .fold(0, u64::saturating_add);
+            [
+                u(f, "capture_pending"),
+                u(f, "waiting_for_writers"),
+                u(&f["progress"]["scan"], "left"),
+                u(&f["progress"]["receive"], "left"),
+                to_send,
+            ]
+            .into_iter()
+            .fold(0, u64::saturating_add)
         })
-        .sum()
+        .fold(0, u64::saturating_add)
 }
 
 /// Why the device is not in sync: each folder that is not, with its reasons.
@@ -221,11 +246,16 @@ pub fn render(st: &Value) -> String {
     let mut o = String::new();
     let dev = &st["device"];
     let started = u(dev, "started_unix");
+    let discovery = if dev["discovery"]["local"] == true {
+        format!("local discovery on (UDP {})", u(&dev["discovery"], "port"))
+    } else {
+        "local discovery off".to_string()
+    };
     let tz = crate::local_offset();
     let _ = writeln!(
         o,
-        "device  {} ({})  listening on {}",
-        s(dev, "name"),
+        "device  {} ({})  listening on {}, {discovery}",
+        t(dev, "name"),
         s(dev, "id"),
         s(dev, "listen")
     );
@@ -244,7 +274,7 @@ pub fn render(st: &Value) -> String {
     let _ = writeln!(o, "sync    {sync}");
     let peers = peers_by_id(st);
     for f in &folders {
-        render_folder(&mut o, f, &peers, started, tz);
+        render_folder(&mut o, f, &peers, (started, tz), s(dev, "id"));
     }
     for p in st["peers"].as_array().into_iter().flatten() {
         render_peer(&mut o, p, tz);
@@ -253,7 +283,7 @@ pub fn render(st: &Value) -> String {
         let r = r.as_str().unwrap_or("");
         let _ = writeln!(
             o,
-            "refused unknown device {r} (add it with `meshfs peer add {r} --addr HOST:PORT`)"
+            "refused unknown device {r} (add it with `meshfs peer add {r}`)"
         );
     }
     o
@@ -264,8 +294,8 @@ fn render_folder(
     o: &mut String,
     f: &Value,
     peers: &HashMap<&str, &Value>,
-    started: u64,
-    tz: UtcOffset,
+    (started, tz): (u64, UtcOffset),
+    me: &str,
 ) {
     use std::fmt::Write as _;
     let id = s(f, "id");
@@ -273,7 +303,7 @@ fn render_folder(
         o,
         "folder  {:<12} {}  {} files, {} dirs, {} bytes, {}",
         id,
-        s(f, "path"),
+        t(f, "path"),
         u(f, "files"),
         u(f, "dirs"),
         u(f, "bytes"),
@@ -285,7 +315,7 @@ fn render_folder(
         let _ = writeln!(
             o,
             "          mounted at {} ({}{}, {}, io_uring {}, {} open handle(s))",
-            s(m, "mountpoint"),
+            t(m, "mountpoint"),
             s(m, "mode"),
             crate::others_text(m),
             crate::passthrough_text(m),
@@ -310,6 +340,9 @@ fn render_folder(
             .get(s(p, "device_id"))
             .map_or_else(|| peer_name(p), |q| peer_name(q));
         let _ = writeln!(o, "          with {name}: {}", peer_state(p, started, tz));
+        if p["connected"] == true && p["not_shared"] == true {
+            let _ = writeln!(o, "            {}", pairing_hint(id, me, &name));
+        }
     }
 }
 
@@ -321,8 +354,11 @@ fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
         let rtt = p["rtt_ms"]
             .as_f64()
             .map_or("-".into(), |r| format!("{r:.1} ms"));
-        match at {
-            Some(a) => format!("connected at {a}, rtt {rtt}"),
+        let how = p["address_source"]
+            .as_str()
+            .map_or(String::new(), |src| format!(" ({})", source_words(src)));
+        match p["address"].as_str().or(at) {
+            Some(a) => format!("connected at {a}{how}, rtt {rtt}"),
             None => format!("connected, rtt {rtt}"),
         }
     } else {
@@ -332,15 +368,21 @@ fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
             (None, _) => "never connected".into(),
         }
     };
-    let addr = match s(p, "addr") {
-        "" => "(dials us)",
-        a => a,
+    let listed: Vec<&str> = p["addresses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let addr = match listed.join(",") {
+        a if a.is_empty() => "(dials us)".to_string(),
+        a => meshfs_daemon::readout::journal::printable(&a),
     };
     let _ = writeln!(
         o,
         "peer    {} {:<12} {:<22} {state}  sent {} B  received {} B",
         s(p, "short_id"),
-        s(p, "name"),
+        t(p, "name"),
         addr,
         u(p, "bytes_sent"),
         u(p, "bytes_received")

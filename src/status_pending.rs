@@ -5,6 +5,8 @@ use crate::EXIT_NO_DAEMON;
 use anyhow::bail;
 use meshfs_daemon::config::{Config, Home};
 use meshfs_daemon::control::{self, Request};
+use meshfs_daemon::readout::journal::printable;
+use meshfs_daemon::readout::status::t;
 use meshfs_protocol::FolderId;
 use serde_json::Value;
 use std::fmt::Write as _;
@@ -55,7 +57,10 @@ fn peer_name(config: &Config, device_id: &str) -> String {
         .peers
         .iter()
         .find(|p| p.id.to_string() == device_id && !p.name.is_empty())
-        .map_or_else(|| device_id.chars().take(7).collect(), |p| p.name.clone())
+        .map_or_else(
+            || device_id.chars().take(7).collect(),
+            |p| printable(&p.name),
+        )
 }
 
 /// One section: its heading with the count, its lines, and how many are not shown.
@@ -84,7 +89,7 @@ pub fn render(f: &Value, config: &Config) -> String {
         );
     }
     if let Some(b) = f["blocked"].as_str() {
-        let _ = writeln!(body, "  receiving stopped: {b}");
+        let _ = writeln!(body, "  receiving stopped: {}", printable(b));
     }
     if f["rescan_waiting"] == true {
         let _ = writeln!(body, "  a rescan of the whole folder waits");
@@ -96,10 +101,10 @@ pub fn render(f: &Value, config: &Config) -> String {
             if c["open_for_writing"] == true {
                 format!(
                     "{}  (written; waits for its writer to close it)",
-                    s(c, "path")
+                    t(c, "path")
                 )
             } else {
-                s(c, "path").to_string()
+                t(c, "path")
             }
         })
         .collect();
@@ -112,7 +117,7 @@ pub fn render(f: &Value, config: &Config) -> String {
     let errors = |k: &str| -> Vec<String> {
         items(k)
             .iter()
-            .map(|e| format!("{}  {}", s(e, "path"), s(e, "error")))
+            .map(|e| format!("{}  {}", t(e, "path"), t(e, "error")))
             .collect()
     };
     section(
@@ -129,7 +134,7 @@ pub fn render(f: &Value, config: &Config) -> String {
     );
     let deferred = items("waiting_for_writers")
         .iter()
-        .map(|d| format!("{}  from {}", s(d, "path"), peer_name(config, s(d, "from"))))
+        .map(|d| format!("{}  from {}", t(d, "path"), peer_name(config, s(d, "from"))))
         .collect();
     section(
         &mut body,
@@ -140,7 +145,7 @@ pub fn render(f: &Value, config: &Config) -> String {
     for p in f["unacknowledged"].as_array().into_iter().flatten() {
         let name = match s(p, "name") {
             "" => s(p, "device_id").chars().take(7).collect(),
-            name => name.to_string(),
+            _ => t(p, "name"),
         };
         let state = if p["connected"] == true {
             "connected"
@@ -152,7 +157,7 @@ pub fn render(f: &Value, config: &Config) -> String {
             .into_iter()
             .flatten()
             .filter_map(Value::as_str)
-            .map(str::to_string)
+            .map(printable)
             .collect();
         let heading = format!(
             "not yet acknowledged by {name} ({state}; acknowledged up to sequence {})",

@@ -102,7 +102,17 @@ fn a_port_in_use_is_reported_with_the_field_to_change() {
     a.start();
     // A second device configured on the same address cannot start.
     let home = t.path().join("clash");
-    ok(&home, &["init", "--name", "clash", "--listen", &a.addr]);
+    ok(
+        &home,
+        &[
+            "init",
+            "--name",
+            "clash",
+            "--listen",
+            &a.addr,
+            "--no-discovery",
+        ],
+    );
     let out = std::process::Command::new(bin())
         .arg("--home")
         .arg(&home)
@@ -514,7 +524,7 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     let mut b = Device::new(&t, "b");
     pair(&a, &b);
     let c = Device::new(&t, "c");
-    // A peer that only dials us, sharing nothing.
+    // A peer found wherever it is (no --addr), sharing nothing.
     ok(&a.home, &["peer", "add", &c.id, "--name", "phone"]);
 
     let listed: serde_json::Value =
@@ -524,20 +534,42 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     let pb = &peers[0];
     assert_eq!(pb["device_id"], b.id.as_str());
     assert_eq!(pb["name"], "b");
-    assert_eq!(pb["addr"], b.addr.as_str());
+    assert_eq!(pb["addresses"], serde_json::json!([b.addr.as_str()]));
     assert_eq!(pb["folders"], serde_json::json!(["work"]));
     assert_eq!(pb.as_object().unwrap().len(), 4, "no other field: {pb}");
     let pc = &peers[1];
     assert_eq!(pc["device_id"], c.id.as_str());
     assert_eq!(pc["name"], "phone");
-    assert_eq!(pc["addr"], "");
+    assert_eq!(pc["addresses"], serde_json::json!(["dynamic"]));
     assert_eq!(pc["folders"], serde_json::json!([]));
     let text = ok(&a.home, &["peer", "list"]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 2, "{text}");
     let words = |l: &str| l.split_whitespace().map(String::from).collect::<Vec<_>>();
     assert_eq!(words(lines[0]), [&b.id, "b", &b.addr, "work"]);
-    assert_eq!(words(lines[1]), [&c.id, "phone", "(dials", "us)"]);
+    assert_eq!(words(lines[1]), [&c.id, "phone", "dynamic"]);
+    // Several fixed addresses, and "dynamic" beside them.
+    ok(
+        &a.home,
+        &[
+            "peer",
+            "add",
+            &c.id,
+            "--addr",
+            "10.0.0.9:7788,dynamic",
+            "--addr",
+            "c.lan:7788",
+        ],
+    );
+    let listed: serde_json::Value =
+        serde_json::from_str(&ok(&a.home, &["peer", "list", "--json"])).unwrap();
+    assert_eq!(
+        listed[1]["addresses"],
+        serde_json::json!(["10.0.0.9:7788", "dynamic", "c.lan:7788"])
+    );
+    let (code, err) = fails(&a.home, &["peer", "add", &c.id, "--addr", "nowhere"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("or \"dynamic\""), "{err}");
 
     // The folder's side of the same: who it is shared with.
     let folders: serde_json::Value =

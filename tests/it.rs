@@ -11,10 +11,13 @@
 mod common;
 
 mod capture;
+mod chaos;
 mod cli;
 mod conflicts;
+mod discovery;
 mod hostile;
 mod hostile_items;
+mod hostile_second;
 mod install_races;
 mod layering;
 mod live_mount;

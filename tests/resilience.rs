@@ -1,6 +1,7 @@
 //! Back in sync quickly after a peer restarts, whichever side it is.
 
 use crate::common;
+use common::netns::Link;
 use common::*;
 use std::time::{Duration, Instant};
 
@@ -274,86 +275,6 @@ fn a_damaged_journal_is_refused_with_the_command_that_rebuilds_it_and_nothing_is
         assert!(said.contains("damaged-"), "{said}");
         b.start();
         nothing_lost(&a, &b, &must);
-    }
-}
-
-/// Two network namespaces joined by a veth pair, removed on drop.
-struct Link {
-    ns: [String; 2],
-    ips: [String; 2],
-}
-
-fn sh(args: &[&str]) {
-    let out = std::process::Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-impl Link {
-    fn new(tag: &str) -> Link {
-        let id = std::process::id() % 10_000;
-        let ns = [format!("mf{tag}a{id}"), format!("mf{tag}b{id}")];
-        let net = 100 + id % 100;
-        let ips = [format!("10.211.{net}.1"), format!("10.211.{net}.2")];
-        let veth = [format!("mv{tag}a{id}"), format!("mv{tag}b{id}")];
-        for n in &ns {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", n])
-                .stderr(std::process::Stdio::null())
-                .status();
-            sh(&["ip", "netns", "add", n]);
-            sh(&["ip", "-n", n, "link", "set", "lo", "up"]);
-        }
-        sh(&[
-            "ip", "link", "add", &veth[0], "netns", &ns[0], "type", "veth", "peer", "name",
-            &veth[1], "netns", &ns[1],
-        ]);
-        for i in 0..2 {
-            sh(&[
-                "ip",
-                "-n",
-                &ns[i],
-                "addr",
-                "add",
-                &format!("{}/24", ips[i]),
-                "dev",
-                &veth[i],
-            ]);
-            sh(&["ip", "-n", &ns[i], "link", "set", &veth[i], "up"]);
-        }
-        Link { ns, ips }
-    }
-
-    /// Takes side 0's interface down (`false`) or up.
-    fn set_up(&self, up: bool) {
-        let id = std::process::id() % 10_000;
-        let tag = &self.ns[0][2..self.ns[0].len() - 1 - id.to_string().len()];
-        let veth = format!("mv{tag}a{id}");
-        sh(&[
-            "ip",
-            "-n",
-            &self.ns[0],
-            "link",
-            "set",
-            &veth,
-            if up { "up" } else { "down" },
-        ]);
-    }
-}
-
-impl Drop for Link {
-    fn drop(&mut self) {
-        for n in &self.ns {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", n])
-                .status();
-        }
     }
 }
 

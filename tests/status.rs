@@ -363,6 +363,7 @@ fn listen_takes_a_host_name() {
             "named",
             "--listen",
             &format!("localhost:{port}"),
+            "--no-discovery",
         ],
     );
     ok(
@@ -757,4 +758,47 @@ fn a_peer_that_stops_is_shown_offline_and_its_stopping_is_not_its_last_error() {
         assert!(!out.contains("daemon stopping"), "round {round}: {out}");
         b.start();
     }
+}
+
+#[test]
+fn a_connected_peer_that_does_not_share_the_folder_back_ends_wait_synced_at_once_saying_what_to_run_on_it(
+) {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    // a shares work with b; b trusts a but shares nothing with it.
+    ok(
+        &a.home,
+        &[
+            "peer", "add", &b.id, "--addr", &b.addr, "--name", "b", "--share", "work",
+        ],
+    );
+    ok(
+        &b.home,
+        &["peer", "add", &a.id, "--addr", &a.addr, "--name", "a"],
+    );
+    Device::start_together(&mut [&mut a, &mut b]);
+    let t0 = Instant::now();
+    let (code, out, err) = run(&a.home, &["status", "--wait-synced", "--timeout", "120"]);
+    let took = t0.elapsed();
+    eprintln!("--wait-synced answered the pairing question after {took:?}");
+    assert_eq!(code, 5, "{out}{err}");
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    let run_on_b = format!("on b run `meshfs share work {}`", a.id);
+    assert!(
+        err.contains("b is connected but does not share folder work with this device")
+            && err.contains(&run_on_b),
+        "{err}"
+    );
+    // The plain status says the same, below the folder.
+    assert!(out.contains(&run_on_b), "{out}");
+    let (_, plain, _) = run(&a.home, &["status"]);
+    assert!(
+        plain.contains("connected, but it does not share this folder") && plain.contains(&run_on_b),
+        "{plain}"
+    );
+    // Done on b: in sync.
+    ok(&b.home, &["share", "work", &a.id]);
+    let (code, out, err) = run(&a.home, &["status", "--wait-synced", "--timeout", "60"]);
+    assert_eq!(code, 0, "{out}{err}");
 }

@@ -16,6 +16,7 @@ import os
 import secrets
 import shlex
 import shutil
+import subprocess
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -482,8 +483,12 @@ class MeshFS(Tool):
         if not Path(self.bin).exists():
             raise BenchError(f"{self.bin} not found (cargo build --release failed?)")
         self.procs = {}
+        # Local discovery off (a binary older than discovery has no such flag, and none): the
+        # bench's peers are given their addresses.
+        help_text = subprocess.run([self.bin, "init", "--help"], capture_output=True, text=True).stdout
+        nd = ["--no-discovery"] if "--no-discovery" in help_text else []
         for h in self.hosts:
-            self.cli(h, ["init", "--name", h, "--listen", f"{ip_of(h)}:{self.PORT}"])
+            self.cli(h, ["init", "--name", h, "--listen", f"{ip_of(h)}:{self.PORT}"] + nd)
             out = self.cli(h, ["id"]).stdout.strip().splitlines()
             if not out:
                 raise BenchError("meshfs id printed nothing")

@@ -10,8 +10,12 @@ use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-/// Default QUIC listen address.
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:7788";
+/// Default QUIC listen address: every address, IPv4 and IPv6 (one dual-stack socket).
+pub const DEFAULT_LISTEN: &str = "[::]:7788";
+
+/// The word in a peer's `addresses` for "wherever it is found": on the LAN, from its own
+/// connections, from other peers.
+pub const DYNAMIC: &str = "dynamic";
 
 /// Where this device's files live.
 #[derive(Clone, Debug)]
@@ -49,6 +53,11 @@ impl Home {
     /// The config file.
     pub fn config_file(&self) -> PathBuf {
         self.config_dir.join("config.toml")
+    }
+
+    /// The directory of the local ignore files (`ignore/FOLDER-ID`, rules no peer can change).
+    pub fn local_ignore_dir(&self) -> PathBuf {
+        self.config_dir.join("ignore")
     }
 
     /// The journal database.
@@ -119,6 +128,21 @@ pub fn real_path(path: &Path) -> PathBuf {
     }
 }
 
+/// Makes `dir` (and its missing parents) and gives it mode 0700, whatever it had: meshfs's
+/// config and local ignore rules are the owner's alone.
+pub fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// The umask a folder applies to remote versions unless its config says otherwise: no
+/// group or world write.
+pub const DEFAULT_UMASK: u32 = 0o022;
+
 /// Why a config could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -179,6 +203,9 @@ pub struct Config {
     /// Tuning knobs (all optional).
     #[serde(default)]
     pub options: Options,
+    /// How this device finds its peers and is found.
+    #[serde(default)]
+    pub discovery: DiscoveryConfig,
     /// The page (`meshfs ui`); left out of the file while it is the default.
     #[serde(default, skip_serializing_if = "UiConfig::is_default")]
     pub ui: UiConfig,
@@ -228,6 +255,27 @@ impl Default for Options {
     }
 }
 
+/// `[discovery]`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// Local discovery: announce this device on every local network and listen for others'
+    /// announcements (on by default; off for a locked-down server: nothing is broadcast and
+    /// nothing is listened for).
+    pub local: bool,
+    /// The UDP port announcements are sent to and listened for on.
+    pub port: u16,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> DiscoveryConfig {
+        DiscoveryConfig {
+            local: true,
+            port: meshfs_protocol::DISCOVERY_PORT,
+        }
+    }
+}
+
 /// `[ui]`: the page the daemon serves on `127.0.0.1` (see `docs/ui.md`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
@@ -260,10 +308,22 @@ pub struct FolderConfig {
     /// Mount the folder here when the daemon starts (`meshfs mount` does it at runtime).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount: Option<PathBuf>,
+    /// Permission bits a peer's version never gets here (`umask = 0o027`); unset: no group or
+    /// world write ([`DEFAULT_UMASK`]). Group and world bits only: the owner
+    /// keeps what meshfs needs to read and apply (`Store::local_mode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub umask: Option<u32>,
     /// Let other users into that mount (`allow_other`, the kernel checking modes). For a
     /// daemon run as an ordinary user, `/etc/fuse.conf` must say `user_allow_other`.
     #[serde(default, skip_serializing_if = "is_false")]
     pub allow_other: bool,
+}
+
+impl FolderConfig {
+    /// The umask applied to this folder's remote versions.
+    pub fn umask(&self) -> u32 {
+        self.umask.unwrap_or(DEFAULT_UMASK)
+    }
 }
 
 fn yes() -> bool {
@@ -276,7 +336,7 @@ fn is_false(b: &bool) -> bool {
 
 /// One `[[peer]]`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, try_from = "RawPeerConfig")]
 pub struct PeerConfig {
     /// The peer's device id, written as `meshfs id` prints it on that device.
     #[serde(with = "device_id_text")]
@@ -284,12 +344,84 @@ pub struct PeerConfig {
     /// A name for people.
     #[serde(default)]
     pub name: String,
-    /// Where to dial it (`HOST:PORT`); empty: only it dials us.
-    #[serde(default)]
-    pub addr: String,
+    /// Where to dial it: `HOST:PORT`s, and [`DYNAMIC`] for wherever it is found (the LAN, its
+    /// own connections, other peers). Default: `["dynamic"]`. Empty: never dialed (it dials
+    /// us).
+    pub addresses: Vec<String>,
     /// Folder ids shared with it.
     #[serde(default)]
     pub folders: Vec<FolderId>,
+}
+
+impl PeerConfig {
+    /// A peer dialed wherever it is found (`addresses = ["dynamic"]`).
+    pub fn new(id: DeviceId) -> PeerConfig {
+        PeerConfig {
+            id,
+            name: String::new(),
+            addresses: vec![DYNAMIC.to_string()],
+            folders: Vec::new(),
+        }
+    }
+
+    /// It is dialed at addresses found or learned, not only at fixed ones.
+    pub fn is_dynamic(&self) -> bool {
+        self.addresses.iter().any(|a| a == DYNAMIC)
+    }
+
+    /// Its fixed addresses (`HOST:PORT`), in config order.
+    pub fn static_addrs(&self) -> impl Iterator<Item = &str> {
+        self.addresses
+            .iter()
+            .filter(|a| *a != DYNAMIC)
+            .map(String::as_str)
+    }
+
+    /// Whether it is ever dialed (it has a fixed address or is dynamic).
+    pub fn is_dialed(&self) -> bool {
+        !self.addresses.is_empty()
+    }
+}
+
+/// A `[[peer]]` as written: `addresses`, or the older single `addr` (`""`: dynamic; a
+/// `HOST:PORT`: that address only).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPeerConfig {
+    #[serde(with = "device_id_text")]
+    id: DeviceId,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    addresses: Option<Vec<String>>,
+    #[serde(default)]
+    addr: Option<String>,
+    #[serde(default)]
+    folders: Vec<FolderId>,
+}
+
+impl TryFrom<RawPeerConfig> for PeerConfig {
+    type Error = String;
+
+    fn try_from(raw: RawPeerConfig) -> Result<PeerConfig, String> {
+        let addresses = match (raw.addresses, raw.addr) {
+            (Some(_), Some(_)) => {
+                return Err(format!(
+                    "peer {} has both `addresses` and the older `addr`: keep `addresses`",
+                    raw.id
+                ))
+            }
+            (Some(list), None) => list,
+            (None, Some(a)) if !a.is_empty() => vec![a],
+            (None, _) => vec![DYNAMIC.to_string()],
+        };
+        Ok(PeerConfig {
+            id: raw.id,
+            name: raw.name,
+            addresses,
+            folders: raw.folders,
+        })
+    }
 }
 
 /// A [`DeviceId`] in the config is the text `meshfs id` prints, not the bytes the wire
@@ -319,6 +451,7 @@ impl Config {
                 listen: listen.to_string(),
             },
             options: Options::default(),
+            discovery: DiscoveryConfig::default(),
             ui: UiConfig::default(),
             folders: Vec::new(),
             peers: Vec::new(),
@@ -343,14 +476,18 @@ impl Config {
         Ok(config)
     }
 
-    /// Writes the config atomically (temp file, fsync, rename).
+    /// Writes the config atomically (temp file, fsync, rename), the owner's alone whatever
+    /// the umask: the file 0600, its directory and the local ignore rules' directory 0700
+    /// (the config names every peer and folder; the ignore files say what is secret).
     pub fn save(&self, home: &Home) -> Result<(), ConfigError> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let path = home.config_file();
         let io = |source| ConfigError::Io {
             path: path.clone(),
             source,
         };
-        std::fs::create_dir_all(&home.config_dir).map_err(io)?;
+        private_dir(&home.config_dir).map_err(io)?;
+        private_dir(&home.local_ignore_dir()).map_err(io)?;
         let text = toml::to_string_pretty(self).map_err(|source| ConfigError::Encode {
             path: path.clone(),
             source,
@@ -358,7 +495,16 @@ impl Config {
         let tmp = home.config_dir.join(".config.toml.tmp");
         {
             use std::io::Write;
-            let mut f = std::fs::File::create(&tmp).map_err(io)?;
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io)?;
+            // The mode given at creation is cut by the umask; 0600 is set whatever it was.
+            f.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(io)?;
             f.write_all(text.as_bytes()).map_err(io)?;
             f.sync_all().map_err(io)?;
         }
@@ -377,6 +523,12 @@ impl Config {
         };
         if self.device.name.trim().is_empty() {
             return Err(invalid("device.name".into(), "must not be empty".into()));
+        }
+        if self.discovery.port == 0 {
+            return Err(invalid(
+                "discovery.port".into(),
+                "must be a UDP port, 1-65535".into(),
+            ));
         }
         if self.device.listen.parse::<SocketAddr>().is_err()
             && !looks_like_host_port(&self.device.listen)
@@ -398,6 +550,14 @@ impl Config {
                 return Err(invalid(
                     format!("folder[{i}].path"),
                     "must be an absolute path".into(),
+                ));
+            }
+            if let Some(u) = f.umask.filter(|u| *u & !0o077 != 0) {
+                return Err(invalid(
+                    format!("folder[{i}].umask"),
+                    format!(
+                        "{u:#o} masks more than group and world bits (write it in octal, e.g. 0o027); the owner's are kept so that meshfs can read and apply every path"
+                    ),
                 ));
             }
             if let Some(own) = home.overlap(&f.path) {
@@ -433,11 +593,13 @@ impl Config {
                     "this peer is listed twice".into(),
                 ));
             }
-            if !p.addr.is_empty() && !looks_like_host_port(&p.addr) {
-                return Err(invalid(
-                    format!("peer[{i}].addr"),
-                    format!("{:?} is not HOST:PORT", p.addr),
-                ));
+            for (j, a) in p.addresses.iter().enumerate() {
+                if a != DYNAMIC && !looks_like_host_port(a) {
+                    return Err(invalid(
+                        format!("peer[{i}].addresses[{j}]"),
+                        format!("{a:?} is neither HOST:PORT nor \"{DYNAMIC}\""),
+                    ));
+                }
             }
             for (j, f) in p.folders.iter().enumerate() {
                 if self.folder(f).is_none() {
@@ -549,6 +711,7 @@ mod tests {
             path: "/tmp/w".into(),
             watch: true,
             mount: None,
+            umask: None,
             allow_other: false,
         });
         c.save(&home).unwrap();
@@ -570,13 +733,13 @@ mod tests {
             path: "/tmp/w".into(),
             watch: true,
             mount: None,
+            umask: None,
             allow_other: false,
         });
         c.peers.push(PeerConfig {
-            id: peer,
             name: "b".into(),
-            addr: String::new(),
             folders: vec![work.clone()],
+            ..PeerConfig::new(peer)
         });
         c.save(&home).unwrap();
         let text = std::fs::read_to_string(home.config_file()).unwrap();
@@ -652,6 +815,7 @@ mod tests {
             path,
             watch: true,
             mount: None,
+            umask: None,
             allow_other: false,
         };
         let mut c = Config::new("a", "127.0.0.1:7788");
@@ -674,6 +838,76 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn a_peer_is_dynamic_unless_given_addresses_and_the_older_addr_still_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        Config::new("a", "127.0.0.1:7788").save(&home).unwrap();
+        let good = std::fs::read_to_string(home.config_file()).unwrap();
+        let peer = DeviceId::from_bytes([9; 32]);
+        let read = |table: &str| {
+            std::fs::write(
+                home.config_file(),
+                format!("{good}\n[[peer]]\nid = \"{peer}\"\n{table}"),
+            )
+            .unwrap();
+            Config::load(&home)
+        };
+        let addresses = |table: &str| read(table).unwrap().peers[0].addresses.clone();
+        assert_eq!(addresses(""), vec!["dynamic"]);
+        assert_eq!(addresses("addr = \"\""), vec!["dynamic"]);
+        assert_eq!(addresses("addr = \"s.lan:7788\""), vec!["s.lan:7788"]);
+        assert_eq!(
+            addresses("addresses = [\"s.lan:7788\", \"dynamic\"]"),
+            vec!["s.lan:7788", "dynamic"]
+        );
+        assert!(addresses("addresses = []").is_empty());
+        let p = read("addresses = [\"10.0.0.1:1\", \"dynamic\"]")
+            .unwrap()
+            .peers[0]
+            .clone();
+        assert!(p.is_dynamic() && p.is_dialed());
+        assert_eq!(p.static_addrs().collect::<Vec<_>>(), vec!["10.0.0.1:1"]);
+        let err = read("addresses = [\"nope\"]").unwrap_err().to_string();
+        assert!(
+            err.contains("peer[0].addresses[0]") && err.contains("\"nope\""),
+            "{err}"
+        );
+        let err = read("addr = \"a:1\"\naddresses = []")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("keep `addresses`"), "{err}");
+        // Written back as `addresses`.
+        let c = read("addr = \"s.lan:7788\"").unwrap();
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(
+            text.contains("addresses = [\"s.lan:7788\"]") && !text.contains("addr ="),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn discovery_is_on_by_default_and_can_be_switched_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        assert!(c.discovery.local);
+        assert_eq!(c.discovery.port, meshfs_protocol::DISCOVERY_PORT);
+        c.discovery.local = false;
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(text.contains("[discovery]\nlocal = false"), "{text}");
+        assert!(!Config::load(&home).unwrap().discovery.local);
+        // A config written before discovery existed reads with it on.
+        std::fs::write(
+            home.config_file(),
+            "[device]\nname = 'a'\nlisten = '127.0.0.1:1'\n",
+        )
+        .unwrap();
+        assert!(Config::load(&home).unwrap().discovery.local);
     }
 
     #[test]

@@ -313,7 +313,15 @@ async fn handle(
             ),
             Line::Text(line) => match Request::parse(&line) {
                 Err(e) => (Reply::failed(e), false),
-                Ok(req) => (answer(&engine, &ui, req, &stop).await, false),
+                Ok(req) => {
+                    let asked = std::time::Instant::now();
+                    let reply = answer(&engine, &ui, req, &stop).await;
+                    // How long the daemon took, apart from the client's own start and the
+                    // socket: `RUST_LOG=meshfs_daemon::control=debug`.
+                    tracing::debug!(request = %line.chars().take(40).collect::<String>(),
+                        ms = asked.elapsed().as_secs_f64() * 1e3, "control request answered");
+                    (reply, false)
+                }
             },
         };
         let mut out = serde_json::to_string(&reply).unwrap_or_else(|e| {

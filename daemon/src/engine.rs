@@ -4,10 +4,12 @@
 //!
 //! Start-up order: open the journal → for each folder: remove leftover temp files, complete
 //! interrupted applies ([`crate::apply::recover_pending`]), scan the whole folder (changes made
-//! while no daemon ran are journaled exactly once), start the watcher → listen → dial peers.
+//! while no daemon ran are journaled exactly once), start the watcher → listen → local
+//! discovery (if on) and the watch on this host's network → dial peers.
 
 use crate::capture::{self, CaptureMsg};
 use crate::config::{Config, Home, Options};
+use crate::discovery::{self, interfaces, netlink};
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::identity::Identity;
 use crate::ignore::IgnoreRules;
@@ -58,18 +60,19 @@ pub struct Engine {
     pub net: Arc<Net>,
     /// Devices allowed to connect.
     pub trust: TrustStore,
-    dialers: Mutex<HashMap<DeviceId, (String, Arc<Notify>)>>,
+    /// Each dialed peer's dial loop.
+    dialers: Mutex<HashMap<DeviceId, Dialer>>,
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
     traffic: Mutex<crate::traffic::Traffic>,
-    /// The journal connection `status` reads through (opened at its first use): WAL lets it
-    /// read beside the engine's writes, so `status` never waits for an apply or a scan that
-    /// holds the engine's connection.
-    status_journal: std::sync::OnceLock<Option<crate::lock::Ranked<Journal>>>,
 }
 
+/// A running dial loop: the peer's addresses it was started for, and its stop signal.
+type Dialer = (Vec<String>, Arc<Notify>);
+
 /// Makes the state directory (keys, journal, staging, control socket) the owner's alone,
-/// and the config file too, whatever modes they had (an older meshfs made them readable).
+/// and the config file, its directory and the local ignore files too, whatever modes they
+/// had (an older meshfs made them readable).
 fn private_state(home: &Home) {
     use std::os::unix::fs::PermissionsExt;
     let set = |p: &std::path::Path, mode: u32| {
@@ -80,7 +83,19 @@ fn private_state(home: &Home) {
         }
     };
     set(&home.state_dir, 0o700);
+    set(&home.config_dir, 0o700);
+    set(&home.local_ignore_dir(), 0o700);
     set(&home.config_file(), 0o600);
+    // The local ignore files say what is secret; they are the user's, written by hand.
+    for e in std::fs::read_dir(home.local_ignore_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if e.file_type().is_ok_and(|t| t.is_file()) {
+            set(&e.path(), 0o600);
+        }
+    }
 }
 
 impl Engine {
@@ -103,10 +118,12 @@ impl Engine {
         let folders = Arc::new(Folders::new(
             identity.device_id,
             journal,
-            home.config_dir.join("ignore"),
+            home.local_ignore_dir(),
         ));
         let first = config.clone();
         let config = Arc::new(RwLock::new(config));
+        let addresses =
+            discovery::Addresses::new(Some(discovery::remembered::file(&home.state_dir)));
         let net = Arc::new(Net {
             folders: folders.clone(),
             config: config.clone(),
@@ -116,8 +133,14 @@ impl Engine {
             endpoint: endpoint.clone(),
             stopping,
             shutdown: Notify::new(),
+            addresses,
+            network: watch::channel(0).0,
+            seeking: watch::channel(Default::default()).0,
+            link_addrs: watch::channel(Default::default()).0,
+            lan: Mutex::new(None),
             receivers: Default::default(),
         });
+        net.seeking.send_replace(net.dynamic_peers());
         let engine = Arc::new(Engine {
             device: identity.device_id,
             short: identity.device_id.short(),
@@ -129,7 +152,6 @@ impl Engine {
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
             traffic: Mutex::default(),
-            status_journal: std::sync::OnceLock::new(),
         });
         for f in &first.folders {
             engine.start_folder(f).await?;
@@ -154,6 +176,8 @@ impl Engine {
         tokio::spawn(peers::accept_loop(engine.net.clone(), endpoint));
         tokio::spawn(retention_loop(engine.clone()));
         tokio::spawn(traffic_loop(engine.clone()));
+        tokio::spawn(network_loop(engine.clone()));
+        engine.sync_discovery(None);
         engine.sync_dialers();
         tracing::info!(device = %engine.device, listen = %listen, "meshfs daemon running");
         Ok(engine)
@@ -330,6 +354,7 @@ impl Engine {
         let store = Store::open_staged(&f.path, &self.home.staging_dir(&id))
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
         store.set_device(self.folders.short);
+        store.set_umask(f.umask());
         let removed = store.remove_temps();
         if removed > 0 {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
@@ -427,16 +452,68 @@ impl Engine {
         Ok(())
     }
 
-    /// Starts/stops dial loops so that every configured peer with an address has one.
+    /// Starts or stops local discovery as `[discovery]` says (`before`: the config it ran
+    /// with, `None` at start).
+    fn sync_discovery(self: &Arc<Self>, before: Option<&crate::config::DiscoveryConfig>) {
+        let now = self.config().discovery;
+        if before == Some(&now) {
+            return;
+        }
+        let Ok(mut slot) = self.net.lan.lock() else {
+            return;
+        };
+        if let Some(old) = slot.take() {
+            old.stop();
+        }
+        if !now.local {
+            tracing::info!("local discovery is off: nothing is announced or listened for");
+            return;
+        }
+        let quic = match self.net.endpoint.local_addr() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "local discovery not started: the endpoint has no address");
+                return;
+            }
+        };
+        // No device on a network can reach an endpoint on loopback: nothing to announce.
+        if quic.ip().is_loopback() {
+            tracing::info!(listen = %quic, "local discovery not started: listening on loopback only");
+            return;
+        }
+        let setup = discovery::lan::LanSetup {
+            device: self.device,
+            port: now.port,
+            quic,
+        };
+        let net = Arc::downgrade(&self.net);
+        let hook: discovery::lan::Hook = Arc::new(move |a, from| {
+            if let Some(net) = net.upgrade() {
+                net.heard(a, from);
+            }
+        });
+        match discovery::lan::start(setup, hook, self.net.stopping.subscribe()) {
+            Ok(lan) => {
+                tracing::info!(port = now.port, "local discovery on");
+                *slot = Some(lan);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "local discovery not started; peers are dialed at the addresses otherwise known")
+            }
+        }
+    }
+
+    /// Starts/stops dial loops so that every configured peer that is dialed (a fixed address
+    /// or `dynamic`) has one.
     fn sync_dialers(self: &Arc<Self>) {
         let config = self.config();
         let Ok(mut dialers) = self.dialers.lock() else {
             return;
         };
-        let mut wanted: HashMap<DeviceId, String> = HashMap::new();
+        let mut wanted: HashMap<DeviceId, Vec<String>> = HashMap::new();
         for p in &config.peers {
-            if !p.addr.is_empty() {
-                wanted.insert(p.id, p.addr.clone());
+            if p.is_dialed() {
+                wanted.insert(p.id, p.addresses.clone());
             }
         }
         dialers.retain(|id, (addr, stop)| {
@@ -449,8 +526,8 @@ impl Engine {
         for (id, addr) in wanted {
             if let std::collections::hash_map::Entry::Vacant(slot) = dialers.entry(id) {
                 let stop = Arc::new(Notify::new());
-                slot.insert((addr.clone(), stop.clone()));
-                tokio::spawn(peers::dial_loop(self.net.clone(), id, addr, stop));
+                slot.insert((addr, stop.clone()));
+                tokio::spawn(crate::dialer::dial_loop(self.net.clone(), id, stop));
             }
         }
     }
@@ -497,6 +574,16 @@ impl Engine {
                 conn.close(2u32.into(), b"configuration changed");
             }
         }
+        let dynamic = self.net.dynamic_peers();
+        self.net
+            .addresses
+            .retain(|d| dynamic.contains(d) || new.peer(d).is_some());
+        self.net.seeking.send_if_modified(|s| {
+            let changed = *s != dynamic;
+            *s = dynamic;
+            changed
+        });
+        self.sync_discovery(Some(&old.discovery));
         self.sync_dialers();
         Ok(())
     }
@@ -576,27 +663,17 @@ impl Engine {
     /// The daemon's state as the `status --json` document: gathers a snapshot, and
     /// [`crate::status::build`] decides what it means.
     pub fn status(&self) -> crate::status::Status {
-        // Through its own connection, never the engine's (which an apply or a scan holds for as
+        // Through a reader, never the engine's writer (which an apply or a scan holds for as
         // long as its disk work takes); the journal first, and not under the peers lock.
-        let own = self.status_journal.get_or_init(|| {
-            match Journal::open_reader(&self.home.journal_file()) {
-                Ok(j) => Some(crate::lock::Ranked::new(
-                    crate::lock::Rank::Journal,
-                    "status journal",
-                    j,
-                )),
-                Err(e) => {
-                    tracing::warn!(error = %e, "status reads through the engine's journal connection");
-                    None
-                }
+        match self.folders.reader() {
+            Ok(j) => self.status_with(|folders| journaled(&j, folders)),
+            Err(e) => {
+                tracing::warn!(error = %e, "status reads through the engine's journal connection");
+                self.status_with(|folders| match self.folders.journal_lock() {
+                    Ok(j) => journaled(&j, folders),
+                    Err(_) => vec![Default::default(); folders.len()],
+                })
             }
-        });
-        match own {
-            Some(j) => self.status_with(|folders| journaled(&j.lock_anyway(), folders)),
-            None => self.status_with(|folders| match self.folders.journal_lock() {
-                Ok(j) => journaled(&j, folders),
-                Err(_) => vec![Default::default(); folders.len()],
-            }),
         }
     }
 
@@ -658,6 +735,13 @@ impl Engine {
             .peers
             .iter()
             .map(|p| PeerSnapshot {
+                address: peers.as_ref().and_then(|x| x.link(&p.id)).map(|l| {
+                    (
+                        discovery::book::canonical(l.conn.remote_address()),
+                        l.source,
+                    )
+                }),
+                candidates: self.net.addresses.candidates(&p.id),
                 config: p.clone(),
                 rtt: peers.as_ref().and_then(|x| x.stats(&p.id)).map(|s| s.rtt),
                 last_seen_unix: peers
@@ -676,6 +760,22 @@ impl Engine {
         let bytes = traffic.as_ref().map_or((0, 0), |t| t.totals());
         drop((traffic, peers));
         let uptime_secs = self.started.elapsed().as_secs();
+        let lan = self.net.lan.lock().ok().and_then(|l| l.clone());
+        let counted = |f: fn(&discovery::lan::LanStats) -> &std::sync::atomic::AtomicU64| {
+            lan.as_ref().map_or(0, |l| {
+                f(&l.stats).load(std::sync::atomic::Ordering::Relaxed)
+            })
+        };
+        let discovery = crate::status::DiscoveryStatus {
+            local: lan.is_some(),
+            port: config.discovery.port,
+            sent: counted(|s| &s.sent),
+            received: counted(|s| &s.received),
+            limited: counted(|s| &s.limited),
+            refused: counted(|s| &s.refused),
+            heard: counted(|s| &s.heard),
+            known_addresses: self.net.addresses.len(),
+        };
         crate::status::build(Snapshot {
             device: DeviceSnapshot {
                 id: self.device,
@@ -683,6 +783,7 @@ impl Engine {
                 listen: config.device.listen,
                 uptime_secs,
                 started_unix: crate::folder::now_secs().saturating_sub(uptime_secs),
+                discovery,
             },
             folders,
             peers: peer_snapshots,
@@ -726,6 +827,7 @@ async fn traffic_loop(engine: Arc<Engine>) {
         // Registered before looking, so a link that comes meanwhile wakes the next round.
         changed.as_mut().enable();
         engine.observe_traffic();
+        engine.net.observe_links();
         if last_tick.elapsed() >= Duration::from_secs(1) {
             last_tick = Instant::now();
             engine.tick_progress();
@@ -745,6 +847,52 @@ async fn traffic_loop(engine: Arc<Engine>) {
             _ = changed => {}
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             _ = stopping.changed() => return,
+        }
+    }
+}
+
+/// Watches this host's network (netlink; polling the interfaces where it is unavailable) and
+/// tells the peers when it changes: the addresses that went away, or that routes changed
+/// ([`crate::dialer::network_changed`]).
+async fn network_loop(engine: Arc<Engine>) {
+    let mut stopping = engine.net.stopping.subscribe();
+    let mut known = interfaces::local_ips();
+    let mut watch = match netlink::Watch::new() {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch this host's network (netlink); its addresses are compared every {} s", netlink::POLL.as_secs());
+            None
+        }
+    };
+    loop {
+        let routes = match &mut watch {
+            Some(w) => tokio::select! {
+                c = w.next() => match c {
+                    Ok(c) => c.routes,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "netlink watch failed; comparing addresses every {} s instead", netlink::POLL.as_secs());
+                        watch = None;
+                        continue;
+                    }
+                },
+                _ = stopping.changed() => return,
+            },
+            None => tokio::select! {
+                _ = tokio::time::sleep(netlink::POLL) => false,
+                _ = stopping.changed() => return,
+            },
+        };
+        let now = interfaces::local_ips();
+        let gone: std::collections::BTreeSet<std::net::IpAddr> =
+            known.difference(&now).copied().collect();
+        let addresses_changed = now != known;
+        if addresses_changed {
+            let added: Vec<_> = now.difference(&known).collect();
+            tracing::info!(?gone, ?added, "this host's addresses changed");
+        }
+        known = now;
+        if addresses_changed || routes {
+            crate::dialer::network_changed(&engine.net, &gone, addresses_changed);
         }
     }
 }

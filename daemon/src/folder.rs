@@ -440,26 +440,42 @@ pub struct Folders {
     pub device: DeviceId,
     /// Its short id (version-vector key).
     pub short: ShortId,
-    /// The journal (blocking calls; never held across an await).
+    /// The journal (blocking calls; never held across an await): the writer.
     journal: Ranked<Journal>,
+    /// Read-only connections to the same database, idle ([`Folders::reader`]).
+    readers: Ranked<Vec<Journal>>,
+    /// The database's path.
+    journal_path: PathBuf,
     map: RwLock<HashMap<FolderId, Arc<FolderRt>>>,
     /// A folder's journal gained entries (local or applied remote changes).
     pub changes: broadcast::Sender<FolderId>,
     /// Where local ignore files live (`CONFIG_DIR/ignore`).
     ignore_dir: PathBuf,
+    /// Disk room promised to remote versions being received, on every folder's filesystem.
+    pub room: Arc<crate::room::Room>,
+    /// The journal's filesystem: its growth is claimed there.
+    pub journal_place: Option<crate::room::Place>,
 }
 
 impl Folders {
     /// The folders of `device`, none running yet.
     pub fn new(device: DeviceId, journal: Journal, ignore_dir: PathBuf) -> Folders {
         let (changes, _) = broadcast::channel(4096);
+        let journal_place = journal
+            .path()
+            .parent()
+            .and_then(|d| crate::room::Place::of(d).ok());
         Folders {
             device,
             short: device.short(),
+            readers: Ranked::new(Rank::Leaf, "idle readers", Vec::new()),
+            journal_path: journal.path().to_path_buf(),
             journal: Ranked::new(Rank::Journal, "journal", journal),
             map: RwLock::new(HashMap::new()),
             changes,
             ignore_dir,
+            room: crate::room::Room::new(crate::store::space),
+            journal_place,
         }
     }
 
@@ -468,6 +484,23 @@ impl Folders {
         self.journal
             .lock()
             .map_err(|_| FolderError::Poisoned("journal"))
+    }
+
+    /// A connection that only reads the journal, beside the writer ([`Folders::journal`]): WAL
+    /// lets it read while the writer writes, so a long read (a scan comparing a folder, a
+    /// session reading what to send) never waits for an apply or a scan of another folder, and
+    /// they never wait for it. From a pool (one is opened when none is idle); back to it when
+    /// dropped.
+    pub fn reader(&self) -> Result<Reader<'_>, FolderError> {
+        let idle = self.readers.lock_anyway().pop();
+        let journal = match idle {
+            Some(j) => j,
+            None => Journal::open_reader(&self.journal_path)?,
+        };
+        Ok(Reader {
+            pool: &self.readers,
+            journal: Some(journal),
+        })
     }
 
     /// The journal's lock as it is (for callers that tell a poisoned lock apart themselves).
@@ -530,6 +563,22 @@ impl Folders {
         self.ignore_dir.join(folder.as_str())
     }
 
+    /// Reads `rt`'s ignore files again ([`IgnoreRules::reload`]): a shared file that does not
+    /// compile keeps the shared rules in force and is shown as the folder's last error.
+    pub fn reload_ignore(&self, rt: &FolderRt) {
+        let local = self.local_ignore(&rt.id);
+        let problem = match rt.ignore.write() {
+            Ok(mut ig) => {
+                ig.reload(rt.store.root(), Some(&local));
+                ig.problem().map(str::to_string)
+            }
+            Err(_) => None,
+        };
+        if let Some(p) = problem {
+            rt.last_error.set(p);
+        }
+    }
+
     /// Tells sessions that `folder`'s journal gained entries, or that its first scan moved on.
     pub fn changes_notify(&self, folder: &FolderId) {
         let _ = self.changes.send(folder.clone());
@@ -557,9 +606,7 @@ impl Folders {
                 .iter()
                 .any(|p| p.as_str() == crate::ignore::IGNORE_FILE)
         {
-            if let Ok(mut ig) = rt.ignore.write() {
-                *ig = IgnoreRules::load(rt.store.root(), Some(&self.local_ignore(&rt.id)));
-            }
+            self.reload_ignore(&rt);
         }
         let _guard = rt
             .op_lock
@@ -614,7 +661,13 @@ impl Folders {
                 rt.first_scan.hashed(0, 0, 0);
                 report?
             } else {
-                scanner::scan(&target, &j, paths)?
+                // Compared through a connection that only reads: hashing what changed never
+                // holds the writer that other folders' applies and captures need. This folder's
+                // records cannot change meanwhile (its lock is held).
+                drop(j);
+                let mut reader = self.reader()?;
+                reader.begin_reads();
+                scanner::scan(&target, &reader, paths)?
             }
         };
         let scanned = t0.elapsed();
@@ -669,6 +722,46 @@ fn commit_in_batches(
         changes = rest;
     }
     Ok(())
+}
+
+/// A journal connection that reads, from [`Folders::reader`]; back in the pool when dropped.
+pub struct Reader<'a> {
+    pool: &'a Ranked<Vec<Journal>>,
+    journal: Option<Journal>,
+}
+
+/// Idle readers kept at most.
+const IDLE_READERS: usize = 4;
+
+impl std::ops::Deref for Reader<'_> {
+    type Target = Journal;
+    fn deref(&self) -> &Journal {
+        match &self.journal {
+            Some(j) => j,
+            None => unreachable!("a reader holds its connection until it is dropped"),
+        }
+    }
+}
+
+impl std::ops::DerefMut for Reader<'_> {
+    fn deref_mut(&mut self) -> &mut Journal {
+        match &mut self.journal {
+            Some(j) => j,
+            None => unreachable!("a reader holds its connection until it is dropped"),
+        }
+    }
+}
+
+impl Drop for Reader<'_> {
+    fn drop(&mut self) {
+        if let Some(mut j) = self.journal.take() {
+            j.end_reads();
+            let mut idle = self.pool.lock_anyway();
+            if idle.len() < IDLE_READERS {
+                idle.push(j);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

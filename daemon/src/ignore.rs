@@ -11,6 +11,7 @@
 //! read), only if it is a regular file, and at most [`MAX_IGNORE_BYTES`].
 
 use ignore::gitignore::{Gitignore, GitignoreBuilder};
+use ignore::Match;
 use meshfs_protocol::RelPath;
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
@@ -21,10 +22,19 @@ pub const IGNORE_FILE: &str = ".meshignore";
 /// Largest ignore file read; the rest is ignored with a warning.
 pub const MAX_IGNORE_BYTES: u64 = 1 << 20;
 
-/// A folder's ignore rules.
+/// A folder's ignore rules: the local file's and the shared file's, each compiled on its own.
+///
+/// A peer writes the shared file, so nothing in it can weaken the local rules: they are
+/// matched first, and what they ignore (or explicitly keep, `!pattern`) is decided there. A
+/// shared file that does not compile (globset refuses a pattern set whose regular
+/// expression outgrows its limit: a megabyte of distinct wildcard lines) is reported, and the
+/// shared rules in force before it stay.
 #[derive(Debug)]
 pub struct IgnoreRules {
-    matcher: Gitignore,
+    local: Gitignore,
+    shared: Gitignore,
+    /// Why the last load kept older rules (or none) for one of the files, if it did.
+    problem: Option<String>,
 }
 
 /// Why an ignore file's rules are not applied.
@@ -51,6 +61,16 @@ pub enum IgnoreFileError {
         path: PathBuf,
         /// The cause.
         source: std::io::Error,
+    },
+    /// Its patterns could not be compiled together.
+    #[error("ignore file {path} could not be compiled ({reason}); {kept}")]
+    Compile {
+        /// The file.
+        path: PathBuf,
+        /// The compiler's words.
+        reason: String,
+        /// What applies instead.
+        kept: &'static str,
     },
 }
 
@@ -92,49 +112,112 @@ fn read_rules(file: &Path) -> Result<Option<String>, IgnoreFileError> {
     Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
 }
 
+/// The rules of one ignore file, compiled alone: `Ok(None)` when there is no such file.
+/// Bad lines are skipped with a warning.
+fn compile(root: &Path, file: &Path) -> Result<Option<Gitignore>, (IgnoreFileError, bool)> {
+    let text = match read_rules(file) {
+        Ok(Some(text)) => text,
+        Ok(None) => return Ok(None),
+        // A file that is not there as a regular file has no rules: that is what it says.
+        Err(e) => return Err((e, false)),
+    };
+    let mut b = GitignoreBuilder::new(root);
+    for line in text.lines() {
+        if let Err(e) = b.add_line(Some(file.to_path_buf()), line) {
+            tracing::warn!(file = %file.display(), error = %e, "an ignore line was skipped");
+        }
+    }
+    b.build().map(Some).map_err(|e| {
+        let e = IgnoreFileError::Compile {
+            path: file.to_path_buf(),
+            reason: e.to_string(),
+            kept: "",
+        };
+        (e, true)
+    })
+}
+
 impl IgnoreRules {
     /// Loads `root/.meshignore` and the local `local` file (either may be missing: nothing
-    /// ignored). Bad lines are skipped with a warning.
+    /// ignored). Bad lines are skipped with a warning; a file that does not compile applies
+    /// no rules (see [`IgnoreRules::reload`] for keeping older ones).
     pub fn load(root: &Path, local: Option<&Path>) -> IgnoreRules {
-        let mut b = GitignoreBuilder::new(root);
+        let mut rules = IgnoreRules::none();
+        rules.reload(root, local);
+        rules
+    }
+
+    /// Reads both files again. A file that cannot be compiled leaves its rules as they were
+    /// (none at the first load) and says so in the log and in [`IgnoreRules::problem`]; one
+    /// that is missing, a symlink or not a regular file has no rules.
+    pub fn reload(&mut self, root: &Path, local: Option<&Path>) {
+        self.problem = None;
         let shared = root.join(IGNORE_FILE);
-        for file in std::iter::once(shared.as_path()).chain(local) {
-            let text = match read_rules(file) {
-                Ok(Some(text)) => text,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(error = %e, "ignore file skipped");
-                    continue;
+        match compile(root, &shared) {
+            Ok(g) => self.shared = g.unwrap_or_else(Gitignore::empty),
+            Err((e, compiled)) => {
+                if !compiled {
+                    self.shared = Gitignore::empty();
                 }
-            };
-            for line in text.lines() {
-                if let Err(e) = b.add_line(Some(file.to_path_buf()), line) {
-                    tracing::warn!(file = %file.display(), error = %e, "an ignore line was skipped");
+                self.note(e, "the shared rules in force before it stay");
+            }
+        }
+        if let Some(local) = local {
+            match compile(root, local) {
+                Ok(g) => self.local = g.unwrap_or_else(Gitignore::empty),
+                Err((e, compiled)) => {
+                    if !compiled {
+                        self.local = Gitignore::empty();
+                    }
+                    self.note(e, "the local rules in force before it stay");
                 }
             }
         }
-        let matcher = b.build().unwrap_or_else(|e| {
-            tracing::warn!(folder = %root.display(), error = %e, "ignore rules not applied");
-            Gitignore::empty()
-        });
-        IgnoreRules { matcher }
+    }
+
+    fn note(&mut self, e: IgnoreFileError, kept: &'static str) {
+        let e = match e {
+            IgnoreFileError::Compile { path, reason, .. } => {
+                IgnoreFileError::Compile { path, reason, kept }
+            }
+            other => other,
+        };
+        tracing::warn!(error = %e, "ignore file skipped");
+        self.problem = Some(e.to_string());
+    }
+
+    /// Why the last load could not apply a file as it is, if it could not.
+    pub fn problem(&self) -> Option<&str> {
+        self.problem.as_deref()
     }
 
     /// No rules.
     pub fn none() -> IgnoreRules {
         IgnoreRules {
-            matcher: Gitignore::empty(),
+            local: Gitignore::empty(),
+            shared: Gitignore::empty(),
+            problem: None,
         }
     }
 
-    /// Whether `path` (or one of its parents) is ignored.
+    /// Whether `path` (or one of its parents) is ignored: by the local rules if they say
+    /// anything of it (`!pattern` there keeps what the shared rules ignore), else by the
+    /// shared rules.
     pub fn is_ignored(&self, path: &RelPath, is_dir: bool) -> bool {
         if path.as_str() == IGNORE_FILE {
             return false;
         }
-        self.matcher
+        match self
+            .local
             .matched_path_or_any_parents(path.as_str(), is_dir)
-            .is_ignore()
+        {
+            Match::Ignore(_) => true,
+            Match::Whitelist(_) => false,
+            Match::None => self
+                .shared
+                .matched_path_or_any_parents(path.as_str(), is_dir)
+                .is_ignore(),
+        }
     }
 }
 
@@ -198,5 +281,63 @@ mod tests {
         assert!(rules.is_ignored(&p("x.tmp"), false));
         assert!(rules.is_ignored(&p("secrets/key"), false));
         assert!(!rules.is_ignored(&p("notes.md"), false));
+    }
+
+    /// A megabyte of distinct wildcard lines: more than globset compiles into one matcher.
+    pub(crate) fn uncompilable() -> String {
+        let mut text = String::new();
+        let mut i = 0u64;
+        while text.len() < MAX_IGNORE_BYTES as usize - 64 {
+            text.push_str(&format!("*{i:x}*?[a-f]{}*\n", i * 7919));
+            i += 1;
+        }
+        text
+    }
+
+    #[test]
+    fn local_rules_hold_and_older_shared_ones_stay_when_a_shared_file_does_not_compile() {
+        let d = tempfile::tempdir().unwrap();
+        let local = d.path().join("local-ignore");
+        std::fs::write(&local, "secret*\n").unwrap();
+        std::fs::write(d.path().join(IGNORE_FILE), "*.tmp\n").unwrap();
+        let mut rules = IgnoreRules::load(d.path(), Some(&local));
+        assert!(rules.problem().is_none());
+        std::fs::write(d.path().join(IGNORE_FILE), uncompilable()).unwrap();
+        let t0 = std::time::Instant::now();
+        rules.reload(d.path(), Some(&local));
+        eprintln!("a shared file that does not compile: {:?}", t0.elapsed());
+        let problem = rules
+            .problem()
+            .expect("the failure is reported")
+            .to_string();
+        assert!(problem.contains("could not be compiled"), "{problem}");
+        assert!(problem.contains("in force before it stay"), "{problem}");
+        assert!(
+            rules.is_ignored(&p("secret.key"), false),
+            "the local rules hold"
+        );
+        assert!(
+            rules.is_ignored(&p("x.tmp"), false),
+            "the older shared rules stay"
+        );
+        // Loaded fresh, the same files: the local rules alone.
+        let fresh = IgnoreRules::load(d.path(), Some(&local));
+        assert!(fresh.is_ignored(&p("secret.key"), false));
+        assert!(!fresh.is_ignored(&p("x.tmp"), false));
+    }
+
+    #[test]
+    fn a_shared_negation_cannot_keep_what_the_local_rules_ignore() {
+        let d = tempfile::tempdir().unwrap();
+        let local = d.path().join("local-ignore");
+        std::fs::write(&local, "secret*\n!keep.log\n").unwrap();
+        std::fs::write(d.path().join(IGNORE_FILE), "!secret.key\n*.log\n").unwrap();
+        let rules = IgnoreRules::load(d.path(), Some(&local));
+        assert!(rules.is_ignored(&p("secret.key"), false));
+        assert!(rules.is_ignored(&p("other.log"), false));
+        assert!(
+            !rules.is_ignored(&p("keep.log"), false),
+            "a local negation keeps it"
+        );
     }
 }

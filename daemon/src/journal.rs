@@ -391,6 +391,24 @@ fn now_ns() -> i64 {
         .unwrap_or(0)
 }
 
+/// Chunks shorter than this are indexed only as a file's last chunk: the chunker never cuts
+/// one shorter anywhere else (D8's smallest minimum), so only a peer's crafted chunk list has
+/// them, and copying a few bytes locally saves nothing over fetching them.
+pub const INDEXED_FROM: u32 = 16 << 10;
+
+/// The chunks of a live file's record that the chunk index holds, with their offsets: each
+/// distinct chunk once (its first place is enough to copy or serve it from), and of those
+/// shorter than [`INDEXED_FROM`] only the last. A peer's record listing one byte half a
+/// million times costs one row, not half a million, and so does its lookup.
+pub fn indexed_chunks(rec: &FileRecord) -> impl Iterator<Item = (u64, &meshfs_protocol::Chunk)> {
+    let last = rec.chunks.len().saturating_sub(1);
+    let mut seen = std::collections::HashSet::new();
+    rec.chunk_offsets()
+        .enumerate()
+        .filter(move |(i, (_, c))| (c.len >= INDEXED_FROM || *i == last) && seen.insert(c.hash))
+        .map(|(_, oc)| oc)
+}
+
 /// The chunk index's key for a hash: its first 8 bytes (see the schema).
 fn hash_key(hash: &Hash) -> i64 {
     let mut b = [0u8; 8];
@@ -810,6 +828,12 @@ impl Journal {
     /// is missing.
     pub fn folder(&mut self, folder: &FolderId) -> Result<FolderState> {
         self.write(|tx| Ok(ensure_folder(tx, folder)?.1))
+    }
+
+    /// A folder's identity and sequence counter as the journal has them, without creating the
+    /// folder (`None` for one it has nothing of): for connections that only read.
+    pub fn folder_state(&self, folder: &FolderId) -> Result<Option<FolderState>> {
+        self.read(|c| Ok(lookup_folder(c, folder)?.map(|(_, st)| st)))
     }
 
     /// Every folder in the journal, ordered by folder id.
@@ -1817,9 +1841,9 @@ impl<'c> Commit<'c> {
         Ok(())
     }
 
-    /// Adds the chunk-index rows of record `record_id` (a live file).
+    /// Adds the chunk-index rows of record `record_id` (a live file): [`indexed_chunks`].
     fn add_chunks(&mut self, rec: &FileRecord, record_id: i64) -> Result<()> {
-        for (offset, chunk) in rec.chunk_offsets() {
+        for (offset, chunk) in indexed_chunks(rec) {
             self.add_chunk.execute(params![
                 record_id,
                 to_i64(offset),

@@ -8,7 +8,8 @@
 //! 2. [`Rank::Journal`]: the journal's connection (`Folders::journal`);
 //! 3. [`Rank::Peers`]: the registry of connected peers (`Net::peers`);
 //! 4. [`Rank::Leaf`]: the small state a folder keeps (deferred and skipped versions, the
-//!    capture queue, the mount…): held for a few instructions, never while taking another.
+//!    capture queue, the mount…) and the address book (`discovery::Addresses`): held for a few
+//!    instructions, never while taking another.
 //!
 //! In a debug build (every test), taking a lock out of order panics with both locks' names, so
 //! a deadlock that a rare interleaving would need is found by any test that takes that path

@@ -5,29 +5,32 @@
 //! connections; both keep the one dialed by the larger device id and close the other, so the
 //! choice is the same on both ends without another round trip and no dial waits on a timer.
 //!
+//! Where to dial a peer, and what a move of this host does to its connections, is
+//! [`crate::dialer`]'s; this module keeps what each peer's addresses are learned from: the
+//! connections it holds (the address of each, told to the peers that seek it) and what other
+//! peers and the LAN say ([`Net::heard`], protocol 8's `Addresses`).
+//!
 //! The session logic (what to send, when a folder is in sync) lives in [`meshfs_sync::session`]; this
 //! module only moves its messages and runs the applies it asks for.
 
 use crate::apply;
 use crate::chunks::{self, Inline, SERVED_AT_ONCE};
 use crate::config::{Config, Options};
-use crate::folder::Folders;
-use crate::journal::Journal;
+use crate::discovery::book::Source;
+use crate::discovery::{self, Addresses};
+use crate::folder::{Folders, Reader};
 use crate::last_error::LastError;
 use crate::transport::{self, LinkStats};
-use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message, ShortId};
+use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message, ShortId, WireAddr};
 use meshfs_sync::reconcile::ReadError;
 use meshfs_sync::session::{
     Action, FolderSyncStatus, IndexSource, ScanCounts, Session, SessionFolder,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch, Notify};
-
-/// How long a redial (after a failed dial) waits for the handshake before starting over.
-const RETRY_ATTEMPT: Duration = Duration::from_millis(1500);
 
 /// What the peers share with the engine: the folders they sync, the config they read, the
 /// registry of connections and the endpoint. The engine holds one and wires it to the
@@ -52,6 +55,18 @@ pub struct Net {
     pub stopping: watch::Sender<bool>,
     /// Woken at shutdown (sessions say goodbye).
     pub shutdown: Notify,
+    /// Where each trusted device may be reached (`discovery`).
+    pub addresses: Arc<Addresses>,
+    /// Bumped when this host's network changed: every dial loop starts over at once.
+    pub network: watch::Sender<u64>,
+    /// The devices this one dials wherever they are found (its `dynamic` peers): each session
+    /// asks its peer where they are (`Seek`).
+    pub seeking: watch::Sender<BTreeSet<DeviceId>>,
+    /// The address of each connected peer's connection (where its packets come from), told to
+    /// the peers that seek it (`Addresses`).
+    pub link_addrs: watch::Sender<BTreeMap<DeviceId, SocketAddr>>,
+    /// Local discovery, when it runs.
+    pub lan: Mutex<Option<Arc<discovery::lan::Lan>>>,
     /// Each running folder's receive pipeline: sessions hand their batches to it.
     pub receivers: RwLock<HashMap<FolderId, apply::Receiver>>,
 }
@@ -106,6 +121,125 @@ impl Net {
         }
     }
 
+    /// The peer's `[[peer]]` entry, if it is configured.
+    pub fn peer_config(&self, peer: &DeviceId) -> Option<crate::config::PeerConfig> {
+        self.config.read().ok()?.peer(peer).cloned()
+    }
+
+    /// The devices to seek: the configured peers dialed wherever they are found.
+    pub fn dynamic_peers(&self) -> BTreeSet<DeviceId> {
+        self.config
+            .read()
+            .map(|c| {
+                c.peers
+                    .iter()
+                    .filter(|p| p.is_dynamic())
+                    .map(|p| p.id)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Another device's announcement, heard on a local network from `from`: its addresses
+    /// become candidates if it is a peer dialed wherever it is found (anything else is
+    /// ignored). Only a hint: see `discovery`.
+    pub fn heard(&self, a: meshfs_protocol::Announcement, from: SocketAddr) {
+        if !self.peer_config(&a.device).is_some_and(|p| p.is_dynamic()) {
+            return;
+        }
+        // The sender's own address, with the announced port (and, for an IPv6 link-local
+        // source, the interface it came in on).
+        let sender = match from {
+            SocketAddr::V6(v6) => SocketAddr::V6(std::net::SocketAddrV6::new(
+                *v6.ip(),
+                a.port,
+                0,
+                v6.scope_id(),
+            )),
+            SocketAddr::V4(v4) => SocketAddr::new((*v4.ip()).into(), a.port),
+        };
+        let addrs =
+            std::iter::once(sender).chain(a.addrs.iter().map(|ip| SocketAddr::new(*ip, a.port)));
+        let mut new = 0;
+        for addr in addrs {
+            new += usize::from(self.addresses.learn(a.device, addr, Source::Lan));
+        }
+        if new > 0 {
+            tracing::debug!(peer = %a.device.short(), %from, new, "heard a peer on the LAN");
+        }
+    }
+
+    /// A peer said where a device this one seeks is.
+    fn learned_from(&self, peer: &DeviceId, list: meshfs_protocol::AddressList) {
+        if !self
+            .peer_config(&list.device)
+            .is_some_and(|p| p.is_dynamic())
+        {
+            return;
+        }
+        for a in list.addrs {
+            if self
+                .addresses
+                .learn(list.device, a.socket_addr(), Source::Peer)
+            {
+                tracing::debug!(device = %list.device.short(), via = %peer.short(), addr = %a.socket_addr(), "learned an address from a peer");
+            }
+        }
+    }
+
+    /// Compares each connection's address with the one published; a connection that moved
+    /// (QUIC migration) is published anew and its address learned. Called about once a second.
+    pub fn observe_links(&self) {
+        let now: BTreeMap<DeviceId, SocketAddr> = match self.peers.lock() {
+            Ok(p) => p
+                .links
+                .iter()
+                .map(|(d, l)| (*d, discovery::book::canonical(l.conn.remote_address())))
+                .collect(),
+            Err(_) => return,
+        };
+        let moved: Vec<(DeviceId, SocketAddr)> = {
+            let before = self.link_addrs.borrow();
+            now.iter()
+                .filter(|(d, a)| before.get(d).is_some_and(|b| b != *a))
+                .map(|(d, a)| (*d, *a))
+                .collect()
+        };
+        for (d, a) in &moved {
+            tracing::info!(peer = %d.short(), addr = %a, "peer's connection moved");
+            self.addresses.learn(*d, *a, Source::Incoming);
+            self.addresses.worked(*d, *a);
+        }
+        self.link_addrs.send_if_modified(|l| {
+            let changed = *l != now;
+            *l = now;
+            changed
+        });
+    }
+
+    /// Whether `peer` has a live connection.
+    pub fn is_connected(&self, peer: &DeviceId) -> bool {
+        self.peers
+            .lock()
+            .map(|p| p.links.contains_key(peer))
+            .unwrap_or(false)
+    }
+
+    /// The connections the peers dialed (this device accepted them).
+    pub fn accepted(&self) -> Vec<(DeviceId, quinn::Connection)> {
+        let me = self.folders.device;
+        self.peers
+            .lock()
+            .map(|p| {
+                p.links
+                    .iter()
+                    .filter(|(_, l)| l.dialer != me)
+                    .map(|(d, l)| (*d, l.conn.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// The connection to each connected peer.
     pub fn links(&self) -> Vec<(DeviceId, quinn::Connection)> {
         self.peers
@@ -133,6 +267,9 @@ pub struct PeerLink {
     pub serial: u64,
     /// The peer process's instance nonce (`transport::instance` on its side).
     pub instance: u64,
+    /// How the address of this connection was learned: the candidate dialed, or
+    /// [`Source::Incoming`] for one the peer dialed.
+    pub source: Source,
 }
 
 /// The devices connected now, with the folders each one's session exchanges (see [`Net::links`]).
@@ -191,8 +328,14 @@ impl Peers {
 }
 
 /// Registers a new connection, resolving duplicates. Returns the link to run a session on, or
-/// `None` when the new connection lost to an existing one (it is closed).
-fn register(net: &Net, est: transport::Established, dialer: DeviceId) -> Option<PeerLink> {
+/// `None` when the new connection lost to an existing one (it is closed). `source`: how its
+/// address was learned.
+pub(crate) fn register(
+    net: &Net,
+    est: transport::Established,
+    dialer: DeviceId,
+    source: Source,
+) -> Option<PeerLink> {
     let transport::Established {
         conn,
         peer,
@@ -225,16 +368,28 @@ fn register(net: &Net, est: transport::Established, dialer: DeviceId) -> Option<
         old.conn
             .close(transport::CLOSE_DUPLICATE, b"duplicate connection");
     }
+    let remote = discovery::book::canonical(conn.remote_address());
     let link = PeerLink {
         conn,
         dialer,
         since: Instant::now(),
         serial,
         instance,
+        source,
     };
     peers.links.insert(peer, link.clone());
     peers.last_seen.insert(peer, std::time::SystemTime::now());
     publish_links(net, &peers);
+    drop(peers);
+    // An authenticated connection proves the address (a peer's connection comes from the
+    // socket it listens on).
+    if source == Source::Incoming {
+        net.addresses.learn(peer, remote, Source::Incoming);
+    }
+    net.addresses.worked(peer, remote);
+    net.link_addrs.send_modify(|l| {
+        l.insert(peer, remote);
+    });
     Some(link)
 }
 
@@ -269,6 +424,8 @@ fn unregister(net: &Net, peer: &DeviceId, serial: u64) {
             peers.exchanged.remove(peer);
             peers.last_seen.insert(*peer, std::time::SystemTime::now());
             publish_links(net, &peers);
+            net.link_addrs
+                .send_if_modified(|l| l.remove(peer).is_some());
         }
     }
     net.peer_changed.notify_waiters();
@@ -282,7 +439,7 @@ pub async fn accept_loop(net: Arc<Net>, endpoint: quinn::Endpoint) {
             match transport::accept_peer(incoming).await {
                 Ok(est) => {
                     let peer = est.peer;
-                    if let Some(link) = register(&net, est, peer) {
+                    if let Some(link) = register(&net, est, peer, Source::Incoming) {
                         run_link(net, peer, link).await;
                     }
                 }
@@ -292,103 +449,22 @@ pub async fn accept_loop(net: Arc<Net>, endpoint: quinn::Endpoint) {
     }
 }
 
-/// Keeps a connection to `peer` (at `addr`) up: dials when there is none, with backoff.
-pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, addr: String, stop: Arc<Notify>) {
-    let mut backoff = Duration::from_millis(100);
-    let max = Duration::from_secs(net.options().max_redial_secs.max(1));
-    let mut retrying = false;
-    loop {
-        if *net.stopping.borrow() {
-            return;
-        }
-        let connected = net
-            .peers
-            .lock()
-            .map(|p| p.links.contains_key(&peer))
-            .unwrap_or(false);
-        if connected {
-            backoff = Duration::from_millis(100);
-            retrying = false;
-            tokio::select! {
-                _ = net.peer_changed.notified() => continue,
-                _ = stop.notified() => return,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-            }
-        }
-        // After a failure the peer is likely unreachable for now (an outage, a laptop asleep):
-        // attempts are cut short, so a handshake started into a dead path does not hold the
-        // next one back once the path returns (QUIC backs its Initial retransmissions off).
-        let attempt = async {
-            match resolve(&addr).await {
-                Some(sa) if retrying => {
-                    match tokio::time::timeout(
-                        RETRY_ATTEMPT,
-                        transport::dial_peer(&net.endpoint, sa, peer),
-                    )
-                    .await
-                    {
-                        Ok(r) => Some(r),
-                        Err(_) => Some(Err(transport::TransportError::Connect {
-                            addr: sa,
-                            reason: "no answer yet".into(),
-                        })),
-                    }
-                }
-                Some(sa) => Some(transport::dial_peer(&net.endpoint, sa, peer).await),
-                None => None,
-            }
-        };
-        match attempt.await {
-            Some(r) => match r {
-                Ok(est) => {
-                    if let Some(link) = register(&net, est, net.folders.device) {
-                        let e = net.clone();
-                        tokio::spawn(run_link(e, peer, link));
-                    }
-                    continue;
-                }
-                // Both dialed at once and the peer kept its own connection: nothing failed.
-                Err(e @ transport::TransportError::Duplicate { .. }) => {
-                    tracing::debug!(peer = %peer.short(), %addr, reason = %e, "crossed dial")
-                }
-                // Its daemon is going down: shown as offline, not as an error (the same as a
-                // session it ends with a Shutdown message).
-                Err(e @ transport::TransportError::Stopping { .. }) => {
-                    tracing::debug!(peer = %peer.short(), %addr, reason = %e, "peer stopping")
-                }
-                Err(e) => {
-                    net.peer_error(peer, &e);
-                    if !retrying {
-                        tracing::info!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
-                    } else {
-                        tracing::debug!(peer = %peer.short(), %addr, error = %e, "dial failed; retrying")
-                    }
-                }
-            },
-            None => {
-                tracing::warn!(peer = %peer.short(), %addr, "cannot resolve peer address");
-                net.peer_error(peer, format_args!("cannot resolve the address {addr}"));
-            }
-        }
-        retrying = true;
-        tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
-            _ = stop.notified() => return,
-        }
-        backoff = (backoff * 2).min(max);
-    }
-}
-
-async fn resolve(addr: &str) -> Option<SocketAddr> {
-    if let Ok(sa) = addr.parse() {
-        return Some(sa);
-    }
-    tokio::net::lookup_host(addr).await.ok()?.next()
-}
-
-/// The journal as the session's source of records to send.
+/// The index a session sends, read through a connection that only reads ([`Folders::reader`]),
+/// in one read transaction: a session of one folder never waits for another folder's apply or
+/// scan holding the writer.
 struct JournalSource<'a> {
-    journal: &'a mut Journal,
+    journal: Reader<'a>,
+}
+
+impl<'a> JournalSource<'a> {
+    fn open(net: &'a Net) -> Result<Self, String> {
+        let mut journal = net
+            .folders
+            .reader()
+            .map_err(|e| format!("cannot read the journal: {e}"))?;
+        journal.begin_reads();
+        Ok(JournalSource { journal })
+    }
 }
 
 impl IndexSource for JournalSource<'_> {
@@ -419,8 +495,8 @@ impl IndexSource for JournalSource<'_> {
 
     fn max_sequence(&mut self, folder: &FolderId) -> Result<u64, ReadError> {
         self.journal
-            .folder(folder)
-            .map(|s| s.max_sequence)
+            .folder_state(folder)
+            .map(|s| s.map_or(0, |s| s.max_sequence))
             .map_err(ReadError::from_display)
     }
 }
@@ -433,7 +509,7 @@ enum LinkEvent {
 }
 
 /// Runs the session of one connection until it closes.
-async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
+pub(crate) async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
     let conn = link.conn.clone();
     // Crossed dials open two connections and keep one: the user hears of the peer once.
     let first = net.peers.lock().is_ok_and(|mut p| p.announced.insert(peer));
@@ -524,18 +600,24 @@ async fn drive_session(
     // files' content attached, read on a blocking thread so this loop goes on meanwhile.
     let (out, writer) = control_writer(net.clone(), send, tx.clone());
     tokio::spawn(serve_requests(net.clone(), peer, conn.clone()));
-    let mut session = Session::new(net.name(), peer, session_folders(net, &peer));
+    let mut session = Session::with_device(
+        net.name(),
+        net.folders.device,
+        peer,
+        session_folders(net, &peer),
+    );
     let mut changes = net.folders.changes.subscribe();
     let mut links = net.links.subscribe();
+    let mut seeking = net.seeking.subscribe();
+    let mut link_addrs = net.link_addrs.subscribe();
+    // Said once the hellos are through.
+    let _ = session.seek(seeking.borrow_and_update().clone());
+    link_addrs.borrow_and_update();
     // Nothing to send yet (the hellos are not exchanged): the session says it after them.
     let linked = links_by_folder(net, &peer, &links.borrow_and_update());
     let _ = session.connected_peers(linked);
     let first = {
-        let mut j = net
-            .folders
-            .journal_lock()
-            .map_err(|_| "journal lock poisoned")?;
-        let mut src = JournalSource { journal: &mut j };
+        let mut src = JournalSource::open(net)?;
         let mut first = session.start(&mut src);
         // A first scan that moved on (or ended) between reading it for the session and
         // subscribing to the changes was not announced on the channel.
@@ -551,7 +633,8 @@ async fn drive_session(
     let (replies_tx, mut replies) = mpsc::unbounded_channel::<apply::Reply>();
     let mut exchanged_told = false;
     loop {
-        for action in std::mem::take(&mut pending) {
+        let mut queue: std::collections::VecDeque<Action> = std::mem::take(&mut pending).into();
+        while let Some(action) = queue.pop_front() {
             match action {
                 Action::Send(m) => {
                     let inline = match &m {
@@ -589,6 +672,13 @@ async fn drive_session(
                     );
                 }
                 Action::Close { reason } => return Err(reason),
+                Action::Sought { devices } => {
+                    let known = link_addrs.borrow().clone();
+                    for d in devices {
+                        queue.extend(tell_address(&mut session, d, &known));
+                    }
+                }
+                Action::Learned(list) => net.learned_from(&peer, list),
                 save => save_progress(net, &peer, save),
             }
         }
@@ -617,8 +707,7 @@ async fn drive_session(
                     Ok(f) => vec![f],
                     Err(_) => net.shared_with(&peer),
                 };
-                let mut j = net.folders.journal_lock().map_err(|_| "journal lock poisoned")?;
-                let mut src = JournalSource { journal: &mut j };
+                let mut src = JournalSource::open(net)?;
                 for f in folders {
                     pending.extend(session.local_changed(&f, &mut src));
                     if let Some((scanning, counts)) = our_scan(net, &f) {
@@ -630,6 +719,15 @@ async fn drive_session(
                 let linked = links_by_folder(net, &peer, &links.borrow_and_update());
                 pending = session.connected_peers(linked);
             }
+            Ok(()) = seeking.changed() => {
+                pending = session.seek(seeking.borrow_and_update().clone());
+            }
+            Ok(()) = link_addrs.changed() => {
+                let known = link_addrs.borrow_and_update().clone();
+                for d in session.sought_by_peer() {
+                    pending.extend(tell_address(&mut session, d, &known));
+                }
+            }
             _ = net.shutdown.notified() => {
                 let bye = Message::Error { code: ErrorCode::Shutdown, message: "daemon stopping".into() };
                 let _ = out.send((bye, Inline::none()));
@@ -638,6 +736,21 @@ async fn drive_session(
                 return Err("shutdown".into());
             }
         }
+    }
+}
+
+/// What the session tells its peer of where `device` is: the address of this device's
+/// connection to it, if any and if another device could dial it.
+fn tell_address(
+    session: &mut Session,
+    device: DeviceId,
+    known: &BTreeMap<DeviceId, SocketAddr>,
+) -> Vec<Action> {
+    match known.get(&device) {
+        Some(a) if discovery::shareable(a) => {
+            session.tell_addresses(device, vec![WireAddr::from_socket_addr(*a)])
+        }
+        _ => Vec::new(),
     }
 }
 
@@ -697,11 +810,7 @@ fn on_event(
                     net.peer_error(peer, format_args!("the peer reported {code:?}: {message}"));
                 }
             }
-            let mut j = net
-                .folders
-                .journal_lock()
-                .map_err(|_| "journal lock poisoned")?;
-            Ok(session.handle(m, &mut JournalSource { journal: &mut j }))
+            Ok(session.handle(m, &mut JournalSource::open(net)?))
         }
         LinkEvent::Applied(folder, up_to) => {
             if net.folders.get(&folder).is_some_and(|rt| rt.unblock()) {

@@ -487,7 +487,11 @@ impl Diff<'_> {
                     && l.size == s.local.size
                     && l.mtime_ns == s.local.mtime_ns
                 {
-                    if k.s.mode != s.local.mode {
+                    if !self
+                        .t
+                        .store
+                        .same_mode(k.s.mode, s.local.mode, FileKind::File)
+                    {
                         let Some(mut r) = self.lk.full(k) else { return };
                         r.mode = s.local.mode;
                         self.creates.push(version(
@@ -503,14 +507,10 @@ impl Diff<'_> {
                     }
                     return;
                 }
-                if l.size == s.local.size
-                    && l.mtime_ns == s.local.mtime_ns
-                    && k.s.mode == s.local.mode
-                {
-                    // Same content and times, new inode (e.g. restored by a copy): no version.
-                    self.report.restat.push((s.path.clone(), s.local));
-                    return;
-                }
+                // A new inode is read even with the old size and mtime: two files of one size
+                // written in the same clock tick share an mtime, and one renamed over the
+                // other looks unchanged but is not. The same content (a restore by a copy
+                // keeping the times) is still no version (`add_hashed`).
                 self.jobs.push(HashJob {
                     path: s.path,
                     local: s.local,
@@ -525,7 +525,12 @@ impl Diff<'_> {
     fn dir(&mut self, s: Seen, prev: Option<Known>) {
         let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
         let changed = match live_prev {
-            Some(k) if k.s.kind == FileKind::Dir => k.s.mode != s.local.mode,
+            Some(k) if k.s.kind == FileKind::Dir => {
+                !self
+                    .t
+                    .store
+                    .same_mode(k.s.mode, s.local.mode, FileKind::Dir)
+            }
             _ => true,
         };
         if changed {
@@ -605,7 +610,9 @@ impl Diff<'_> {
             if let Some(old) = renamed_from {
                 let mut r = old.clone();
                 r.path = path.clone();
-                r.mode = local.mode;
+                if !self.t.store.same_mode(old.mode, local.mode, FileKind::File) {
+                    r.mode = local.mode;
+                }
                 self.creates.push(version(
                     &self.ctx,
                     self.lk.full_of(tombstone.as_ref()).as_ref(),
@@ -630,6 +637,7 @@ impl Diff<'_> {
         add_hashed(
             self.lk,
             &self.ctx,
+            self.t.store,
             hashed,
             &mut self.creates,
             &mut self.report,
@@ -669,6 +677,7 @@ impl Diff<'_> {
                 add_hashed(
                     self.lk,
                     &self.ctx,
+                    store,
                     hashed,
                     &mut self.creates,
                     &mut self.report,
@@ -710,6 +719,7 @@ impl Diff<'_> {
 fn add_hashed(
     lk: &Lookup<'_>,
     ctx: &Context,
+    store: &Store,
     hashed: Vec<(HashJob, Option<chunker::Content>)>,
     creates: &mut Vec<Change>,
     report: &mut ScanReport,
@@ -725,7 +735,7 @@ fn add_hashed(
         if let Some(k) = live_prev {
             if k.s.kind == FileKind::File
                 && k.s.hash == content.hash
-                && k.s.mode == job.local.mode
+                && store.same_mode(k.s.mode, job.local.mode, FileKind::File)
                 && k.s.mtime_ns == job.local.mtime_ns
             {
                 report.restat.push((job.path.clone(), job.local));
@@ -738,6 +748,12 @@ fn add_hashed(
             None => Op::Create,
         };
         let mut r = base_record(&job.path, FileKind::File, &job.local, ctx);
+        // A mode the umask made from the record's is not a change: the record's stays.
+        if let Some(k) = live_prev.filter(|k| k.s.kind == FileKind::File) {
+            if store.same_mode(k.s.mode, job.local.mode, FileKind::File) {
+                r.mode = k.s.mode;
+            }
+        }
         r.size = content.size;
         r.hash = content.hash;
         r.chunks = content.chunks;

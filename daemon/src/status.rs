@@ -8,6 +8,7 @@
 //! `meshfs status` prints are made from the document by `readout`, not here.
 
 use crate::config::PeerConfig;
+use crate::discovery::book::{Candidate, Source};
 use crate::journal::FolderCounts;
 use crate::last_error::LastError;
 use crate::mounts::MountStatus;
@@ -50,6 +51,29 @@ pub struct DeviceSnapshot {
     pub uptime_secs: u64,
     /// When the daemon started (Unix seconds).
     pub started_unix: u64,
+    /// Local discovery.
+    pub discovery: DiscoveryStatus,
+}
+
+/// `device.discovery` in [`Status`]: local discovery's switch and counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DiscoveryStatus {
+    /// `[discovery] local`: announcing and listening on the LAN.
+    pub local: bool,
+    /// The UDP port of announcements.
+    pub port: u16,
+    /// Announcement datagrams sent since start (one per interface and family).
+    pub sent: u64,
+    /// Datagrams received on the port.
+    pub received: u64,
+    /// Received and not read: over a source's or the overall rate.
+    pub limited: u64,
+    /// Read and refused: not an announcement, or malformed.
+    pub refused: u64,
+    /// Other devices' announcements read (a peer's, or an unknown device's, which is ignored).
+    pub heard: u64,
+    /// Addresses known for peers (learned, remembered), in all.
+    pub known_addresses: usize,
 }
 
 /// One running folder.
@@ -105,6 +129,11 @@ pub struct PeerSnapshot {
     pub last_seen_addr: Option<SocketAddr>,
     /// Its last error.
     pub last_error: Option<LastError>,
+    /// Its connection's address now and how that address was learned; `None` when it is not
+    /// connected.
+    pub address: Option<(SocketAddr, Source)>,
+    /// The addresses known for it (fixed ones not included), best first.
+    pub candidates: Vec<Candidate>,
 }
 
 /// What a folder still has to do on this device before it can be in sync.
@@ -213,6 +242,8 @@ pub struct DeviceStatus {
     pub uptime_secs: u64,
     /// When the daemon started (Unix seconds).
     pub started_unix: u64,
+    /// Local discovery.
+    pub discovery: DiscoveryStatus,
 }
 
 /// One element of `folders` in [`Status`].
@@ -331,8 +362,17 @@ pub struct PeerStatus {
     pub short_id: String,
     /// Its name in the config.
     pub name: String,
-    /// Where it is dialed (empty: it dials us).
-    pub addr: String,
+    /// Where it is dialed, as configured: `HOST:PORT`s and `dynamic` (wherever it is found);
+    /// empty: never dialed (it dials us).
+    pub addresses: Vec<String>,
+    /// Its connection's address now (`IP:PORT`), or null when it is not connected.
+    pub address: Option<String>,
+    /// How that address was learned: `static` (the config), `lan` (its announcement),
+    /// `peer` (another peer told us), `incoming` (it dialed us from there), `remembered` (it
+    /// worked before, kept across restarts); null when not connected.
+    pub address_source: Option<&'static str>,
+    /// The addresses known for it besides the configured ones, best first.
+    pub known_addresses: Vec<KnownAddress>,
     /// The folders shared with it.
     pub folders: Vec<FolderId>,
     /// It is connected now.
@@ -349,6 +389,15 @@ pub struct PeerStatus {
     pub last_seen_addr: Option<String>,
     /// Its last error and when, or null.
     pub last_error: Option<LastError>,
+}
+
+/// One of a peer's `known_addresses`.
+#[derive(Clone, Debug, Serialize)]
+pub struct KnownAddress {
+    /// `IP:PORT`.
+    pub addr: String,
+    /// How it was learned (as `address_source`).
+    pub source: &'static str,
 }
 
 /// Device ids in the document are the text `meshfs id` prints.
@@ -382,6 +431,7 @@ pub fn build(snapshot: Snapshot) -> Status {
             listen: device.listen,
             uptime_secs: device.uptime_secs,
             started_unix: device.started_unix,
+            discovery: device.discovery,
         },
         in_sync: folders.iter().all(|f| f.in_sync),
         in_sync_with_connected: folders.iter().all(|f| f.in_sync_with_connected),
@@ -471,7 +521,17 @@ fn peer_status(p: PeerSnapshot) -> PeerStatus {
         device_id: id,
         short_id: id.short().display7(),
         name: p.config.name,
-        addr: p.config.addr,
+        addresses: p.config.addresses,
+        address: p.address.map(|(a, _)| a.to_string()),
+        address_source: p.address.map(|(_, s)| s.as_str()),
+        known_addresses: p
+            .candidates
+            .iter()
+            .map(|c| KnownAddress {
+                addr: c.addr.to_string(),
+                source: c.source.as_str(),
+            })
+            .collect(),
         folders: p.config.folders,
         connected: p.rtt.is_some(),
         rtt_ms: p.rtt.map(|r| r.as_secs_f64() * 1000.0),
@@ -679,7 +739,7 @@ mod tests {
                 config: PeerConfig {
                     id,
                     name: name.into(),
-                    addr: "10.0.0.2:7788".into(),
+                    addresses: vec!["dynamic".into()],
                     folders,
                 },
                 rtt,
@@ -687,6 +747,11 @@ mod tests {
                 bytes: (1234, 5678),
                 last_seen_addr: Some("10.0.0.2:7788".parse().unwrap()),
                 last_error: None,
+                address: rtt.map(|_| ("10.0.0.2:7788".parse().unwrap(), Source::Lan)),
+                candidates: vec![Candidate {
+                    addr: "10.0.0.2:7788".parse().unwrap(),
+                    source: Source::Remembered,
+                }],
             }
         };
         Snapshot {
@@ -696,6 +761,16 @@ mod tests {
                 listen: "0.0.0.0:7788".into(),
                 uptime_secs: 12,
                 started_unix: 1_790_000_000,
+                discovery: DiscoveryStatus {
+                    local: true,
+                    port: 21788,
+                    sent: 3,
+                    received: 5,
+                    limited: 0,
+                    refused: 1,
+                    heard: 2,
+                    known_addresses: 1,
+                },
             },
             folders: vec![FolderSnapshot {
                 id: work(),
@@ -754,7 +829,9 @@ mod tests {
         });
         let want = json!({
             "device": {"id": me.to_string(), "short_id": me.short().display7(), "name": "laptop",
-                       "listen": "0.0.0.0:7788", "uptime_secs": 12, "started_unix": 1_790_000_000},
+                       "listen": "0.0.0.0:7788", "uptime_secs": 12, "started_unix": 1_790_000_000,
+                       "discovery": {"local": true, "port": 21788, "sent": 3, "received": 5,
+                                     "limited": 0, "refused": 1, "heard": 2, "known_addresses": 1}},
             "in_sync": true,
             "in_sync_with_connected": true,
             "folders": [{
@@ -772,12 +849,18 @@ mod tests {
             }],
             "peers": [
                 {"device_id": peer_id().to_string(), "short_id": peer_id().short().display7(),
-                 "name": "server", "addr": "10.0.0.2:7788", "folders": ["work"], "connected": true,
+                 "name": "server", "addresses": ["dynamic"], "address": "10.0.0.2:7788",
+                 "address_source": "lan",
+                 "known_addresses": [{"addr": "10.0.0.2:7788", "source": "remembered"}],
+                 "folders": ["work"], "connected": true,
                  "rtt_ms": 2.0, "bytes_sent": 1234, "bytes_received": 5678,
                  "last_seen_unix": 1_790_000_000, "last_seen_addr": "10.0.0.2:7788",
                  "last_error": null},
                 {"device_id": idle.to_string(), "short_id": idle.short().display7(),
-                 "name": "idle", "addr": "10.0.0.2:7788", "folders": [], "connected": false,
+                 "name": "idle", "addresses": ["dynamic"], "address": null,
+                 "address_source": null,
+                 "known_addresses": [{"addr": "10.0.0.2:7788", "source": "remembered"}],
+                 "folders": [], "connected": false,
                  "rtt_ms": null, "bytes_sent": 1234, "bytes_received": 5678,
                  "last_seen_unix": 1_790_000_000, "last_seen_addr": "10.0.0.2:7788",
                  "last_error": null},

@@ -34,6 +34,7 @@
 
 mod displace;
 
+use crate::room::Claim;
 use crate::{failpoint, sys};
 use displace::{same_version, Keeper, Old, Verdict};
 use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
@@ -158,7 +159,11 @@ pub struct Store {
     staging: Option<Staging>,
     /// Files an apply replaced or removed, kept aside a while ([`displace`]).
     keeper: Keeper,
+    /// Permission bits a remote version never gets here ([`Store::local_mode`]).
+    umask: std::sync::atomic::AtomicU32,
 }
+
+pub use crate::config::DEFAULT_UMASK;
 
 /// The directory temp files are assembled in, when it is outside the replica.
 #[derive(Debug)]
@@ -205,6 +210,9 @@ pub struct TempFile {
     written: u64,
     /// `written` when writeback of its dirty pages was last started.
     flushing_from: u64,
+    /// The disk room promised to its content ([`crate::room`]): what is written into it is
+    /// let go of as it is written.
+    claim: Option<Arc<Claim>>,
 }
 
 impl TempFile {
@@ -212,6 +220,19 @@ impl TempFile {
     /// never closed before the install.
     fn unnamed(&self) -> bool {
         self.name.is_empty()
+    }
+
+    /// Its content's disk room: written bytes let go of it.
+    pub fn set_claim(&mut self, claim: Arc<Claim>) {
+        self.claim = Some(claim);
+    }
+
+    /// `n` more bytes were written into it.
+    fn wrote(&mut self, n: u64) {
+        self.written += n;
+        if let Some(c) = &self.claim {
+            c.written(n);
+        }
     }
 }
 
@@ -225,8 +246,8 @@ pub struct LocalCopy {
     /// Its length.
     pub len: u32,
     /// Files of the replica, with the chunk's offset in each, that should hold it (tried in
-    /// order until one verifies).
-    pub sources: Vec<(RelPath, u64)>,
+    /// order until one verifies); shared by every place of the same chunk.
+    pub sources: Arc<Vec<(RelPath, u64)>>,
 }
 
 /// From this many files on, [`Store::install_synced_in`] installs on two threads.
@@ -309,6 +330,7 @@ impl Store {
             root_fd: open_path_dir(root)?,
             staging: None,
             keeper: Keeper::default(),
+            umask: std::sync::atomic::AtomicU32::new(DEFAULT_UMASK),
         })
     }
 
@@ -353,6 +375,42 @@ impl Store {
     /// The replica directory.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// The filesystem temp files are written on (the staging directory's, else the
+    /// replica's): where a remote version's content needs its room.
+    pub fn temp_place(&self) -> Option<crate::room::Place> {
+        let dir = self.staging.as_ref().map_or(&self.root, |s| &s.path);
+        crate::room::Place::of(dir).ok()
+    }
+
+    /// Sets the permission bits remote versions never get here (owner bits are not taken:
+    /// see [`Store::local_mode`]).
+    pub fn set_umask(&self, umask: u32) {
+        self.umask
+            .store(umask & 0o077, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The mode a record's `mode` gets on disk here: the folder's umask taken off (a peer's
+    /// world-writable directory would let any local user add files that then sync
+    /// everywhere), and never less than meshfs needs to go on reading and applying the path:
+    /// a directory is the owner's `rwx`, a file readable by its owner (a directory of mode
+    /// 000 from a peer would fail every record below it, a file of mode 000 every later
+    /// version of it). The record keeps the mode as sent ([`Store::same_mode`]).
+    pub fn local_mode(&self, mode: u32, kind: FileKind) -> u32 {
+        let umask = self.umask.load(std::sync::atomic::Ordering::Relaxed);
+        let least = match kind {
+            FileKind::Dir => 0o700,
+            _ => 0o400,
+        };
+        (mode | least) & !umask & MODE_SYNC_MASK
+    }
+
+    /// Whether a path whose record says `record` and whose disk says `disk` shows no local
+    /// change of mode: the same bits, or those [`Store::local_mode`] gives the record here
+    /// (what the umask took or the owner's bits added is not an edit to send back).
+    pub fn same_mode(&self, record: u32, disk: u32, kind: FileKind) -> bool {
+        record == disk || self.local_mode(record, kind) == disk
     }
 
     /// Names the conflict copies this store keeps of local writes that raced an apply after
@@ -556,6 +614,7 @@ impl Store {
                         staged,
                         written: 0,
                         flushing_from: 0,
+                        claim: None,
                     })
                 }
                 // Out of space or descriptors is an error; anything else, a named file.
@@ -580,6 +639,7 @@ impl Store {
             staged,
             written: 0,
             flushing_from: 0,
+            claim: None,
         })
     }
 
@@ -637,7 +697,7 @@ impl Store {
         };
         f.write_all_at(data, offset)
             .map_err(|e| io_err(&t.target, e))?;
-        t.written += data.len() as u64;
+        t.wrote(data.len() as u64);
         start_writeback(t);
         Ok(())
     }
@@ -650,17 +710,24 @@ impl Store {
     /// Each source file is opened once for the whole list, not once per chunk; from
     /// [`PARALLEL_COPY_FROM`] chunks on, two threads verify and write (a 4 KiB edit of a
     /// 512 MiB file copies 8,192 chunks, and their blake3 was a fifth of the receiver's CPU).
+    /// A source in `held` is read through that descriptor instead of being opened: a file the
+    /// same batch deleted or replaced since it was decided.
     pub fn copy_chunks_in(
         &self,
         cache: &mut DirCache,
         t: &mut TempFile,
         copies: &[LocalCopy],
+        held: &HashMap<RelPath, Arc<File>>,
     ) -> Result<Vec<usize>, StoreError> {
-        let mut sources: HashMap<&RelPath, Option<File>> = HashMap::new();
+        let mut sources: HashMap<&RelPath, Option<Arc<File>>> = HashMap::new();
         for c in copies {
-            for (path, _) in &c.sources {
+            for (path, _) in c.sources.iter() {
                 if !sources.contains_key(path) {
-                    sources.insert(path, self.open_file_in(cache, path).ok());
+                    let f = match held.get(path) {
+                        Some(f) => Some(f.clone()),
+                        None => self.open_file_in(cache, path).ok().map(Arc::new),
+                    };
+                    sources.insert(path, f);
                 }
             }
         }
@@ -709,7 +776,7 @@ impl Store {
         let mut missing = Vec::new();
         for r in results {
             let (written, m) = r.map_err(|e| io_err(&t.target, e))?;
-            t.written += written;
+            t.wrote(written);
             missing.extend(m);
         }
         start_writeback(t);
@@ -749,6 +816,7 @@ impl Store {
             None => self.temp_handle(t, false)?,
         };
         f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
+        let mode = self.local_mode(mode, FileKind::File);
         set_mode_fd(f.as_fd(), mode).map_err(|e| io_err(&t.target, e))?;
         set_mtime_fd(f.as_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
         if t.unnamed() {
@@ -1261,6 +1329,7 @@ impl Store {
             Some(libc::ELOOP) | Some(libc::ENOTDIR) => StoreError::Changed(path.clone()),
             _ => io_err(path, e),
         })?;
+        let mode = self.local_mode(mode, FileKind::Dir);
         set_mode_fd(fd.as_fd(), mode).map_err(|e| io_err(path, e))?;
         let st = lstat_at(dir.as_fd(), &name).map_err(|e| io_err(path, e))?;
         Ok(stat_of(&st).local)
@@ -1350,7 +1419,12 @@ impl Store {
             }
         }
         failpoint::hit("meta.before_set", path.as_str());
-        set_mode_fd(fd.as_fd(), mode).map_err(|e| io_err(path, e))?;
+        let kind = if is_dir {
+            FileKind::Dir
+        } else {
+            FileKind::File
+        };
+        set_mode_fd(fd.as_fd(), self.local_mode(mode, kind)).map_err(|e| io_err(path, e))?;
         if let Some(m) = mtime_ns {
             set_mtime_fd(fd.as_fd(), m).map_err(|e| io_err(path, e))?;
         }
@@ -1607,18 +1681,9 @@ pub fn free_bytes(path: &Path) -> Option<u64> {
     space(path).map(|(free, _)| free)
 }
 
-/// Whether `size` more bytes fit on the filesystem holding `path` while leaving 1 % of it
-/// (at most 64 MiB) free: `Err(free)` when they do not. One `statvfs`; an unknown filesystem
-/// is given the benefit of the doubt.
-pub fn room_for(path: &Path, size: u64) -> Result<(), u64> {
-    match space(path) {
-        Some((free, total)) if size.saturating_add((total / 100).min(64 << 20)) > free => Err(free),
-        _ => Ok(()),
-    }
-}
-
-/// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`.
-fn space(path: &Path) -> Option<(u64, u64)> {
+/// (free bytes for unprivileged writers, total bytes) of the filesystem holding `path`
+/// (a [`crate::room::Space`]).
+pub fn space(path: &Path) -> Option<(u64, u64)> {
     let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
     let st = sys::statvfs(&c).ok()?;
     Some((
@@ -1704,16 +1769,16 @@ mod tests {
                 offset: i as u64 * 1024,
                 hash: Hash::of(&chunk(i)),
                 len: 1024,
-                sources: if i < 50 {
+                sources: Arc::new(if i < 50 {
                     vec![(p("missing"), 0), (p("src1"), i as u64 * 1024)]
                 } else {
                     vec![(p("d/src2"), (i - 50) as u64 * 1024)]
-                },
+                }),
             })
             .collect();
         let mut t = store.create_temp(&p("out")).unwrap();
         let absent = store
-            .copy_chunks_in(&mut DirCache::default(), &mut t, &copies)
+            .copy_chunks_in(&mut DirCache::default(), &mut t, &copies, &HashMap::new())
             .unwrap();
         assert_eq!(absent, vec![57], "only the edited chunk is to be fetched");
         store.write_temp(&mut t, 57 * 1024, &chunk(57)).unwrap();
@@ -1729,7 +1794,12 @@ mod tests {
         // A copy that finds nothing leaves the temp file uncovered: it cannot be finished.
         let mut t = store.create_temp(&p("out2")).unwrap();
         let absent = store
-            .copy_chunks_in(&mut DirCache::default(), &mut t, &copies[57..58])
+            .copy_chunks_in(
+                &mut DirCache::default(),
+                &mut t,
+                &copies[57..58],
+                &HashMap::new(),
+            )
             .unwrap();
         assert_eq!(absent, vec![0]);
         assert!(matches!(

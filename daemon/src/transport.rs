@@ -30,9 +30,10 @@
 //!    (stream id 2) and writes its *hello*: [`HELLO`] (`0x02`) and its own instance nonce,
 //!    then finishes it; the listener closes a connection whose hello is missing or wrong
 //!    after [`WELCOME_TIMEOUT`] with [`CLOSE_BAD_HELLO`]. The instance nonce is drawn at
-//!    random once per daemon process: a connection from a new instance proves every older
-//!    connection from the same device dead (its process is gone), so the peer replaces it at
-//!    once instead of waiting for an idle timeout. If instead the connection is closed by the listener with a QUIC
+//!    random when the daemon starts and again when one of its addresses goes away
+//!    ([`new_instance`]): a connection from a new instance proves every older connection
+//!    from the same device dead (its process is gone, or it moved), so the peer replaces it
+//!    at once instead of waiting for an idle timeout. If instead the connection is closed by the listener with a QUIC
 //!    transport error `0x100 + alert` for a certificate alert (42–46, 48, 49 or 116), the
 //!    listener refused the dialer's certificate ([`TransportError::Refused`]). Any other
 //!    outcome (another byte, more bytes, timeout) is a failed connect; the dialer closes the
@@ -319,8 +320,9 @@ pub enum TransportError {
         /// The dialed address.
         addr: SocketAddr,
     },
-    /// The peer closed our dial because its daemon is stopping ([`CLOSE_STOPPING`]). Not a
-    /// failure of either device: it is going offline.
+    /// The peer closed our dial because its daemon is stopping ([`CLOSE_STOPPING`]), or its
+    /// endpoint refused a new connection (QUIC's `CONNECTION_REFUSED`: it does so while it
+    /// closes). Not a failure of either device: it is going offline, and it is dialed again.
     #[error("peer {addr} is stopping")]
     Stopping {
         /// The dialed address.
@@ -504,6 +506,8 @@ struct DialContext {
     key_der: Vec<u8>,
     device_id: DeviceId,
     transport: Arc<TransportConfig>,
+    /// Another descriptor of the endpoint's socket, for [`rebind`].
+    socket: std::net::UdpSocket,
 }
 
 fn dial_contexts() -> &'static Mutex<HashMap<SocketAddr, Arc<DialContext>>> {
@@ -564,6 +568,10 @@ pub fn endpoint_with(
     server.transport_config(transport.clone());
 
     let socket = udp_socket(listen, tuning.socket_buffer)?;
+    let spare = socket.try_clone().map_err(|source| TransportError::Io {
+        context: format!("cannot duplicate the UDP socket of {listen}"),
+        source,
+    })?;
     let endpoint = quinn::Endpoint::new(
         quinn::EndpointConfig::default(),
         Some(server),
@@ -583,6 +591,7 @@ pub fn endpoint_with(
         key_der: identity.key_der.clone(),
         device_id: identity.device_id,
         transport,
+        socket: spare,
     });
     dial_contexts()
         .lock()
@@ -591,7 +600,26 @@ pub fn endpoint_with(
     Ok(endpoint)
 }
 
-/// A UDP socket bound to `addr` with `buffer` bytes of kernel send and receive buffer.
+/// Hands `endpoint` (made by [`endpoint`]) its own socket again, as if it had moved: every
+/// connection switches to a new connection id and sends a ping at once. After this host's
+/// address changed, the connections it dialed so migrate to its new address within a round
+/// trip instead of at the next keep-alive (QUIC connection migration: the listening end follows
+/// a dialer that moves; a listener cannot move, see `peers`).
+pub fn rebind(endpoint: &quinn::Endpoint) -> std::io::Result<()> {
+    let local = endpoint.local_addr()?;
+    let socket = dial_contexts()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&local)
+        .map(|c| c.socket.try_clone())
+        .ok_or_else(|| {
+            std::io::Error::other("the endpoint was not made by transport::endpoint")
+        })??;
+    endpoint.rebind(socket)
+}
+
+/// A UDP socket bound to `addr` with `buffer` bytes of kernel send and receive buffer. An
+/// IPv6 wildcard address is dual-stack: it takes IPv4 too.
 fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, TransportError> {
     use socket2::{Domain, Protocol, Socket, Type};
     let io = |context: String| move |source| TransportError::Io { context, source };
@@ -618,6 +646,11 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Tr
         socket.recv_buffer_size().ok(),
         socket.send_buffer_size().ok()
     );
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket
+            .set_only_v6(false)
+            .map_err(io(format!("cannot make the UDP socket {addr} dual-stack")))?;
+    }
     socket.bind(&addr.into()).map_err(io(format!(
         "cannot listen on UDP {addr} (is another daemon using it?)"
     )))?;
@@ -648,17 +681,45 @@ fn force_buffer(socket: &socket2::Socket, option: libc::c_int, bytes: usize) -> 
     rc == 0
 }
 
-/// This process's instance nonce: random, drawn once per daemon process. A peer that sees a
-/// new nonce from a device knows that device restarted, so any older connection from it is
-/// dead even if no timeout has said so yet (module docs, step 5).
+/// This process's instance nonce: random, drawn when the daemon starts and again when one of
+/// its addresses goes away ([`new_instance`]). A peer that sees a new nonce from a device
+/// knows that every older connection from it is dead even if no timeout has said so yet
+/// (module docs, step 5): the device restarted, or moved and left behind the connections it
+/// cannot carry to its new address.
 pub fn instance() -> u64 {
-    static INSTANCE: OnceLock<u64> = OnceLock::new();
-    *INSTANCE.get_or_init(|| loop {
+    let n = INSTANCE.load(std::sync::atomic::Ordering::Relaxed);
+    if n != 0 {
+        return n;
+    }
+    let fresh = random_nonce();
+    match INSTANCE.compare_exchange(
+        0,
+        fresh,
+        std::sync::atomic::Ordering::Relaxed,
+        std::sync::atomic::Ordering::Relaxed,
+    ) {
+        Ok(_) => fresh,
+        Err(set) => set,
+    }
+}
+
+/// Draws a new instance nonce (see [`instance`]): the connections made from now on replace,
+/// at the peer, every older connection of this device.
+pub fn new_instance() -> u64 {
+    let fresh = random_nonce();
+    INSTANCE.store(fresh, std::sync::atomic::Ordering::Relaxed);
+    fresh
+}
+
+static INSTANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn random_nonce() -> u64 {
+    loop {
         let n: u64 = rand::random();
         if n != 0 {
             break n;
         }
-    })
+    }
 }
 
 /// An established, welcomed connection to a peer.
@@ -749,6 +810,54 @@ pub async fn dial_peer(
     addr: SocketAddr,
     expected: DeviceId,
 ) -> Result<Established, TransportError> {
+    handshake(endpoint, addr, expected).await?.greet().await
+}
+
+/// A dial whose TLS handshake completed with the expected device, before the greetings: the
+/// listener does not count it as a connection until [`Handshaken::greet`] sends our hello, so a
+/// dialer racing several addresses of one device (`discovery::dial`) drops the losers here and
+/// the listener never registers them.
+pub struct Handshaken {
+    conn: quinn::Connection,
+    dial: Dial,
+}
+
+impl Handshaken {
+    /// Sends our hello and waits for the welcome (module docs, step 5).
+    pub async fn greet(self) -> Result<Established, TransportError> {
+        let Handshaken { conn, dial } = self;
+        // Our hello goes out at once, beside the listener's welcome: no extra round trip.
+        if let Err(e) = send_greeting(&conn, HELLO).await {
+            // The listener may refuse our certificate while the hello is being written: the
+            // write then fails with the refusal.
+            return Err(match e {
+                TransportError::Connection(c)
+                | TransportError::Write(quinn::WriteError::ConnectionLost(c)) => dial.failed(c),
+                other => dial.connect_err(other.to_string()),
+            });
+        }
+        let instance = dial.welcome(&conn).await?;
+        dial.established(conn, instance)
+    }
+
+    /// The address dialed.
+    pub fn addr(&self) -> SocketAddr {
+        self.dial.addr
+    }
+
+    /// Drops the dial without a greeting (another address won the race).
+    pub fn abandon(self) {
+        self.conn
+            .close(CLOSE_STOPPING, b"another address answered first");
+    }
+}
+
+/// The TLS handshake of a dial to `expected` at `addr` (see [`Handshaken`]).
+pub async fn handshake(
+    endpoint: &quinn::Endpoint,
+    addr: SocketAddr,
+    expected: DeviceId,
+) -> Result<Handshaken, TransportError> {
     let connect_err = |reason: String| TransportError::Connect { addr, reason };
     let local = endpoint
         .local_addr()
@@ -778,18 +887,7 @@ pub async fn dial_peer(
         pin,
     };
     let conn = connecting.await.map_err(|e| dial.failed(e))?;
-    // Our hello goes out at once, beside the listener's welcome: no extra round trip.
-    if let Err(e) = send_greeting(&conn, HELLO).await {
-        // The listener may refuse our certificate while the hello is being written: the
-        // write then fails with the refusal.
-        return Err(match e {
-            TransportError::Connection(c)
-            | TransportError::Write(quinn::WriteError::ConnectionLost(c)) => dial.failed(c),
-            other => dial.connect_err(other.to_string()),
-        });
-    }
-    let instance = dial.welcome(&conn).await?;
-    dial.established(conn, instance)
+    Ok(Handshaken { conn, dial })
 }
 
 /// The TLS and QUIC configuration of one dial: our certificate and key, TLS 1.3 only, no
@@ -847,7 +945,10 @@ impl Dial {
         if closed_as_duplicate(&e) {
             return TransportError::Duplicate { addr: self.addr };
         }
+        // Its daemon is going down: it says so, or its endpoint, closing, refuses new connections.
         if matches!(&e, ConnectionError::ApplicationClosed(close) if close.error_code == CLOSE_STOPPING)
+            || matches!(&e, ConnectionError::ConnectionClosed(close)
+                if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED)
         {
             return TransportError::Stopping { addr: self.addr };
         }

@@ -376,6 +376,30 @@ mod tests {
                     connected: c.into_iter().map(ShortId).collect(),
                 })
             }),
+            prop::collection::vec(any::<[u8; 32]>(), 0..6).prop_map(|ids| {
+                Message::Seek(SeekList {
+                    devices: ids.into_iter().map(DeviceId::from_bytes).collect(),
+                })
+            }),
+            (
+                any::<[u8; 32]>(),
+                prop::collection::vec((any::<[u8; 16]>(), any::<u16>(), any::<bool>()), 0..5)
+            )
+                .prop_map(|(id, addrs)| {
+                    Message::Addresses(AddressList {
+                        device: DeviceId::from_bytes(id),
+                        addrs: addrs
+                            .into_iter()
+                            .map(|(ip, port, v6)| match v6 {
+                                true => WireAddr::V6 { ip, port },
+                                false => WireAddr::V4 {
+                                    ip: [ip[0], ip[1], ip[2], ip[3]],
+                                    port,
+                                },
+                            })
+                            .collect(),
+                    })
+                }),
         ]
     }
 

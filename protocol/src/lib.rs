@@ -12,6 +12,7 @@
 //! decoded from the wire), so a function that receives one never re-checks it.
 #![deny(missing_docs)]
 
+mod announce;
 mod capped;
 pub mod cdc;
 mod codec;
@@ -22,6 +23,10 @@ mod path;
 mod record;
 mod vv;
 
+pub use announce::{
+    AnnounceError, Announcement, WireAddr, ANNOUNCE_MAGIC, ANNOUNCE_VERSION, DISCOVERY_GROUP_V6,
+    DISCOVERY_PORT, MAX_ANNOUNCED_ADDRS, MAX_ANNOUNCEMENT_LEN,
+};
 pub use codec::{
     decode_frame, decode_payload, encode_frame, encode_response_frame, finish_response, frame_len,
     response_layout, CodecError, FrameDecoder, FRAME_HEADER_LEN,
@@ -29,10 +34,10 @@ pub use codec::{
 pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
 pub use limits::{MAX_CHUNK_LEN, MAX_FRAME_LEN};
 pub use message::{
-    ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch, LimitError,
-    Message, PeerList, ScanState, MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN,
-    MAX_FOLDERS_PER_HELLO, MAX_HASHES_PER_REQUEST, MAX_PEERS_PER_LIST, MAX_RECORDS_PER_BATCH,
-    PROTOCOL_VERSION,
+    AddressList, ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch,
+    LimitError, Message, PeerList, ScanState, SeekList, MAX_ADDRESSES_PER_DEVICE,
+    MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN, MAX_FOLDERS_PER_HELLO, MAX_HASHES_PER_REQUEST,
+    MAX_PEERS_PER_LIST, MAX_RECORDS_PER_BATCH, MAX_SOUGHT_DEVICES, PROTOCOL_VERSION,
 };
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
 pub use record::{

@@ -1,8 +1,8 @@
 //! The messages peers exchange. `docs/protocol.md` describes them field by field.
 //!
 //! A connection carries one *control stream* (the first bidirectional stream, opened by the
-//! dialing side) with [`Message::Hello`], [`Message::Index`], [`Message::IndexAck`] and
-//! [`Message::Scan`], and any
+//! dialing side) with [`Message::Hello`], [`Message::Index`], [`Message::IndexAck`],
+//! [`Message::Scan`], [`Message::Peers`], [`Message::Seek`] and [`Message::Addresses`], and any
 //! number of *request streams* (bidirectional, opened by whichever side needs data), each
 //! carrying one [`Message::Request`] answered by one [`Message::Response`] per requested chunk.
 //!
@@ -10,13 +10,14 @@
 //! "Limits"): the decoder refuses a list over its cap as soon as its count is read, so what a
 //! peer makes us allocate per frame stays near the frame's own size.
 
-use crate::ids::FolderId;
+use crate::announce::WireAddr;
+use crate::ids::{DeviceId, FolderId};
 use crate::limits::MAX_CHUNK_LEN;
 use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
 pub const MAX_RECORDS_PER_BATCH: usize = 1000;
@@ -31,6 +32,10 @@ pub const MAX_DEVICE_NAME_LEN: usize = 1024;
 pub const MAX_ERROR_MESSAGE_LEN: usize = 8192;
 /// Most devices one [`PeerList`] may name.
 pub const MAX_PEERS_PER_LIST: usize = 4096;
+/// Most devices one [`SeekList`] may name.
+pub const MAX_SOUGHT_DEVICES: usize = 4096;
+/// Most addresses one [`AddressList`] may give.
+pub const MAX_ADDRESSES_PER_DEVICE: usize = 16;
 
 /// A message over one of the limits a receiver enforces (`docs/protocol.md`, "Limits").
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -68,6 +73,12 @@ pub enum LimitError {
     /// A peer list naming more than [`MAX_PEERS_PER_LIST`] devices.
     #[error("peer list names {0} devices, more than {MAX_PEERS_PER_LIST}")]
     Peers(usize),
+    /// A seek list naming more than [`MAX_SOUGHT_DEVICES`] devices.
+    #[error("seek list names {0} devices, more than {MAX_SOUGHT_DEVICES}")]
+    Sought(usize),
+    /// An address list with more than [`MAX_ADDRESSES_PER_DEVICE`] addresses.
+    #[error("address list gives {0} addresses, more than {MAX_ADDRESSES_PER_DEVICE}")]
+    Addresses(usize),
 }
 
 /// A frame's payload.
@@ -97,6 +108,36 @@ pub enum Message {
     /// The other devices the sender has a connection to now and shares a folder with (control
     /// stream only; version 7): the receiver need not relay them their own new files' content.
     Peers(PeerList),
+    /// The devices the sender wants to hear the addresses of (control stream only; version 8):
+    /// each replaces the one before.
+    Seek(SeekList),
+    /// Where the sender reaches one device the receiver sought (control stream only; version
+    /// 8).
+    Addresses(AddressList),
+}
+
+/// The devices whose addresses the sender asks the receiver for: those it trusts and dials
+/// wherever they are found ("dynamic"), other than the two ends. The receiver answers, now and
+/// whenever that changes, with an [`AddressList`] for each that it trusts too and is connected
+/// to. A list replaces the one before; before the first the receiver takes it as empty.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeekList {
+    /// Their full device ids (at most [`MAX_SOUGHT_DEVICES`]): only a device that already
+    /// knows an id can ask where it is.
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_SOUGHT_DEVICES>")]
+    pub devices: Vec<DeviceId>,
+}
+
+/// Where the sender reaches `device`: the remote address of its authenticated connection to
+/// it (the address that device's packets come from). A hint for the receiver's dials: the
+/// handshake still proves who answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AddressList {
+    /// The device (one the receiver sought).
+    pub device: DeviceId,
+    /// Its addresses (at most [`MAX_ADDRESSES_PER_DEVICE`]).
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_ADDRESSES_PER_DEVICE>")]
+    pub addrs: Vec<WireAddr>,
 }
 
 /// The devices other than the receiver that the sender is connected to and shares a folder
@@ -266,6 +307,16 @@ impl Message {
             Message::Peers(p) => {
                 if p.connected.len() > MAX_PEERS_PER_LIST {
                     return Err(LimitError::Peers(p.connected.len()));
+                }
+            }
+            Message::Seek(s) => {
+                if s.devices.len() > MAX_SOUGHT_DEVICES {
+                    return Err(LimitError::Sought(s.devices.len()));
+                }
+            }
+            Message::Addresses(a) => {
+                if a.addrs.len() > MAX_ADDRESSES_PER_DEVICE {
+                    return Err(LimitError::Addresses(a.addrs.len()));
                 }
             }
             Message::Request(r) => {
@@ -459,6 +510,42 @@ mod limits {
             list(MAX_PEERS_PER_LIST as u64),
             list(MAX_PEERS_PER_LIST as u64 + 1),
             LimitError::Peers(MAX_PEERS_PER_LIST + 1),
+        );
+    }
+
+    #[test]
+    fn a_seek_list_names_at_most_max_sought_devices() {
+        let list = |n: usize| {
+            Message::Seek(SeekList {
+                devices: (0..n)
+                    .map(|i| DeviceId::from_bytes([(i % 251) as u8; 32]))
+                    .collect(),
+            })
+        };
+        bounded(
+            list(MAX_SOUGHT_DEVICES),
+            list(MAX_SOUGHT_DEVICES + 1),
+            LimitError::Sought(MAX_SOUGHT_DEVICES + 1),
+        );
+    }
+
+    #[test]
+    fn an_address_list_gives_at_most_max_addresses_per_device() {
+        let list = |n: u16| {
+            Message::Addresses(AddressList {
+                device: DeviceId::from_bytes([3; 32]),
+                addrs: (0..n)
+                    .map(|port| WireAddr::V4 {
+                        ip: [10, 0, 0, 1],
+                        port,
+                    })
+                    .collect(),
+            })
+        };
+        bounded(
+            list(MAX_ADDRESSES_PER_DEVICE as u16),
+            list(MAX_ADDRESSES_PER_DEVICE as u16 + 1),
+            LimitError::Addresses(MAX_ADDRESSES_PER_DEVICE + 1),
         );
     }
 

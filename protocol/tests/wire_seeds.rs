@@ -8,9 +8,10 @@
 //! `MESHFS_BLESS_FUZZ_SEEDS=1 cargo test -p meshfs-protocol --test wire_seeds`.
 
 use meshfs_protocol::{
-    decode_payload, encode_frame, Chunk, ChunkRequest, ChunkResponse, ErrorCode, FileKind,
-    FileRecord, FolderId, Hash, Hello, HelloFolder, IndexAck, IndexBatch, Message, PeerList,
-    RelPath, ScanState, ShortId, VersionVector, FRAME_HEADER_LEN, PROTOCOL_VERSION,
+    decode_payload, encode_frame, AddressList, Chunk, ChunkRequest, ChunkResponse, DeviceId,
+    ErrorCode, FileKind, FileRecord, FolderId, Hash, Hello, HelloFolder, IndexAck, IndexBatch,
+    Message, PeerList, RelPath, ScanState, SeekList, ShortId, VersionVector, WireAddr,
+    FRAME_HEADER_LEN, PROTOCOL_VERSION,
 };
 use std::path::PathBuf;
 
@@ -203,6 +204,31 @@ fn messages() -> Vec<(&'static str, Message)> {
             Message::Peers(PeerList {
                 folder: folder(),
                 connected: vec![ShortId(0x1234_5678_9abc_def0), ShortId(7)],
+            }),
+        ),
+        (
+            "seek",
+            Message::Seek(SeekList {
+                devices: vec![
+                    DeviceId::from_bytes([0x5a; 32]),
+                    DeviceId::from_bytes([7; 32]),
+                ],
+            }),
+        ),
+        (
+            "addresses",
+            Message::Addresses(AddressList {
+                device: DeviceId::from_bytes([0x5a; 32]),
+                addrs: vec![
+                    WireAddr::V4 {
+                        ip: [10, 211, 7, 3],
+                        port: 7788,
+                    },
+                    WireAddr::V6 {
+                        ip: [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+                        port: 7788,
+                    },
+                ],
             }),
         ),
         (

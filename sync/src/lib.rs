@@ -1,7 +1,8 @@
 //! # meshfs-sync: the pure sync core
 //!
 //! Everything that decides, and nothing that does: the reconciler ([`reconcile`]), the peer
-//! session state machine ([`session`]), the apply planner ([`plan`]) and the deterministic
+//! session state machine ([`session`]) with its address exchange ([`rendezvous`]), the apply
+//! planner ([`plan`]) and the deterministic
 //! simulation ([`sim`]) that drives all three with many replicas in one thread.
 //!
 //! **Architecture invariant:** no IO, no clock, no async runtime. Purity is enforced by this
@@ -14,6 +15,7 @@ pub mod error;
 pub mod pipeline;
 pub mod plan;
 pub mod reconcile;
+pub mod rendezvous;
 pub mod session;
 pub mod sim;
 #[cfg(test)]

@@ -29,13 +29,18 @@
 //!   twice the same); a `Peers` before the peer's hello is a protocol violation, one for a
 //!   folder not shared in both hellos ends the session (`NotShared`). The driver asks
 //!   [`Session::peer_hears`] before attaching a relayed file's content to a batch: a device the
-//!   peer hears from directly sends it its own.
+//!   peer hears from directly sends it its own;
+//! - each side asks the other for the addresses of the devices it seeks (`Seek`, after the
+//!   hellos, again whenever that changes) and tells it where it reaches those the other seeks
+//!   (`Addresses`; [`crate::rendezvous`]); either before the peer's hello is a protocol
+//!   violation.
 
 use crate::error::ReadError;
+use crate::rendezvous::Rendezvous;
 use meshfs_protocol::{
-    ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder, IndexAck,
-    IndexBatch, Message, PeerList, ScanState, ShortId, MAX_FRAME_LEN, MAX_PEERS_PER_LIST,
-    PROTOCOL_VERSION,
+    AddressList, ChunkResponse, DeviceId, ErrorCode, FileRecord, FolderId, Hello, HelloFolder,
+    IndexAck, IndexBatch, Message, PeerList, ScanState, ShortId, WireAddr, MAX_FRAME_LEN,
+    MAX_PEERS_PER_LIST, PROTOCOL_VERSION,
 };
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -185,6 +190,14 @@ pub enum Action {
         /// For logs.
         reason: String,
     },
+    /// The peer seeks these devices now and did not before: tell it where they are
+    /// ([`Session::tell_addresses`]) if we know.
+    Sought {
+        /// The devices newly sought.
+        devices: Vec<DeviceId>,
+    },
+    /// The peer says where a device we seek is (unverified hints for our dials).
+    Learned(AddressList),
 }
 
 /// Sync progress of one folder with this peer.
@@ -263,11 +276,26 @@ pub struct Session {
     told_links: BTreeMap<FolderId, BTreeSet<ShortId>>,
     /// Per folder, the other devices the peer said it is connected to.
     peer_links: BTreeMap<FolderId, BTreeSet<ShortId>>,
+    /// The address exchange.
+    rendezvous: Rendezvous,
+    /// This device (never sought, never told of).
+    me: DeviceId,
 }
 
 impl Session {
     /// A session with `peer` over the folders we share with it (resume points from the journal).
     pub fn new(local_name: String, peer: DeviceId, folders: Vec<SessionFolder>) -> Session {
+        Session::with_device(local_name, DeviceId::from_bytes([0; 32]), peer, folders)
+    }
+
+    /// [`Session::new`] for this device `me`, which the address exchange never tells of or
+    /// asks for.
+    pub fn with_device(
+        local_name: String,
+        me: DeviceId,
+        peer: DeviceId,
+        folders: Vec<SessionFolder>,
+    ) -> Session {
         let folders = folders
             .into_iter()
             .map(|f| (f.folder.clone(), FolderState::new(f)))
@@ -282,6 +310,8 @@ impl Session {
             our_links: BTreeMap::new(),
             told_links: BTreeMap::new(),
             peer_links: BTreeMap::new(),
+            rendezvous: Rendezvous::default(),
+            me,
         }
     }
 
@@ -335,6 +365,7 @@ impl Session {
         if self.peer_name.is_some() {
             out.extend(self.pump_all(src));
             out.extend(self.tell_links());
+            out.extend(self.tell_seek());
         }
         out
     }
@@ -358,8 +389,24 @@ impl Session {
             Message::Hello(h) => {
                 out.extend(self.on_hello(h, src));
                 out.extend(self.tell_links());
+                out.extend(self.tell_seek());
             }
             Message::Peers(p) => out.extend(self.on_peers(p)),
+            Message::Seek(list) => {
+                if self.peer_name.is_none() {
+                    return self.fail(ErrorCode::BadFrame, "seek list before hello");
+                }
+                let devices = self.rendezvous.on_seek(&self.me, &self.peer, list);
+                if !devices.is_empty() {
+                    out.push(Action::Sought { devices });
+                }
+            }
+            Message::Addresses(list) => {
+                if self.peer_name.is_none() {
+                    return self.fail(ErrorCode::BadFrame, "address list before hello");
+                }
+                out.extend(self.rendezvous.on_addresses(list).map(Action::Learned));
+            }
             Message::Index(batch) => out.extend(self.on_index(batch)),
             Message::IndexAck(ack) => out.extend(self.on_ack(ack, src)),
             Message::Scan(scan) => out.extend(self.on_scan(scan, src)),
@@ -519,6 +566,46 @@ impl Session {
         out
     }
 
+    /// We seek the addresses of `devices` (every device we trust and dial wherever it is found;
+    /// the peer is left out): the peer is told once the hellos are through, and again whenever
+    /// the set changes.
+    pub fn seek(&mut self, devices: BTreeSet<DeviceId>) -> Vec<Action> {
+        if self.closed {
+            return Vec::new();
+        }
+        self.rendezvous.set_ours(&self.peer, devices);
+        self.tell_seek()
+    }
+
+    fn tell_seek(&mut self) -> Vec<Action> {
+        if !self.is_established() {
+            return Vec::new();
+        }
+        self.rendezvous
+            .seek_due()
+            .map(|s| Action::Send(Message::Seek(s)))
+            .into_iter()
+            .collect()
+    }
+
+    /// We reach `device` at `addrs` (where its packets come from): the peer is told if it
+    /// seeks that device and this is news to it.
+    pub fn tell_addresses(&mut self, device: DeviceId, addrs: Vec<WireAddr>) -> Vec<Action> {
+        if !self.is_established() {
+            return Vec::new();
+        }
+        self.rendezvous
+            .tell(device, addrs)
+            .map(|l| Action::Send(Message::Addresses(l)))
+            .into_iter()
+            .collect()
+    }
+
+    /// The devices the peer seeks (see [`Session::tell_addresses`]).
+    pub fn sought_by_peer(&self) -> Vec<DeviceId> {
+        self.rendezvous.sought_by_peer().copied().collect()
+    }
+
     fn on_peers(&mut self, list: PeerList) -> Vec<Action> {
         if self.peer_name.is_none() {
             return self.fail(ErrorCode::BadFrame, "peer list before hello");
@@ -607,8 +694,9 @@ impl Session {
             return self.fail(ErrorCode::BadFrame, "second hello");
         }
         if h.protocol_version != PROTOCOL_VERSION {
+            let older = h.protocol_version.min(PROTOCOL_VERSION);
             let msg = format!(
-                "protocol version {} is not supported (this device speaks {PROTOCOL_VERSION})",
+                "protocol version {} is not supported (this device speaks {PROTOCOL_VERSION}): upgrade meshfs on the device that speaks {older}",
                 h.protocol_version
             );
             return self.fail(ErrorCode::Version, &msg);
@@ -1025,18 +1113,23 @@ mod tests {
         saved_their: Vec<(u64, u64)>,
         closed: Option<String>,
         max_in_flight: usize,
+        /// Devices the peer newly sought, and address lists it told us.
+        sought: Vec<DeviceId>,
+        learned: Vec<AddressList>,
     }
 
     impl Side {
         fn new(me: u8, peer: u8, folders: Vec<SessionFolder>) -> Side {
             Side {
-                session: Session::new(format!("dev{me}"), dev(peer), folders),
+                session: Session::with_device(format!("dev{me}"), dev(me), dev(peer), folders),
                 journal: Journal::default(),
                 id: dev(me),
                 received: vec![],
                 saved_their: vec![],
                 closed: None,
                 max_in_flight: 0,
+                sought: vec![],
+                learned: vec![],
             }
         }
     }
@@ -1093,6 +1186,8 @@ mod tests {
                     } => me.saved_their.push((index_id, sequence)),
                     Action::SaveOurAcked { .. } => {}
                     Action::Close { reason } => me.closed = Some(reason),
+                    Action::Sought { devices } => me.sought.extend(devices),
+                    Action::Learned(list) => me.learned.push(list),
                 }
                 continue;
             }
@@ -1486,6 +1581,55 @@ mod tests {
             vec!["new"]
         );
         assert!(status(&a, "f").in_sync && status(&b, "f").in_sync);
+    }
+
+    #[test]
+    fn each_side_tells_the_other_where_the_devices_it_seeks_are() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        let laptop = dev(3);
+        let at = |port| WireAddr::V4 {
+            ip: [10, 0, 0, 3],
+            port,
+        };
+        // Asked before the hellos: sent once they are through; neither end is ever sought.
+        assert!(a.session.seek([laptop, dev(1), dev(2)].into()).is_empty());
+        connect(&mut a, &mut b);
+        assert_eq!(b.sought, vec![laptop]);
+        assert_eq!(b.session.sought_by_peer(), vec![laptop]);
+        let told = b.session.tell_addresses(laptop, vec![at(7788)]);
+        assert!(b.session.tell_addresses(laptop, vec![at(7788)]).is_empty());
+        assert!(b.session.tell_addresses(dev(4), vec![at(1)]).is_empty());
+        run(
+            &mut a,
+            &mut b,
+            VecDeque::new(),
+            VecDeque::new(),
+            [Vec::new(), told],
+        );
+        assert_eq!(a.learned.len(), 1);
+        assert_eq!(a.learned[0].device, laptop);
+        assert_eq!(a.learned[0].addrs, vec![at(7788)]);
+        assert!(a.closed.is_none() && b.closed.is_none());
+    }
+
+    #[test]
+    fn a_seek_or_an_address_list_before_the_hello_ends_the_session() {
+        let list = meshfs_protocol::SeekList {
+            devices: vec![dev(3)],
+        };
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let acts = a.session.handle(Message::Seek(list), &mut a.journal);
+        assert!(acts.iter().any(
+            |x| matches!(x, Action::Send(Message::Error { code, .. }) if *code == ErrorCode::BadFrame)
+        ));
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let addrs = Message::Addresses(AddressList {
+            device: dev(3),
+            addrs: vec![],
+        });
+        let acts = a.session.handle(addrs, &mut a.journal);
+        assert!(matches!(acts.last(), Some(Action::Close { .. })));
     }
 
     #[test]

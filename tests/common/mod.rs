@@ -5,6 +5,7 @@
 pub mod browser;
 pub mod clock;
 pub mod hostile;
+pub mod netns;
 pub mod user;
 
 use std::collections::BTreeMap;
@@ -16,8 +17,22 @@ use std::time::{Duration, Instant};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
+/// The `meshfs` binary the tests run: `$MESHFS_BIN` if set (e.g. `target/release/meshfs` for a
+/// long randomized run), else the one cargo built for this test.
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_meshfs")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        std::env::var("MESHFS_BIN")
+            .ok()
+            .filter(|b| !b.is_empty())
+            .map(|b| {
+                std::fs::canonicalize(&b)
+                    .unwrap_or_else(|e| panic!("MESHFS_BIN={b}: {e}"))
+                    .display()
+                    .to_string()
+            })
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_meshfs").to_string())
+    })
 }
 
 /// A free UDP port on `ip`.
@@ -106,9 +121,15 @@ impl Device {
         let base = tmp.path().join(name);
         let home = base.join("home");
         std::fs::create_dir_all(&dir).unwrap();
-        let id = ok(&home, &["init", "--name", name, "--listen", &addr])
-            .trim()
-            .to_string();
+        // Local discovery off: a daemon in the test's own network namespace must never
+        // broadcast on this machine's interfaces (the discovery tests switch it on, inside
+        // namespaces of their own: `Device::discovery`).
+        let id = ok(
+            &home,
+            &["init", "--name", name, "--listen", &addr, "--no-discovery"],
+        )
+        .trim()
+        .to_string();
         ok(
             &home,
             &["folder", "add", dir.to_str().unwrap(), "--id", "work"],
@@ -126,6 +147,25 @@ impl Device {
             child: None,
             _tmp: tmp.clone(),
         }
+    }
+
+    /// Switches local discovery on or off in the config (`[discovery] local`). Only for a
+    /// device whose daemon runs in a network namespace of the test's own: in the test's
+    /// namespace it would broadcast on this machine's interfaces.
+    pub fn discovery(&self, on: bool) {
+        assert!(
+            !on || self.netns.is_some(),
+            "local discovery only inside a test's own network namespace"
+        );
+        let file = self.home.join("config.toml");
+        let text = std::fs::read_to_string(&file).unwrap();
+        let (from, to) = if on {
+            ("[discovery]\nlocal = false", "[discovery]\nlocal = true")
+        } else {
+            ("[discovery]\nlocal = true", "[discovery]\nlocal = false")
+        };
+        assert!(text.contains(from) || text.contains(to), "{text}");
+        std::fs::write(&file, text.replace(from, to)).unwrap();
     }
 
     pub fn path(&self, rel: &str) -> PathBuf {

@@ -3,8 +3,9 @@
 //! covered exactly and made durable together. No lock is held: local edits go on, and the
 //! batch before this one installs meanwhile.
 
-use super::transfer::{ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
+use super::transfer::{skip_or_fail, ApplyError, Meta, Sources, Transfer, MAX_OPEN_TEMPS};
 use crate::chunks;
+use crate::failpoint;
 use crate::folder::FolderRt;
 use crate::store::{DirCache, StoreError, TempFile};
 use meshfs_protocol::{ChunkResponse, Hash};
@@ -23,37 +24,79 @@ pub(super) struct Assembled {
     /// The chunks to ask the peer for.
     pub(super) wanted: Vec<(Hash, u32)>,
     pub(super) dirs: DirCache,
+    /// Transfers that cannot be assembled here (shown in `status` as skipped).
+    pub(super) skipped: Vec<usize>,
 }
 
-/// Step 2 without the network: a temp file for each transfer (files with no chunk here get
-/// theirs now, outside the folder lock), and the chunks the peer attached written into them.
+/// Step 2 without the network, outside the folder lock: a temp file for each transfer, the
+/// chunks this device has copied into it from the files its decision opened (or opens now),
+/// and the chunks the peer attached written into it. A temp file that cannot be made for one
+/// transfer (its directory refuses it) skips that transfer; only a full disk fails the batch.
 pub(super) fn assemble(
     rt: &FolderRt,
     mut dirs: DirCache,
     work: Vec<Transfer>,
-    missing: Wanted,
+    sources: &Sources,
     mut attached: HashMap<Hash, ChunkResponse>,
 ) -> Result<Assembled, ApplyError> {
     let mut temps: Vec<Option<TempFile>> = Vec::with_capacity(work.len());
     let mut metas = Vec::with_capacity(work.len());
-    let mut work = work.into_iter();
-    while let Some(t) = work.next() {
-        let Transfer { meta, temp, .. } = t;
+    let mut missing: Wanted = HashMap::new();
+    let mut skipped = Vec::new();
+    for (i, t) in work.into_iter().enumerate() {
+        let Transfer {
+            meta,
+            copies,
+            missing: absent,
+        } = t;
         let kept = temps.len() < MAX_OPEN_TEMPS;
-        let made = temp.map_or_else(
-            || rt.store.create_temp_in(&mut dirs, &meta.record.path, kept),
-            Ok,
-        );
-        let mut temp = match made {
+        let made = rt
+            .store
+            .create_temp_in(&mut dirs, &meta.record.path, kept)
+            .and_then(|mut temp| {
+                if let Some(c) = &meta.content_room {
+                    temp.set_claim(c.clone());
+                }
+                if copies.is_empty() {
+                    return Ok((temp, Vec::new()));
+                }
+                // For tests: the copying of a record's local chunks is under way (no lock held).
+                failpoint::hit("apply.copying", meta.remote.path.as_str());
+                let not_here =
+                    rt.store
+                        .copy_chunks_in(&mut dirs, &mut temp, &copies, &sources.held)?;
+                Ok((temp, not_here))
+            });
+        let (mut temp, not_here) = match made {
             Ok(t) => t,
-            Err(e) => {
-                let rest = work.filter_map(|t| t.temp);
-                discard_all(rt, temps.into_iter().flatten().chain(rest));
+            Err(e) if e.is_disk_full() => {
+                discard_all(rt, temps.into_iter().flatten());
                 return Err(e.into());
+            }
+            Err(e) => {
+                if let Err(e) = skip_or_fail(rt, &meta.remote, e) {
+                    discard_all(rt, temps.into_iter().flatten());
+                    return Err(e);
+                }
+                temps.push(None);
+                metas.push(meta);
+                skipped.push(i);
+                continue;
             }
         };
         if !kept {
             rt.store.close_temp(&mut temp);
+        }
+        let stale = not_here.into_iter().map(|j| {
+            let c = &copies[j];
+            (c.hash, c.len, c.offset)
+        });
+        for (h, len, off) in absent.into_iter().chain(stale) {
+            missing
+                .entry(h)
+                .or_insert((len, Vec::new()))
+                .1
+                .push((i, off));
         }
         temps.push(Some(temp));
         metas.push(meta);
@@ -81,6 +124,7 @@ pub(super) fn assemble(
         missing,
         wanted,
         dirs,
+        skipped,
     })
 }
 

@@ -2,10 +2,12 @@
 //! content (metadata, directories, symlinks, deletions, copies of local losers), journaling
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
-use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Transfer, MAX_OPEN_TEMPS};
+use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Sources, Transfer};
 use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
+use crate::ignore::{IgnoreRules, IGNORE_FILE};
 use crate::journal::{Change, Journal, StoredRecord};
+use crate::lock::RankedGuard;
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
 use meshfs_sync::plan::{self, Disk, Planned};
@@ -75,8 +77,10 @@ pub(super) struct Decided {
     pub transfers: Vec<Transfer>,
     /// Remote records whose local target changed under us: rescan, then decide again.
     pub redo: Vec<FileRecord>,
-    /// The directories the temp files were created in, reused to install them.
+    /// The directories the decision walked to, reused to assemble the contents.
     pub dirs: DirCache,
+    /// The local files the contents' chunks are copied from, opened by the decision.
+    pub sources: Sources,
 }
 
 /// Step 1 for records of a batch from `peer` (those the receive pipeline did not hold back),
@@ -88,46 +92,76 @@ pub(super) fn decide_all(
     peer: DeviceId,
     records: Vec<FileRecord>,
 ) -> Result<Decided, ApplyError> {
-    let _guard = rt
-        .op_lock
-        .lock()
-        .map_err(|_| FolderError::Poisoned("folder"))?;
-    let mut journal = folders.journal()?;
-    let mut d = Deciding {
-        journal: &mut journal,
-        rt,
-        folder,
-        peer,
-        memo: Memo::default(),
-        dirs: DirCache::default(),
-        done: Vec::new(),
-        transfers: Vec::new(),
-        redo: Vec::new(),
+    // The locks and the rules are let go before the rules are read again.
+    let (decided, touched_ignore) = {
+        let _guard = rt
+            .op_lock
+            .lock()
+            .map_err(|_| FolderError::Poisoned("folder"))?;
+        let ignore = rt
+            .ignore
+            .read()
+            .map_err(|_| FolderError::Poisoned("ignore"))?;
+        let mut d = Deciding {
+            journal: Held {
+                folders,
+                guard: None,
+            },
+            folders,
+            rt,
+            ignore: &ignore,
+            sources: Sources::default(),
+            touched_ignore: false,
+            folder,
+            peer,
+            memo: Memo::default(),
+            dirs: DirCache::default(),
+            done: Vec::new(),
+            transfers: Vec::new(),
+            redo: Vec::new(),
+        };
+        let result = records.into_iter().try_for_each(|r| d.record(r));
+        d.journal.release();
+        // Changes done on disk are committed even when deciding fails.
+        let flushed = match d.done.is_empty() {
+            true => Ok(()),
+            false => folders
+                .journal()?
+                .commit(folder, std::mem::take(&mut d.done))
+                .map(|_| ()),
+        };
+        result?;
+        flushed?;
+        // Between a decision and its install the folder's lock is let go (for tests: what another
+        // batch or a local edit does meanwhile). Detail: a transfer's remote path.
+        for t in &d.transfers {
+            failpoint::hit("apply.decided", t.meta.remote.path.as_str());
+        }
+        let Deciding {
+            transfers,
+            redo,
+            dirs,
+            sources,
+            touched_ignore,
+            ..
+        } = d;
+        let decided = Decided {
+            transfers,
+            redo,
+            dirs,
+            sources,
+        };
+        (decided, touched_ignore)
     };
-    d.journal.begin_reads();
-    let result = records.into_iter().try_for_each(|r| d.record(r));
-    d.journal.end_reads();
-    // Changes done on disk are committed even when deciding fails.
-    let flushed = match d.done.is_empty() {
-        true => Ok(()),
-        false => d
-            .journal
-            .commit(folder, std::mem::take(&mut d.done))
-            .map(|_| ()),
-    };
-    result?;
-    flushed?;
-    // Between a decision and its install the folder's lock is let go (for tests: what another
-    // batch or a local edit does meanwhile). Detail: a transfer's remote path.
-    for t in &d.transfers {
-        failpoint::hit("apply.decided", t.meta.remote.path.as_str());
+    if touched_ignore {
+        folders.reload_ignore(rt);
     }
-    Ok(Decided {
-        transfers: d.transfers,
-        redo: d.redo,
-        dirs: d.dirs,
-    })
+    Ok(decided)
 }
+
+/// Why a remote version at an ignored path is skipped (`status`).
+pub(super) const IGNORED_HERE: &str =
+    "ignored on this device (a local or shared ignore rule covers it); not written here";
 
 /// Whether the rest of a plan goes on after a step.
 enum Flow {
@@ -135,10 +169,46 @@ enum Flow {
     Stop,
 }
 
+/// The journal as a decision holds it: in one read transaction (`Journal::begin_reads`), let go
+/// while a transfer copies local chunks (disk work whose size the peer's record decides), so
+/// that other folders' sessions and scans do not wait for it, and taken again at its next use.
+/// This folder's records cannot change meanwhile: the decision holds the folder's lock.
+struct Held<'a> {
+    folders: &'a Folders,
+    guard: Option<RankedGuard<'a, Journal>>,
+}
+
+impl Held<'_> {
+    fn get(&mut self) -> Result<&mut Journal, ApplyError> {
+        let guard = match self.guard.take() {
+            Some(g) => g,
+            None => {
+                let mut g = self.folders.journal()?;
+                g.begin_reads();
+                g
+            }
+        };
+        Ok(&mut **self.guard.insert(guard))
+    }
+
+    fn release(&mut self) {
+        if let Some(mut g) = self.guard.take() {
+            g.end_reads();
+        }
+    }
+}
+
 /// One batch being decided: the journal held, and what the steps done so far left.
 struct Deciding<'a> {
-    journal: &'a mut Journal,
+    journal: Held<'a>,
+    folders: &'a Folders,
     rt: &'a FolderRt,
+    /// The files this batch's contents copy chunks from.
+    sources: Sources,
+    /// A change of `.meshignore` was done: the rules are read again once the locks are let go.
+    touched_ignore: bool,
+    /// The folder's ignore rules (local and shared): what they cover is never written here.
+    ignore: &'a IgnoreRules,
     folder: &'a FolderId,
     peer: DeviceId,
     memo: Memo,
@@ -154,18 +224,23 @@ struct Deciding<'a> {
 impl Deciding<'_> {
     /// Plans one remote record and does its steps.
     fn record(&mut self, remote: FileRecord) -> Result<(), ApplyError> {
+        if self.ignored(&remote) {
+            return Ok(());
+        }
         // Tombstones come after every live record (children first) and ask SQLite whether
         // live entries remain below them: commit what this batch did so far first.
         if (remote.deleted || self.done.len() >= 1000) && !self.done.is_empty() {
             self.journal
+                .get()?
                 .commit(self.folder, std::mem::take(&mut self.done))?;
         }
+        let journal = self.journal.get()?;
         let local_before = self
             .memo
-            .get(self.journal, self.folder, &remote.path)?
+            .get(journal, self.folder, &remote.path)?
             .map(|s| s.record);
         let view = View {
-            journal: self.journal,
+            journal,
             folder: self.folder,
             memo: &self.memo,
         };
@@ -187,7 +262,7 @@ impl Deciding<'_> {
             .map(|s| (s.record().clone(), None))
             .collect();
         if !made_here.is_empty() {
-            self.journal.put_pending(self.folder, &made_here)?;
+            self.journal.get()?.put_pending(self.folder, &made_here)?;
         }
         let conflict = plan.conflict.map(|winner_is_local| {
             conflict_detail(local_before.as_ref(), &remote, winner_is_local)
@@ -224,6 +299,7 @@ impl Deciding<'_> {
                         self.transfers[i].meta.then.push((c, basis));
                     }
                     None => {
+                        self.touched_ignore |= c.record.path.as_str() == IGNORE_FILE;
                         self.memo.put(&c);
                         self.done.push(c);
                     }
@@ -236,9 +312,32 @@ impl Deciding<'_> {
         Ok(())
     }
 
+    /// A remote version at a path this device ignores (its local rules, or the shared ones)
+    /// is neither written nor journaled: the user said meshfs must not touch that path here,
+    /// and a peer must not be able to write there (`.git/hooks/…`) because it does not ignore
+    /// it. A live version is listed as skipped (`status`); a deletion leaves whatever is
+    /// there alone, unlisted (it is not this device's to delete). The batch goes on and is
+    /// acknowledged: the version is not sent again; it applies once the peer changes the path
+    /// after the rule is lifted.
+    fn ignored(&mut self, remote: &FileRecord) -> bool {
+        if !self
+            .ignore
+            .is_ignored(&remote.path, remote.kind == FileKind::Dir)
+        {
+            return false;
+        }
+        if remote.deleted {
+            tracing::debug!(folder = %self.folder, path = %remote.path, "a remote deletion at a path ignored here; the path is left alone");
+        } else if self.rt.skip(remote.path.clone(), IGNORED_HERE.into()) {
+            tracing::info!(folder = %self.folder, path = %remote.path, "a remote version at a path ignored here is not written (see status)");
+        }
+        true
+    }
+
     /// The journal's record at `path` (read through the batch's memo).
-    fn stored(&self, path: &RelPath) -> Result<Option<StoredRecord>, ApplyError> {
-        Ok(self.memo.get(self.journal, self.folder, path)?)
+    fn stored(&mut self, path: &RelPath) -> Result<Option<StoredRecord>, ApplyError> {
+        let journal = self.journal.get()?;
+        Ok(self.memo.get(journal, self.folder, path)?)
     }
 
     /// A step whose content comes from chunks: starts its transfer. Returns the transfer's
@@ -263,14 +362,16 @@ impl Deciding<'_> {
             detail,
             remote: remote.clone(),
             then: Vec::new(),
+            content_room: None,
+            journal_room: None,
         };
-        let keep_open = self.transfers.len() < MAX_OPEN_TEMPS;
+        // Room claimed and sources found under the lock; the copying is the assembly's.
         let t = prepare(
-            self.journal,
+            self.journal.get()?,
+            self.folders,
             self.rt,
-            self.folder,
             meta,
-            keep_open,
+            &mut self.sources,
             &mut self.dirs,
         )?;
         self.transfers.push(t);
@@ -300,7 +401,9 @@ impl Deciding<'_> {
 
     /// Holds `remote` until its path has no writer; journaled first (see [`Self::deferred`]).
     fn defer(&mut self, remote: &FileRecord) -> Result<(), ApplyError> {
-        self.journal.put_deferred(self.folder, remote, &self.peer)?;
+        self.journal
+            .get()?
+            .put_deferred(self.folder, remote, &self.peer)?;
         self.rt.defer(remote.clone(), self.peer);
         Ok(())
     }

@@ -12,12 +12,13 @@
 //! discarded, also when a step's answer comes for a batch discarded meanwhile). What it never
 //! does: decide anything the pipeline decides, or touch a file itself.
 
-use super::assemble::{assemble, discard_all, finish_all, Assembled, TempWriter, Wanted};
+use super::assemble::{assemble, discard_all, finish_all, Assembled, TempWriter};
 use super::decide::{decide_all, Decided};
 use super::install::install;
 use super::on_blocking;
-use super::transfer::{ApplyError, Meta, Transfer};
+use super::transfer::{ApplyError, Meta, Sources, Transfer};
 use crate::chunks;
+use crate::failpoint;
 use crate::folder::{FolderRt, Folders};
 use crate::progress::Queued;
 use crate::store::{DirCache, TempFile};
@@ -163,6 +164,8 @@ struct BatchInfo {
     ready: HashMap<usize, (Meta, TempFile)>,
     /// The directories its decision walked to (reused by its install).
     dirs: Option<DirCache>,
+    /// The local files its decision opened to copy chunks from (taken by the fetch).
+    sources: Option<Sources>,
     /// Its records, counted in `status` until it is applied.
     queued: Option<Queued>,
     /// When its current round was decided, and how long that took (for the batch's log line).
@@ -173,12 +176,7 @@ impl BatchInfo {
     /// Drops what it holds on disk.
     fn discard(self, rt: Option<&FolderRt>) {
         let Some(rt) = rt else { return };
-        let temps = self
-            .transfers
-            .into_iter()
-            .filter_map(|t| t.temp)
-            .chain(self.ready.into_values().map(|(_, t)| t));
-        discard_all(rt, temps);
+        discard_all(rt, self.ready.into_values().map(|(_, t)| t));
     }
 }
 
@@ -241,6 +239,7 @@ impl Driver {
                         transfers: Vec::new(),
                         ready: HashMap::new(),
                         dirs: None,
+                        sources: None,
                         queued,
                         round: None,
                     },
@@ -265,20 +264,14 @@ impl Driver {
                         .iter()
                         .flat_map(|t| t.meta.then.iter().map(|(c, _)| c.record.path.clone()))
                         .collect();
-                    match self.batches.get_mut(&batch) {
-                        Some(b) => {
-                            if let Some((at, ms)) = b.round.as_mut() {
-                                *ms = at.elapsed().as_millis() as u64;
-                            }
-                            b.transfers = d.transfers;
-                            b.dirs = Some(d.dirs);
+                    // Discarded while it was decided: its claims and sources go with it.
+                    if let Some(b) = self.batches.get_mut(&batch) {
+                        if let Some((at, ms)) = b.round.as_mut() {
+                            *ms = at.elapsed().as_millis() as u64;
                         }
-                        None => {
-                            // Discarded while it was decided: what it made goes too.
-                            if let Some(rt) = self.rt() {
-                                discard_all(&rt, d.transfers.into_iter().filter_map(|t| t.temp));
-                            }
-                        }
+                        b.transfers = d.transfers;
+                        b.dirs = Some(d.dirs);
+                        b.sources = Some(d.sources);
                     }
                     self.pipe.decided(batch, paths, also, d.redo);
                 }
@@ -382,6 +375,7 @@ impl Driver {
                 };
                 let work = std::mem::take(&mut b.transfers);
                 let dirs = b.dirs.take().unwrap_or_default();
+                let sources = b.sources.take().unwrap_or_default();
                 let wanted_inline: Vec<Hash> = work
                     .iter()
                     .flat_map(|t| t.missing.iter().map(|(h, _, _)| *h))
@@ -396,13 +390,10 @@ impl Driver {
                 tokio::spawn(async move {
                     let result = match (folders.running(&folder), conn) {
                         (Ok(rt), Some(conn)) => {
-                            fetch(&rt, &folder, &conn, work, dirs, attached).await
+                            fetch(&rt, &folder, &conn, work, dirs, sources, attached).await
                         }
                         (Err(e), _) => Err(e.into()),
-                        (Ok(rt), None) => {
-                            discard_all(&rt, work.into_iter().filter_map(|t| t.temp));
-                            Err(ApplyError::Task("the session ended".into()))
-                        }
+                        (Ok(_), None) => Err(ApplyError::Task("the session ended".into())),
                     };
                     let _ = tx.send(Input::Fetched(batch, result));
                 });
@@ -508,33 +499,35 @@ async fn fetch(
     rt: &Arc<FolderRt>,
     folder: &FolderId,
     conn: &quinn::Connection,
-    mut work: Vec<Transfer>,
+    work: Vec<Transfer>,
     dirs: DirCache,
+    sources: Sources,
     attached: HashMap<Hash, ChunkResponse>,
 ) -> Result<Fetched, ApplyError> {
-    let mut missing: Wanted = HashMap::new();
-    for (i, t) in work.iter_mut().enumerate() {
-        for (h, len, off) in std::mem::take(&mut t.missing) {
-            missing
-                .entry(h)
-                .or_insert((len, Vec::new()))
-                .1
-                .push((i, off));
-        }
-    }
-    // Temp files, and writing what is at hand into them, are a thousand system calls and more
-    // for a batch of small files: on a blocking thread, not on the runtime that moves packets.
+    // Temp files, and writing what is at hand into them (local copies, attached chunks), are
+    // a thousand system calls and more for a batch of small files, and for a big file
+    // gigabytes read and hashed: on a blocking thread, not on the runtime that moves packets.
     let Assembled {
         temps,
         metas,
         missing,
         wanted,
         dirs,
+        skipped,
     } = {
         let rt = rt.clone();
-        on_blocking(move || assemble(&rt, dirs, work, missing, attached)).await?
+        on_blocking(move || {
+            // Decided, the folder's lock let go, nothing fetched or installed yet (for tests:
+            // what a local edit or another batch does meanwhile). Detail: a remote path.
+            for t in &work {
+                failpoint::hit("apply.fetch", t.meta.remote.path.as_str());
+            }
+            assemble(&rt, dirs, work, &sources, attached)
+        })
+        .await?
     };
-    let mut superseded = Vec::new();
+    // Skipped here (shown in `status`): nothing to install for them.
+    let mut superseded = skipped;
     let temps = if wanted.is_empty() {
         temps
     } else {

@@ -85,8 +85,9 @@ pub(super) fn install(
                 });
                 // The decision's changes that waited for this file go ahead only if their
                 // paths still hold what it saw: a local edit or another batch may have
-                // journaled a newer version meanwhile, which they would overwrite. Else the
-                // remote record is decided again; the sibling just installed is what it keeps.
+                // journaled a newer version meanwhile, which they would overwrite (losing it:
+                // `tests/chaos.rs` seeds 13 and 30 on 3 devices). Else the remote record is
+                // decided again; the sibling just installed is what it would keep.
                 let mut fresh = true;
                 for (c, basis) in &t.then {
                     let now = journal
@@ -130,8 +131,18 @@ pub(super) fn install(
         rt.defer(remote, peer);
     }
     let files = changes.len();
+    let touched_ignore = changes
+        .iter()
+        .any(|c| c.record.path.as_str() == crate::ignore::IGNORE_FILE);
     journal.commit(folder, changes)?;
     failpoint::hit("apply.installed", "");
+    if touched_ignore {
+        // A new shared ignore file: its rules apply from the next decision on (read once the
+        // locks are let go; one that does not compile keeps the older shared rules).
+        drop(journal);
+        drop(_guard);
+        folders.reload_ignore(rt);
+    }
     if files >= 100 {
         tracing::debug!(%folder, files, pending_ms = pending_at.as_millis() as u64,
             reread_ms = (reread_at - pending_at).as_millis() as u64,

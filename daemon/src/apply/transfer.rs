@@ -3,11 +3,15 @@
 //! rule that skips a record this device cannot take.
 
 use crate::chunks::FetchError;
-use crate::folder::{FolderError, FolderRt};
-use crate::journal::{Change, Journal, JournalError, Op, StoredRecord};
-use crate::store::{DirCache, Expect, LocalCopy, StoreError, TempFile};
-use meshfs_protocol::{DeviceId, FileRecord, FolderId, Hash, RelPath, VersionVector};
+use crate::folder::{FolderError, FolderRt, Folders};
+use crate::journal::{indexed_chunks, Change, Journal, JournalError, Op, StoredRecord};
+use crate::room::{Claim, NoRoom, Place};
+use crate::store::{DirCache, Expect, LocalCopy, StoreError};
+use meshfs_protocol::{DeviceId, FileRecord, Hash, RelPath, VersionVector};
 use meshfs_sync::reconcile::ReadError;
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::sync::Arc;
 
 /// Temp files kept open between assembly and install; beyond this many, a batch's temp files
 /// are closed and reopened (the open-file limit is shared with the mount and the scanner).
@@ -31,15 +35,16 @@ pub enum ApplyError {
     /// Chunks could not be fetched from the peer.
     #[error(transparent)]
     Fetch(#[from] FetchError),
-    /// A version declares more bytes than the disk can take.
-    #[error("{path}: No space left on device: the version is {size} bytes, {free} are free")]
+    /// A version declares more bytes than the disk can take, with what is promised to the
+    /// other versions being received and the reserve ([`crate::room`]).
+    #[error("{path}: No space left on device: the version is {size} bytes; {why}")]
     NoRoom {
         /// The version's path.
         path: RelPath,
         /// Its declared size.
         size: u64,
-        /// Free bytes on the replica's disk.
-        free: u64,
+        /// The disk's free, promised and reserved bytes.
+        why: NoRoom,
     },
     /// The batch before this one in the pipeline failed.
     #[error("the batch received before this one failed to apply")]
@@ -89,73 +94,118 @@ pub(super) fn expect_of(stored: Option<&StoredRecord>) -> Expect {
 /// A file content to assemble: what its install will journal, and where its chunks are.
 pub(super) struct Transfer {
     pub(super) meta: Meta,
-    /// The temp file, already holding every chunk found locally; none yet when no chunk was
-    /// (it is made after the decision, outside the folder lock).
-    pub(super) temp: Option<TempFile>,
+    /// Chunks found in local files, to copy ([`super::assemble`], outside the folder lock).
+    pub(super) copies: Vec<LocalCopy>,
     /// Chunks still to fetch: (hash, length, offset in this file).
     pub(super) missing: Vec<(Hash, u32, u64)>,
 }
 
-/// Starts a transfer: copies every chunk this device already has (any file of the folder,
-/// through the chunk index) into a new temp file. Done at decision time, under the folder
-/// lock, so a later deletion in the same batch (the old name of a renamed file) cannot take
-/// the local copy away first. A file none of whose chunks is here gets its temp file later,
-/// outside the lock (`transfer`): creating a thousand files was a fifth of a receiving
-/// daemon's time under the lock, which the next batch's decision waits for.
+/// Distinct local files a record's chunks are copied from, at most: a peer's record can name
+/// every chunk this device has, and each source is a file opened under the folder lock.
+const MAX_SOURCES_PER_RECORD: usize = 64;
+/// Source files a batch holds open from its decision to its assembly, at most (beyond, a
+/// source is opened again at assembly, if it is still there).
+pub(super) const MAX_HELD_SOURCES: usize = 1024;
+
+/// The local files a batch copies chunks from, opened when it is decided: a later decision of
+/// the same batch that deletes or replaces one (the old name of a renamed file) cannot take
+/// its content away before it is copied, outside the lock.
+#[derive(Default)]
+pub(super) struct Sources {
+    pub(super) held: HashMap<RelPath, Arc<File>>,
+}
+
+/// Journal bytes one record may add when it is committed: its row and history row, its
+/// chunk list (~37 bytes a chunk), its chunk-index rows ([`indexed_chunks`], ~100 bytes a row
+/// with the hash index), twice over for the write-ahead log that carries them first.
+pub(super) fn journal_growth(record: &FileRecord) -> u64 {
+    let listed = record.chunks.len() as u64;
+    let indexed = indexed_chunks(record).count() as u64;
+    2 * (4096 + 4 * record.path.as_str().len() as u64 + 40 * listed + 100 * indexed)
+}
+
+/// Starts a transfer, under the folder lock. First it claims the disk room its content and
+/// journal rows need ([`crate::room`]: against every version in flight on the same
+/// filesystem, keeping the reserve), so nothing is read or written for a version that does
+/// not fit. Then it finds which chunks this device has (any file of the folder, through the
+/// chunk index: each distinct chunk the index can hold looked up once, [`indexed_chunks`]) and
+/// opens their files; the copying itself is left to the assembly, outside the lock. A record
+/// that lists a chunk this device has half a million times costs one lookup here and its
+/// copies there, within its claimed room.
 pub(super) fn prepare(
     journal: &Journal,
+    folders: &Folders,
     rt: &FolderRt,
-    folder: &FolderId,
-    meta: Meta,
-    keep_open: bool,
+    mut meta: Meta,
+    sources: &mut Sources,
     dirs: &mut DirCache,
 ) -> Result<Transfer, ApplyError> {
     let record = &meta.record;
-    // A record declares its size (a peer can declare terabytes in a few bytes, one chunk
-    // listed many times): nothing is written that would leave the disk less than a margin.
-    if let Err(free) = crate::store::room_for(rt.store.root(), record.size) {
-        return Err(ApplyError::NoRoom {
+    let content = rt.store.temp_place();
+    let journal_place = folders.journal_place.as_ref();
+    let mut wants: Vec<(&Place, u64)> = Vec::with_capacity(2);
+    if let Some(p) = &content {
+        wants.push((p, record.size));
+    }
+    if let Some(p) = journal_place {
+        wants.push((p, journal_growth(record)));
+    }
+    let mut claims = folders
+        .room
+        .claim(&wants)
+        .map_err(|why| ApplyError::NoRoom {
             path: record.path.clone(),
             size: record.size,
-            free,
-        });
-    }
-    let mut temp: Option<TempFile> = None;
-    let mut missing = Vec::new();
-    let mut copies = Vec::new();
-    for (offset, c) in record.chunk_offsets() {
-        let sources: Vec<(RelPath, u64)> = journal
+            why,
+        })?
+        .into_iter();
+    meta.content_room = content.and_then(|_| claims.next()).map(Arc::new);
+    meta.journal_room = journal_place.and_then(|_| claims.next());
+    let folder = &rt.id;
+    let record = &meta.record;
+    // Where each distinct chunk the index can hold lives here.
+    let mut found: HashMap<Hash, Arc<Vec<(RelPath, u64)>>> = HashMap::new();
+    let mut files: HashSet<RelPath> = HashSet::new();
+    for (_, c) in indexed_chunks(record) {
+        let at: Vec<(RelPath, u64)> = journal
             .find_chunk(folder, &c.hash)
             .unwrap_or_default()
             .into_iter()
             .filter(|l| l.len == c.len)
+            .filter(|l| files.contains(&l.path) || files.len() < MAX_SOURCES_PER_RECORD)
             .map(|l| (l.path, l.offset))
             .collect();
-        if sources.is_empty() {
-            missing.push((c.hash, c.len, offset));
-        } else {
-            copies.push(LocalCopy {
+        if at.is_empty() {
+            continue;
+        }
+        for (path, _) in &at {
+            if files.insert(path.clone())
+                && !sources.held.contains_key(path)
+                && sources.held.len() < MAX_HELD_SOURCES
+            {
+                if let Ok(f) = rt.store.open_file_in(dirs, path) {
+                    sources.held.insert(path.clone(), Arc::new(f));
+                }
+            }
+        }
+        found.insert(c.hash, Arc::new(at));
+    }
+    let mut copies = Vec::new();
+    let mut missing = Vec::new();
+    for (offset, c) in record.chunk_offsets() {
+        match found.get(&c.hash) {
+            Some(at) => copies.push(LocalCopy {
                 offset,
                 hash: c.hash,
                 len: c.len,
-                sources,
-            });
+                sources: at.clone(),
+            }),
+            None => missing.push((c.hash, c.len, offset)),
         }
-    }
-    if !copies.is_empty() {
-        let t = temp.insert(rt.store.create_temp_in(dirs, &record.path, keep_open)?);
-        let absent = rt.store.copy_chunks_in(dirs, t, &copies)?;
-        missing.extend(absent.into_iter().map(|i| {
-            let c = &copies[i];
-            (c.hash, c.len, c.offset)
-        }));
-    }
-    if let (Some(t), false) = (&mut temp, keep_open) {
-        rt.store.close_temp(t);
     }
     Ok(Transfer {
         meta,
-        temp,
+        copies,
         missing,
     })
 }
@@ -175,6 +225,11 @@ pub(super) struct Meta {
     /// sibling, or a crash in between would lose the loser everywhere), each with the version
     /// its path had when decided: committed only if the path still has it.
     pub(super) then: Vec<(Change, Basis)>,
+    /// The disk room claimed for its content (its temp file lets go of it as it is written);
+    /// dropped with the transfer: installed, discarded or superseded.
+    pub(super) content_room: Option<Arc<Claim>>,
+    /// The journal room claimed for its rows, until they are committed.
+    pub(super) journal_room: Option<Claim>,
 }
 
 /// A record that cannot be applied here (its parent is a symlink or not a directory, a

@@ -345,10 +345,8 @@ mod tests {
         let peer: DeviceId = DeviceId::from_bytes([2; 32]);
         let mut config = Config::new("a", "127.0.0.1:1");
         config.peers.push(crate::config::PeerConfig {
-            id: peer,
             name: "server".into(),
-            addr: String::new(),
-            folders: Vec::new(),
+            ..crate::config::PeerConfig::new(peer)
         });
         assert_eq!(device("self", &config, me).unwrap(), me.short());
         assert_eq!(device("server", &config, me).unwrap(), peer.short());

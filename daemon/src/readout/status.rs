@@ -3,6 +3,7 @@
 //! `status --json` document only; times are shown at the reader's UTC offset, which the caller
 //! knows (the CLI its own, the page the browser's) and this module never looks up.
 
+use super::journal::printable;
 use serde_json::Value;
 use std::collections::HashMap;
 use time::UtcOffset;
@@ -10,6 +11,13 @@ use time::UtcOffset;
 /// A string field, or "".
 pub fn s<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("")
+}
+
+/// A text field for a terminal, or "": control characters escaped as `meshfs journal` shows
+/// them ([`printable`]). Paths, errors and names can be a peer's words: a file name or an
+/// error message holding escape sequences must not move the cursor or retitle the terminal.
+pub fn t(v: &Value, k: &str) -> String {
+    printable(s(v, k))
 }
 
 /// A number field, or 0.
@@ -47,11 +55,11 @@ pub fn peers_by_id(st: &Value) -> HashMap<&str, &Value> {
         .collect()
 }
 
-/// A peer's name, or its short id.
+/// A peer's name (escaped, [`t`]), or its short id.
 pub fn peer_name(p: &Value) -> String {
     match s(p, "name") {
         "" => s(p, "device_id").chars().take(7).collect(),
-        n => n.to_string(),
+        n => printable(n),
     }
 }
 
@@ -111,7 +119,7 @@ pub fn folder_summary(f: &Value, started_unix: u64, tz: UtcOffset) -> String {
         ));
     }
     if let Some(b) = f["blocked"].as_str() {
-        why.push(format!("receiving stopped ({b})"));
+        why.push(format!("receiving stopped ({})", printable(b)));
     }
     let writers = u(f, "waiting_for_writers");
     if writers > 0 {
@@ -162,10 +170,53 @@ pub fn folder_summary(f: &Value, started_unix: u64, tz: UtcOffset) -> String {
     why.join("; ")
 }
 
-/// `last error at 10:42: …`, or nothing when there was none.
+/// How a peer's address was learned, in words (`address_source` in `status --json`).
+pub fn source_words(source: &str) -> &'static str {
+    match source {
+        "static" => "its configured address",
+        "lan" => "found on the LAN",
+        "peer" => "learned from a peer",
+        "incoming" => "it dialed this device",
+        "remembered" => "where it was last time",
+        _ => "learned",
+    }
+}
+
+/// What to run on `peer` so that it shares `folder` with this device (`me`): the answer to a
+/// pairing question (a connected peer that does not share the folder back).
+pub fn pairing_hint(folder: &str, me: &str, peer: &str) -> String {
+    format!(
+        "on {peer} run `meshfs share {folder} {me}` (first `meshfs folder add PATH --id {folder}` if it has no folder {folder})"
+    )
+}
+
+/// Every connected peer that does not share a folder back, with what to run on it, or none.
+pub fn pairing_questions(st: &Value) -> Vec<String> {
+    let me = s(&st["device"], "id");
+    let peers = peers_by_id(st);
+    let mut out = Vec::new();
+    for f in st["folders"].as_array().into_iter().flatten() {
+        for p in f["peers"].as_array().into_iter().flatten() {
+            if p["connected"] == true && p["not_shared"] == true {
+                let name = peers
+                    .get(s(p, "device_id"))
+                    .map_or_else(|| peer_name(p), |q| peer_name(q));
+                out.push(format!(
+                    "{name} is connected but does not share folder {} with this device: {}",
+                    s(f, "id"),
+                    pairing_hint(s(f, "id"), me, &name)
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// `last error at 10:42: …` (the message escaped: it can hold a peer's words), or nothing
+/// when there was none.
 pub fn last_error_line(v: &Value, tz: UtcOffset) -> Option<String> {
     let e = &v["last_error"];
-    let message = e["message"].as_str()?;
+    let message = printable(e["message"].as_str()?);
     Some(format!(
         "last error at {}: {message}",
         local_time(u(e, "unix"), tz)
@@ -182,7 +233,7 @@ pub fn first_of(items: &Value, folder: &str) -> Option<String> {
     };
     Some(format!(
         "{} ({}){more}",
-        s(first, "path"),
-        s(first, "error")
+        t(first, "path"),
+        t(first, "error")
     ))
 }

@@ -244,7 +244,10 @@ struct Kept {
     /// The directory it is in (staging, or its target's) and its name there.
     dir: Arc<OwnedFd>,
     name: CString,
-    /// Its stat once kept (ctime included: any write after that moves it).
+    /// Its stat once kept. Compared as the scanner compares (inode, size, mtime), never by
+    /// ctime: the file is often also a conflict sibling (`Store::preserve_as` links the local
+    /// loser's content to its sibling name before the swap), so its ctime moves when that
+    /// name is renamed, deleted, chmodded or kept aside in turn, none of which is a write.
     st: LocalStat,
     /// Where it came from, and that path's directory (for a conflict copy).
     path: RelPath,
@@ -394,7 +397,7 @@ fn settle(mut k: Kept, by: ShortId) -> Option<Kept> {
         k.until = Instant::now() + GRACE;
         return Some(k);
     }
-    let unchanged = sys::fstat(fd.as_fd()).is_ok_and(|st| stat_of(&st).local == k.st);
+    let unchanged = sys::fstat(fd.as_fd()).is_ok_and(|st| same_version(&stat_of(&st).local, &k.st));
     drop(fd);
     if unchanged {
         let _ = sys::unlinkat(k.dir.as_fd(), &k.name, 0);
@@ -601,6 +604,31 @@ mod tests {
         store.settle_displaced();
         assert!(files_in(&staging).is_empty());
         assert_eq!(copies(dir.path(), "notes").len(), 1);
+    }
+
+    /// Seed 41 of `tests/chaos.rs` (3 devices): the local loser of a conflict was linked to
+    /// its sibling name, the winner swapped in, and a peer's deletion of the sibling arrived
+    /// within the grace; the kept file's ctime had moved, so it was "kept" as a new conflict
+    /// copy of content the user had just deleted (and once more at shutdown).
+    #[test]
+    fn a_kept_file_whose_sibling_name_is_renamed_or_deleted_in_its_grace_is_not_copied() {
+        let (store, dir, state) = staged();
+        std::fs::write(dir.path().join("f"), b"mine").unwrap();
+        let before = local(&store, "f");
+        // The local loser of a conflict: its content gets the sibling's name too.
+        store
+            .preserve_as(&p("f"), &p("f.sync-conflict-x"), Expect::Matches(before))
+            .unwrap();
+        install(&store, "f", b"theirs", Expect::Matches(before), true).unwrap();
+        // Within the grace, the sibling is renamed, then deleted as a peer's deletion is
+        // (which keeps the same file aside a second time).
+        std::fs::rename(dir.path().join("f.sync-conflict-x"), dir.path().join("g")).unwrap();
+        let g = local(&store, "g");
+        store.remove_file(&p("g"), Expect::Matches(g)).unwrap();
+        store.settle_displaced();
+        assert_eq!(files_in(dir.path()), vec!["f".to_string()]);
+        assert!(files_in(&state.path().join("staging")).is_empty());
+        assert_eq!(std::fs::read(dir.path().join("f")).unwrap(), b"theirs");
     }
 
     #[test]

@@ -8,7 +8,8 @@ use crate::conflicts::ConflictFile;
 use crate::readout::journal::Row;
 use crate::readout::rates::{bytes, folder_work, peer_link, History};
 use crate::readout::status::{
-    first_of, folder_summary, last_error_line, local_time, peer_name, peer_state, plural, s, u,
+    first_of, folder_summary, last_error_line, local_time, peer_name, peer_state, plural, s,
+    source_words, u,
 };
 use serde_json::Value;
 use std::collections::HashMap;
@@ -207,14 +208,30 @@ pub fn peers(st: &Value, h: &History, tz: UtcOffset) -> String {
     }
     for p in peers {
         let connected = p["connected"] == true;
-        let at = match (p["last_seen_addr"].as_str(), connected) {
-            (Some(a), true) => format!("at {a}"),
+        let how = p["address_source"]
+            .as_str()
+            .map_or(String::new(), |src| format!(" ({})", source_words(src)));
+        let at = match (
+            p["address"].as_str().or(p["last_seen_addr"].as_str()),
+            connected,
+        ) {
+            (Some(a), true) => format!("at {a}{how}"),
             (Some(a), false) => format!("last at {a}"),
             (None, _) => String::new(),
         };
-        let dials = match s(p, "addr") {
-            "" => "it dials this device".to_string(),
-            a => format!("dialed at {a}"),
+        let listed: Vec<&str> = p["addresses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        let fixed: Vec<&str> = listed.iter().copied().filter(|a| *a != "dynamic").collect();
+        let dynamic = listed.contains(&"dynamic");
+        let dials = match (fixed.is_empty(), dynamic) {
+            (true, false) => "it dials this device".to_string(),
+            (true, true) => "found wherever it is".to_string(),
+            (false, false) => format!("dialed at {}", fixed.join(", ")),
+            (false, true) => format!("dialed at {} or wherever it is found", fixed.join(", ")),
         };
         let folders: Vec<&str> = p["folders"]
             .as_array()
@@ -503,7 +520,7 @@ mod tests {
                 "peers": [{"device_id": "P", "name": "a", "connected": false,
                            "last_seen_unix": null, "in_sync": false}]
             }],
-            "peers": [{"device_id": "P", "short_id": "BBBBBBB", "name": "a", "addr": "",
+            "peers": [{"device_id": "P", "short_id": "BBBBBBB", "name": "a", "addresses": [],
                        "connected": false, "last_seen_unix": null, "folders": ["work"]}],
             "refused_devices": []
         })

@@ -624,6 +624,8 @@ impl Sim {
                 Action::Close { reason } => {
                     return Err(format!("session r{r}->r{peer} closed: {reason}"));
                 }
+                // The simulation's replicas are all connected: no addresses to exchange.
+                Action::Sought { .. } | Action::Learned(_) => {}
             }
         }
         Ok(())
