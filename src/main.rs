@@ -10,6 +10,7 @@ mod status_cmd;
 mod status_pending;
 mod status_watch;
 mod ui_cmd;
+mod versions_cmd;
 
 use anyhow::{anyhow, bail, Context as _};
 use clap::{CommandFactory, Parser, Subcommand};
@@ -108,7 +109,7 @@ enum Command {
     Daemon,
     /// Mount a folder through the running daemon (an empty directory; the replica stays where it is).
     #[command(
-        after_help = "Example: meshfs mount work ~/work   # then edit in ~/work\nThe folder keeps syncing; `meshfs unmount work` ends the mount. To mount at every start, set `mount = \"PATH\"` in its [[folder]]."
+        after_help = "Examples:\n  meshfs mount work ~/work   # then edit in ~/work\n  meshfs mount work /tmp/work-then --at 2026-11-27T18:50:00Z   # read-only, as it was then\nThe folder keeps syncing; `meshfs unmount work` ends the mount. To mount at every start, set `mount = \"PATH\"` in its [[folder]].\nWith --at (RFC 3339, or local time 2026-11-27 18:50:00) the mount shows the folder as this\ndevice's journal had it then, read-only; a file whose content is kept nowhere reachable is\nlisted and fails to open with ENODATA (No data available). End it with\n`meshfs unmount work /tmp/work-then`."
     )]
     Mount {
         /// The folder id.
@@ -124,12 +125,54 @@ enum Command {
         /// /etc/fuse.conf.
         #[arg(long)]
         allow_other: bool,
+        /// Show the folder as it was at this time, read-only.
+        #[arg(long, value_parser = versions_cmd::parse_time)]
+        at: Option<i64>,
     },
-    /// Unmount a folder (it keeps syncing).
+    /// Unmount a folder (it keeps syncing), or a snapshot mounted with --at.
     #[command(
-        after_help = "Example: meshfs unmount work\n  folder work unmounted from /home/u/work\nExits 3 when no daemon runs (then nothing of it is mounted)."
+        after_help = "Examples:\n  meshfs unmount work\n  meshfs unmount work /tmp/work-then   # a snapshot (mount --at)\nPrints where it was mounted; exits 3 when no daemon runs (then nothing of it is mounted)."
     )]
     Unmount {
+        /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
+        folder: FolderId,
+        /// A snapshot's mount point (`mount --at`).
+        mountpoint: Option<PathBuf>,
+    },
+    /// Every version of a path the journal knows, and whether its content is kept here.
+    #[command(
+        after_help = "Examples:\n  meshfs versions work docs/report.txt\n  meshfs versions work photos --json   # a deleted directory: what was in it\nOne line per version, oldest first: sequence, time, device, op, size, hash, and where its\ncontent is: current, kept (restorable here), partial or not_here (restore asks the peers),\npruned. With --json: {\"folder\", \"path\", \"versions\": [...], \"below\": [...]} (docs/cli.md)."
+    )]
+    Versions {
+        /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
+        folder: FolderId,
+        /// The path, relative to the folder.
+        path: String,
+        /// One JSON document.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Bring a past version back as a new change of this device (or a tree as it was then).
+    #[command(
+        after_help = "Examples:\n  meshfs restore work docs/report.txt   # the newest kept version that is not the current one\n  meshfs restore work docs/report.txt --seq 1042\n  meshfs restore work photos --at 2026-11-27T18:50:00Z   # a deleted tree as it was then\n  meshfs restore work notes.txt --seq 77 --to notes-before.txt\n--at also takes a local time (2026-11-27 18:50:00). The restore is journaled and sent to every\npeer like an edit made here; content this device no longer has is fetched from a connected\npeer that keeps it. Exits 3 when no daemon runs."
+    )]
+    Restore(versions_cmd::RestoreArgs),
+    /// A send-only folder: make this device's state win on every peer.
+    #[command(
+        after_help = "Example: meshfs override work\nFor every path where a peer's version was not applied here (`meshfs status` lists them),\nthis device's state is sent as a newer version. Exits 1 for a folder that is not send-only."
+    )]
+    Override {
+        /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
+        folder: FolderId,
+    },
+    /// A receive-only folder: undo the local changes, back to the shared state.
+    #[command(
+        after_help = "Example: meshfs revert work\nEvery path changed on this device (`meshfs status` lists them) gets the shared version back;\nthe local edits are kept as past versions (`meshfs versions`). Exits 1 for a folder that is\nnot receive-only."
+    )]
+    Revert {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
         folder: FolderId,
@@ -418,8 +461,15 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
             mountpoint,
             read_only,
             allow_other,
-        } => mount(home, folder, &mountpoint, read_only, allow_other),
-        Command::Unmount { folder } => unmount(home, folder),
+            at,
+        } => mount(home, folder, &mountpoint, read_only, allow_other, at),
+        Command::Unmount { folder, mountpoint } => unmount(home, folder, mountpoint),
+        Command::Versions { folder, path, json } => {
+            versions_cmd::versions(home, folder, &path, json)
+        }
+        Command::Restore(args) => versions_cmd::restore(home, args),
+        Command::Override { folder } => versions_cmd::role_command(home, folder, false),
+        Command::Revert { folder } => versions_cmd::role_command(home, folder, true),
         Command::Repair => repair(home),
         Command::Scan { folder } => scan(home, folder),
         Command::Status {
@@ -723,13 +773,14 @@ fn daemon(home: &Home) -> anyhow::Result<u8> {
     Ok(0)
 }
 
-/// `mount`: asks the daemon to serve the folder at `mountpoint`.
+/// `mount`: asks the daemon to serve the folder at `mountpoint` (as it was at `at`, if given).
 fn mount(
     home: &Home,
     folder: FolderId,
     mountpoint: &std::path::Path,
     read_only: bool,
     allow_other: bool,
+    at: Option<i64>,
 ) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
     let point = std::path::absolute(mountpoint)
@@ -739,6 +790,7 @@ fn mount(
         mountpoint: point.clone(),
         read_only,
         allow_other,
+        at_ns: at,
     };
     match control::request(home, &req)? {
         None => {
@@ -746,6 +798,16 @@ fn mount(
                 "meshfs: the daemon is not running; the mount is served by it (`meshfs daemon`)"
             );
             Ok(EXIT_NO_DAEMON)
+        }
+        Some(r) if reply_ok(&r) && r.get("snapshot").is_some() => {
+            let s = &r["snapshot"];
+            println!(
+                "folder {folder} as it was at {} mounted read-only at {} ({} paths)",
+                versions_cmd::at_text(at.unwrap_or_default()),
+                point.display(),
+                s["paths"]
+            );
+            Ok(0)
         }
         Some(r) if reply_ok(&r) => {
             let m = &r["mount"];
@@ -763,11 +825,15 @@ fn mount(
     }
 }
 
-/// `unmount`: ends the folder's mount; it keeps syncing.
-fn unmount(home: &Home, folder: FolderId) -> anyhow::Result<u8> {
+/// `unmount`: ends the folder's mount (it keeps syncing), or the snapshot at `mountpoint`.
+fn unmount(home: &Home, folder: FolderId, mountpoint: Option<PathBuf>) -> anyhow::Result<u8> {
     require_folder(home, &folder)?;
+    let mountpoint = mountpoint
+        .map(|m| std::path::absolute(&m).map_err(|e| anyhow!("mount point {}: {e}", m.display())))
+        .transpose()?;
     let req = Request::Unmount {
         folder: folder.clone(),
+        mountpoint,
     };
     match control::request(home, &req)? {
         None => {
@@ -910,14 +976,8 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         );
     }
     let mut new = old.clone();
-    new.folders.push(FolderConfig {
-        id: id.clone(),
-        path: real.clone(),
-        watch: true,
-        mount: None,
-        umask: None,
-        allow_other: false,
-    });
+    new.folders
+        .push(FolderConfig::new(id.clone(), real.clone()));
     new.validate(home)?;
     // The directories this command creates, outermost first: removed again on a refusal.
     let created: Vec<PathBuf> = real

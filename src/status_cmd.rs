@@ -335,6 +335,9 @@ fn render_folder(
     if let Some(e) = last_error_line(f, tz) {
         let _ = writeln!(o, "          {e}");
     }
+    for line in meshfs_daemon::readout::status::versions_lines(f) {
+        let _ = writeln!(o, "          {line}");
+    }
     for p in f["peers"].as_array().into_iter().flatten() {
         let name = peers
             .get(s(p, "device_id"))

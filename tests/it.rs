@@ -29,6 +29,7 @@ mod status;
 mod sync;
 mod ui;
 mod user_mount;
+mod versions;
 mod wal_identity;
 
 /// Each `tests/*.rs` file is declared above (Cargo builds only this file: `autotests = false`).

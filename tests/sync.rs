@@ -75,6 +75,64 @@ fn every_kind_of_change_propagates_between_two_devices() {
 }
 
 #[test]
+fn a_directory_replaced_by_a_file_and_a_file_by_a_directory_are_replaced_on_the_peer() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    std::fs::create_dir_all(a.path("x/inner")).unwrap();
+    write(&a.path("y"), b"a file first");
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 30);
+    assert!(b.path("x/inner").is_dir());
+    // Swapped on a: x becomes a file, y a directory with a file in it.
+    std::fs::remove_dir_all(a.path("x")).unwrap();
+    write(&a.path("x"), b"now a file");
+    std::fs::remove_file(a.path("y")).unwrap();
+    write(&a.path("y/in.txt"), b"now below a directory");
+    wait_synced(&[&a, &b], 30);
+    let journals = || {
+        [&a, &b]
+            .iter()
+            .map(|d| String::from_utf8_lossy(&d.cli(&["journal", "work"]).stdout).into_owned())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(b.path("x").is_file(), "x is no file on b:\n{}", journals());
+    assert_eq!(std::fs::read(b.path("x")).unwrap(), b"now a file");
+    assert_eq!(
+        std::fs::read(b.path("y/in.txt")).unwrap(),
+        b"now below a directory"
+    );
+    assert_eq!(tree(&b.dir), tree(&a.dir));
+}
+
+#[test]
+fn a_file_written_through_one_of_its_hard_links_changes_under_every_name_on_the_peer() {
+    // A conflict copy is made as a hard link of the file it copies; a user's hard links are
+    // the same case. The watcher reports only the name written through.
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("f"), b"first");
+    std::fs::hard_link(a.path("f"), a.path("g")).unwrap();
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 30);
+    assert_eq!(std::fs::read(b.path("g")).unwrap(), b"first");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(a.path("f"))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"FIRST, in place"))
+        .unwrap();
+    wait_synced(&[&a, &b], 30);
+    assert_eq!(std::fs::read(b.path("f")).unwrap(), b"FIRST, in place");
+    assert_eq!(std::fs::read(b.path("g")).unwrap(), b"FIRST, in place");
+}
+
+#[test]
 fn new_small_files_travel_once_and_identical_trees_exchange_no_content() {
     let t = tmp();
     let mut a = Device::new(&t, "a");

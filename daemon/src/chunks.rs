@@ -5,7 +5,8 @@
 //!
 //! **Architecture invariant:** a chunk is written nowhere before its hash and length are
 //! checked ([`open_chunk`]); a request is served only for a folder shared with the requester,
-//! checked on every request.
+//! checked on every request. A chunk is served from a live file of the folder, else from the
+//! folder's vault of past versions (`crate::vault`): by hash only, never as a file.
 
 use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
@@ -202,6 +203,9 @@ fn read_chunks(
             let (_, f) = open.as_ref()?;
             read_chunk_of(f, &l.path, l.offset, l.len, &hash).ok()
         });
+        // Not in a live file: a past version this device keeps may hold it (`restore` on a
+        // peer that applied no deletion asks for just that).
+        let data = data.or_else(|| rt.vault().and_then(|v| v.get(&hash).ok().flatten()));
         let resp = match data {
             Some(d) => {
                 let (data, compressed) = packer.pack(d);

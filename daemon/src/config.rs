@@ -6,6 +6,7 @@
 //! the field. Writes are atomic (temp file + rename), so a crash never leaves half a config.
 
 use meshfs_protocol::{DeviceId, FolderId};
+use meshfs_sync::role::Role;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -68,6 +69,13 @@ impl Home {
     /// The directory holding `cert.der` and `key.der`.
     pub fn identity_dir(&self) -> PathBuf {
         self.state_dir.clone()
+    }
+
+    /// The vault of `folder`: the chunks of its past versions ([`crate::vault`]).
+    pub fn vault_file(&self, folder: &meshfs_protocol::FolderId) -> PathBuf {
+        self.state_dir
+            .join("versions")
+            .join(format!("{}.db", folder.as_str()))
     }
 
     /// Where the store assembles `folder`'s incoming files (see [`crate::store::Store`]).
@@ -317,6 +325,85 @@ pub struct FolderConfig {
     /// daemon run as an ordinary user, `/etc/fuse.conf` must say `user_allow_other`.
     #[serde(default, skip_serializing_if = "is_false")]
     pub allow_other: bool,
+    /// What this device does with the folder's changes: `send-receive` (the default),
+    /// `send-only` or `receive-only` ([`meshfs_sync::role`]).
+    #[serde(default, with = "role_text", skip_serializing_if = "is_send_receive")]
+    pub role: Role,
+    /// How long the content of past versions is kept, in days; 0: none is kept (off).
+    #[serde(default = "versions_days", skip_serializing_if = "is_versions_days")]
+    pub versions_days: u64,
+    /// The most the kept versions may take, as a percentage of the free space of the state
+    /// directory's filesystem (what they take counted as free); the oldest go first.
+    #[serde(
+        default = "versions_space_percent",
+        skip_serializing_if = "is_versions_space_percent"
+    )]
+    pub versions_space_percent: u8,
+    /// And at most this many MiB, if set (the smaller of the two limits holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub versions_max_mib: Option<u64>,
+}
+
+/// Days past versions are kept unless a folder says otherwise.
+pub const VERSIONS_DAYS: u64 = 30;
+/// The share of free space past versions may take unless a folder says otherwise, in percent.
+pub const VERSIONS_SPACE_PERCENT: u8 = 10;
+
+fn versions_days() -> u64 {
+    VERSIONS_DAYS
+}
+
+fn is_versions_days(d: &u64) -> bool {
+    *d == VERSIONS_DAYS
+}
+
+fn versions_space_percent() -> u8 {
+    VERSIONS_SPACE_PERCENT
+}
+
+fn is_versions_space_percent(p: &u8) -> bool {
+    *p == VERSIONS_SPACE_PERCENT
+}
+
+fn is_send_receive(r: &Role) -> bool {
+    *r == Role::SendReceive
+}
+
+impl FolderConfig {
+    /// Folder `id` at `path`, with every option at its default.
+    pub fn new(id: FolderId, path: PathBuf) -> FolderConfig {
+        FolderConfig {
+            id,
+            path,
+            watch: true,
+            mount: None,
+            umask: None,
+            allow_other: false,
+            role: Role::SendReceive,
+            versions_days: VERSIONS_DAYS,
+            versions_space_percent: VERSIONS_SPACE_PERCENT,
+            versions_max_mib: None,
+        }
+    }
+}
+
+/// A role in the config is its name (`send-only`); another word fails the parse, naming it.
+mod role_text {
+    use meshfs_sync::role::Role;
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(r: &Role, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(r.as_str())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Role, D::Error> {
+        let text = String::deserialize(d)?;
+        Role::parse(&text).ok_or_else(|| {
+            D::Error::custom(format!(
+                "{text:?} is not a role: use send-receive, send-only or receive-only"
+            ))
+        })
+    }
 }
 
 impl FolderConfig {
@@ -570,6 +657,15 @@ impl Config {
                     ),
                 ));
             }
+            if f.versions_space_percent > 90 {
+                return Err(invalid(
+                    format!("folder[{i}].versions_space_percent"),
+                    format!(
+                        "{} is more than 90 (a share of the free space, in percent)",
+                        f.versions_space_percent
+                    ),
+                ));
+            }
             if let Some(other) = self.folders[..i]
                 .iter()
                 .find(|o| o.path.starts_with(&f.path) || f.path.starts_with(&o.path))
@@ -706,14 +802,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let home = Home::resolve(Some(dir.path()));
         let mut c = Config::new("a", "127.0.0.1:7788");
-        c.folders.push(FolderConfig {
-            id: FolderId::new("work").unwrap(),
-            path: "/tmp/w".into(),
-            watch: true,
-            mount: None,
-            umask: None,
-            allow_other: false,
-        });
+        c.folders.push(FolderConfig::new(
+            FolderId::new("work").unwrap(),
+            "/tmp/w".into(),
+        ));
         c.save(&home).unwrap();
         assert_eq!(Config::load(&home).unwrap(), c);
         std::fs::write(home.config_file(), "[device]\nname='a'\nlisten='nope'\n").unwrap();
@@ -728,14 +820,8 @@ mod tests {
         let peer = DeviceId::from_bytes([9; 32]);
         let work = FolderId::new("work").unwrap();
         let mut c = Config::new("a", "127.0.0.1:7788");
-        c.folders.push(FolderConfig {
-            id: work.clone(),
-            path: "/tmp/w".into(),
-            watch: true,
-            mount: None,
-            umask: None,
-            allow_other: false,
-        });
+        c.folders
+            .push(FolderConfig::new(work.clone(), "/tmp/w".into()));
         c.peers.push(PeerConfig {
             name: "b".into(),
             folders: vec![work.clone()],
@@ -794,6 +880,29 @@ mod tests {
     }
 
     #[test]
+    fn a_folder_takes_a_role_and_a_version_policy_and_writes_only_what_is_not_the_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        Config::new("a", "127.0.0.1:7788").save(&home).unwrap();
+        let mut text = std::fs::read_to_string(home.config_file()).unwrap();
+        text.push_str(
+            "\n[[folder]]\nid = \"work\"\npath = \"/srv/work\"\nrole = \"receive-only\"\nversions_days = 0\n",
+        );
+        std::fs::write(home.config_file(), &text).unwrap();
+        let c = Config::load(&home).unwrap();
+        assert_eq!(c.folders[0].role, Role::ReceiveOnly);
+        assert_eq!(c.folders[0].versions_days, 0);
+        assert_eq!(c.folders[0].versions_space_percent, VERSIONS_SPACE_PERCENT);
+        c.save(&home).unwrap();
+        let saved = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(saved.contains("role = \"receive-only\"") && saved.contains("versions_days = 0"));
+        assert!(!saved.contains("versions_space_percent"), "{saved}");
+        std::fs::write(home.config_file(), text.replace("receive-only", "mirror")).unwrap();
+        let err = Config::load(&home).unwrap_err().to_string();
+        assert!(err.contains("\"mirror\" is not a role"), "{err}");
+    }
+
+    #[test]
     fn a_fresh_config_takes_folder_and_peer_tables_appended_by_hand() {
         let dir = tempfile::tempdir().unwrap();
         let home = Home::resolve(Some(dir.path()));
@@ -810,14 +919,7 @@ mod tests {
     fn nested_folders_and_folders_over_the_home_are_refused_by_field() {
         let dir = tempfile::tempdir().unwrap();
         let home = Home::resolve(Some(&dir.path().join("home")));
-        let folder = |id: &str, path: PathBuf| FolderConfig {
-            id: FolderId::new(id).unwrap(),
-            path,
-            watch: true,
-            mount: None,
-            umask: None,
-            allow_other: false,
-        };
+        let folder = |id: &str, path: PathBuf| FolderConfig::new(FolderId::new(id).unwrap(), path);
         let mut c = Config::new("a", "127.0.0.1:7788");
         c.folders.push(folder("a", dir.path().join("files")));
         c.folders.push(folder("b", dir.path().join("files/inner")));

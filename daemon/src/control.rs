@@ -55,12 +55,44 @@ pub enum Request {
         /// Refuse every change through the mount.
         #[serde(default)]
         read_only: bool,
+        /// Mount the folder as it was at this time (ns since the epoch), read-only.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_ns: Option<i64>,
         /// Let other users in (`allow_other`).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         allow_other: bool,
     },
-    /// End a folder's mount (it keeps syncing).
+    /// End a folder's mount (it keeps syncing), or the snapshot of it at `mountpoint`.
     Unmount {
+        /// The folder.
+        folder: FolderId,
+        /// A snapshot's mount point (`mount --at`); none: the folder's mount.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mountpoint: Option<PathBuf>,
+    },
+    /// Bring a past version back as a new local change.
+    Restore {
+        /// The folder.
+        folder: FolderId,
+        /// The path (as the user typed it, relative to the folder).
+        path: String,
+        /// That version (its sequence).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        seq: Option<u64>,
+        /// The path as it was at this time (ns since the epoch).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at_ns: Option<i64>,
+        /// Put it there instead.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        to: Option<String>,
+    },
+    /// A send-only folder: this device's state wins over every peer version it holds.
+    Override {
+        /// The folder.
+        folder: FolderId,
+    },
+    /// A receive-only folder: its local changes give way to the shared state.
+    Revert {
         /// The folder.
         folder: FolderId,
     },
@@ -79,7 +111,8 @@ pub enum Request {
 impl Request {
     /// Every `op` a daemon of this version answers.
     pub const OPS: &'static [&'static str] = &[
-        "status", "reload", "scan", "mount", "unmount", "pending", "ui", "stop",
+        "status", "reload", "scan", "mount", "unmount", "pending", "ui", "stop", "restore",
+        "override", "revert",
     ];
 
     /// Reads one request line; the error says what is wrong with it.
@@ -138,6 +171,19 @@ pub enum Reply {
     Unmounted(PathBuf),
     /// To `pending`: `{"ok": true, "folders": […]}`.
     Pending(Vec<PendingFolder>),
+    /// To `restore`: `{"ok": true, "restore": {…}}`.
+    Restored(crate::versions::restore::RestoreReport),
+    /// To `mount` with `at_ns`: `{"ok": true, "snapshot": {"mountpoint", "paths", "at_ns"}}`.
+    Snapshot {
+        /// Where.
+        mountpoint: PathBuf,
+        /// How many paths it shows.
+        paths: usize,
+        /// As of when.
+        at_ns: i64,
+    },
+    /// To `override` and `revert`: `{"ok": true, "report": {…}}`.
+    Roles(crate::roles::RoleReport),
     /// To `ui`: `{"ok": true, "url": "http://127.0.0.1:PORT/"}`, the page's address without
     /// its token (which is in the state directory's `ui-token`).
     Ui(String),
@@ -166,6 +212,16 @@ impl Serialize for Reply {
             Reply::Mounted(mount) => m.serialize_entry("mount", mount)?,
             Reply::Unmounted(point) => m.serialize_entry("mountpoint", point)?,
             Reply::Pending(folders) => m.serialize_entry("folders", folders)?,
+            Reply::Restored(r) => m.serialize_entry("restore", r)?,
+            Reply::Snapshot {
+                mountpoint,
+                paths,
+                at_ns,
+            } => m.serialize_entry(
+                "snapshot",
+                &serde_json::json!({"mountpoint": mountpoint, "paths": paths, "at_ns": at_ns}),
+            )?,
+            Reply::Roles(r) => m.serialize_entry("report", r)?,
             Reply::Ui(url) => m.serialize_entry("url", url)?,
             Reply::Failed(error) => m.serialize_entry("error", error)?,
         }
@@ -256,6 +312,7 @@ pub async fn serve(
     ui: Arc<Ui>,
     listener: UnixListener,
     stop: Arc<tokio::sync::Notify>,
+    main: tokio::runtime::Handle,
 ) {
     let mut pause = ACCEPT_PAUSE_MIN;
     loop {
@@ -280,8 +337,9 @@ pub async fn serve(
         let engine = engine.clone();
         let ui = ui.clone();
         let stop = stop.clone();
+        let main = main.clone();
         tokio::spawn(async move {
-            let _ = handle(engine, ui, stream, stop).await;
+            let _ = handle(engine, ui, stream, stop, main).await;
         });
     }
 }
@@ -298,6 +356,7 @@ async fn handle(
     ui: Arc<Ui>,
     stream: UnixStream,
     stop: Arc<tokio::sync::Notify>,
+    main: tokio::runtime::Handle,
 ) -> std::io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r);
@@ -315,7 +374,20 @@ async fn handle(
                 Err(e) => (Reply::failed(e), false),
                 Ok(req) => {
                     let asked = std::time::Instant::now();
-                    let reply = answer(&engine, &ui, req, &stop).await;
+                    let reply = match req {
+                        // Read-only and asked often (`--wait-synced` polls it): answered on
+                        // this thread's runtime, never queued behind the engine's work.
+                        Request::Status => {
+                            blocking(&engine, |e| Reply::Status(Box::new(e.status()))).await
+                        }
+                        // Everything else runs where the engine's tasks run.
+                        req => {
+                            let (engine, ui, stop) = (engine.clone(), ui.clone(), stop.clone());
+                            main.spawn(async move { answer(&engine, &ui, req, &stop).await })
+                                .await
+                                .unwrap_or_else(Reply::failed)
+                        }
+                    };
                     // How long the daemon took, apart from the client's own start and the
                     // socket: `RUST_LOG=meshfs_daemon::control=debug`.
                     tracing::debug!(request = %line.chars().take(40).collect::<String>(),
@@ -388,8 +460,27 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
         Request::Mount {
             folder,
             mountpoint,
+            at_ns: Some(at_ns),
+            ..
+        } => {
+            blocking(engine, move |e| {
+                match e.mount_at(&folder, &mountpoint, at_ns) {
+                    Ok((mountpoint, paths)) => Reply::Snapshot {
+                        mountpoint,
+                        paths,
+                        at_ns,
+                    },
+                    Err(e) => Reply::failed(e),
+                }
+            })
+            .await
+        }
+        Request::Mount {
+            folder,
+            mountpoint,
             read_only,
             allow_other,
+            at_ns: None,
         } => {
             blocking(engine, move |e| {
                 match e.mount(&folder, &mountpoint, read_only, allow_other) {
@@ -399,12 +490,31 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
             })
             .await
         }
-        Request::Unmount { folder } => {
-            blocking(engine, move |e| match e.unmount(&folder) {
-                Ok(point) => Reply::Unmounted(point),
-                Err(e) => Reply::failed(e),
+        Request::Unmount { folder, mountpoint } => {
+            blocking(engine, move |e| unmount(e, &folder, mountpoint.as_deref())).await
+        }
+        Request::Restore {
+            folder,
+            path,
+            seq,
+            at_ns,
+            to,
+        } => restore(engine, folder, &path, seq, at_ns, to.as_deref()).await,
+        Request::Override { folder } => {
+            blocking(engine, move |e| {
+                match crate::roles::override_held(&e.folders, &folder, e.short) {
+                    Ok(r) => Reply::Roles(r),
+                    Err(e) => Reply::failed(e),
+                }
             })
             .await
+        }
+        Request::Revert { folder } => {
+            let peers = engine.peers_of(&folder);
+            match crate::roles::revert(engine.folders.clone(), folder, engine.short, peers).await {
+                Ok(r) => Reply::Roles(r),
+                Err(e) => Reply::failed(e),
+            }
         }
         Request::Pending { folder } => {
             blocking(engine, move |e| match e.pending(folder.as_ref()) {
@@ -417,6 +527,66 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
             stop.notify_one();
             Reply::Done
         }
+    }
+}
+
+/// `unmount`: the snapshot at `mountpoint` if one is named; else the folder's mount, or its
+/// only snapshot when it has no mount.
+fn unmount(e: &Engine, folder: &FolderId, mountpoint: Option<&Path>) -> Reply {
+    if let Some(mp) = mountpoint {
+        return match e.snapshots.unmount(folder, Some(mp)) {
+            Ok(Some(point)) => Reply::Unmounted(point),
+            Ok(None) => Reply::failed(format!(
+                "no snapshot of folder {folder} is mounted at {}",
+                mp.display()
+            )),
+            Err(err) => Reply::failed(err),
+        };
+    }
+    match e.unmount(folder) {
+        Ok(point) => Reply::Unmounted(point),
+        Err(crate::engine::MountError::NotMounted(_)) => match e.snapshots.unmount(folder, None) {
+            Ok(Some(point)) => Reply::Unmounted(point),
+            Ok(None) => Reply::failed(format!(
+                "folder {folder} is not mounted (a snapshot: name its mount point)"
+            )),
+            Err(err) => Reply::failed(err),
+        },
+        Err(err) => Reply::failed(err),
+    }
+}
+
+/// `restore`: checks the paths, then restores.
+async fn restore(
+    engine: &Arc<Engine>,
+    folder: FolderId,
+    path: &str,
+    seq: Option<u64>,
+    at_ns: Option<i64>,
+    to: Option<&str>,
+) -> Reply {
+    use crate::versions::restore::Pick;
+    let rel = |p: &str, what: &str| {
+        meshfs_protocol::RelPath::normalized(p.trim_end_matches('/'))
+            .map_err(|e| format!("{what} {p:?}: {e}"))
+    };
+    let path = match rel(path, "path") {
+        Ok(p) => p,
+        Err(e) => return Reply::Failed(e),
+    };
+    let to = match to.map(|t| rel(t, "--to")).transpose() {
+        Ok(t) => t,
+        Err(e) => return Reply::Failed(e),
+    };
+    let pick = match (seq, at_ns) {
+        (Some(_), Some(_)) => return Reply::failed("give --seq or --at, not both"),
+        (Some(s), None) => Pick::Sequence(s),
+        (None, Some(t)) => Pick::At(t),
+        (None, None) => Pick::Newest,
+    };
+    match engine.restore(&folder, path, pick, to).await {
+        Ok(r) => Reply::Restored(r),
+        Err(e) => Reply::failed(e),
     }
 }
 
@@ -468,6 +638,35 @@ pub fn request(home: &Home, req: &Request) -> Result<Option<serde_json::Value>, 
         .map_err(|source| ControlError::BadReply { path, source })
 }
 
+/// Serves the control socket ([`serve`]) on a thread and runtime of its own: a `status` is
+/// read and answered there, so it never waits for a runtime worker that the engine keeps busy
+/// (a receive at full speed on a 2-core laptop); other requests are carried out on the
+/// engine's runtime (`main`).
+fn serve_apart(
+    engine: Arc<Engine>,
+    ui: Arc<Ui>,
+    listener: UnixListener,
+    stop: Arc<tokio::sync::Notify>,
+) -> std::io::Result<()> {
+    let listener = listener.into_std()?;
+    let main = tokio::runtime::Handle::current();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .thread_name("meshfs-control")
+        .build()?;
+    std::thread::Builder::new()
+        .name("meshfs-control".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                match UnixListener::from_std(listener) {
+                    Ok(l) => serve(engine, ui, l, stop, main).await,
+                    Err(e) => tracing::error!(error = %e, "cannot serve the control socket"),
+                }
+            })
+        })?;
+    Ok(())
+}
+
 /// Runs the daemon for `home` until SIGINT/SIGTERM or a `stop` request. Under systemd
 /// (`Type=notify`) it says `READY=1` once the folders are started, the endpoint listens and the
 /// control socket answers, and `STOPPING=1` when it begins to stop.
@@ -477,7 +676,7 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     let stop = Arc::new(tokio::sync::Notify::new());
     let ui = Arc::new(Ui::new(engine.clone()));
     ui.start_if_enabled();
-    tokio::spawn(serve(engine.clone(), ui.clone(), listener, stop.clone()));
+    serve_apart(engine.clone(), ui.clone(), listener, stop.clone())?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     sd_notify("READY=1\nSTATUS=running");
     tokio::select! {
@@ -546,12 +745,34 @@ mod tests {
                     folder: work(),
                     mountpoint: "/home/u/w".into(),
                     read_only: true,
+                    at_ns: None,
                     allow_other: false,
                 },
             ),
             (
                 json!({"op": "unmount", "folder": "work"}),
-                Request::Unmount { folder: work() },
+                Request::Unmount {
+                    folder: work(),
+                    mountpoint: None,
+                },
+            ),
+            (
+                json!({"op": "restore", "folder": "work", "path": "a/b", "at_ns": 5}),
+                Request::Restore {
+                    folder: work(),
+                    path: "a/b".into(),
+                    seq: None,
+                    at_ns: Some(5),
+                    to: None,
+                },
+            ),
+            (
+                json!({"op": "override", "folder": "work"}),
+                Request::Override { folder: work() },
+            ),
+            (
+                json!({"op": "revert", "folder": "work"}),
+                Request::Revert { folder: work() },
             ),
             (
                 json!({"op": "pending", "folder": "work"}),
@@ -593,6 +814,7 @@ mod tests {
             mountpoint: "/m".into(),
             read_only: false,
             allow_other: true,
+            at_ns: None,
         };
         let line = json!({"op": "mount", "folder": "work", "mountpoint": "/m", "read_only": false, "allow_other": true});
         assert_eq!(serde_json::to_value(&req).unwrap(), line);

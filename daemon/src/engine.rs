@@ -65,6 +65,8 @@ pub struct Engine {
     started: Instant,
     /// Bytes moved with each peer over all its connections (taken under the peers lock).
     traffic: Mutex<crate::traffic::Traffic>,
+    /// The folders mounted as they were at a past time (`meshfs mount --at`).
+    pub snapshots: crate::versions::snapshot::Snapshots,
 }
 
 /// A running dial loop: the peer's addresses it was started for, and its stop signal.
@@ -152,6 +154,7 @@ impl Engine {
             dialers: Mutex::new(HashMap::new()),
             started: Instant::now(),
             traffic: Mutex::default(),
+            snapshots: Default::default(),
         });
         for f in &first.folders {
             engine.start_folder(f).await?;
@@ -317,11 +320,70 @@ impl Engine {
         }
     }
 
-    /// Unmounts every mounted folder (the daemon is stopping).
+    /// Unmounts every mounted folder and snapshot (the daemon is stopping).
     pub fn unmount_all(&self) {
         for rt in self.folders.all() {
             unmount_folder(&rt);
         }
+        self.snapshots.unmount_all(None);
+    }
+
+    /// `meshfs restore`: brings a past version (or a tree as it was at a time) back as a new
+    /// local change ([`crate::versions::restore`]).
+    pub async fn restore(
+        &self,
+        folder: &FolderId,
+        path: RelPath,
+        pick: crate::versions::restore::Pick,
+        to: Option<RelPath>,
+    ) -> Result<crate::versions::restore::RestoreReport, crate::versions::restore::RestoreError>
+    {
+        let peers = self.peers_of(folder);
+        crate::versions::restore::restore(
+            self.folders.clone(),
+            folder.clone(),
+            path,
+            pick,
+            to,
+            peers,
+        )
+        .await
+    }
+
+    /// `meshfs mount FOLDER DIR --at TIME`: the folder as it was at `at_ns`, read-only at
+    /// `mountpoint`. Blocking (the kernel's mount): run it on a blocking thread. Returns where
+    /// it is mounted and how many paths it shows.
+    pub fn mount_at(
+        &self,
+        folder: &FolderId,
+        mountpoint: &std::path::Path,
+        at_ns: i64,
+    ) -> Result<(std::path::PathBuf, usize), crate::versions::snapshot::SnapshotError> {
+        let (net, config, id) = (self.net.clone(), self.config.clone(), folder.clone());
+        let peers: crate::versions::snapshot::Peers = Arc::new(move || {
+            let config = config
+                .read()
+                .map(|c| c.clone())
+                .unwrap_or_else(|p| p.into_inner().clone());
+            net.links()
+                .into_iter()
+                .filter(|(d, _)| config.peer(d).is_some_and(|p| p.folders.contains(&id)))
+                .map(|(_, c)| c)
+                .collect()
+        });
+        self.snapshots
+            .mount(self.folders.clone(), folder, at_ns, mountpoint, peers)
+    }
+
+    /// The connections to every peer that shares `folder` with this device, now.
+    pub fn peers_of(&self, folder: &FolderId) -> Vec<quinn::Connection> {
+        let config = self.config();
+        self.net
+            .links()
+            .into_iter()
+            .filter(|(id, _)| config.peer(id).is_some_and(|p| p.folders.contains(folder)))
+            .map(|(_, c)| c)
+            .collect()
     }
 
     /// The folder's local ignore file (`CONFIG_DIR/ignore/FOLDER-ID`): rules no peer can
@@ -355,15 +417,18 @@ impl Engine {
             .map_err(|e| anyhow::anyhow!("folder {}: {e}", f.id))?;
         store.set_device(self.folders.short);
         store.set_umask(f.umask());
-        let removed = store.remove_temps();
-        if removed > 0 {
-            tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
-        }
         let (tx, rx) = mpsc::unbounded_channel();
         let fresh;
         let slot = Arc::new(crate::mounts::MountSlot::default());
         let ignore = IgnoreRules::load(&f.path, Some(&self.local_ignore(&id)));
         let rt = Arc::new(FolderRt::new(id.clone(), store, ignore, tx.clone(), slot));
+        // The keeper first: an old file kept aside when the daemon stopped goes to it as the
+        // temp files are removed (`Store::remove_temps`).
+        crate::versions::start_folder(&self.folders, &rt, f, &self.home.vault_file(&id));
+        let removed = rt.store.remove_temps();
+        if removed > 0 {
+            tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
+        }
         {
             let mut j = self.folders.journal()?;
             fresh = j.folder(&id)?.max_sequence == 0;
@@ -554,6 +619,8 @@ impl Engine {
         for f in &new.folders {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
+            } else if let Some(rt) = self.folders.get(&f.id) {
+                rt.set_policy(crate::folder::FolderPolicy::from(f));
             }
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
@@ -565,6 +632,7 @@ impl Engine {
             // A removed folder's mount would go on serving a replica nothing journals any
             // more, out of reach of `meshfs unmount` (which knows only configured folders).
             unmount_folder(&rt);
+            self.snapshots.unmount_all(Some(&rt.id));
         }
         let links = self.net.links();
         for (id, conn) in links {
@@ -686,7 +754,7 @@ impl Engine {
 
     fn status_with(
         &self,
-        journaled: impl FnOnce(&[Arc<FolderRt>]) -> Vec<(FolderCounts, u64, usize)>,
+        journaled: impl FnOnce(&[Arc<FolderRt>]) -> Vec<Journaled>,
     ) -> crate::status::Status {
         use crate::status::{DeviceSnapshot, FolderSnapshot, LocalWork, PeerSnapshot, Snapshot};
         let config = self.config();
@@ -696,7 +764,7 @@ impl Engine {
         let folders = folders
             .into_iter()
             .zip(journaled)
-            .map(|(rt, (counts, sequence, conflicts))| {
+            .map(|(rt, (counts, sequence, conflicts, versions))| {
                 let mount = rt.mount_status();
                 FolderSnapshot {
                     id: rt.id.clone(),
@@ -721,6 +789,7 @@ impl Engine {
                         receive: rt.receiving.counts(),
                     },
                     mount,
+                    versions,
                 }
             })
             .collect();
@@ -795,8 +864,8 @@ impl Engine {
 }
 
 /// What the journal holds of each folder for `status`: its counts, its highest sequence and
-/// its conflicts, read only (a folder not in the journal yet has none).
-fn journaled(j: &Journal, folders: &[Arc<FolderRt>]) -> Vec<(FolderCounts, u64, usize)> {
+/// its conflicts and past versions, read only (a folder not in the journal yet has none).
+fn journaled(j: &Journal, folders: &[Arc<FolderRt>]) -> Vec<Journaled> {
     let sequences: HashMap<FolderId, u64> = j
         .folders()
         .unwrap_or_default()
@@ -810,10 +879,14 @@ fn journaled(j: &Journal, folders: &[Arc<FolderRt>]) -> Vec<(FolderCounts, u64, 
                 j.counts(&rt.id).unwrap_or_default(),
                 sequences.get(&rt.id).copied().unwrap_or(0),
                 crate::conflicts::count(j, &rt.id),
+                crate::versions::status_of(j, rt),
             )
         })
         .collect()
 }
+
+/// A folder's counts, highest sequence, conflicts and past versions, as `status` reads them.
+type Journaled = (FolderCounts, u64, usize, crate::status::VersionsStatus);
 
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
 /// connection (the sessions wake `peer_changed` when a link is registered or ends), and ticks
@@ -897,9 +970,14 @@ async fn network_loop(engine: Arc<Engine>) {
     }
 }
 
-/// Applies the history and tombstone retention of `[options]` once an hour.
+/// Applies the history and tombstone retention of `[options]` once an hour, and each folder's
+/// version retention every few minutes (`crate::versions::retention`).
 async fn retention_loop(engine: Arc<Engine>) {
     let mut stopping = engine.net.stopping.subscribe();
+    tokio::spawn(crate::versions::retention_loop(
+        engine.folders.clone(),
+        engine.net.stopping.subscribe(),
+    ));
     loop {
         let o = engine.options();
         let now_ns = std::time::SystemTime::now()

@@ -121,6 +121,46 @@ pub struct FolderRt {
     pub echoes: crate::capture::Echoes,
     /// The folder's watcher, while it has one (dropping it stops it).
     watcher: Ranked<Option<notify::RecommendedWatcher>>,
+    /// Its role and version retention, as the config says now.
+    policy: Ranked<FolderPolicy>,
+    /// Where the content of its past versions is kept, once opened.
+    vault: std::sync::OnceLock<Arc<crate::vault::Vault>>,
+}
+
+/// What the config says of a running folder that the engine follows (reloaded with it): its
+/// role, and how long and in how much space the content of its past versions is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FolderPolicy {
+    /// Send-receive, send-only or receive-only.
+    pub role: meshfs_sync::role::Role,
+    /// Days past versions are kept; 0: none.
+    pub versions_days: u64,
+    /// The share of free space they may take, in percent.
+    pub versions_space_percent: u8,
+    /// And at most this many MiB, if set.
+    pub versions_max_mib: Option<u64>,
+}
+
+impl From<&crate::config::FolderConfig> for FolderPolicy {
+    fn from(f: &crate::config::FolderConfig) -> FolderPolicy {
+        FolderPolicy {
+            role: f.role,
+            versions_days: f.versions_days,
+            versions_space_percent: f.versions_space_percent,
+            versions_max_mib: f.versions_max_mib,
+        }
+    }
+}
+
+impl Default for FolderPolicy {
+    fn default() -> FolderPolicy {
+        FolderPolicy {
+            role: Default::default(),
+            versions_days: crate::config::VERSIONS_DAYS,
+            versions_space_percent: crate::config::VERSIONS_SPACE_PERCENT,
+            versions_max_mib: None,
+        }
+    }
 }
 
 /// The remote versions a folder skipped, by path, with the error: at most [`MAX_SKIPPED`]
@@ -214,8 +254,35 @@ impl FolderRt {
             receiving: Arc::new(Progress::new(id.clone(), crate::progress::Work::Receiving)),
             echoes: Default::default(),
             watcher: Ranked::new(Rank::Leaf, "watcher", None),
+            policy: Ranked::new(Rank::Leaf, "policy", FolderPolicy::default()),
+            vault: Default::default(),
             id,
         }
+    }
+
+    /// Its role and version retention now.
+    pub fn policy(&self) -> FolderPolicy {
+        *self.policy.lock_anyway()
+    }
+
+    /// Follows the config's `policy` from now on.
+    pub fn set_policy(&self, policy: FolderPolicy) {
+        *self.policy.lock_anyway() = policy;
+    }
+
+    /// Its role now.
+    pub fn role(&self) -> meshfs_sync::role::Role {
+        self.policy().role
+    }
+
+    /// Where the content of its past versions is kept (once the engine opened it).
+    pub fn vault(&self) -> Option<&Arc<crate::vault::Vault>> {
+        self.vault.get()
+    }
+
+    /// Gives the folder its vault (once; later calls are ignored).
+    pub fn set_vault(&self, vault: Arc<crate::vault::Vault>) {
+        let _ = self.vault.set(vault);
     }
 
     /// The capture loop's queue, held (for a few steps, never across an await).
@@ -652,6 +719,7 @@ impl Folders {
                     streamed += changes.len();
                     tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");
                     let mut j = self.journal.lock_anyway();
+                    note_local_only(&mut j, &rt, folder, &changes)?;
                     commit_in_batches(&mut j, folder, changes)?;
                     drop(j);
                     self.changes_notify(folder);
@@ -667,7 +735,20 @@ impl Folders {
                 drop(j);
                 let mut reader = self.reader()?;
                 reader.begin_reads();
-                scanner::scan(&target, &reader, paths)?
+                let mut report = scanner::scan(&target, &reader, paths)?;
+                if !paths.is_empty() {
+                    // A file with several names (a conflict copy is made as a hard link of
+                    // the file it copies) written through one of them changed under the
+                    // others too, and the watcher reports only the name it was written by.
+                    let others = other_names(&rt.store, &reader, folder, paths, &report.changes);
+                    if !others.is_empty() {
+                        let more = scanner::scan(&target, &reader, &others)?;
+                        report.changes.extend(more.changes);
+                        report.restat.extend(more.restat);
+                        report.unread.extend(more.unread);
+                    }
+                }
+                report
             }
         };
         let scanned = t0.elapsed();
@@ -677,6 +758,7 @@ impl Folders {
         if !report.restat.is_empty() {
             j.set_local_stats(folder, &report.restat)?;
         }
+        note_local_only(&mut j, &rt, folder, &report.changes)?;
         commit_in_batches(&mut j, folder, report.changes)?;
         if report.entries > 10_000 {
             j.release_memory();
@@ -708,6 +790,60 @@ pub(crate) fn now_secs() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+/// In a receive-only folder, notes each scanned change as a local change not sent, with the
+/// shared record its path held before (the first note of a path is kept: `meshfs revert`
+/// goes back to it). Before the commit: a crash in between leaves a note for a change the
+/// next scan journals again.
+fn note_local_only(
+    j: &mut Journal,
+    rt: &FolderRt,
+    folder: &FolderId,
+    changes: &[Change],
+) -> Result<(), JournalError> {
+    if rt.role() != meshfs_sync::role::Role::ReceiveOnly {
+        return Ok(());
+    }
+    let mut items = Vec::with_capacity(changes.len());
+    for c in changes {
+        let before = j.get(folder, &c.record.path)?;
+        items.push((c.record.path.clone(), before.map(|s| (s.record, s.source))));
+    }
+    j.note_local_only(folder, &items)
+}
+
+/// The journal's other live names of the files among `changes` that have more than one link
+/// on disk, not among `scanned` already.
+fn other_names(
+    store: &crate::store::Store,
+    journal: &Journal,
+    folder: &FolderId,
+    scanned: &[RelPath],
+    changes: &[Change],
+) -> Vec<RelPath> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out: Vec<RelPath> = Vec::new();
+    for c in changes {
+        if c.record.deleted || c.record.kind != meshfs_protocol::FileKind::File {
+            continue;
+        }
+        let Ok(md) = std::fs::symlink_metadata(store.root().join(c.record.path.as_str())) else {
+            continue;
+        };
+        if md.nlink() < 2 {
+            continue;
+        }
+        for p in journal
+            .paths_with_inode(folder, md.ino())
+            .unwrap_or_default()
+        {
+            if p != c.record.path && !scanned.contains(&p) && !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    out
 }
 
 /// Commits scanned changes, [`SCAN_COMMIT_BATCH`] per transaction.

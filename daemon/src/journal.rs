@@ -57,9 +57,13 @@
 //! - The chunk index refers to a record by its row id (not its path, which would be repeated
 //!   per chunk) and is searched by the first 8 bytes of the chunk hash.
 
+mod roles;
 mod rows;
 mod schema;
+mod versions;
 mod wal;
+
+pub use versions::{Departed, KeptVersion, PrunedEvent, Retired};
 
 use crate::store::LocalStat;
 use meshfs_protocol::{
@@ -377,6 +381,17 @@ const UPDATE_RECORD: &str = "UPDATE records SET kind = ?3, deleted = ?4, mode = 
 const INSERT_HISTORY: &str = "INSERT INTO history (folder, sequence, time_ns, path, op, kind, \
     deleted, modified_by, source, version, hash, size, mode, detail) \
     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)";
+
+// A record leaving the tree, copied into `versions` before it is overwritten: ?1 its row,
+// ?2 the time and ?3 the sequence of the change that replaces it. A sequence is assigned once,
+// so the unique (folder, sequence) never meets itself; `OR IGNORE` keeps a commit going if it
+// ever did.
+const KEEP_VERSION: &str = "INSERT OR IGNORE INTO versions (folder, sequence, path, kind, mode, \
+    mtime_ns, size, hash, chunks, target, version, modified_by, source, local_inode, local_size, \
+    local_mtime_ns, local_ctime_ns, local_mode, made_ns, left_ns, left_seq) \
+    SELECT folder, sequence, path, kind, mode, mtime_ns, size, hash, chunks, target, version, \
+    modified_by, source, local_inode, local_size, local_mtime_ns, local_ctime_ns, local_mode, \
+    changed_at, ?2, ?3 FROM records WHERE id = ?1";
 
 /// The range of the paths strictly below `dir`: every "dir/…" sorts in `["dir/", "dir0")`
 /// because `'0'` is the byte after `'/'`.
@@ -830,6 +845,28 @@ impl Journal {
         self.write(|tx| Ok(ensure_folder(tx, folder)?.1))
     }
 
+    /// The live paths whose journaled local stat names `inode` (other names of a file with
+    /// several links: a conflict copy made as a hard link of the file it copies). Not indexed:
+    /// asked only for a file that has more than one link.
+    pub fn paths_with_inode(&self, folder: &FolderId, inode: u64) -> Result<Vec<RelPath>> {
+        self.read(|c| {
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(
+                "SELECT path FROM records WHERE folder = ?1 AND local_inode = ?2 AND deleted = 0",
+            )?;
+            let rows = st.query_map(params![key, to_i64(inode)], |r| r.get::<_, String>(0))?;
+            let mut out = Vec::new();
+            for p in rows {
+                if let Ok(p) = RelPath::new(&p?) {
+                    out.push(p);
+                }
+            }
+            Ok(out)
+        })
+    }
+
     /// A folder's identity and sequence counter as the journal has them, without creating the
     /// folder (`None` for one it has nothing of): for connections that only read.
     pub fn folder_state(&self, folder: &FolderId) -> Result<Option<FolderState>> {
@@ -865,7 +902,16 @@ impl Journal {
                 return Ok(());
             };
             for table in [
-                "chunks", "history", "records", "pending", "deferred", "peers",
+                "chunks",
+                "history",
+                "records",
+                "pending",
+                "deferred",
+                "peers",
+                "versions",
+                "pruned",
+                "held",
+                "local_only",
             ] {
                 tx.execute(&format!("DELETE FROM {table} WHERE folder = ?1"), [key])?;
             }
@@ -1642,6 +1688,9 @@ struct Commit<'c> {
     add_chunk: CachedStatement<'c>,
     drop_pending: CachedStatement<'c>,
     any_pending: bool,
+    keep_version: CachedStatement<'c>,
+    /// The folder has local changes not sent (receive-only): a peer's version ends one.
+    any_local_only: bool,
 }
 
 /// The current record a change replaces.
@@ -1650,6 +1699,18 @@ struct Existing {
     kind: FileKind,
     deleted: bool,
     size: u64,
+    hash: Hash,
+}
+
+impl Existing {
+    /// Whether `new` makes this record's content leave the tree: a live file or symlink
+    /// replaced by a tombstone, another kind, or other content (a metadata or vector change
+    /// keeps it).
+    fn leaves_for(&self, new: &FileRecord) -> bool {
+        !self.deleted
+            && matches!(self.kind, FileKind::File | FileKind::Symlink)
+            && (new.deleted || new.kind != self.kind || new.hash != self.hash)
+    }
 }
 
 /// A change with its sequence, its version vector and chunk list encoded.
@@ -1710,7 +1771,7 @@ impl<'c> Commit<'c> {
             seq,
             tally: Tally::default(),
             probe: tx.prepare_cached(
-                "SELECT id, kind, deleted, size FROM records WHERE folder = ?1 AND path = ?2",
+                "SELECT id, kind, deleted, size, hash FROM records WHERE folder = ?1 AND path = ?2",
             )?,
             insert: tx.prepare_cached(INSERT_RECORD)?,
             update: tx.prepare_cached(UPDATE_RECORD)?,
@@ -1725,6 +1786,10 @@ impl<'c> Commit<'c> {
             // Pending rows are rare; when there are none, skip one probe per change.
             any_pending: tx
                 .prepare_cached("SELECT EXISTS (SELECT 1 FROM pending WHERE folder = ?1)")?
+                .query_row([key], |r| r.get(0))?,
+            keep_version: tx.prepare_cached(KEEP_VERSION)?,
+            any_local_only: tx
+                .prepare_cached("SELECT EXISTS (SELECT 1 FROM local_only WHERE folder = ?1)")?
                 .query_row([key], |r| r.get(0))?,
         })
     }
@@ -1748,6 +1813,12 @@ impl<'c> Commit<'c> {
         let existing = self.existing(rec)?;
         if let Some(e) = &existing {
             self.tally.remove(e.kind, e.deleted, e.size);
+            // The version leaving the tree is remembered, in this transaction, before its
+            // row is overwritten (`versions`: what `meshfs versions` and `restore` read).
+            if e.leaves_for(rec) {
+                self.keep_version
+                    .execute(params![e.id, self.time_ns, to_i64(self.seq)])?;
+            }
         }
         self.tally.add(rec.kind, rec.deleted, rec.size);
         let record_id = self.write_record(&encoded, existing.as_ref())?;
@@ -1759,29 +1830,42 @@ impl<'c> Commit<'c> {
             self.drop_pending
                 .execute(params![self.key, rec.path.as_str()])?;
         }
+        // A shared version (a peer's) at a path a receive-only folder changed here ends that
+        // local change: the path holds the shared state again.
+        if self.any_local_only && change.source.is_some() {
+            self.tx
+                .prepare_cached("DELETE FROM local_only WHERE folder = ?1 AND path = ?2")?
+                .execute(params![self.key, rec.path.as_str()])?;
+        }
         Ok(self.seq)
     }
 
     /// The current record at `rec`'s path, if there is one.
     fn existing(&mut self, rec: &FileRecord) -> Result<Option<Existing>> {
         let folder = self.folder;
-        let existing: Option<(i64, String, bool, i64)> = self
+        let existing: Option<(i64, String, bool, i64, Vec<u8>)> = self
             .probe
             .query_row(params![self.key, rec.path.as_str()], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
             })
             .optional()?;
-        let Some((id, kind, deleted, size)) = existing else {
+        let Some((id, kind, deleted, size, hash)) = existing else {
             return Ok(None);
         };
         let kind = FileKind::parse(&kind).ok_or_else(|| JournalError::Corrupt {
             what: format!("folder {folder}, path {}: unknown kind {kind:?}", rec.path),
         })?;
+        let hash = <[u8; 32]>::try_from(hash.as_slice())
+            .map(Hash)
+            .map_err(|_| JournalError::Corrupt {
+                what: format!("folder {folder}, path {}: hash is not 32 bytes", rec.path),
+            })?;
         Ok(Some(Existing {
             id,
             kind,
             deleted,
             size: to_u64(size),
+            hash,
         }))
     }
 

@@ -33,6 +33,8 @@ pub enum Rank {
 /// A mutex with a place in the lock order.
 #[derive(Debug)]
 pub struct Ranked<T> {
+    /// Checked only in debug builds.
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     rank: Rank,
     name: &'static str,
     inner: Mutex<T>,

@@ -454,6 +454,7 @@ pub async fn accept_loop(net: Arc<Net>, endpoint: quinn::Endpoint) {
 /// scan holding the writer.
 struct JournalSource<'a> {
     journal: Reader<'a>,
+    folders: &'a Folders,
 }
 
 impl<'a> JournalSource<'a> {
@@ -463,7 +464,10 @@ impl<'a> JournalSource<'a> {
             .reader()
             .map_err(|e| format!("cannot read the journal: {e}"))?;
         journal.begin_reads();
-        Ok(JournalSource { journal })
+        Ok(JournalSource {
+            journal,
+            folders: &net.folders,
+        })
     }
 }
 
@@ -485,9 +489,17 @@ impl IndexSource for JournalSource<'_> {
         } else {
             rows.last().map_or(max, |r| r.record.sequence)
         };
+        let role = self
+            .folders
+            .get(folder)
+            .map(|rt| rt.role())
+            .unwrap_or_default();
         let recs = rows
             .into_iter()
-            .filter(|r| r.source.as_ref() != Some(peer))
+            .filter(|r| {
+                r.source.as_ref() != Some(peer)
+                    && meshfs_sync::role::sends(role, r.source.is_none())
+            })
             .map(|r| r.record)
             .collect();
         Ok((recs, scanned.max(after)))

@@ -101,6 +101,35 @@ pub struct FolderSnapshot {
     pub progress: FolderProgress,
     /// Its mount, if it has one.
     pub mount: Option<MountStatus>,
+    /// Its role and past versions.
+    pub versions: VersionsStatus,
+}
+
+/// A folder's role and past versions, as `status` shows them (`role`, `versions`,
+/// `not_applied`, `not_sent`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct VersionsStatus {
+    /// `send-receive`, `send-only` or `receive-only`.
+    pub role: &'static str,
+    /// Versions that left the tree and are still listed (`meshfs versions`).
+    pub count: u64,
+    /// What the vault's chunks of them take on disk, as stored.
+    pub bytes: u64,
+    /// How long they are kept, in days (0: off).
+    pub max_age_days: u64,
+    /// Send-only: peers' versions not applied here (what differs; `meshfs override`).
+    pub not_applied: PathList,
+    /// Receive-only: local changes not sent (`meshfs revert`).
+    pub not_sent: PathList,
+}
+
+/// How many paths, and the first of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PathList {
+    /// How many.
+    pub count: u64,
+    /// The first ones (at most 200).
+    pub items: Vec<String>,
 }
 
 /// A folder's `progress`: the counts of its long work, from which the CLI makes rates and
@@ -285,6 +314,14 @@ pub struct FolderStatus {
     pub blocked: Option<String>,
     /// The mount, or null.
     pub mount: Option<MountStatus>,
+    /// `send-receive`, `send-only` or `receive-only`.
+    pub role: &'static str,
+    /// Its past versions: `{"count", "bytes", "max_age_days"}`.
+    pub versions: serde_json::Value,
+    /// Send-only: peers' versions not applied here.
+    pub not_applied: PathList,
+    /// Receive-only: local changes not sent.
+    pub not_sent: PathList,
     /// See [`FolderVerdict::in_sync`].
     pub in_sync: bool,
     /// See [`FolderVerdict::in_sync_with_connected`].
@@ -508,6 +545,14 @@ fn folder_status(
         progress: f.progress,
         blocked: f.local.blocked,
         mount: f.mount,
+        role: f.versions.role,
+        versions: serde_json::json!({
+            "count": f.versions.count,
+            "bytes": f.versions.bytes,
+            "max_age_days": f.versions.max_age_days,
+        }),
+        not_applied: f.versions.not_applied,
+        not_sent: f.versions.not_sent,
         in_sync: verdict.in_sync,
         in_sync_with_connected: verdict.in_sync_with_connected,
         peers_connected: verdict.peers_connected,
@@ -798,6 +843,13 @@ mod tests {
                     },
                 },
                 mount: None,
+                versions: VersionsStatus {
+                    role: "send-receive",
+                    count: 3,
+                    bytes: 8192,
+                    max_age_days: 30,
+                    ..Default::default()
+                },
             }],
             peers: vec![
                 peer(
@@ -844,6 +896,10 @@ mod tests {
                     "receive": {"done": 30, "bytes_done": 4096, "left": 2, "bytes_left": 100},
                 },
                 "blocked": null, "mount": null,
+                "role": "send-receive",
+                "versions": {"count": 3, "bytes": 8192, "max_age_days": 30},
+                "not_applied": {"count": 0, "items": []},
+                "not_sent": {"count": 0, "items": []},
                 "in_sync": true, "in_sync_with_connected": true, "peers_connected": true,
                 "peers": [folder_peer],
             }],

@@ -37,6 +37,7 @@ mod displace;
 use crate::room::Claim;
 use crate::{failpoint, sys};
 use displace::{same_version, Keeper, Old, Verdict};
+pub use displace::{Displaced, DisplacedSink};
 use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -417,6 +418,13 @@ impl Store {
     /// this device (`by`, its short id).
     pub fn set_device(&self, by: ShortId) {
         self.keeper.set_device(by);
+    }
+
+    /// Hands every regular file an apply replaces or removes to `sink` as it is kept aside
+    /// (the content of a version leaving the tree: `crate::versions` keeps what it needs of
+    /// it). Set once, before the folder's first apply.
+    pub fn on_displaced(&self, sink: DisplacedSink) {
+        self.keeper.on_displaced(sink);
     }
 
     /// Looks now at every file an apply kept aside, instead of after its grace period (a
@@ -994,6 +1002,10 @@ impl Store {
             Ok(st) => stat_of(&st).local,
             Err(e) => return refuse(io_err(&t.target, e)),
         };
+        let expect = match clear_dir(dir, &name, &t.target, expect) {
+            Ok(e) => e,
+            Err(e) => return refuse(e),
+        };
         match expect {
             // A new file: the rename itself refuses an existing target (no stat first, and no
             // window between the check and the rename). Where the filesystem cannot, check first.
@@ -1041,6 +1053,7 @@ impl Store {
             return Err(io_err(&t.target, io::Error::from_raw_os_error(libc::EBADF)));
         };
         let via = staging.link.unwrap_or(LinkVia::ProcFd);
+        let expect = clear_dir(dir, name, &t.target, expect)?;
         let fd = file.as_fd();
         let ours = sys::fstat(fd).map_err(|e| io_err(&t.target, e))?;
         let ours = stat_of(&ours).local;
@@ -1503,10 +1516,12 @@ impl Store {
 
     /// Removes leftover temp files (run at start-up: a crash leaves only temp files behind),
     /// except the files an apply had kept aside ([`displace`]): such a file is removed only
-    /// if it is unchanged, else moved next to its path as a conflict copy. Returns how many
+    /// if it is unchanged (after it is handed to [`Store::on_displaced`]'s sink, if set), else
+    /// moved next to its path as a conflict copy. Returns how many
     /// were removed.
     pub fn remove_temps(&self) -> usize {
         let by = self.keeper.device();
+        let sink = self.keeper.sink();
         let open_dir = |p: &RelPath| self.open_dir(Some(p), false).ok();
         let mut removed = 0;
         let mut clean = |dir: &Path| {
@@ -1520,7 +1535,7 @@ impl Store {
                     continue;
                 };
                 if e.file_type().is_ok_and(|t| t.is_file())
-                    && displace::recover(&fd, &c, &self.root_fd, open_dir, by)
+                    && displace::recover(&fd, &c, &self.root_fd, open_dir, by, sink)
                 {
                     continue;
                 }
@@ -1622,6 +1637,36 @@ fn settled(ours: &LocalStat, now: io::Result<libc::stat>) -> LocalStat {
     match now.map(|st| stat_of(&st).local) {
         Ok(l) if same_version(ours, &l) && l.mode == ours.mode => l,
         _ => *ours,
+    }
+}
+
+/// A file replacing the directory the journal knows at its path: the directory goes first if
+/// it is empty (`rmdir` refuses one with entries: `Changed`, and the decision, made again, sees
+/// what is below it), and the file then goes in as a new one (`Expect::Absent`: whatever
+/// appears at the path meanwhile is not replaced). Any other expectation is returned as it is.
+fn clear_dir(
+    dir: &Arc<OwnedFd>,
+    name: &CStr,
+    path: &RelPath,
+    expect: Expect,
+) -> Result<Expect, StoreError> {
+    let Expect::Matches(want) = expect else {
+        return Ok(expect);
+    };
+    match lstat_at(dir.as_fd(), name) {
+        Ok(st) if st.st_mode & libc::S_IFMT != libc::S_IFDIR => return Ok(expect),
+        Ok(st) if st.st_ino == want.inode => {}
+        Ok(_) => return Err(StoreError::Changed(path.clone())),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(expect),
+        Err(e) => return Err(io_err(path, e)),
+    }
+    match sys::unlinkat(dir.as_fd(), name, libc::AT_REMOVEDIR) {
+        Ok(()) => Ok(Expect::Absent),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(Expect::Absent),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {
+            Err(StoreError::Changed(path.clone()))
+        }
+        Err(e) => Err(io_err(path, e)),
     }
 }
 

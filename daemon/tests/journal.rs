@@ -218,9 +218,13 @@ fn schema_3_gives_multi_chunk_files_their_chunk_list_hash() {
             [&old.0[..]],
         )
         .unwrap();
-        // Without what later migrations added (4: the deferred table, 5: the WAL mark).
-        c.execute_batch("DROP TABLE deferred; DROP TABLE wal_mark; PRAGMA user_version = 2;")
-            .unwrap();
+        // Without what later migrations added (4: the deferred table, 5: the WAL mark, 6:
+        // versions and roles).
+        c.execute_batch(
+            "DROP TABLE deferred; DROP TABLE wal_mark; DROP TABLE versions; DROP TABLE pruned; \
+             DROP TABLE held; DROP TABLE local_only; PRAGMA user_version = 2;",
+        )
+        .unwrap();
     }
     let j = Journal::open(&path).unwrap();
     assert!(j.schema_version() >= 3);

@@ -81,6 +81,7 @@ mod mount;
 mod passthrough;
 mod prefetch;
 mod recent;
+mod snapshot;
 mod sys;
 mod unmount;
 
@@ -89,6 +90,7 @@ pub use mount::{
     FUSE_CONF,
 };
 pub use passthrough::PassthroughOff;
+pub use snapshot::{mount_snapshot, SnapshotContent, SnapshotEntry, SnapshotKind, SnapshotMount};
 
 use meshfs_protocol::RelPath;
 use std::sync::{Mutex, MutexGuard};

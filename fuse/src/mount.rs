@@ -289,7 +289,7 @@ fn os_err(e: sys::Errno) -> io::Error {
 }
 
 /// Checks `mountpoint` and returns its canonical path; detaches a dead mount there.
-fn prepare_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
+pub(crate) fn prepare_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
     let c = cpath(mountpoint);
     // statfs, not stat: the kernel may still answer a stat of a dead FUSE mount from its
     // attribute cache, but it always asks the server for statfs.

@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod reconcile;
 pub mod rendezvous;
+pub mod role;
 pub mod session;
 pub mod sim;
 #[cfg(test)]

@@ -165,7 +165,20 @@ pub struct Plan {
 
 /// Plans what this replica does with `remote`, a peer's record.
 pub fn plan(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Plan, ReadError> {
-    let decision = reconcile::decide(view, remote)?;
+    plan_decision(view, remote, reconcile::decide(view, remote)?)
+}
+
+/// Plans taking `remote` as it is ([`reconcile::take`]): a receive-only folder's answer to a
+/// peer's version concurrent with a local change ([`crate::role::Intake::Take`]).
+pub fn plan_taking(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Plan, ReadError> {
+    plan_decision(view, remote, reconcile::take(view, remote)?)
+}
+
+fn plan_decision(
+    view: &dyn ReplicaView,
+    remote: &FileRecord,
+    decision: reconcile::Decision,
+) -> Result<Plan, ReadError> {
     let keeps_a_loser = decision
         .steps
         .iter()

@@ -173,6 +173,26 @@ pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, R
     })
 }
 
+/// Decides to take `remote` as it is, whatever the local record: what a receive-only folder
+/// does with a peer's version concurrent with a local change ([`crate::role`]): the shared
+/// state wins without a resolution (no new version only this device would have), the local
+/// content becomes a past version. The rules around the path (live entries below it, a
+/// missing parent) hold as for any applied version; a decision that would keep an unsendable
+/// record is [`Outcome::Refused`], as in [`decide`].
+pub fn take(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
+    let local = view.get(&remote.path)?;
+    let decision =
+        Plan::new(Outcome::ApplyRemote, remote.clone(), false).finish(view, local.as_ref())?;
+    let unsendable = decision
+        .steps
+        .iter()
+        .find_map(|s| s.record().check_sendable().err());
+    Ok(match unsendable {
+        Some(e) => none(Outcome::Refused(e)),
+        None => decision,
+    })
+}
+
 fn decide_unchecked(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
     let Some(local) = view.get(&remote.path)? else {
         let plan = Plan::new(Outcome::ApplyRemote, remote.clone(), false);

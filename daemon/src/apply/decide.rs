@@ -12,6 +12,7 @@ use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
 use meshfs_sync::plan::{self, Disk, Planned};
 use meshfs_sync::reconcile::{Outcome, ReadError, ReplicaView, Step};
+use meshfs_sync::role::{self, Intake};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -19,7 +20,12 @@ use std::collections::HashMap;
 /// thousand records is read once, not a thousand times. Lives only inside [`decide_all`] (which
 /// holds the journal), and forgets a path whenever a change to it is committed.
 #[derive(Default)]
-struct Memo(RefCell<HashMap<RelPath, Option<StoredRecord>>>);
+struct Memo(
+    RefCell<HashMap<RelPath, Option<StoredRecord>>>,
+    /// The paths of changes done but not committed, by path text, and whether each is live:
+    /// what the journal does not know yet below a directory.
+    RefCell<std::collections::BTreeMap<String, bool>>,
+);
 
 impl Memo {
     fn get(
@@ -38,6 +44,10 @@ impl Memo {
 
     /// `change` is decided and done on disk but not committed yet: later reads see it.
     fn put(&self, change: &Change) {
+        self.1.borrow_mut().insert(
+            change.record.path.as_str().to_owned(),
+            !change.record.deleted,
+        );
         self.0.borrow_mut().insert(
             change.record.path.clone(),
             Some(StoredRecord {
@@ -64,10 +74,29 @@ impl ReplicaView for View<'_> {
             .get(self.journal, self.folder, path)?
             .map(|s| s.record))
     }
+    /// What the journal has below `dir`, with this batch's changes done but not committed yet
+    /// (a deletion below a directory that a file replaces goes first in the batch: the file's
+    /// decision must see it).
     fn has_live_below(&self, dir: &RelPath) -> Result<bool, ReadError> {
-        self.journal
-            .has_live_below(self.folder, dir)
-            .map_err(ReadError::from_display)
+        // Strictly below `dir`: from "dir/" up to "dir0" ('0' follows '/').
+        let (lo, hi) = (format!("{}/", dir.as_str()), format!("{}0", dir.as_str()));
+        let done = self.memo.1.borrow();
+        let mut noted = done.range(lo..hi).peekable();
+        if noted.peek().is_none() {
+            return self
+                .journal
+                .has_live_below(self.folder, dir)
+                .map_err(ReadError::from_display);
+        }
+        if noted.any(|(_, live)| *live) {
+            return Ok(true);
+        }
+        Ok(self
+            .journal
+            .below(self.folder, dir)
+            .map_err(ReadError::from_display)?
+            .iter()
+            .any(|s| !s.record.deleted && !done.contains_key(s.record.path.as_str())))
     }
 }
 
@@ -244,7 +273,19 @@ impl Deciding<'_> {
             folder: self.folder,
             memo: &self.memo,
         };
-        let plan = plan::plan(&view, &remote)?;
+        // The folder's role may keep a peer's version from being applied, or take it as it
+        // is (`meshfs_sync::role`).
+        let plan = match role::intake(self.rt.role(), local_before.as_ref(), &remote) {
+            Intake::Decide => plan::plan(&view, &remote)?,
+            Intake::Take => plan::plan_taking(&view, &remote)?,
+            Intake::Hold => {
+                tracing::debug!(folder = %self.folder, path = %remote.path, "send-only: a peer's version is held, not applied");
+                self.journal
+                    .get()?
+                    .put_held(self.folder, &remote, &self.peer)?;
+                return Ok(());
+            }
+        };
         if let Outcome::Refused(why) = &plan.outcome {
             // Keeping it would make a record no peer accepts: shown, the rest goes on.
             if self.rt.skip(remote.path.clone(), why.to_string()) {

@@ -105,10 +105,12 @@ pub(super) fn install(
             // A directory the file goes into that is gone since its decision (a local `rm -r`)
             // is a changed target too: decided again, it is revived or meets the deletion.
             Err(StoreError::Changed(_)) => {
+                tracing::debug!(%folder, path = %t.record.path, "changed before its install; decided again");
                 cleared.push(t.record.path.clone());
                 redo.push(t.remote);
             }
             Err(StoreError::Io { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+                tracing::debug!(%folder, path = %t.record.path, "its directory is gone; decided again");
                 cleared.push(t.record.path.clone());
                 redo.push(t.remote);
             }

@@ -30,6 +30,7 @@ const MIGRATIONS: &[Migration] = &[
     Migration::Code(file_hash_from_chunks_3),
     Migration::Sql(DEFERRED_4),
     Migration::Sql(WAL_MARK_5),
+    Migration::Sql(VERSIONS_6),
 ];
 
 const SCHEMA_1: &str =
@@ -204,6 +205,78 @@ pub(super) fn put_wal_mark(tx: &Connection, mark: &[u8]) -> Result<()> {
     .execute([mark])?;
     Ok(())
 }
+
+// 6: past versions and folder roles.
+// - `versions`: every version that left this device's tree (a live file or symlink replaced by
+//   other content or another kind, or deleted), copied from `records` by the commit that
+//   replaced it, in the same transaction, with its chunk list: what `meshfs versions` lists,
+//   `restore` brings back and `mount --at` shows. Its content may be kept in the folder's
+//   vault (`crate::vault`); whether it is, is the vault's to say. `sequence` is the version's
+//   own (its history row's), `left_ns`/`left_seq` those of the change that replaced it.
+// - `pruned`: what retention removed, and why (`meshfs journal --all` shows it).
+// - `held`: a send-only folder's remote versions, received and not applied (the newest per
+//   path), for `status` and `meshfs override`.
+// - `local_only`: a receive-only folder's paths changed here and not sent, each with the
+//   record it had before its first local change (`shared`, and the peer it came from;
+//   NULL: the path did not exist), for `status` and `meshfs revert`.
+const VERSIONS_6: &str = r#"
+    CREATE TABLE versions (
+        id             INTEGER PRIMARY KEY,
+        folder         INTEGER NOT NULL,
+        sequence       INTEGER NOT NULL,
+        path           TEXT NOT NULL,
+        kind           TEXT NOT NULL,
+        mode           INTEGER NOT NULL,
+        mtime_ns       INTEGER NOT NULL,
+        size           INTEGER NOT NULL,
+        hash           BLOB NOT NULL,
+        chunks         BLOB NOT NULL,
+        target         TEXT NOT NULL,
+        version        BLOB NOT NULL,
+        modified_by    INTEGER NOT NULL,
+        source         BLOB,
+        local_inode    INTEGER,
+        local_size     INTEGER,
+        local_mtime_ns INTEGER,
+        local_ctime_ns INTEGER,
+        local_mode     INTEGER,
+        made_ns        INTEGER NOT NULL,
+        left_ns        INTEGER NOT NULL,
+        left_seq       INTEGER NOT NULL,
+        UNIQUE (folder, sequence)
+    ) STRICT;
+    CREATE INDEX versions_by_path ON versions (folder, path, left_ns);
+    CREATE INDEX versions_by_age ON versions (folder, left_ns);
+
+    CREATE TABLE pruned (
+        folder   INTEGER NOT NULL,
+        time_ns  INTEGER NOT NULL,
+        path     TEXT NOT NULL,
+        sequence INTEGER NOT NULL,
+        hash     BLOB NOT NULL,
+        size     INTEGER NOT NULL,
+        reason   TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX pruned_by_time ON pruned (folder, time_ns);
+
+    CREATE TABLE held (
+        folder  INTEGER NOT NULL,
+        path    TEXT NOT NULL,
+        record  BLOB NOT NULL,
+        source  BLOB NOT NULL,
+        time_ns INTEGER NOT NULL,
+        PRIMARY KEY (folder, path)
+    ) STRICT;
+
+    CREATE TABLE local_only (
+        folder  INTEGER NOT NULL,
+        path    TEXT NOT NULL,
+        shared  BLOB,
+        source  BLOB,
+        time_ns INTEGER NOT NULL,
+        PRIMARY KEY (folder, path)
+    ) STRICT;
+    "#;
 
 /// The schema version this build writes and understands.
 pub(super) const LATEST_VERSION: u32 = MIGRATIONS.len() as u32;

@@ -212,6 +212,70 @@ pub fn pairing_questions(st: &Value) -> Vec<String> {
     out
 }
 
+/// A folder's role and past versions in words: `past versions: 12 (3.4 MiB kept here, for 30
+/// days)`, `send-only: 2 changes of peers not applied here (meshfs override …): a.txt, b.txt`,
+/// `receive-only: 1 local change not sent (meshfs revert …): notes.txt`.
+pub fn versions_lines(f: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    let v = &f["versions"];
+    let days = u(v, "max_age_days");
+    let kept = if days == 0 {
+        "keeping is off".to_string()
+    } else {
+        format!(
+            "{:.1} MiB kept here, for {}",
+            u(v, "bytes") as f64 / (1 << 20) as f64,
+            plural(days, "day", "days")
+        )
+    };
+    out.push(format!("past versions: {} ({kept})", u(v, "count")));
+    let list = |l: &Value| -> String {
+        let items: Vec<String> = l["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .take(5)
+            .map(printable)
+            .collect();
+        let more = u(l, "count").saturating_sub(items.len() as u64);
+        let mut t = items.join(", ");
+        if more > 0 {
+            t.push_str(&format!(" and {more} more"));
+        }
+        t
+    };
+    let id = s(f, "id");
+    match s(f, "role") {
+        "send-only" => {
+            let n = u(&f["not_applied"], "count");
+            if n > 0 {
+                out.push(format!(
+                    "send-only: {} of peers not applied here (`meshfs override {id}` makes this device's state win): {}",
+                    plural(n, "change", "changes"),
+                    list(&f["not_applied"])
+                ));
+            } else {
+                out.push("send-only: every peer change is in this device's state".into());
+            }
+        }
+        "receive-only" => {
+            let n = u(&f["not_sent"], "count");
+            if n > 0 {
+                out.push(format!(
+                    "receive-only: {} not sent (`meshfs revert {id}` brings the shared state back): {}",
+                    plural(n, "local change", "local changes"),
+                    list(&f["not_sent"])
+                ));
+            } else {
+                out.push("receive-only: no local change".into());
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
 /// `last error at 10:42: …` (the message escaped: it can hold a peer's words), or nothing
 /// when there was none.
 pub fn last_error_line(v: &Value, tz: UtcOffset) -> Option<String> {

@@ -255,11 +255,31 @@ struct Kept {
     until: Instant,
 }
 
+/// A file an apply replaced or deleted, handed over as it is kept aside: the content of a
+/// version leaving the tree, for the engine to keep what it needs of it (`crate::versions`)
+/// off the folder's lock. The descriptor is the file's own (read-only): it stays readable
+/// after the keeper removes its name.
+#[derive(Debug)]
+pub struct Displaced {
+    /// Where it was.
+    pub path: RelPath,
+    /// Its stat when it was checked against the journal (inode, size, mtime).
+    pub stat: LocalStat,
+    /// The file, open for reading.
+    pub file: std::fs::File,
+}
+
+/// Where displaced files go ([`Displaced`]). Called on the installing thread: it must not
+/// block, nor take the journal or the folder's lock (an install may hold both).
+pub type DisplacedSink = Arc<dyn Fn(Displaced) + Send + Sync>;
+
 /// The old files kept aside, each looked at once more after [`GRACE`] by a thread of its own
 /// (started when the first file is kept, gone when none is left).
 #[derive(Default)]
 pub(super) struct Keeper {
     state: Arc<(Mutex<KeeperState>, Condvar)>,
+    /// Told of every regular file kept aside, if set.
+    sink: std::sync::OnceLock<DisplacedSink>,
 }
 
 #[derive(Default)]
@@ -289,6 +309,17 @@ impl Keeper {
         self.state.0.lock().map(|s| s.by).unwrap_or_default()
     }
 
+    /// Hands every regular file kept aside from now on to `sink` too (once; later calls are
+    /// ignored).
+    pub(super) fn on_displaced(&self, sink: DisplacedSink) {
+        let _ = self.sink.set(sink);
+    }
+
+    /// Where displaced files go, once set.
+    pub(super) fn sink(&self) -> Option<&DisplacedSink> {
+        self.sink.get()
+    }
+
     /// Keeps `old`, now at `name` in `dir`, for [`GRACE`]; `path` is where it was, in
     /// `target_dir`.
     pub(super) fn keep(
@@ -304,6 +335,16 @@ impl Keeper {
             Ok(st) => stat_of(&st).local,
             Err(_) => old.st,
         };
+        if let (Some(sink), true) = (self.sink.get(), old.regular) {
+            // A descriptor of its own: the old one's lease goes with `old`.
+            if let Ok(fd) = old.fd.try_clone() {
+                sink(Displaced {
+                    path: path.clone(),
+                    stat: old.st,
+                    file: std::fs::File::from(fd),
+                });
+            }
+        }
         drop(old);
         let (lock, wake) = &*self.state;
         let Ok(mut s) = lock.lock() else { return };
@@ -409,14 +450,16 @@ fn settle(mut k: Kept, by: ShortId) -> Option<Kept> {
 
 /// At start-up: a temp-named file `name` in `dir` is either a temp file (no mark: `false`, the
 /// caller removes it) or an old file kept aside when the daemon stopped. That one is removed
-/// if unchanged, else moved next to its path (found from `root`) as a conflict copy. Returns
-/// `true` when it was dealt with here.
+/// if unchanged (handed to `sink` first, as a displaced file: a crash between an install and
+/// the keeping of what it replaced loses no past version), else moved next to its path (found
+/// from `root`) as a conflict copy. Returns `true` when it was dealt with here.
 pub(super) fn recover(
     dir: impl AsFd,
     name: &CStr,
     root: impl AsFd,
     open_dir: impl Fn(&RelPath) -> Option<Arc<OwnedFd>>,
     by: ShortId,
+    sink: Option<&DisplacedSink>,
 ) -> bool {
     let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
     let Ok(fd) = sys::openat(dir.as_fd(), name, flags, 0) else {
@@ -428,10 +471,19 @@ pub(super) fn recover(
     let Some((size, mtime, path)) = parse_mark(&mark) else {
         return false;
     };
-    let unchanged = sys::fstat(fd.as_fd()).is_ok_and(|st| {
-        let l = stat_of(&st).local;
-        l.size == size && l.mtime_ns == mtime
-    });
+    let st = sys::fstat(fd.as_fd()).ok().map(|st| stat_of(&st).local);
+    let unchanged = st.is_some_and(|l| l.size == size && l.mtime_ns == mtime);
+    if let (true, Some(sink), Some(stat)) = (unchanged, sink, st) {
+        // Read-only, so the keeper's reads never count as a writer.
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+        if let Ok(ro) = sys::openat(dir.as_fd(), name, flags, 0) {
+            sink(Displaced {
+                path: path.clone(),
+                stat,
+                file: std::fs::File::from(ro),
+            });
+        }
+    }
     drop(fd);
     if unchanged {
         let _ = sys::unlinkat(dir.as_fd(), name, 0);

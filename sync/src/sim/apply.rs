@@ -19,7 +19,7 @@ use super::{outcome_name, Event, Res, Sim};
 use crate::pipeline::{Action, BatchId, Source};
 use crate::plan::{plan, Disk, Plan};
 use crate::reconcile::Outcome;
-use meshfs_protocol::{FileRecord, FolderId, Hash, RelPath, VersionVector};
+use meshfs_protocol::{FileKind, FileRecord, FolderId, Hash, RelPath, VersionVector};
 use rand::Rng;
 use std::collections::HashMap;
 
@@ -465,7 +465,15 @@ impl Sim {
                 .content
                 .iter()
                 .all(|s| fs.parent_is_dir(&t.plan.steps[s.index].record().path));
+            // A file replaces a directory only while it is empty (the store's `rmdir`): one
+            // that holds entries since the decision (created and captured meanwhile) is a
+            // changed target, decided again with them in view.
+            let over_entries = t.content.iter().any(|s| {
+                let p = &t.plan.steps[s.index].record().path;
+                fs.nodes.get(p).is_some_and(|n| n.kind() == FileKind::Dir) && fs.has_children(p)
+            });
             if !parents
+                || over_entries
                 || !t.content.iter().all(same)
                 || self.blocked(r, &t.plan, Some(&content_idx))
             {

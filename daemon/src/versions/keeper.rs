@@ -1,0 +1,223 @@
+//! Keeping what an apply displaces: the content of a version that leaves this device's tree
+//! because a peer's version replaced or deleted it.
+//!
+//! The store hands over each old file as it keeps it aside (`store::Displaced`: its path, the
+//! stat the journal expected, a descriptor of its own). This module's thread (one per folder)
+//! takes it from there, off the folder's lock and off the request paths:
+//!
+//! 1. it waits until the journal has committed the change that replaced the file, which copied
+//!    the old record into `versions` (`Journal::departed`): that record's chunk list says what
+//!    the file held, chunk by chunk, with offsets;
+//! 2. of those chunks it keeps only what nothing else holds: not in the live tree (the chunk
+//!    index) and not in the vault already — a 1 GiB file edited in ten places leaves ten chunks
+//!    here, not a copy;
+//! 3. it reads each such chunk from the old file, checks it against its blake3 (a chunk a late
+//!    writer changed is not kept: the version is then not kept whole, never kept wrong), and
+//!    stores the batch in the vault in one transaction.
+//!
+//! A file whose change is never committed (the install failed, the swap was undone) is let go
+//! after [`GIVE_UP`]. Its descriptor keeps the old inode readable meanwhile; the queue is
+//! bounded ([`QUEUE`]) so that descriptors stay a budget: what does not fit is not kept, and
+//! says so in the log.
+
+use crate::folder::Folders;
+use crate::journal::{Departed, KeptVersion};
+use crate::store::{read_chunk_of, Displaced, DisplacedSink};
+use crate::vault::Vault;
+use meshfs_protocol::{FolderId, Hash};
+use std::collections::HashSet;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Displaced files waiting for the keeper at most (each holds a descriptor).
+pub const QUEUE: usize = 4096;
+/// How long a displaced file waits for the journal to commit its replacement.
+const GIVE_UP: Duration = Duration::from_secs(60);
+/// Files looked up under one hold of the journal at most.
+const PER_HOLD: usize = 256;
+
+/// A file waiting for its replacement's commit.
+struct Waiting {
+    job: Displaced,
+    since: Instant,
+}
+
+/// Starts the keeper of `folder` and returns the sink the folder's store hands displaced files
+/// to. `on` says whether versions are kept at all right now (the folder's retention may be
+/// off); `kept` is told the bytes each batch added to the vault.
+pub fn start(
+    folders: Arc<Folders>,
+    folder: FolderId,
+    vault: Arc<Vault>,
+    on: impl Fn() -> bool + Send + 'static,
+    kept: impl Fn(u64) + Send + 'static,
+) -> DisplacedSink {
+    let (tx, rx) = mpsc::sync_channel::<Displaced>(QUEUE);
+    let name = format!("meshfs-keep-{}", folder.as_str());
+    let spawned = std::thread::Builder::new().name(name).spawn(move || {
+        run(&folders, &folder, &vault, &on, &kept, rx);
+    });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot start the thread that keeps past versions; none are kept");
+    }
+    Arc::new(move |job: Displaced| match tx.try_send(job) {
+        Ok(()) => {}
+        Err(mpsc::TrySendError::Full(job)) => {
+            tracing::warn!(path = %job.path, "too many replaced files wait to be kept; this version's content is not kept here");
+        }
+        Err(mpsc::TrySendError::Disconnected(_)) => {}
+    })
+}
+
+fn run(
+    folders: &Folders,
+    folder: &FolderId,
+    vault: &Vault,
+    on: &dyn Fn() -> bool,
+    kept: &dyn Fn(u64),
+    rx: mpsc::Receiver<Displaced>,
+) {
+    let mut waiting: Vec<Waiting> = Vec::new();
+    loop {
+        // Block for work when nothing waits; otherwise look again shortly.
+        let first = if waiting.is_empty() {
+            match rx.recv() {
+                Ok(j) => Some(j),
+                Err(_) => return,
+            }
+        } else {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(j) => Some(j),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        let now = Instant::now();
+        waiting.extend(
+            first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+                .map(|job| Waiting { job, since: now }),
+        );
+        if !on() {
+            waiting.clear();
+            continue;
+        }
+        let (ready, still) = resolve(folders, folder, std::mem::take(&mut waiting));
+        waiting = still;
+        for (job, version, candidates) in ready {
+            // Under the gate from the check to the write: a sweep cannot slip between them.
+            let _gate = vault.gate();
+            let hashes: Vec<Hash> = candidates.iter().map(|c| c.2).collect();
+            let held = vault
+                .has(&hashes)
+                .unwrap_or_else(|_| vec![false; hashes.len()]);
+            let missing: Vec<(u64, u32, Hash)> = candidates
+                .into_iter()
+                .zip(held)
+                .filter(|(_, h)| !h)
+                .map(|(c, _)| c)
+                .collect();
+            match keep(vault, &job, &version, &missing) {
+                Ok(bytes) => {
+                    if bytes > 0 {
+                        kept(bytes);
+                    }
+                    tracing::debug!(%folder, path = %job.path, sequence = version.record.sequence, chunks = missing.len(), bytes, "kept a past version");
+                }
+                Err(e) => {
+                    tracing::warn!(%folder, path = %job.path, error = %e, "cannot keep the replaced version's content");
+                }
+            }
+        }
+    }
+}
+
+/// Looks up each waiting file in the journal (a few hundred per hold): those whose
+/// replacement is committed come back with their version and the chunks the live tree does not
+/// hold; those whose replacement is not yet stay waiting (until [`GIVE_UP`]).
+#[allow(clippy::type_complexity)]
+fn resolve(
+    folders: &Folders,
+    folder: &FolderId,
+    waiting: Vec<Waiting>,
+) -> (
+    Vec<(Displaced, KeptVersion, Vec<(u64, u32, Hash)>)>,
+    Vec<Waiting>,
+) {
+    let mut ready = Vec::new();
+    let mut still = Vec::new();
+    let mut rest = waiting.into_iter().peekable();
+    while rest.peek().is_some() {
+        let hold: Vec<Waiting> = rest.by_ref().take(PER_HOLD).collect();
+        let Ok(mut j) = folders.journal() else {
+            return (ready, still);
+        };
+        j.begin_reads();
+        for w in hold {
+            match j.departed(folder, &w.job.path, w.job.stat.inode) {
+                Ok(Departed::Version(v)) => {
+                    let chunks: Vec<(u64, u32, Hash)> = v
+                        .record
+                        .chunk_offsets()
+                        .map(|(o, c)| (o, c.len, c.hash))
+                        .collect();
+                    let hashes: Vec<Hash> = chunks.iter().map(|c| c.2).collect();
+                    let live = j.find_chunks(folder, &hashes);
+                    let mut seen = HashSet::new();
+                    let candidates: Vec<(u64, u32, Hash)> = chunks
+                        .into_iter()
+                        .zip(live)
+                        .filter(|(c, locs)| locs.is_empty() && seen.insert(c.2))
+                        .map(|(c, _)| c)
+                        .collect();
+                    ready.push((w.job, *v, candidates));
+                }
+                Ok(Departed::NotYet) | Ok(Departed::Unknown) | Err(_)
+                    if w.since.elapsed() < GIVE_UP =>
+                {
+                    still.push(w)
+                }
+                Ok(_) | Err(_) => {
+                    tracing::debug!(%folder, path = %w.job.path, "a replaced file's change was never journaled; not kept");
+                }
+            }
+        }
+        j.end_reads();
+    }
+    (ready, still)
+}
+
+/// Reads `missing` (offset, length, hash) from the displaced file, checks each against its
+/// hash and stores them in the vault. Returns the bytes added.
+fn keep(
+    vault: &Vault,
+    job: &Displaced,
+    version: &KeptVersion,
+    missing: &[(u64, u32, Hash)],
+) -> Result<u64, String> {
+    if missing.is_empty() {
+        return Ok(0);
+    }
+    let mut batch = Vec::with_capacity(missing.len().min(64));
+    let mut added = 0;
+    let mut unreadable = 0;
+    for &(offset, len, hash) in missing {
+        match read_chunk_of(&job.file, &version.record.path, offset, len, &hash) {
+            Ok(data) => batch.push((hash, data)),
+            // Written since it was checked (a late writer): not this version's bytes.
+            Err(_) => unreadable += 1,
+        }
+        if batch.len() >= 64 {
+            added += vault
+                .put(&std::mem::take(&mut batch))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    added += vault.put(&batch).map_err(|e| e.to_string())?;
+    if unreadable > 0 {
+        tracing::warn!(path = %job.path, unreadable, "some chunks of a replaced file no longer match its version; that version is not kept whole");
+    }
+    Ok(added)
+}
