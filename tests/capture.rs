@@ -1,7 +1,7 @@
 //! A running daemon journals every local change exactly once, through the watcher, with no
 //! peers at all; changes made while it was stopped are picked up once at the next start.
 
-mod common;
+use crate::common;
 use common::*;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};

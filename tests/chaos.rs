@@ -20,7 +20,7 @@
 //!
 //! Needs root (network namespaces). One seed at a time; `-- --nocapture` prints a line per seed.
 
-mod common;
+use crate::common;
 #[path = "chaos/mesh.rs"]
 mod mesh;
 #[path = "chaos/plan.rs"]
@@ -268,7 +268,7 @@ fn randomized_runs_with_partitions_kills_and_racing_writes_lose_no_version_and_e
                     .map(|t| t.keep().display().to_string())
                     .unwrap_or_else(|_| "(not kept)".into());
                 let msg = format!(
-                    "chaos seed {seed} devices {n} steps {ops} FAILED ({kept}; replay: MESHFS_CHAOS_SEEDS={seed} MESHFS_CHAOS_DEVICES={n} MESHFS_CHAOS_OPS={ops} cargo test --test chaos -- --nocapture): {why}"
+                    "chaos seed {seed} devices {n} steps {ops} FAILED ({kept}; replay: MESHFS_CHAOS_SEEDS={seed} MESHFS_CHAOS_DEVICES={n} MESHFS_CHAOS_OPS={ops} cargo test --test it chaos:: -- --nocapture): {why}"
                 );
                 eprintln!("{msg}");
                 entry.1.push(seed);

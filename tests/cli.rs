@@ -2,7 +2,7 @@
 //! errors with meaningful exit codes (0 ok, 1 error, 2 bad arguments, 3 no daemon, 4 timed
 //! out), and a config that can be edited by hand as docs/config.md shows.
 
-mod common;
+use crate::common;
 use common::*;
 
 fn fails(home: &std::path::Path, args: &[&str]) -> (i32, String) {

@@ -1,6 +1,6 @@
 //! Offline edits reconcile on reconnect with deterministic, loss-free conflict handling.
 
-mod common;
+use crate::common;
 use common::*;
 
 fn conflict_files(d: &Device) -> Vec<String> {

@@ -3,7 +3,7 @@
 //! bridge (real UDP, real QUIC): discovery is on only here, and nothing leaves the namespaces.
 //! The times printed are behaviour checks with generous deadlines, not benchmarks.
 
-mod common;
+use crate::common;
 use common::netns::Bridge;
 use common::*;
 use std::collections::BTreeSet;

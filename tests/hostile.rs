@@ -2,7 +2,7 @@
 //! frame and a path escaping the folder are refused and logged, it gets no data it may not
 //! see, and the daemon keeps serving an honest peer.
 
-mod common;
+use crate::common;
 use common::hostile::{hello, trusted_mallory};
 use common::*;
 use meshfs_daemon::identity::Identity;

@@ -29,7 +29,7 @@
 //! The bounds are far above what an attack costs now (the test prints the figures) and far
 //! below what it cost before each fix: unbounded memory, minutes of CPU, a full disk.
 
-mod common;
+use crate::common;
 use common::hostile::*;
 use common::*;
 use meshfs_daemon::transport::{self, TransportError, FRAME_STALL};

@@ -12,7 +12,7 @@
 //! | printed text | a name holding terminal escape sequences | `names_from_a_peer_are_printed_escaped` |
 //! | config modes | `init`, `folder add`, `peer add` under umask 022 | `the_config_and_its_directory_are_the_owners_alone_after_every_command` |
 
-mod common;
+use crate::common;
 use common::hostile::*;
 use common::*;
 use meshfs_protocol::*;

@@ -4,7 +4,7 @@
 //! the daemon goes on. Afterwards the write survives on both devices, as the file or as a
 //! conflict copy, and `--wait-synced` is true only once it has.
 
-mod common;
+use crate::common;
 use common::*;
 use std::io::Write;
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! Two devices, each working in its folder's mount while the folders sync (real FUSE, real
 //! daemons on 127.0.x.y): what is written in one mount is what the other mount shows.
 
-mod common;
+use crate::common;
 use common::*;
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! The mount through the daemon: `meshfs mount`/`unmount`, trace capture with the watcher off,
 //! changes reaching a peer, clear errors, and a mount left dead by a killed daemon recovered.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! systemd when it is ready and stops on SIGTERM, and (where cargo-deb is installed, as
 //! `.ci/run` does) a `.deb` that dpkg installs into a clean directory root, where it runs.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -215,17 +215,20 @@ fn cargo_deb_builds_a_package_that_installs_and_runs() {
     assert!(out.status.success());
     let listing = String::from_utf8_lossy(&out.stdout);
     for path in [
-        "./usr/bin/meshfs",
-        "./usr/lib/systemd/user/meshfs.service",
-        "./usr/lib/systemd/system/meshfs@.service",
-        "./usr/share/bash-completion/completions/meshfs",
-        "./usr/share/zsh/vendor-completions/_meshfs",
-        "./usr/share/fish/vendor_completions.d/meshfs.fish",
-        "./usr/share/man/man1/meshfs.1.gz",
-        "./usr/share/man/man1/meshfs-status.1.gz",
+        "usr/bin/meshfs",
+        "usr/lib/systemd/user/meshfs.service",
+        "usr/lib/systemd/system/meshfs@.service",
+        "usr/share/bash-completion/completions/meshfs",
+        "usr/share/zsh/vendor-completions/_meshfs",
+        "usr/share/fish/vendor_completions.d/meshfs.fish",
+        "usr/share/man/man1/meshfs.1.gz",
+        "usr/share/man/man1/meshfs-status.1.gz",
     ] {
+        // cargo-deb 3 writes `./usr/...` into the archive, 2.0 (.ci/run's wheel) `usr/...`.
         assert!(
-            listing.lines().any(|l| l.ends_with(path)),
+            listing
+                .lines()
+                .any(|l| l.ends_with(&format!(" {path}")) || l.ends_with(&format!(" ./{path}"))),
             "{path} in:\n{listing}"
         );
     }

@@ -1,6 +1,6 @@
 //! Back in sync quickly after a peer restarts, whichever side it is.
 
-mod common;
+use crate::common;
 use common::netns::Link;
 use common::*;
 use std::time::{Duration, Instant};
@@ -338,7 +338,7 @@ fn files(root: &std::path::Path) -> Vec<(String, u64)> {
 /// times: never a partial or foreign file under a real name, no temp file after a restart, in
 /// sync at the end. CI runs a 64 MiB file and 2,000 files; `MESHFS_KILL_LOOP_FULL=1` runs the
 /// 512 MiB file and 10,000 files (release build recommended:
-/// `MESHFS_KILL_LOOP_FULL=1 cargo test --release --test resilience kill_loop -- --nocapture`).
+/// `MESHFS_KILL_LOOP_FULL=1 cargo test --release --test it resilience::kill_loop -- --nocapture`).
 #[test]
 fn kill_loop_the_receiver_killed_at_random_moments_twenty_times_never_shows_a_partial_file() {
     let full = std::env::var_os("MESHFS_KILL_LOOP_FULL").is_some();

@@ -3,7 +3,7 @@
 //! counters per peer survive reconnects and add up to the device's; a listen address may be a
 //! host name; a peer that cannot be reached is logged once, not on every retry.
 
-mod common;
+use crate::common;
 use common::*;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! who gets in (docs/ui.md): nobody without the token, no other `Host`, no change from another
 //! origin, no other local user.
 
-mod common;
+use crate::common;
 use common::browser::{self, Browser};
 use common::*;
 use std::io::{Read, Write};

@@ -4,7 +4,7 @@
 //! and unmounts them at stop; a daemon killed again and again mounts again within 2 s and
 //! loses nothing a program was told was written.
 
-mod common;
+use crate::common;
 use common::user::TestUser;
 use common::*;
 use std::os::unix::fs::PermissionsExt;

@@ -3,7 +3,7 @@
 //! restore` as a new change that reaches every device, shown as it was by `mount --at`; and
 //! the folder roles (send-only, receive-only) with `override` and `revert`.
 
-mod common;
+use crate::common;
 use common::*;
 use std::time::{Duration, Instant};
 

@@ -5,7 +5,7 @@
 //! refused (`tests/resilience.rs`,
 //! `a_write_ahead_log_from_another_journal_is_refused_and_repair_loses_nothing`).
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::PathBuf;
 use std::process::Command;

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod browser;
+pub mod clock;
 pub mod hostile;
 pub mod netns;
 pub mod user;
@@ -422,6 +423,7 @@ pub fn pair(a: &Device, b: &Device) {
 }
 
 pub fn tmp() -> std::sync::Arc<tempfile::TempDir> {
+    clock::start();
     std::sync::Arc::new(tempfile::tempdir().unwrap())
 }
 
