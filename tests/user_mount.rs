@@ -8,6 +8,7 @@ use crate::common;
 use common::user::TestUser;
 use common::*;
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
@@ -266,12 +267,23 @@ fn the_user_service_mounts_its_folders_at_start_and_unmounts_them_at_stop() {
     listener
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
-    let mut child = user
-        .command("sh")
-        .arg("-c")
-        .arg(format!("umask {umask} && exec \"$0\" --home \"$1\" daemon"))
-        .arg(bin())
+    // The unit's UMask, set before the user is taken on (setpriv passes it on). Not through
+    // `sh -c 'umask …; exec meshfs'`: the user's shell could not reach a binary below a 0700
+    // directory (a fresh clone made by `mktemp -d`), which setpriv, still root when it execs,
+    // can.
+    let umask = u32::from_str_radix(umask.trim(), 8).expect("the unit's UMask is octal");
+    let mut daemon = user.command(bin());
+    // SAFETY: umask is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        daemon.pre_exec(move || {
+            libc::umask(umask as libc::mode_t);
+            Ok(())
+        });
+    }
+    let mut child = daemon
+        .arg("--home")
         .arg(&d.home)
+        .arg("daemon")
         .env("NOTIFY_SOCKET", &socket)
         .stderr(std::fs::File::create(t.path().join("daemon.log")).unwrap())
         .stdout(Stdio::null())
