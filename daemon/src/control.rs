@@ -313,10 +313,15 @@ pub async fn serve(
     listener: UnixListener,
     stop: Arc<tokio::sync::Notify>,
     main: tokio::runtime::Handle,
+    quit: Arc<tokio::sync::Notify>,
 ) {
     let mut pause = ACCEPT_PAUSE_MIN;
     loop {
-        let stream = match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = quit.notified() => return,
+        };
+        let stream = match accepted {
             Ok((stream, _)) => {
                 pause = ACCEPT_PAUSE_MIN;
                 stream
@@ -647,24 +652,44 @@ fn serve_apart(
     ui: Arc<Ui>,
     listener: UnixListener,
     stop: Arc<tokio::sync::Notify>,
-) -> std::io::Result<()> {
+) -> std::io::Result<Apart> {
     let listener = listener.into_std()?;
     let main = tokio::runtime::Handle::current();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .thread_name("meshfs-control")
         .build()?;
-    std::thread::Builder::new()
+    let quit = Arc::new(tokio::sync::Notify::new());
+    let q = quit.clone();
+    let thread = std::thread::Builder::new()
         .name("meshfs-control".into())
         .spawn(move || {
             rt.block_on(async move {
                 match UnixListener::from_std(listener) {
-                    Ok(l) => serve(engine, ui, l, stop, main).await,
+                    Ok(l) => serve(engine, ui, l, stop, main, q).await,
                     Err(e) => tracing::error!(error = %e, "cannot serve the control socket"),
                 }
             })
+            // The runtime goes with this closure, and the connections' tasks with it: the
+            // engine is no longer held here.
         })?;
-    Ok(())
+    Ok(Apart { quit, thread })
+}
+
+/// The control socket's thread ([`serve_apart`]).
+struct Apart {
+    quit: Arc<tokio::sync::Notify>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Apart {
+    /// Stops serving and waits for the thread to end, so that everything it held (the engine,
+    /// and through it the journal, whose close marks its log) is let go before the daemon exits.
+    async fn end(self) {
+        self.quit.notify_one();
+        let thread = self.thread;
+        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    }
 }
 
 /// Runs the daemon for `home` until SIGINT/SIGTERM or a `stop` request. Under systemd
@@ -676,7 +701,7 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     let stop = Arc::new(tokio::sync::Notify::new());
     let ui = Arc::new(Ui::new(engine.clone()));
     ui.start_if_enabled();
-    serve_apart(engine.clone(), ui.clone(), listener, stop.clone())?;
+    let control = serve_apart(engine.clone(), ui.clone(), listener, stop.clone())?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     sd_notify("READY=1\nSTATUS=running");
     tokio::select! {
@@ -688,6 +713,7 @@ pub async fn run_daemon(home: Home) -> anyhow::Result<()> {
     sd_notify("STOPPING=1");
     ui.stop();
     engine.stop().await;
+    control.end().await;
     let _ = std::fs::remove_file(home.control_socket());
     Ok(())
 }

@@ -507,10 +507,12 @@ pub struct Folders {
     pub device: DeviceId,
     /// Its short id (version-vector key).
     pub short: ShortId,
+    /// Read-only connections to the same database, idle ([`Folders::reader`]). Declared before
+    /// the writer, so dropped before it: the writer's close must be the log's last connection
+    /// to checkpoint and mark it (`Journal::open`, step 5).
+    readers: Ranked<Vec<Journal>>,
     /// The journal (blocking calls; never held across an await): the writer.
     journal: Ranked<Journal>,
-    /// Read-only connections to the same database, idle ([`Folders::reader`]).
-    readers: Ranked<Vec<Journal>>,
     /// The database's path.
     journal_path: PathBuf,
     map: RwLock<HashMap<FolderId, Arc<FolderRt>>>,

@@ -54,6 +54,9 @@ pub fn start(
     kept: impl Fn(u64) + Send + 'static,
 ) -> DisplacedSink {
     let (tx, rx) = mpsc::sync_channel::<Displaced>(QUEUE);
+    // Weak: the sink lives in the folder's store, which `folders` holds; a strong reference here
+    // would keep the folders (and the journal, whose close marks its log) alive forever.
+    let folders = Arc::downgrade(&folders);
     let name = format!("meshfs-keep-{}", folder.as_str());
     let spawned = std::thread::Builder::new().name(name).spawn(move || {
         run(&folders, &folder, &vault, &on, &kept, rx);
@@ -71,7 +74,7 @@ pub fn start(
 }
 
 fn run(
-    folders: &Folders,
+    folders: &std::sync::Weak<Folders>,
     folder: &FolderId,
     vault: &Vault,
     on: &dyn Fn() -> bool,
@@ -104,7 +107,11 @@ fn run(
             waiting.clear();
             continue;
         }
-        let (ready, still) = resolve(folders, folder, std::mem::take(&mut waiting));
+        let Some(live) = folders.upgrade() else {
+            return;
+        };
+        let (ready, still) = resolve(&live, folder, std::mem::take(&mut waiting));
+        drop(live);
         waiting = still;
         for (job, version, candidates) in ready {
             // Under the gate from the check to the write: a sweep cannot slip between them.
