@@ -2,7 +2,7 @@
 
 use meshfs_daemon::journal::{
     Change, ChunkLocation, FolderCounts, FolderState, HistoryQuery, Journal, JournalError, Op,
-    PeerProgress, StoredRecord,
+    PeerProgress, StoredRecord, INDEXED_FROM,
 };
 use meshfs_daemon::store::LocalStat;
 use meshfs_protocol::{
@@ -747,7 +747,11 @@ fn the_chunk_index_follows_a_files_changes_and_deletion() {
     let tmp = TempDir::new().unwrap();
     let (mut j, _) = open(&tmp);
     let (f, g) = (folder(), other_folder());
-    let (c1, c2, c3) = (&b"alpha-"[..], &b"beta"[..], &b"gamma"[..]);
+    // A chunk shorter than INDEXED_FROM is indexed only as a file's last: c1 is long enough
+    // to be found anywhere in a file, c2 and c3 only at a file's end.
+    let long = [&b"alpha-"[..], &vec![b'a'; INDEXED_FROM as usize - 6]].concat();
+    let (c1, c2, c3) = (&long[..], &b"beta"[..], &b"gamma"[..]);
+    let n1 = INDEXED_FROM;
     let h = |c: &[u8]| Hash::of(c);
     let loc = |folder: &FolderId, path: &str, offset: u64, len: u32| ChunkLocation {
         folder: folder.clone(),
@@ -763,8 +767,11 @@ fn the_chunk_index_follows_a_files_changes_and_deletion() {
         )],
     )
     .unwrap();
-    assert_eq!(j.find_chunk(&f, &h(c1)).unwrap(), vec![loc(&f, "a", 0, 6)]);
-    assert_eq!(j.find_chunk(&f, &h(c2)).unwrap(), vec![loc(&f, "a", 6, 4)]);
+    assert_eq!(j.find_chunk(&f, &h(c1)).unwrap(), vec![loc(&f, "a", 0, n1)]);
+    assert_eq!(
+        j.find_chunk(&f, &h(c2)).unwrap(),
+        vec![loc(&f, "a", u64::from(n1), 4)]
+    );
 
     // Modified: its old chunks are no longer there.
     j.commit(
@@ -807,7 +814,7 @@ fn the_chunk_index_follows_a_files_changes_and_deletion() {
         vec![change(file_parts("c", &[c1], vv(&[(1, 1)])), Op::Create)],
     )
     .unwrap();
-    assert_eq!(j.find_chunks(&f, &[h(c1)]), vec![vec![loc(&f, "c", 0, 6)]]);
+    assert_eq!(j.find_chunks(&f, &[h(c1)]), vec![vec![loc(&f, "c", 0, n1)]]);
     j.end_reads();
 
     // Deleted, or replaced by a directory: gone from the index.
