@@ -283,10 +283,6 @@ pub struct Peers {
     exchanged: HashMap<DeviceId, BTreeSet<FolderId>>,
     /// Per (peer, folder) sync status, as the session last reported it.
     pub sync: HashMap<(DeviceId, FolderId), FolderSyncStatus>,
-    /// Bytes moved by connections that have closed.
-    pub closed_sent: u64,
-    /// Bytes received by connections that have closed.
-    pub closed_received: u64,
     /// When each peer was last connected.
     pub last_seen: HashMap<DeviceId, std::time::SystemTime>,
     /// Each peer's last error: a failed dial, an error it reported, a failed apply of its
@@ -307,18 +303,6 @@ impl Peers {
     /// Every connected peer.
     pub fn connected(&self) -> Vec<DeviceId> {
         self.links.keys().copied().collect()
-    }
-
-    /// Stats of every live connection, summed, plus closed ones.
-    pub fn totals(&self) -> (u64, u64) {
-        let mut sent = self.closed_sent;
-        let mut recv = self.closed_received;
-        for l in self.links.values() {
-            let s = transport::link_stats(&l.conn);
-            sent += s.bytes_sent;
-            recv += s.bytes_received;
-        }
-        (sent, recv)
     }
 
     /// Link stats of one peer.
@@ -362,9 +346,6 @@ pub(crate) fn register(
             return None;
         }
         let old = old.clone();
-        let s = transport::link_stats(&old.conn);
-        peers.closed_sent += s.bytes_sent;
-        peers.closed_received += s.bytes_received;
         old.conn
             .close(transport::CLOSE_DUPLICATE, b"duplicate connection");
     }
@@ -414,12 +395,8 @@ fn publish_links(net: &Net, peers: &Peers) {
 
 fn unregister(net: &Net, peer: &DeviceId, serial: u64) {
     if let Ok(mut peers) = net.peers.lock() {
-        if peers.links.get(peer).is_some_and(|l| l.serial == serial) {
-            if let Some(old) = peers.links.remove(peer) {
-                let s = transport::link_stats(&old.conn);
-                peers.closed_sent += s.bytes_sent;
-                peers.closed_received += s.bytes_received;
-            }
+        if is_current(&peers, peer, serial) {
+            peers.links.remove(peer);
             peers.sync.retain(|(p, _), _| p != peer);
             peers.exchanged.remove(peer);
             peers.last_seen.insert(*peer, std::time::SystemTime::now());
@@ -694,10 +671,10 @@ async fn drive_session(
                 save => save_progress(net, &peer, save),
             }
         }
-        publish_status(net, peer, &session);
+        publish_status(net, peer, link.serial, &session);
         // The folders both hellos listed are known once, when the hellos are through.
         if !exchanged_told && session.is_established() {
-            publish_exchanged(net, &peer, session.shared_folders());
+            publish_exchanged(net, &peer, link.serial, session.shared_folders());
             exchanged_told = true;
         }
         tokio::select! {
@@ -929,11 +906,11 @@ fn others_by_folder(
 
 /// Records the folders `peer`'s session exchanges (once its hellos are through), for the other
 /// sessions' `Peers` lists; a no-op if they are unchanged or the link is gone.
-fn publish_exchanged(net: &Net, peer: &DeviceId, exchanged: BTreeSet<FolderId>) {
+fn publish_exchanged(net: &Net, peer: &DeviceId, serial: u64, exchanged: BTreeSet<FolderId>) {
     let Ok(mut peers) = net.peers.lock() else {
         return;
     };
-    if !peers.links.contains_key(peer) || peers.exchanged.get(peer) == Some(&exchanged) {
+    if !is_current(&peers, peer, serial) || peers.exchanged.get(peer) == Some(&exchanged) {
         return;
     }
     peers.exchanged.insert(*peer, exchanged);
@@ -980,9 +957,21 @@ fn control_writer(
     (out, task)
 }
 
-fn publish_status(net: &Net, peer: DeviceId, session: &Session) {
+/// Whether the connection numbered `serial` is `peer`'s current one.
+fn is_current(peers: &Peers, peer: &DeviceId, serial: u64) -> bool {
+    peers.links.get(peer).is_some_and(|l| l.serial == serial)
+}
+
+/// Publishes what the session of connection `serial` says of each folder, unless that
+/// connection is no longer the peer's current one: a crossed dial's losing session, still
+/// running for a moment, would otherwise overwrite the winner's word, and a winner with nothing
+/// more to say (two empty folders in sync) would never correct it.
+fn publish_status(net: &Net, peer: DeviceId, serial: u64, session: &Session) {
     let folders = net.shared_with(&peer);
     if let Ok(mut p) = net.peers.lock() {
+        if !is_current(&p, &peer, serial) {
+            return;
+        }
         for f in folders {
             if let Some(s) = session.folder_status(&f) {
                 p.sync.insert((peer, f), s);
