@@ -827,6 +827,7 @@ impl Engine {
             .collect();
         let sync = peers.as_ref().map(|p| p.sync.clone()).unwrap_or_default();
         let bytes = traffic.as_ref().map_or((0, 0), |t| t.totals());
+        let resent = traffic.as_ref().map_or(0, |t| t.resent());
         drop((traffic, peers));
         let uptime_secs = self.started.elapsed().as_secs();
         let lan = self.net.lan.lock().ok().and_then(|l| l.clone());
@@ -859,6 +860,7 @@ impl Engine {
             sync,
             refused: self.trust.refused().into_iter().map(|(id, _)| id).collect(),
             bytes,
+            resent,
         })
     }
 }

@@ -36,6 +36,8 @@ pub struct Snapshot {
     pub refused: Vec<DeviceId>,
     /// UDP bytes (sent, received) over all peer connections since the daemon started.
     pub bytes: (u64, u64),
+    /// Of the bytes sent, those declared lost and sent again.
+    pub resent: u64,
 }
 
 /// This device, as `status` shows it.
@@ -253,6 +255,8 @@ pub struct Status {
     pub bytes_sent: u64,
     /// UDP bytes received over all peer connections since start.
     pub bytes_received: u64,
+    /// Of `bytes_sent`, those declared lost and sent again (a lossy or congested link).
+    pub bytes_resent: u64,
 }
 
 /// `device` in [`Status`].
@@ -455,6 +459,7 @@ pub fn build(snapshot: Snapshot) -> Status {
         sync,
         refused,
         bytes,
+        resent,
     } = snapshot;
     let folders: Vec<FolderStatus> = folders
         .into_iter()
@@ -477,6 +482,7 @@ pub fn build(snapshot: Snapshot) -> Status {
         refused_devices: refused,
         bytes_sent: bytes.0,
         bytes_received: bytes.1,
+        bytes_resent: resent,
     }
 }
 
@@ -863,6 +869,7 @@ mod tests {
             sync: HashMap::from([((peer_id(), work()), sync(42, true))]),
             refused: vec![DeviceId::from_bytes([4; 32])],
             bytes: (1234, 5678),
+            resent: 12,
         }
     }
 
@@ -924,6 +931,7 @@ mod tests {
             "refused_devices": [DeviceId::from_bytes([4; 32]).to_string()],
             "bytes_sent": 1234,
             "bytes_received": 5678,
+            "bytes_resent": 12,
         });
         assert_eq!(got, want);
     }

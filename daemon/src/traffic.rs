@@ -23,6 +23,8 @@ pub struct Traffic {
 struct PeerTraffic {
     /// Bytes of connections that have ended (or were replaced).
     retired: (u64, u64),
+    /// Bytes those connections declared lost and sent again.
+    retired_resent: u64,
     /// The connections seen current, by link serial.
     live: HashMap<u64, quinn::Connection>,
     /// The remote address of its current connection when last observed.
@@ -57,6 +59,7 @@ impl Traffic {
                     let s = transport::link_stats(&conn);
                     t.retired.0 += s.bytes_sent;
                     t.retired.1 += s.bytes_received;
+                    t.retired_resent += s.lost_bytes;
                 }
             }
         }
@@ -79,6 +82,19 @@ impl Traffic {
             .values()
             .map(PeerTraffic::bytes)
             .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    }
+
+    /// Bytes sent to every peer since the daemon started that were declared lost and sent
+    /// again (counted in [`Traffic::totals`]' sent too).
+    pub fn resent(&self) -> u64 {
+        self.peers
+            .values()
+            .map(|t| {
+                t.live.values().fold(t.retired_resent, |n, conn| {
+                    n + transport::link_stats(conn).lost_bytes
+                })
+            })
+            .sum()
     }
 }
 
