@@ -337,20 +337,44 @@ fn a_local_edit_made_while_a_won_conflict_waits_for_its_sibling_is_not_overwritt
     }
 }
 
-/// The same wait, with a second peer's version of the path resolved and journaled meanwhile
-/// (the path is not among the paths in flight, only the sibling is): the late resolution,
-/// decided against the version before, overwrote it and the path's vector went backwards
-/// (`tests/chaos.rs` seeds 13, 30 and 72 on 3 devices). Now it is decided again.
+/// The same wait, with a second peer's version of the path: the resolution waiting for its
+/// sibling has the path in flight, so that version is held back (a version two peers offer is
+/// fetched from one) until the first peer's batch ends. Its peer leaving ends it: the held
+/// version is decided then, while the first fetch is still paused, and nothing moves backwards
+/// (`tests/chaos.rs` seeds 13, 30 and 72 on 3 devices once journaled a late resolution over
+/// it, the path's vector going backwards). (This test used to count on `a`'s session ending
+/// by chance — a duplicate connection closed — and waited in vain when it did not.)
 #[test]
-fn a_second_peers_version_resolved_while_a_won_conflict_waits_for_its_sibling_is_not_overwritten() {
+fn a_second_peers_version_held_for_a_won_conflicts_sibling_goes_on_when_the_first_peer_leaves() {
     let (mut others, c) = c_paused_between_deciding_and_installing(&["a", "b"]);
     others[1].start();
+    let offered_by_b = || {
+        c.status()["folders"][0]["peers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["name"] == "b" && p["their_sequence"].as_u64() >= Some(2))
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !offered_by_b() {
+        assert!(
+            Instant::now() < deadline,
+            "b never offered its version to c"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    others[0].stop();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !versions_of_f(&c).contains(&b"from b".to_vec()) {
-        assert!(Instant::now() < deadline, "b's version never reached c");
+        assert!(
+            Instant::now() < deadline,
+            "b's version never reached c once a had left\n{}",
+            c.log()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     c.resume("apply.fetch@f");
+    others[0].start();
     let (a, b) = (&others[0], &others[1]);
     wait_synced(&[a, b, &c], 60);
     versions_only_move_forward(&c);
