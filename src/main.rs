@@ -5,6 +5,7 @@
 mod config_check;
 mod demo;
 mod journal_cmd;
+mod ondemand_cmd;
 mod package_assets;
 mod status_cmd;
 mod status_pending;
@@ -177,6 +178,46 @@ enum Command {
         #[arg(value_parser = parse_folder_id)]
         folder: FolderId,
     },
+    /// An on-demand folder: keep PATH (a file, or a directory and all below it) here, and
+    /// fetch now what of it is not.
+    #[command(
+        after_help = "Examples:\n  meshfs pin work photos/2024\n  meshfs pin work docs/report.odt --json\nPrints how many files were fetched; a file that could not be (no connected peer has it)\nis named on stderr and fetched at its next open (exit 1). A pinned file is never evicted;\na peer's new version of it is fetched as it arrives. Exits 3 when no daemon runs."
+    )]
+    Pin {
+        /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
+        folder: FolderId,
+        /// The path, relative to the folder.
+        path: String,
+        /// One JSON document: {"path", "fetched", "failed": [{"path", "error", "errno"}]}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// An on-demand folder: drop the pin of PATH (its files stay until the budget needs room).
+    #[command(
+        after_help = "Example: meshfs unpin work photos/2024\nExits 1 when PATH was not pinned itself (a pin of a directory covers what is below it)."
+    )]
+    Unpin {
+        /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
+        folder: FolderId,
+        /// The path, relative to the folder.
+        path: String,
+    },
+    /// An on-demand folder: free the room of what is local at or below PATH now.
+    #[command(
+        after_help = "Example: meshfs evict work videos\n  evicted 3 file(s) of videos in work, 2GiB freed; 120MiB of content local now (budget 1GiB)\n  kept videos/cut.mp4: open through the mount\nEvicted files stay listed (true size, mode, mtime) and are fetched again when opened.\nNever evicted: pinned files, open files, and content no connected peer is known to hold (a\nchange not acknowledged yet, a last copy); each kept file is named with why."
+    )]
+    Evict {
+        /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
+        folder: FolderId,
+        /// The path, relative to the folder.
+        path: String,
+        /// One JSON document: {"evicted", "freed_bytes", "kept": [{"path", "why"}], "local_bytes", "cache_max"}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Rebuild a damaged journal: move it aside (nothing is deleted) so the next daemon start
     /// rescans every folder and reconciles with its peers; differences become conflicts.
     #[command(
@@ -299,6 +340,32 @@ enum FolderCmd {
         /// The folder id shared with peers (default: random): 1-64 of A-Z a-z 0-9 . _ -
         #[arg(long, value_parser = parse_folder_id)]
         id: Option<FolderId>,
+        /// Files on demand: every file is listed (true size, mode, mtime), its content
+        /// fetched from a peer when it is opened (use the folder through its mount).
+        #[arg(long)]
+        on_demand: bool,
+        /// With --on-demand: keep at most this much content here (64MiB, 2GiB, bytes); the
+        /// least recently used files are evicted beyond it.
+        #[arg(long, value_parser = ondemand_cmd::parse_cache_max, requires = "on_demand")]
+        cache_max: Option<u64>,
+    },
+    /// Change a folder's options: files on demand and their budget.
+    #[command(
+        after_help = "Examples:\n  meshfs folder set work --on-demand --cache-max 20GiB\n  meshfs folder set work --cache-max none\n  meshfs folder set work --no-on-demand   # every file fetched again, the folder whole\nA running daemon follows at once."
+    )]
+    Set {
+        /// The folder id.
+        #[arg(value_parser = parse_folder_id)]
+        id: FolderId,
+        /// Files on demand from now on (new versions from peers are not fetched until opened).
+        #[arg(long, conflicts_with = "no_on_demand")]
+        on_demand: bool,
+        /// Not on demand: what is not local is fetched now, and every new version.
+        #[arg(long)]
+        no_on_demand: bool,
+        /// The budget: a size (64MiB, 2GiB, bytes), or `none`.
+        #[arg(long, value_parser = ondemand_cmd::parse_cache_max_or_none)]
+        cache_max: Option<Option<u64>>,
     },
     /// List folders.
     #[command(
@@ -470,6 +537,9 @@ fn run(cmd: Command, home: &Home) -> anyhow::Result<u8> {
         Command::Restore(args) => versions_cmd::restore(home, args),
         Command::Override { folder } => versions_cmd::role_command(home, folder, false),
         Command::Revert { folder } => versions_cmd::role_command(home, folder, true),
+        Command::Pin { folder, path, json } => ondemand_cmd::pin(home, folder, path, json),
+        Command::Unpin { folder, path } => ondemand_cmd::unpin(home, folder, path),
+        Command::Evict { folder, path, json } => ondemand_cmd::evict(home, folder, path, json),
         Command::Repair => repair(home),
         Command::Scan { folder } => scan(home, folder),
         Command::Status {
@@ -585,18 +655,37 @@ fn init(home: &Home, name: Option<String>, listen: &str, no_discovery: bool) -> 
 /// `folder add|list|remove`.
 fn folder_cmd(home: &Home, cmd: FolderCmd) -> anyhow::Result<u8> {
     match cmd {
-        FolderCmd::Add { path, id } => {
+        FolderCmd::Add {
+            path,
+            id,
+            on_demand,
+            cache_max,
+        } => {
             let id = match id {
                 Some(id) => id,
                 None => random_folder_id()?,
             };
-            folder_add(home, &path, &id)?;
+            folder_add(home, &path, &id, on_demand, cache_max)?;
             println!("{id}");
+        }
+        FolderCmd::Set {
+            id,
+            on_demand,
+            no_on_demand,
+            cache_max,
+        } => {
+            let on = match (on_demand, no_on_demand) {
+                (true, _) => Some(true),
+                (_, true) => Some(false),
+                _ => None,
+            };
+            return ondemand_cmd::folder_set(home, &id, on, cache_max);
         }
         FolderCmd::List { json } => {
             let config = Config::load(home)?;
             if json {
                 let v: Vec<_> = config.folders.iter().map(|f| serde_json::json!({"id": f.id, "path": f.path, "watch": f.watch,
+                    "on_demand": f.on_demand, "cache_max": f.cache_max,
                     "shared_with": config.peers.iter().filter(|p| p.folders.contains(&f.id)).map(|p| p.id.to_string()).collect::<Vec<_>>()})).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
@@ -930,7 +1019,13 @@ fn conflicts(home: &Home, folder: FolderId, json: bool) -> anyhow::Result<u8> {
 
 /// `folder add`: every check runs before anything is created, and a refusal (here, when the
 /// config is saved, or by a running daemon) leaves the disk and the config as they were.
-fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Result<()> {
+fn folder_add(
+    home: &Home,
+    path: &std::path::Path,
+    id: &FolderId,
+    on_demand: bool,
+    cache_max: Option<u64>,
+) -> anyhow::Result<()> {
     let old = Config::load(home)?;
     if old.folder(id).is_some() {
         bail!(
@@ -976,8 +1071,10 @@ fn folder_add(home: &Home, path: &std::path::Path, id: &FolderId) -> anyhow::Res
         );
     }
     let mut new = old.clone();
-    new.folders
-        .push(FolderConfig::new(id.clone(), real.clone()));
+    let mut folder = FolderConfig::new(id.clone(), real.clone());
+    folder.on_demand = on_demand;
+    folder.cache_max = cache_max;
+    new.folders.push(folder);
     new.validate(home)?;
     // The directories this command creates, outermost first: removed again on a refusal.
     let created: Vec<PathBuf> = real

@@ -338,6 +338,9 @@ fn render_folder(
     for line in meshfs_daemon::readout::status::versions_lines(f) {
         let _ = writeln!(o, "          {line}");
     }
+    for line in meshfs_daemon::readout::on_demand::on_demand_lines(f) {
+        let _ = writeln!(o, "          {line}");
+    }
     for p in f["peers"].as_array().into_iter().flatten() {
         let name = peers
             .get(s(p, "device_id"))

@@ -40,7 +40,7 @@ fn rel(p: &str) -> anyhow::Result<RelPath> {
     RelPath::normalized(p.trim_end_matches('/')).map_err(|e| anyhow!("path {p:?}: {e}"))
 }
 
-fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<Config> {
+pub(crate) fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<Config> {
     let c = Config::load(home)?;
     c.folder(id)
         .ok_or_else(|| anyhow!("no folder {:?} (see `meshfs folder list`)", id.as_str()))?;
@@ -127,7 +127,11 @@ pub fn versions(home: &Home, folder: FolderId, path: &str, json: bool) -> anyhow
 }
 
 /// Sends `req` to the daemon; `Ok(None)` (after saying so) when none runs.
-fn ask(home: &Home, req: &Request, what: &str) -> anyhow::Result<Option<serde_json::Value>> {
+pub(crate) fn ask(
+    home: &Home,
+    req: &Request,
+    what: &str,
+) -> anyhow::Result<Option<serde_json::Value>> {
     match control::request(home, req)? {
         None => {
             eprintln!("meshfs: the daemon is not running; {what} needs it (`meshfs daemon`)");

@@ -23,6 +23,7 @@ mod layering;
 mod live_mount;
 mod mount;
 mod mount_scale;
+mod on_demand;
 mod packaging;
 mod resilience;
 mod status;

@@ -342,6 +342,80 @@ pub struct FolderConfig {
     /// And at most this many MiB, if set (the smaller of the two limits holds).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub versions_max_mib: Option<u64>,
+    /// Files on demand (docs/decisions.md, D90–D94): a peer's new files are journaled and shown
+    /// in the mount without their content, which is fetched when a file is opened.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub on_demand: bool,
+    /// The most bytes of file content an on-demand folder keeps here; the least recently used
+    /// files are evicted beyond it (never a pinned, open or last copy). Unset: no budget.
+    #[serde(default, with = "size_text", skip_serializing_if = "Option::is_none")]
+    pub cache_max: Option<u64>,
+}
+
+/// A size as the user writes it: bytes (`65536`), or a number with a unit of 1024s (`64KiB`,
+/// `512MiB`, `2GiB`, `1TiB`; `K`, `M`, `G`, `T` and `KB`… mean the same).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let shift = match unit.as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => {
+            return Err(format!(
+                "{text:?} is not a size: use bytes or a number with KiB, MiB, GiB or TiB"
+            ))
+        }
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size: no number before the unit"))?;
+    let bytes = n * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("{text:?} is not a size this device can count"));
+    }
+    Ok(bytes as u64)
+}
+
+/// A size written back: in the largest unit that shows it whole.
+pub fn format_size(bytes: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+mod size_text {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(b) => s.serialize_str(&super::format_size(*b)),
+            None => s.serialize_none(),
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        Bytes(u64),
+        Words(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        match Text::deserialize(d)? {
+            Text::Bytes(b) => Ok(Some(b)),
+            Text::Words(w) => super::parse_size(&w).map(Some).map_err(D::Error::custom),
+        }
+    }
 }
 
 /// Days past versions are kept unless a folder says otherwise.
@@ -383,6 +457,8 @@ impl FolderConfig {
             versions_days: VERSIONS_DAYS,
             versions_space_percent: VERSIONS_SPACE_PERCENT,
             versions_max_mib: None,
+            on_demand: false,
+            cache_max: None,
         }
     }
 }

@@ -96,6 +96,27 @@ pub enum Request {
         /// The folder.
         folder: FolderId,
     },
+    /// Keep a path of an on-demand folder local, and fetch what is not (D94).
+    Pin {
+        /// The folder.
+        folder: FolderId,
+        /// The path (as the user typed it, relative to the folder).
+        path: String,
+    },
+    /// Let a pinned path go (its files stay until the budget needs the room).
+    Unpin {
+        /// The folder.
+        folder: FolderId,
+        /// The path.
+        path: String,
+    },
+    /// Evict what is local at or below a path of an on-demand folder now (D93).
+    Evict {
+        /// The folder.
+        folder: FolderId,
+        /// The path.
+        path: String,
+    },
     /// What waits in a folder (every folder when none is named), path by path.
     Pending {
         /// The folder, or none for all.
@@ -112,7 +133,7 @@ impl Request {
     /// Every `op` a daemon of this version answers.
     pub const OPS: &'static [&'static str] = &[
         "status", "reload", "scan", "mount", "unmount", "pending", "ui", "stop", "restore",
-        "override", "revert",
+        "override", "revert", "pin", "unpin", "evict",
     ];
 
     /// Reads one request line; the error says what is wrong with it.
@@ -187,6 +208,13 @@ pub enum Reply {
     /// To `ui`: `{"ok": true, "url": "http://127.0.0.1:PORT/"}`, the page's address without
     /// its token (which is in the state directory's `ui-token`).
     Ui(String),
+    /// To `pin`: `{"ok": true, "pin": {"path", "fetched", "failed": [...]}}`.
+    Pinned(crate::ondemand::pins::PinReport),
+    /// To `unpin`: `{"ok": true, "unpinned": BOOL}`, whether it was pinned.
+    Unpinned(bool),
+    /// To `evict`: `{"ok": true, "evict": {"evicted", "freed_bytes", "kept", "local_bytes",
+    /// "cache_max"}}`.
+    Evicted(crate::ondemand::budget::EvictReport),
     /// `{"ok": false, "error": "…"}`.
     Failed(String),
 }
@@ -223,6 +251,9 @@ impl Serialize for Reply {
             )?,
             Reply::Roles(r) => m.serialize_entry("report", r)?,
             Reply::Ui(url) => m.serialize_entry("url", url)?,
+            Reply::Pinned(r) => m.serialize_entry("pin", r)?,
+            Reply::Unpinned(was) => m.serialize_entry("unpinned", was)?,
+            Reply::Evicted(r) => m.serialize_entry("evict", r)?,
             Reply::Failed(error) => m.serialize_entry("error", error)?,
         }
         m.end()
@@ -521,6 +552,27 @@ async fn answer(engine: &Arc<Engine>, ui: &Ui, req: Request, stop: &tokio::sync:
                 Err(e) => Reply::failed(e),
             }
         }
+        Request::Pin { folder, path } => match folder_path(&path) {
+            Ok(path) => match engine.pin(&folder, path).await {
+                Ok(r) => Reply::Pinned(r),
+                Err(e) => Reply::failed(e),
+            },
+            Err(e) => Reply::Failed(e),
+        },
+        Request::Unpin { folder, path } => match folder_path(&path) {
+            Ok(path) => match engine.unpin(&folder, path).await {
+                Ok(was) => Reply::Unpinned(was),
+                Err(e) => Reply::failed(e),
+            },
+            Err(e) => Reply::Failed(e),
+        },
+        Request::Evict { folder, path } => match folder_path(&path) {
+            Ok(path) => match engine.evict(&folder, path).await {
+                Ok(r) => Reply::Evicted(r),
+                Err(e) => Reply::failed(e),
+            },
+            Err(e) => Reply::Failed(e),
+        },
         Request::Pending { folder } => {
             blocking(engine, move |e| match e.pending(folder.as_ref()) {
                 Ok(folders) => Reply::Pending(folders),
@@ -559,6 +611,18 @@ fn unmount(e: &Engine, folder: &FolderId, mountpoint: Option<&Path>) -> Reply {
         },
         Err(err) => Reply::failed(err),
     }
+}
+
+/// A path of a folder as the user typed it (relative to the folder). The folder itself is not
+/// a path a pin or an eviction takes: the whole folder kept local is a folder not on demand.
+fn folder_path(p: &str) -> Result<meshfs_protocol::RelPath, String> {
+    let t = p.trim_start_matches("./").trim_end_matches('/');
+    if t.is_empty() || t == "." {
+        return Err(format!(
+            "{p:?} is the whole folder: to keep all of it here, turn on-demand off (`meshfs folder set FOLDER --no-on-demand`); to free its room, evict its directories"
+        ));
+    }
+    meshfs_protocol::RelPath::normalized(t).map_err(|e| format!("path {p:?}: {e}"))
 }
 
 /// `restore`: checks the paths, then restores.

@@ -226,9 +226,20 @@ impl Engine {
                     at: m.info().mountpoint,
                 });
             }
+            // Every mount can meet placeholders (a folder on demand now or before, D90).
+            let content: Option<Arc<dyn meshfs_fuse::ContentSource>> =
+                tokio::runtime::Handle::try_current().ok().map(|runtime| {
+                    Arc::new(crate::ondemand::MountContent::new(
+                        &self.folders,
+                        folder.clone(),
+                        self.ondemand_peers(),
+                        runtime,
+                    )) as Arc<dyn meshfs_fuse::ContentSource>
+                });
             let opts = meshfs_fuse::MountOptions {
                 read_only,
                 allow_other,
+                content,
                 ..Default::default()
             };
             let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
@@ -386,6 +397,73 @@ impl Engine {
             .collect()
     }
 
+    /// The connected peers sharing a folder, asked at each use (on demand: where content is
+    /// fetched from, D92).
+    pub fn ondemand_peers(&self) -> crate::ondemand::Peers {
+        let net = Arc::downgrade(&self.net);
+        let config = self.config.clone();
+        Arc::new(move |folder: &FolderId| {
+            let Some(net) = net.upgrade() else {
+                return Vec::new();
+            };
+            let config = config
+                .read()
+                .map(|c| c.clone())
+                .unwrap_or_else(|p| p.into_inner().clone());
+            net.links()
+                .into_iter()
+                .filter(|(d, _)| config.peer(d).is_some_and(|p| p.folders.contains(folder)))
+                .collect()
+        })
+    }
+
+    /// `meshfs pin FOLDER PATH` (D94).
+    pub async fn pin(
+        &self,
+        folder: &FolderId,
+        path: RelPath,
+    ) -> Result<crate::ondemand::pins::PinReport, crate::ondemand::pins::PinError> {
+        let rt = self.folders.running(folder)?;
+        let peers = self.ondemand_peers();
+        crate::ondemand::pins::pin(&self.folders, &rt, &peers, path).await
+    }
+
+    /// `meshfs unpin FOLDER PATH`: whether it was pinned.
+    pub async fn unpin(
+        &self,
+        folder: &FolderId,
+        path: RelPath,
+    ) -> Result<bool, crate::ondemand::pins::PinError> {
+        let rt = self.folders.running(folder)?;
+        let folders = self.folders.clone();
+        tokio::task::spawn_blocking(move || crate::ondemand::pins::unpin(&folders, &rt, &path))
+            .await
+            .map_err(|e| FolderError::Task(e.to_string()))?
+    }
+
+    /// `meshfs evict FOLDER PATH` (D93).
+    pub async fn evict(
+        &self,
+        folder: &FolderId,
+        path: RelPath,
+    ) -> Result<crate::ondemand::budget::EvictReport, FolderError> {
+        let rt = self.folders.running(folder)?;
+        if !rt.policy().on_demand {
+            return Err(FolderError::NotOnDemand(folder.clone()));
+        }
+        let folders = self.folders.clone();
+        let connected: Vec<DeviceId> = self
+            .ondemand_peers()(folder)
+            .into_iter()
+            .map(|(d, _)| d)
+            .collect();
+        tokio::task::spawn_blocking(move || {
+            crate::ondemand::budget::evict(&folders, &rt, &path, &connected)
+        })
+        .await
+        .map_err(|e| FolderError::Task(e.to_string()))?
+    }
+
     /// The folder's local ignore file (`CONFIG_DIR/ignore/FOLDER-ID`): rules no peer can
     /// change, read with the replicated `.meshignore` (`crate::ignore`).
     pub fn local_ignore(&self, folder: &FolderId) -> std::path::PathBuf {
@@ -436,7 +514,10 @@ impl Engine {
             if done > 0 {
                 tracing::info!(folder = %id, done, "completed applies interrupted by a crash");
             }
+            rt.demand.set_pins(j.pins(&id)?);
+            j.prune_absent(&id)?;
         }
+        self.start_on_demand(&rt, f);
         if f.watch {
             let quiet = Duration::from_millis(self.options().coalesce_ms);
             match capture::watch(
@@ -515,6 +596,33 @@ impl Engine {
         }
         tokio::spawn(capture_loop(self.clone(), rt, rx));
         Ok(())
+    }
+
+    /// An on-demand folder's budget keeper (D93), after checking that its filesystem keeps
+    /// the placeholder mark (D90): where it does not, the folder is not on demand (its
+    /// content is fetched as on any device) and says so.
+    fn start_on_demand(&self, rt: &Arc<FolderRt>, f: &crate::config::FolderConfig) {
+        if f.on_demand {
+            if let Err(e) = rt.store.keeps_placeholders() {
+                let mut p = rt.policy();
+                p.on_demand = false;
+                rt.set_policy(p);
+                tracing::error!(folder = %rt.id, error = %e, "the folder cannot be on demand: its filesystem keeps no user extended attributes; its content is fetched whole");
+                rt.last_error.set(format_args!(
+                    "not on demand: the filesystem of {} keeps no user extended attributes ({e})",
+                    f.path.display()
+                ));
+            }
+        }
+        let peers = self.ondemand_peers();
+        let connected: crate::ondemand::budget::Connected = Arc::new(move |folder: &FolderId| {
+            peers(folder).into_iter().map(|(d, _)| d).collect()
+        });
+        tokio::spawn(crate::ondemand::budget::run(
+            Arc::downgrade(&self.folders),
+            rt.id.clone(),
+            connected,
+        ));
     }
 
     /// Starts or stops local discovery as `[discovery]` says (`before`: the config it ran
@@ -620,7 +728,18 @@ impl Engine {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
             } else if let Some(rt) = self.folders.get(&f.id) {
+                let was = rt.policy().on_demand;
                 rt.set_policy(crate::folder::FolderPolicy::from(f));
+                if was && !f.on_demand {
+                    tokio::spawn(crate::ondemand::pins::make_whole(
+                        self.folders.clone(),
+                        rt.clone(),
+                        self.ondemand_peers(),
+                    ));
+                } else if f.on_demand {
+                    // A new budget is kept at once.
+                    rt.demand.arrived.notify_one();
+                }
             }
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
@@ -764,7 +883,7 @@ impl Engine {
         let folders = folders
             .into_iter()
             .zip(journaled)
-            .map(|(rt, (counts, sequence, conflicts, versions))| {
+            .map(|(rt, (counts, sequence, conflicts, versions, on_demand))| {
                 let mount = rt.mount_status();
                 FolderSnapshot {
                     id: rt.id.clone(),
@@ -790,6 +909,7 @@ impl Engine {
                     },
                     mount,
                     versions,
+                    on_demand,
                 }
             })
             .collect();
@@ -882,13 +1002,21 @@ fn journaled(j: &Journal, folders: &[Arc<FolderRt>]) -> Vec<Journaled> {
                 sequences.get(&rt.id).copied().unwrap_or(0),
                 crate::conflicts::count(j, &rt.id),
                 crate::versions::status_of(j, rt),
+                crate::ondemand::status_of(j, rt),
             )
         })
         .collect()
 }
 
-/// A folder's counts, highest sequence, conflicts and past versions, as `status` reads them.
-type Journaled = (FolderCounts, u64, usize, crate::status::VersionsStatus);
+/// A folder's counts, highest sequence, conflicts, past versions and what of it is local (on
+/// demand), as `status` reads them.
+type Journaled = (
+    FolderCounts,
+    u64,
+    usize,
+    crate::status::VersionsStatus,
+    Option<crate::status::OnDemandStatus>,
+);
 
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
 /// connection (the sessions wake `peer_changed` when a link is registered or ends), and ticks

@@ -47,6 +47,9 @@ pub enum FolderError {
     /// The blocking task running the work failed.
     #[error("a blocking task failed: {0}")]
     Task(String),
+    /// An on-demand operation on a folder that is not on demand.
+    #[error("folder {0} is not on demand: all of its content is here (`meshfs folder set {0} --on-demand` to change that)")]
+    NotOnDemand(FolderId),
 }
 
 impl FolderError {
@@ -125,6 +128,8 @@ pub struct FolderRt {
     policy: Ranked<FolderPolicy>,
     /// Where the content of its past versions is kept, once opened.
     vault: std::sync::OnceLock<Arc<crate::vault::Vault>>,
+    /// What is asked of its content on demand: fetches, failures, use, pins (D92–D94).
+    pub demand: crate::demand::Demand,
 }
 
 /// What the config says of a running folder that the engine follows (reloaded with it): its
@@ -139,6 +144,10 @@ pub struct FolderPolicy {
     pub versions_space_percent: u8,
     /// And at most this many MiB, if set.
     pub versions_max_mib: Option<u64>,
+    /// Files on demand (D90–D94).
+    pub on_demand: bool,
+    /// The most bytes of content it keeps here, on demand.
+    pub cache_max: Option<u64>,
 }
 
 impl From<&crate::config::FolderConfig> for FolderPolicy {
@@ -148,6 +157,8 @@ impl From<&crate::config::FolderConfig> for FolderPolicy {
             versions_days: f.versions_days,
             versions_space_percent: f.versions_space_percent,
             versions_max_mib: f.versions_max_mib,
+            on_demand: f.on_demand,
+            cache_max: f.cache_max,
         }
     }
 }
@@ -159,6 +170,8 @@ impl Default for FolderPolicy {
             versions_days: crate::config::VERSIONS_DAYS,
             versions_space_percent: crate::config::VERSIONS_SPACE_PERCENT,
             versions_max_mib: None,
+            on_demand: false,
+            cache_max: None,
         }
     }
 }
@@ -256,6 +269,7 @@ impl FolderRt {
             watcher: Ranked::new(Rank::Leaf, "watcher", None),
             policy: Ranked::new(Rank::Leaf, "policy", FolderPolicy::default()),
             vault: Default::default(),
+            demand: Default::default(),
             id,
         }
     }
@@ -748,6 +762,7 @@ impl Folders {
                         report.changes.extend(more.changes);
                         report.restat.extend(more.restat);
                         report.unread.extend(more.unread);
+                        report.placeholders.extend(more.placeholders);
                     }
                 }
                 report
@@ -762,6 +777,7 @@ impl Folders {
         }
         note_local_only(&mut j, &rt, folder, &report.changes)?;
         commit_in_batches(&mut j, folder, report.changes)?;
+        j.mark_absent(folder, &report.placeholders)?;
         if report.entries > 10_000 {
             j.release_memory();
         }

@@ -60,9 +60,11 @@
 mod roles;
 mod rows;
 mod schema;
+mod on_demand;
 mod versions;
 mod wal;
 
+pub use on_demand::{Residency, Resident};
 pub use versions::{Departed, KeptVersion, PrunedEvent, Retired};
 
 use crate::store::LocalStat;
@@ -1341,7 +1343,9 @@ impl Journal {
             let mut st = c.prepare_cached(
                 "SELECT r.path, c.file_offset, c.len FROM chunks c \
                  JOIN records r ON r.id = c.record \
-                 WHERE c.hash_key = ?1 AND c.hash = ?2 AND c.folder = ?3 LIMIT ?4",
+                 WHERE c.hash_key = ?1 AND c.hash = ?2 AND c.folder = ?3 \
+                 AND NOT EXISTS (SELECT 1 FROM absent a WHERE a.folder = c.folder \
+                 AND a.inode = r.local_inode) LIMIT ?4",
             )?;
             let mut rows = st.query(params![
                 hash_key(hash),

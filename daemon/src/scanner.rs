@@ -36,6 +36,17 @@ pub struct ScanReport {
     pub restat: Vec<(RelPath, LocalStat)>,
     /// Files that could not be read (unreadable, or vanished while hashing): no version.
     pub unread: Vec<RelPath>,
+    /// Inodes of placeholders found standing for their record's content (files on demand,
+    /// D90): the journal notes them as not local.
+    pub placeholders: Vec<u64>,
+}
+
+/// What reading a file for its content found.
+enum Read {
+    /// Its content.
+    Content(chunker::Content),
+    /// A placeholder (D90) of the content with this hash: not read, never taken for content.
+    Placeholder(Hash),
 }
 
 /// What a scan needs to know about a folder.
@@ -720,11 +731,25 @@ fn add_hashed(
     lk: &Lookup<'_>,
     ctx: &Context,
     store: &Store,
-    hashed: Vec<(HashJob, Option<chunker::Content>)>,
+    hashed: Vec<(HashJob, Option<Read>)>,
     creates: &mut Vec<Change>,
     report: &mut ScanReport,
 ) {
-    for (job, content) in hashed {
+    for (job, read) in hashed {
+        let content = match read {
+            None => None,
+            Some(Read::Content(c)) => Some(c),
+            Some(Read::Placeholder(hash)) => {
+                let c = placeholder_content(lk, &job, hash);
+                match &c {
+                    Some(_) => report.placeholders.push(job.local.inode),
+                    None => {
+                        tracing::warn!(path = %job.path, "a placeholder that stands for no version journaled at its path (its content is not here); left alone, not replicated")
+                    }
+                }
+                c
+            }
+        };
         let Some(content) = content else {
             report.unread.push(job.path);
             continue;
@@ -770,6 +795,22 @@ fn add_hashed(
     }
 }
 
+/// The content a placeholder at `job.path` stands for: the journal's live file there, when the
+/// mark names its hash and the placeholder has its size (a chmod or `touch` of a placeholder, a
+/// new inode after an interrupted eviction). Anything else is not known content (D90).
+fn placeholder_content(lk: &Lookup<'_>, job: &HashJob, hash: Hash) -> Option<chunker::Content> {
+    let prev = job
+        .prev
+        .as_ref()
+        .filter(|k| !k.s.deleted && k.s.kind == FileKind::File && k.s.hash == hash)?;
+    let full = lk.full(prev)?;
+    (full.size == job.local.size).then_some(chunker::Content {
+        hash: full.hash,
+        size: full.size,
+        chunks: full.chunks,
+    })
+}
+
 fn base_record(path: &RelPath, kind: FileKind, local: &LocalStat, ctx: &Context) -> FileRecord {
     FileRecord {
         path: path.clone(),
@@ -811,7 +852,7 @@ const SMALL_FILE_AVG: u64 = 1 << 20;
 /// Reads in flight when hashing many small files.
 const IO_THREADS: usize = 8;
 
-fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<chunker::Content>)> {
+fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<Read>)> {
     if jobs.is_empty() {
         return Vec::new();
     }
@@ -840,6 +881,10 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<chunker::
                     .open_file_in(&mut dirs, &job.path)
                     .ok()
                     .and_then(|f| {
+                        // A placeholder is never read (D90): its bytes are not its content.
+                        if let Some(h) = crate::store::placeholder_of(std::os::fd::AsFd::as_fd(&f)) {
+                            return Some(Read::Placeholder(h));
+                        }
                         // A file written while it is hashed has content the stat taken before
                         // does not describe: no version now (its writer's events bring it
                         // back), rather than a version whose stat a later scan finds changed
@@ -850,7 +895,7 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<chunker::
                         let after = sys::fstat(std::os::fd::AsFd::as_fd(&again?)).ok()?;
                         let now = crate::store::stat_of(&after).local;
                         (now.size == job.local.size && now.mtime_ns == job.local.mtime_ns)
-                            .then_some(c)
+                            .then_some(Read::Content(c))
                     });
                 if content.is_none() {
                     tracing::debug!(path = %job.path, "vanished, unreadable or written while hashing; will be picked up by the next event");

@@ -105,6 +105,67 @@ pub struct FolderSnapshot {
     pub mount: Option<MountStatus>,
     /// Its role and past versions.
     pub versions: VersionsStatus,
+    /// What of it is local, when it is on demand.
+    pub on_demand: Option<OnDemandStatus>,
+}
+
+/// A folder's `on_demand` in `status` (docs/decisions.md, D90–D94): what of its content is
+/// local, its budget, its pins, what is being fetched and what could not be.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct OnDemandStatus {
+    /// The most bytes of content it keeps here; null: no budget.
+    pub cache_max: Option<u64>,
+    /// Files whose content is here, and their bytes.
+    pub local_files: u64,
+    /// See `local_files`.
+    pub local_bytes: u64,
+    /// Files that are placeholders (content online only), and their bytes.
+    pub online_files: u64,
+    /// See `online_files`.
+    pub online_bytes: u64,
+    /// How far `local_bytes` is over `cache_max` (what eviction could not free: pinned, open
+    /// or last copies).
+    pub over_budget: u64,
+    /// The pinned paths.
+    pub pins: Vec<String>,
+    /// Fetches under way.
+    pub fetching: Vec<FetchingStatus>,
+    /// Paths that could not be fetched, and why (until a fetch of them succeeds).
+    pub unavailable: Vec<UnavailableStatus>,
+    /// More that could not be fetched than listed.
+    pub unavailable_unlisted: u64,
+    /// Files made local since the daemon started, and their bytes.
+    pub fetched_files: u64,
+    /// See `fetched_files`.
+    pub fetched_bytes: u64,
+    /// Files evicted since the daemon started.
+    pub evicted_files: u64,
+}
+
+/// One of `on_demand.fetching`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FetchingStatus {
+    /// The path.
+    pub path: String,
+    /// The process whose open started it (0: a pin).
+    pub pid: u32,
+    /// The file's size.
+    pub size: u64,
+    /// Bytes of it here so far.
+    pub done: u64,
+}
+
+/// One of `on_demand.unavailable`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct UnavailableStatus {
+    /// The path.
+    pub path: String,
+    /// Why, in words.
+    pub error: String,
+    /// The errno its open failed with (`EHOSTUNREACH`, `EIO`, …), by name.
+    pub errno: &'static str,
+    /// When it was tried last (Unix seconds).
+    pub at_unix: u64,
 }
 
 /// A folder's role and past versions, as `status` shows them (`role`, `versions`,
@@ -334,6 +395,8 @@ pub struct FolderStatus {
     pub peers_connected: bool,
     /// The peers sharing the folder.
     pub peers: Vec<FolderPeerStatus>,
+    /// What of it is local, when it is on demand; null otherwise.
+    pub on_demand: Option<OnDemandStatus>,
 }
 
 /// One element of a folder's `skipped` or `unreadable`.
@@ -563,6 +626,7 @@ fn folder_status(
         in_sync_with_connected: verdict.in_sync_with_connected,
         peers_connected: verdict.peers_connected,
         peers: sharing,
+        on_demand: f.on_demand,
     }
 }
 
@@ -856,6 +920,7 @@ mod tests {
                     max_age_days: 30,
                     ..Default::default()
                 },
+                on_demand: None,
             }],
             peers: vec![
                 peer(

@@ -33,11 +33,13 @@
 //! durable with one `syncfs`, renames them, then fsyncs each touched directory once.
 
 mod displace;
+mod placeholder;
 
 use crate::room::Claim;
 use crate::{failpoint, sys};
 use displace::{same_version, Keeper, Old, Verdict};
 pub use displace::{Displaced, DisplacedSink};
+pub use placeholder::placeholder_of;
 use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -214,6 +216,10 @@ pub struct TempFile {
     /// The disk room promised to its content ([`crate::room`]): what is written into it is
     /// let go of as it is written.
     claim: Option<Arc<Claim>>,
+    /// What it replaces is the same version (its content fetched over a placeholder, or a
+    /// placeholder evicting it, D92–D93): the old file is not handed over as a version that
+    /// leaves ([`Store::on_displaced`]).
+    pub same_version: bool,
 }
 
 impl TempFile {
@@ -623,6 +629,7 @@ impl Store {
                         written: 0,
                         flushing_from: 0,
                         claim: None,
+                        same_version: false,
                     })
                 }
                 // Out of space or descriptors is an error; anything else, a named file.
@@ -648,6 +655,7 @@ impl Store {
             written: 0,
             flushing_from: 0,
             claim: None,
+            same_version: false,
         })
     }
 
@@ -1027,7 +1035,8 @@ impl Store {
             // The file the journal knows is swapped out, checked and kept aside; `replace`
             // leaves no temp name behind whatever happens, so nothing here may remove one.
             Expect::Matches(want) => {
-                self.replace(dir, &name, &t.target, (&aside, &t.name), &want)?;
+                let hand_over = !t.same_version;
+                self.replace(dir, &name, &t.target, (&aside, &t.name), &want, hand_over)?;
             }
             Expect::Anything => {
                 if let Err(e) = sys::renameat(aside.as_fd(), &t.name, dir.as_fd(), &name) {
@@ -1070,7 +1079,10 @@ impl Store {
             let tmp = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
             link_unnamed(fd, via, sdir.as_fd(), &tmp).map_err(|e| io_err(&t.target, e))?;
             match expect {
-                Expect::Matches(want) => self.replace(dir, name, &t.target, (sdir, &tmp), &want)?,
+                Expect::Matches(want) => {
+                    let hand_over = !t.same_version;
+                    self.replace(dir, name, &t.target, (sdir, &tmp), &want, hand_over)?
+                }
                 _ => {
                     if let Err(e) = sys::renameat(sdir.as_fd(), &tmp, dir.as_fd(), name) {
                         let _ = sys::unlinkat(sdir.as_fd(), &tmp, 0);
@@ -1089,7 +1101,8 @@ impl Store {
     /// ([`displace`]). A local write that reached the old file after its check undoes the
     /// swap (`Changed`), and so does a writer that has it open (`Busy`). Whatever it returns,
     /// no temp name of `new`'s holds anything that must be removed: ours is dropped, installed
-    /// or kept, the old file is back, kept aside or kept as a conflict copy.
+    /// or kept, the old file is back, kept aside or kept as a conflict copy. `hand_over`: the
+    /// old file is a version that leaves (handed to [`Store::on_displaced`]'s sink).
     fn replace(
         &self,
         dir: &Arc<OwnedFd>,
@@ -1097,6 +1110,7 @@ impl Store {
         path: &RelPath,
         new: (&Arc<OwnedFd>, &CStr),
         want: &LocalStat,
+        hand_over: bool,
     ) -> Result<(), StoreError> {
         let (aside, tname) = new;
         let opened = lstat_at(aside.as_fd(), tname)
@@ -1120,7 +1134,7 @@ impl Store {
         ) {
             Ok(()) => {}
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
-                return self.replace_linked_aside(dir, name, path, new, old);
+                return self.replace_linked_aside(dir, name, path, new, old, hand_over);
             }
             Err(e) => {
                 let _ = sys::unlinkat(aside.as_fd(), tname, 0);
@@ -1131,8 +1145,14 @@ impl Store {
         // The old file is at `tname` now.
         match old.verdict() {
             Verdict::Same => {
-                self.keeper
-                    .keep(old, aside.clone(), tname.to_owned(), path, dir.clone());
+                self.keeper.keep(
+                    old,
+                    aside.clone(),
+                    tname.to_owned(),
+                    path,
+                    dir.clone(),
+                    hand_over,
+                );
                 Ok(())
             }
             v => {
@@ -1194,6 +1214,7 @@ impl Store {
         path: &RelPath,
         new: (&Arc<OwnedFd>, &CStr),
         old: Old,
+        hand_over: bool,
     ) -> Result<(), StoreError> {
         let (aside, tname) = new;
         let drop_ours = |e| {
@@ -1231,7 +1252,7 @@ impl Store {
             }
             _ => self
                 .keeper
-                .keep(old, aside.clone(), kept, path, dir.clone()),
+                .keep(old, aside.clone(), kept, path, dir.clone(), hand_over),
         }
         Ok(())
     }
@@ -1265,7 +1286,7 @@ impl Store {
         failpoint::hit("remove.after_rename", path.as_str());
         match old.verdict() {
             Verdict::Same => {
-                self.keeper.keep(old, aside, kept, path, dir.clone());
+                self.keeper.keep(old, aside, kept, path, dir.clone(), true);
                 let _ = sys::fsync(dir.as_fd());
                 Ok(())
             }
@@ -1377,7 +1398,7 @@ impl Store {
             Err(e) => return drop_tmp(io_err(path, e)),
         };
         match expect {
-            Expect::Matches(want) => self.replace(&dir, &name, path, (&dir, &tmp), &want)?,
+            Expect::Matches(want) => self.replace(&dir, &name, path, (&dir, &tmp), &want, true)?,
             Expect::Absent => match rename_noreplace(dir.as_fd(), &tmp, dir.as_fd(), &name) {
                 Ok(true) => {}
                 Ok(false) => {
@@ -1481,6 +1502,22 @@ impl Store {
             }
             let mut t = self.create_temp(to)?;
             let src = self.open_file(from)?;
+            if let Some(hash) = placeholder_of(src.as_fd()) {
+                // Not local (D90): its copy is a placeholder of the same content, never zeros.
+                let made = self
+                    .make_placeholder(&mut t, st.local.size, &hash)
+                    .and_then(|()| {
+                        self.finish_temp(&mut t, st.local.size, st.local.mode, st.local.mtime_ns)
+                    });
+                if let Err(e) = made {
+                    self.discard_temp(t);
+                    return Err(e);
+                }
+                return self
+                    .install(vec![(t, Expect::Absent)])
+                    .pop()
+                    .unwrap_or_else(|| Err(StoreError::Changed(to.clone())));
+            }
             let mut buf = vec![0u8; 1 << 20];
             let mut off = 0u64;
             loop {

@@ -251,6 +251,24 @@ pub(crate) fn fgetxattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> 
     Ok(buf)
 }
 
+/// `fgetxattr(fd, name)` into `buf`: the value's length (`ERANGE` if it is longer than `buf`).
+pub(crate) fn fgetxattr_into(fd: BorrowedFd<'_>, name: &CStr, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `name` is NUL-terminated; `buf` is writable for its length; both outlive the
+    // call.
+    let n = unsafe {
+        libc::fgetxattr(
+            fd.as_raw_fd(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
 /// `fsync(fd)` (a directory's too: its entries become durable).
 pub(crate) fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: integer arguments only; the descriptor is borrowed for the call.

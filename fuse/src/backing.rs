@@ -98,6 +98,8 @@ pub(crate) struct Shared {
     /// They do: asked for, and the kernel drops the pages such a write covers
     /// (`FUSE_DIRECT_IO_ALLOW_MMAP` agreed at FUSE_INIT).
     pub write_direct: AtomicBool,
+    /// Where placeholders' content comes from, if the folder can have any (D90–D92).
+    pub content: Option<Arc<dyn crate::ContentSource>>,
 }
 
 impl std::fmt::Debug for Shared {

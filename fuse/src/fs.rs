@@ -23,6 +23,7 @@ use crate::backing::{
     file_type, generation, is_internal, kill_suidgid, rel_path, zero_stat, zero_umask, Shared,
     Target,
 };
+use crate::placeholder;
 use crate::handles::MakeBacking;
 use crate::inodes::ROOT;
 use crate::kept::ContentSig;
@@ -121,6 +122,20 @@ impl Passthrough {
         f(&at).map_err(err)
     }
 
+    /// The value of `user.meshfs.state` for node `ino`: asked of the engine for a regular file
+    /// of a mount with a content source; `None` (no such attribute) otherwise.
+    fn state_xattr(&self, ino: u64) -> Option<Vec<u8>> {
+        let source = self.sh.content.as_ref()?;
+        if self.sh.kind_of(ino) != Some(libc::S_IFREG) {
+            return None;
+        }
+        let path = self.sh.path_of(ino).and_then(|p| rel_path(&p))?;
+        let local = !self
+            .with_xattr(ino, |at| Ok(placeholder::is_placeholder(at)))
+            .ok()?;
+        Some(source.state(&path, local).as_bytes().to_vec())
+    }
+
     fn do_create_node(
         &self,
         req: &Request,
@@ -208,6 +223,88 @@ impl Passthrough {
                 }
             }
         }
+    }
+
+    /// The open of node `ino` as `fd` (`st`), with its content local: a regular file that is
+    /// a placeholder is fetched by the engine (the request waits, D92), then the file now at
+    /// the node's name is opened with `oflags` instead. Each regular file opened is reported
+    /// as used (eviction takes the least recently used first).
+    fn local_content(
+        &self,
+        req: &Request,
+        ino: u64,
+        fd: std::os::fd::OwnedFd,
+        st: Stat,
+        oflags: i32,
+    ) -> SysResult<(std::os::fd::OwnedFd, Stat)> {
+        let Some(source) = self.sh.content.as_ref() else {
+            return Ok((fd, st));
+        };
+        if st.kind() != libc::S_IFREG {
+            return Ok((fd, st));
+        }
+        let path = self.sh.path_of(ino).and_then(|p| rel_path(&p));
+        if !placeholder::is_placeholder(&sys::XattrAt::Fd(fd.as_fd())) {
+            if let Some(p) = &path {
+                source.used(p);
+            }
+            return Ok((fd, st));
+        }
+        // Not a folder path (not UTF-8, not NFC): the engine journals no such file, so there
+        // is nothing to fetch it from.
+        let path = path.ok_or(libc::EIO)?;
+        drop(fd);
+        source.fetch(&path, req.pid())?;
+        // The fetched file replaced the placeholder under the same name: a new inode, handed
+        // to the kernel under the node it opened (later lookups find the new one).
+        let (dir, name) = self.sh.locate(ino)?;
+        let fd = sys::openat(dir.as_fd(), &name, oflags | libc::O_NOFOLLOW, 0)?;
+        let st = sys::fstat(fd.as_fd())?;
+        if st.kind() != libc::S_IFREG || placeholder::is_placeholder(&sys::XattrAt::Fd(fd.as_fd()))
+        {
+            // Replaced again meanwhile (a peer's newer version, an eviction): not this open's.
+            return Err(libc::ESTALE);
+        }
+        source.used(&path);
+        Ok((fd, st))
+    }
+
+    /// A truncate of a placeholder that is not open (opens make it whole): to 0, its content
+    /// is known (none) and the mark goes after the truncate; to another size, the engine makes
+    /// it local first, and the node then names the old inode (`ESTALE`: the kernel looks the
+    /// name up again and retries, as `truncate(2)` does). `Ok(true)`: unmark after truncating.
+    fn truncating_placeholder(
+        &self,
+        req: &Request,
+        ino: u64,
+        target: &Target,
+        size: u64,
+    ) -> SysResult<bool> {
+        let Some(source) = self.sh.content.as_ref() else {
+            return Ok(false);
+        };
+        if matches!(target, Target::Open(_) | Target::Root(_))
+            || self.sh.kind_of(ino) != Some(libc::S_IFREG)
+        {
+            return Ok(false);
+        }
+        let at = sys::XattrAt::Path {
+            path: sys::proc_path(target.fd()),
+            follow: true,
+        };
+        if !placeholder::is_placeholder(&at) {
+            return Ok(false);
+        }
+        if size == 0 {
+            return Ok(true);
+        }
+        let path = self
+            .sh
+            .path_of(ino)
+            .and_then(|p| rel_path(&p))
+            .ok_or(libc::EIO)?;
+        source.fetch(&path, req.pid())?;
+        Err(libc::ESTALE)
     }
 
     /// Directory node `ino`, open for reading, through its (verified) cached descriptor.
@@ -389,9 +486,16 @@ impl Filesystem for Passthrough {
                 sys::chown_fd(fd, uid, gid)?;
             }
             if let Some(size) = size {
+                let unmark = self.truncating_placeholder(req, ino, &target, size)?;
                 match &target {
                     Target::Open(h) if h.writable => sys::ftruncate(fd, size)?,
                     _ => sys::truncate_fd(fd, size)?,
+                }
+                if unmark {
+                    placeholder::unmark(&sys::XattrAt::Path {
+                        path: sys::proc_path(fd),
+                        follow: true,
+                    })?;
                 }
                 if req.uid() != 0 {
                     kill_suidgid(fd, None)?;
@@ -631,6 +735,12 @@ impl Filesystem for Passthrough {
             Ok((fd, st))
         })();
         let (fd, st) = match res {
+            Ok(v) => v,
+            Err(e) => return reply.error(err(e)),
+        };
+        // A placeholder (on demand, D92): its content is made local first, for a reader and a
+        // writer alike, and the open goes on with the file that now holds it.
+        let (fd, st) = match self.local_content(req, ino, fd, st, oflags) {
             Ok(v) => v,
             Err(e) => return reply.error(err(e)),
         };
@@ -941,9 +1051,12 @@ impl Filesystem for Passthrough {
         if let Err(e) = self.sh.check_writable() {
             return reply.error(e);
         }
-        let res = sys::cstr(name)
-            .map_err(err)
-            .and_then(|n| self.with_xattr(ino.0, |at| sys::setxattr(at, &n, value, flags)));
+        let res = sys::cstr(name).map_err(err).and_then(|n| {
+            if placeholder::is_own(&n) {
+                return Err(Errno::EPERM);
+            }
+            self.with_xattr(ino.0, |at| sys::setxattr(at, &n, value, flags))
+        });
         match res {
             Ok(()) => {
                 let path = self.sh.path_of(ino.0);
@@ -955,9 +1068,19 @@ impl Filesystem for Passthrough {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        let res = sys::cstr(name)
-            .map_err(err)
-            .and_then(|n| self.with_xattr(ino.0, |at| sys::getxattr(at, &n, size as usize)));
+        let res = sys::cstr(name).map_err(err).and_then(|n| {
+            if placeholder::is_state(&n) {
+                return self.state_xattr(ino.0).ok_or(Errno::ENODATA);
+            }
+            if placeholder::is_own(&n) {
+                return Err(Errno::ENODATA);
+            }
+            self.with_xattr(ino.0, |at| sys::getxattr(at, &n, size as usize))
+        });
+        let res = match res {
+            Ok(v) if size != 0 && v.len() > size as usize => Err(Errno::ERANGE),
+            r => r,
+        };
         match res {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) => reply.data(&v),
@@ -966,7 +1089,23 @@ impl Filesystem for Passthrough {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.with_xattr(ino.0, |at| sys::listxattr(at, size as usize)) {
+        // The whole list is read (its size asked first), so meshfs's own names can be left out
+        // and the state added before the size is told.
+        let res = self
+            .with_xattr(ino.0, |at| {
+                let n = sys::listxattr(at, 0)?.len();
+                sys::listxattr(at, n)
+            })
+            .map(|list| {
+                let with_state = self.sh.content.is_some()
+                    && self.sh.kind_of(ino.0) == Some(libc::S_IFREG);
+                placeholder::filter_list(&list, with_state)
+            });
+        let res = match res {
+            Ok(v) if size != 0 && v.len() > size as usize => Err(Errno::ERANGE),
+            r => r,
+        };
+        match res {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) => reply.data(&v),
             Err(e) => reply.error(e),
@@ -977,9 +1116,12 @@ impl Filesystem for Passthrough {
         if let Err(e) = self.sh.check_writable() {
             return reply.error(e);
         }
-        let res = sys::cstr(name)
-            .map_err(err)
-            .and_then(|n| self.with_xattr(ino.0, |at| sys::removexattr(at, &n)));
+        let res = sys::cstr(name).map_err(err).and_then(|n| {
+            if placeholder::is_own(&n) {
+                return Err(Errno::EPERM);
+            }
+            self.with_xattr(ino.0, |at| sys::removexattr(at, &n))
+        });
         match res {
             Ok(()) => {
                 let path = self.sh.path_of(ino.0);

@@ -166,6 +166,11 @@ impl Handles {
         lock(&self.inodes).get(&ino).is_some_and(|s| s.writers > 0)
     }
 
+    /// Whether any handle of `ino` is open.
+    pub fn is_open(&self, ino: u64) -> bool {
+        lock(&self.inodes).get(&ino).is_some_and(|s| s.opens > 0)
+    }
+
     /// Any open file of `ino` (to reach an unlinked or replaced inode).
     pub fn any_file_of(&self, ino: u64) -> Option<Arc<Handle>> {
         let fh = *lock(&self.inodes).get(&ino)?.handles.first()?;

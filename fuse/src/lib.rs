@@ -23,7 +23,13 @@
 //!   which drops the echoes of the mount's own changes and invalidates the rest, so the
 //!   kernel may keep entries and attributes for a minute (D34).
 //! - **no replace under an open writer:** [`WriterRegistry::has_writer`] tells the engine
-//!   a path is open for writing, so it defers an apply until the `Closed` event.
+//!   a path is open for writing, so it defers an apply until the `Closed` event
+//!   ([`WriterRegistry::has_open`]: open at all, which on-demand eviction respects).
+//! - **content on demand:** in a folder that is on demand, a file whose content is not here is
+//!   a *placeholder* (true size, mode and mtime, no data, the [`PLACEHOLDER_XATTR`] attribute,
+//!   docs/decisions.md D90). An open of one asks the engine's [`ContentSource`] to make it
+//!   local first (D92); `user.meshfs.state` ([`STATE_XATTR`]) is answered from it (D94), and
+//!   meshfs's own attributes are hidden.
 //!
 //! ## What it owns and what it never does
 //!
@@ -79,6 +85,7 @@ mod invalidate;
 mod kept;
 mod mount;
 mod passthrough;
+mod placeholder;
 mod prefetch;
 mod recent;
 mod snapshot;
@@ -167,6 +174,40 @@ pub trait Invalidator: Send + Sync {
 pub trait WriterRegistry: Send + Sync {
     /// Whether a handle that may write `path` is open.
     fn has_writer(&self, path: &RelPath) -> bool;
+
+    /// Whether any handle of `path` is open (reading or writing). By default: whether one that
+    /// may write is.
+    fn has_open(&self, path: &RelPath) -> bool {
+        self.has_writer(path)
+    }
+}
+
+/// The extended attribute that marks a placeholder: a regular file of an on-demand folder
+/// whose content is not here (docs/decisions.md, D90). Its value is the 32-byte content hash of
+/// the version it stands for. Never visible through the mount.
+pub const PLACEHOLDER_XATTR: &str = "user.meshfs.placeholder";
+/// The extended attribute the mount answers for a regular file with its on-demand state:
+/// `local`, `online`, `pinned` or `fetching` (D94).
+pub const STATE_XATTR: &str = "user.meshfs.state";
+/// meshfs's own extended attributes (the placeholder mark, the store's mark of a file kept
+/// aside): none can be read, set or removed through the mount, but [`STATE_XATTR`].
+pub const OWN_XATTR_PREFIX: &str = "user.meshfs.";
+
+/// Where the content of placeholders comes from: the engine (docs/decisions.md, D92).
+///
+/// Called on FUSE request threads. [`ContentSource::fetch`] may take as long as a fetch from a
+/// peer takes, but must not call back into the mount; the others must not block.
+pub trait ContentSource: Send + Sync + std::fmt::Debug {
+    /// Makes the content of `path`, a placeholder, local: returns once the backing file at
+    /// `path` holds it (a new inode), or with the errno the caller's request fails with.
+    /// `pid`: the process that asked (shown by `status`).
+    fn fetch(&self, path: &RelPath, pid: u32) -> Result<(), i32>;
+    /// The regular file `path` was opened through the mount (what was used least recently is
+    /// evicted first).
+    fn used(&self, path: &RelPath);
+    /// What [`STATE_XATTR`] says of the regular file `path`; `local`: the backing holds its
+    /// content (it is no placeholder).
+    fn state(&self, path: &RelPath, local: bool) -> &'static str;
 }
 
 /// The registry of a folder with no mount: nothing is ever open through it.

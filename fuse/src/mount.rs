@@ -72,6 +72,9 @@ pub struct MountOptions {
     /// copy and one page cache fewer per write; the kernel drops the pages other opens cached
     /// of what it overwrites.
     pub write_direct: bool,
+    /// Where placeholders' content comes from (a folder that is on demand, D90–D92). Without
+    /// one, a placeholder is an ordinary file to the mount (it reads as zeros).
+    pub content: Option<Arc<dyn crate::ContentSource>>,
 }
 
 impl Default for MountOptions {
@@ -87,6 +90,7 @@ impl Default for MountOptions {
             read_ahead: true,
             keep_cache: true,
             write_direct: true,
+            content: None,
         }
     }
 }
@@ -248,12 +252,24 @@ impl Invalidator for MountHandle {
     }
 }
 
+impl MountHandle {
+    /// The node the kernel knows at `path`, if any.
+    fn node_of(&self, path: &RelPath) -> Option<u64> {
+        lock(&self.sh.table)
+            .walk(path.components())
+            .and_then(|(_, _, node)| node)
+    }
+}
+
 impl WriterRegistry for MountHandle {
     fn has_writer(&self, path: &RelPath) -> bool {
-        let node = lock(&self.sh.table)
-            .walk(path.components())
-            .and_then(|(_, _, node)| node);
-        node.is_some_and(|ino| self.sh.handles.has_writer(ino))
+        self.node_of(path)
+            .is_some_and(|ino| self.sh.handles.has_writer(ino))
+    }
+
+    fn has_open(&self, path: &RelPath) -> bool {
+        self.node_of(path)
+            .is_some_and(|ino| self.sh.handles.is_open(ino))
     }
 }
 
@@ -483,6 +499,7 @@ fn shared(
         keep_cache: opts.keep_cache,
         want_write_direct: opts.write_direct,
         write_direct: AtomicBool::new(false),
+        content: opts.content.clone(),
     })
 }
 
@@ -673,6 +690,10 @@ impl Invalidator for Mount {
 impl WriterRegistry for Mount {
     fn has_writer(&self, path: &RelPath) -> bool {
         self.handle.has_writer(path)
+    }
+
+    fn has_open(&self, path: &RelPath) -> bool {
+        self.handle.has_open(path)
     }
 }
 

@@ -57,6 +57,11 @@ pub(super) fn assemble(
                 if let Some(c) = &meta.content_room {
                     temp.set_claim(c.clone());
                 }
+                if meta.placeholder {
+                    let r = &meta.record;
+                    rt.store.make_placeholder(&mut temp, r.size, &r.hash)?;
+                    return Ok((temp, Vec::new()));
+                }
                 if copies.is_empty() {
                     return Ok((temp, Vec::new()));
                 }
@@ -141,11 +146,18 @@ pub(super) struct TempWriter {
     /// Where each chunk goes.
     pub(super) missing: Wanted,
     pub(super) temps: Vec<Option<TempFile>>,
+    /// Counts the bytes written, if set (a fetch someone waits for: `status` shows it).
+    pub(super) progress: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl chunks::ChunkSink for TempWriter {
     fn put(&mut self, hash: Hash, data: &[u8]) -> Result<(), StoreError> {
-        write_chunk(&self.rt.store, &self.missing, &mut self.temps, hash, data)
+        write_chunk(&self.rt.store, &self.missing, &mut self.temps, hash, data)?;
+        if let Some(p) = &self.progress {
+            let places = self.missing.get(&hash).map_or(0, |(_, at)| at.len()) as u64;
+            p.fetch_add(places * data.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
     }
 }
 

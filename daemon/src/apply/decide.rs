@@ -394,6 +394,7 @@ impl Deciding<'_> {
         }
         let stored = self.stored(&planned.record().path)?;
         let (expect, basis) = seen_of(stored.as_ref());
+        let placeholder = self.on_demand(planned.record(), stored.as_ref());
         let meta = Meta {
             record: planned.record().clone(),
             op: planned.op,
@@ -405,6 +406,7 @@ impl Deciding<'_> {
             then: Vec::new(),
             content_room: None,
             journal_room: None,
+            placeholder,
         };
         // Room claimed and sources found under the lock; the copying is the assembly's.
         let t = prepare(
@@ -417,6 +419,21 @@ impl Deciding<'_> {
         )?;
         self.transfers.push(t);
         Ok(Some(self.transfers.len() - 1))
+    }
+
+    /// Whether the content of `record` stays online (a placeholder is installed, D91): the
+    /// folder is on demand, the file is not empty, its path is not pinned, and it does not
+    /// hold a local file now (a file that is local stays local: the budget decides later).
+    fn on_demand(&mut self, record: &FileRecord, stored: Option<&StoredRecord>) -> bool {
+        if !self.rt.policy().on_demand
+            || record.kind != FileKind::File
+            || record.size == 0
+            || self.rt.demand.pinned(&record.path)
+        {
+            return false;
+        }
+        let had_file = stored.is_some_and(|s| !s.record.deleted && s.record.kind == FileKind::File);
+        !had_file || self.rt.store.placeholder_at(&mut self.dirs, &record.path).is_some()
     }
 
     /// A remote version of a path open for writing through the mount is never replaced,

@@ -539,6 +539,7 @@ async fn fetch(
                 rt: rt.clone(),
                 missing,
                 temps,
+                progress: None,
             },
         )
         .await;

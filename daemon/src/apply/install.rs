@@ -7,7 +7,8 @@ use super::transfer::{seen_of, skip_or_fail, ApplyError, Meta};
 use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, Op};
-use crate::store::{DirCache, Expect, LocalStat, StoreError, TempFile};
+use crate::store::{placeholder_of, DirCache, Expect, LocalStat, StoreError, TempFile};
+use std::os::fd::AsFd;
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId};
 
 pub(super) fn install(
@@ -72,10 +73,18 @@ pub(super) fn install(
     let mut redo = Vec::new();
     let mut busy = Vec::new();
     let mut cleared = Vec::new();
+    // Placeholders installed (D91), and whether content arrived (the budget is checked, D93).
+    let mut absent = Vec::new();
+    let mut arrived = false;
     for (t, r) in meta.into_iter().zip(results) {
         match r {
             Ok(local) => {
                 rt.unskip(&t.record.path);
+                if t.placeholder {
+                    absent.push(local.inode);
+                } else {
+                    arrived = true;
+                }
                 changes.push(Change {
                     record: t.record,
                     op: t.op,
@@ -136,8 +145,11 @@ pub(super) fn install(
     let touched_ignore = changes
         .iter()
         .any(|c| c.record.path.as_str() == crate::ignore::IGNORE_FILE);
-    journal.commit(folder, changes)?;
+    journal.commit_absent(folder, changes, &absent)?;
     failpoint::hit("apply.installed", "");
+    if arrived && rt.policy().on_demand {
+        rt.demand.arrived.notify_one();
+    }
     if touched_ignore {
         // A new shared ignore file: its rules apply from the next decision on (read once the
         // locks are let go; one that does not compile keeps the older shared rules).
@@ -165,6 +177,7 @@ pub fn recover_pending(
     let pending = journal.pending(folder)?;
     let mut done = Vec::new();
     let mut dropped = Vec::new();
+    let mut absent = Vec::new();
     for (record, source) in pending {
         let ok = match rt.store.stat(&record.path) {
             Ok(Some(st)) if record.deleted || st.kind != Some(record.kind) => None,
@@ -175,13 +188,21 @@ pub fn recover_pending(
                 .ok()
                 .filter(|t| *t == record.target)
                 .map(|_| st.local),
-            Ok(Some(st)) if st.local.size == record.size => rt
-                .store
-                .open_file(&record.path)
-                .ok()
-                .and_then(|f| crate::chunker::chunk_file(f, record.size).ok())
-                .filter(|c| c.hash == record.hash)
-                .map(|_| st.local),
+            Ok(Some(st)) if st.local.size == record.size => {
+                let f = rt.store.open_file(&record.path).ok();
+                match f.as_ref().map(|f| placeholder_of(f.as_fd())) {
+                    // A placeholder of this very version (D91): installed, its content online.
+                    Some(Some(mark)) => (mark == record.hash).then(|| {
+                        absent.push(st.local.inode);
+                        st.local
+                    }),
+                    Some(None) => f
+                        .and_then(|f| crate::chunker::chunk_file(f, record.size).ok())
+                        .filter(|c| c.hash == record.hash)
+                        .map(|_| st.local),
+                    None => None,
+                }
+            }
             _ => None,
         };
         match ok {
@@ -197,6 +218,6 @@ pub fn recover_pending(
     }
     let n = done.len();
     journal.clear_pending(folder, &dropped)?;
-    journal.commit(folder, done)?;
+    journal.commit_absent(folder, done, &absent)?;
     Ok(n)
 }

@@ -31,10 +31,12 @@
 mod assemble;
 mod decide;
 mod driver;
+mod fill;
 mod install;
 mod transfer;
 
 pub use driver::{Receiver, Reply};
+pub use fill::{fill, FillError, Filled, STALL};
 pub use install::recover_pending;
 pub use meshfs_sync::pipeline::Source;
 pub use transfer::ApplyError;

@@ -141,7 +141,8 @@ pub(super) fn prepare(
     dirs: &mut DirCache,
 ) -> Result<Transfer, ApplyError> {
     let record = &meta.record;
-    let content = rt.store.temp_place();
+    // A placeholder takes no room for content (D91): it has no data blocks.
+    let content = rt.store.temp_place().filter(|_| !meta.placeholder);
     let journal_place = folders.journal_place.as_ref();
     let mut wants: Vec<(&Place, u64)> = Vec::with_capacity(2);
     if let Some(p) = &content {
@@ -161,6 +162,13 @@ pub(super) fn prepare(
         .into_iter();
     meta.content_room = content.and_then(|_| claims.next()).map(Arc::new);
     meta.journal_room = journal_place.and_then(|_| claims.next());
+    if meta.placeholder {
+        return Ok(Transfer {
+            meta,
+            copies: Vec::new(),
+            missing: Vec::new(),
+        });
+    }
     let folder = &rt.id;
     let record = &meta.record;
     // Where each distinct chunk the index can hold lives here.
@@ -230,6 +238,8 @@ pub(super) struct Meta {
     pub(super) content_room: Option<Arc<Claim>>,
     /// The journal room claimed for its rows, until they are committed.
     pub(super) journal_room: Option<Claim>,
+    /// Installed as a placeholder, its content not fetched (an on-demand folder, D91).
+    pub(super) placeholder: bool,
 }
 
 /// A record that cannot be applied here (its parent is a symlink or not a directory, a

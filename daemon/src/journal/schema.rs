@@ -31,6 +31,7 @@ const MIGRATIONS: &[Migration] = &[
     Migration::Sql(DEFERRED_4),
     Migration::Sql(WAL_MARK_5),
     Migration::Sql(VERSIONS_6),
+    Migration::Sql(ON_DEMAND_7),
 ];
 
 const SCHEMA_1: &str =
@@ -276,6 +277,26 @@ const VERSIONS_6: &str = r#"
         time_ns INTEGER NOT NULL,
         PRIMARY KEY (folder, path)
     ) STRICT;
+    "#;
+
+// 7: files on demand (docs/decisions.md, D90-D94).
+// - `absent`: the inodes of placeholders, the files of an on-demand folder whose content is not
+//   here. A live file record whose `local_inode` is listed is not local. Keyed by inode, so the
+//   row follows a rename (the scanner keeps the record's local stat) and a conflict sibling made
+//   as a hard link; a row no live record names any more is dropped (`Journal::prune_absent`).
+// - `pins`: paths of a folder kept local (a file, or a directory and everything below it).
+const ON_DEMAND_7: &str = r#"
+    CREATE TABLE absent (
+        folder INTEGER NOT NULL,
+        inode  INTEGER NOT NULL,
+        PRIMARY KEY (folder, inode)
+    ) STRICT, WITHOUT ROWID;
+
+    CREATE TABLE pins (
+        folder INTEGER NOT NULL,
+        path   TEXT NOT NULL,
+        PRIMARY KEY (folder, path)
+    ) STRICT, WITHOUT ROWID;
     "#;
 
 /// The schema version this build writes and understands.

@@ -5,5 +5,6 @@
 //! except where a function says so.
 
 pub mod journal;
+pub mod on_demand;
 pub mod rates;
 pub mod status;

@@ -321,7 +321,8 @@ impl Keeper {
     }
 
     /// Keeps `old`, now at `name` in `dir`, for [`GRACE`]; `path` is where it was, in
-    /// `target_dir`.
+    /// `target_dir`. `hand_over`: it is a version that leaves, for the sink (not when its
+    /// replacement holds the same version: a fetched content or an eviction).
     pub(super) fn keep(
         &self,
         old: Old,
@@ -329,13 +330,14 @@ impl Keeper {
         name: CString,
         path: &RelPath,
         target_dir: Arc<OwnedFd>,
+        hand_over: bool,
     ) {
         old.mark(path);
         let st = match sys::fstat(old.fd.as_fd()) {
             Ok(st) => stat_of(&st).local,
             Err(_) => old.st,
         };
-        if let (Some(sink), true) = (self.sink.get(), old.regular) {
+        if let (Some(sink), true) = (self.sink.get().filter(|_| hand_over), old.regular) {
             // A descriptor of its own: the old one's lease goes with `old`.
             if let Ok(fd) = old.fd.try_clone() {
                 sink(Displaced {

@@ -1,0 +1,250 @@
+//! An on-demand folder's budget, kept as content arrives, and evictions (docs/decisions.md,
+//! D93): beyond `cache_max`, local files leave in least recently used order, each replaced by
+//! a placeholder through the store's checks; never a pinned file, an open one, or content no
+//! connected peer is known to hold (a last copy, or a local change not acknowledged yet).
+
+use crate::folder::{FolderError, FolderRt, Folders};
+use crate::journal::Resident;
+use crate::store::StoreError;
+use meshfs_protocol::{DeviceId, FolderId, RelPath};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// How often the budget is checked when no content arrived (what a peer's install or a local
+/// write added meanwhile), and stale placeholder rows are dropped.
+pub const BUDGET_TICK: Duration = Duration::from_secs(30);
+
+/// The connected peers that share a folder now.
+pub type Connected = Arc<dyn Fn(&FolderId) -> Vec<DeviceId> + Send + Sync>;
+
+/// What an eviction did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct EvictReport {
+    /// The files evicted (placeholders now).
+    pub evicted: Vec<String>,
+    /// Their bytes.
+    pub freed_bytes: u64,
+    /// Local files that were not evicted, and why.
+    pub kept: Vec<KeptFile>,
+    /// The folder's local bytes after it.
+    pub local_bytes: u64,
+    /// Its budget.
+    pub cache_max: Option<u64>,
+}
+
+/// A local file that eviction kept.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KeptFile {
+    /// The path.
+    pub path: String,
+    /// Why, in words.
+    pub why: String,
+}
+
+/// Why `res` must stay local, if it must: pinned, open, being fetched, or held by no connected
+/// peer (`acked`: what each connected peer acknowledged of this device's index).
+fn keeps(res: &Resident, rt: &FolderRt, acked: &HashMap<DeviceId, u64>) -> Option<&'static str> {
+    if rt.demand.pinned(&res.path) {
+        return Some("pinned (`meshfs unpin` lets it go)");
+    }
+    if rt.writers.has_open(&res.path) {
+        return Some("open through the mount");
+    }
+    if rt.demand.fetching(&res.path) {
+        return Some("being fetched");
+    }
+    let held = acked
+        .iter()
+        .any(|(peer, ack)| res.source == Some(*peer) || *ack >= res.sequence);
+    if held {
+        return None;
+    }
+    Some(match res.source {
+        None => "a change made here that no connected peer has acknowledged yet",
+        Some(_) => "a last copy: no connected peer is known to hold it",
+    })
+}
+
+/// Evicts `candidates` in order while `more(freed)` says so, by the rules of [`keeps`].
+fn evict_files(
+    folders: &Folders,
+    rt: &FolderRt,
+    candidates: Vec<Resident>,
+    connected: &[DeviceId],
+    more: impl Fn(u64) -> bool,
+) -> Result<EvictReport, FolderError> {
+    let acked: HashMap<DeviceId, u64> = {
+        let reader = folders.reader()?;
+        connected
+            .iter()
+            .map(|p| Ok((*p, reader.peer_progress(&rt.id, p)?.our_acked)))
+            .collect::<Result<_, crate::journal::JournalError>>()?
+    };
+    let mut report = EvictReport::default();
+    for res in candidates {
+        if !more(report.freed_bytes) {
+            break;
+        }
+        if let Some(why) = keeps(&res, rt, &acked) {
+            report.kept.push(KeptFile {
+                path: res.path.as_str().to_string(),
+                why: why.to_string(),
+            });
+            continue;
+        }
+        match evict_one(folders, rt, &res) {
+            Ok(()) => {
+                report.freed_bytes += res.size;
+                report.evicted.push(res.path.as_str().to_string());
+            }
+            Err(why) => report.kept.push(KeptFile {
+                path: res.path.as_str().to_string(),
+                why,
+            }),
+        }
+    }
+    let r = folders.reader()?.residency(&rt.id)?;
+    report.local_bytes = r.local_bytes;
+    report.cache_max = rt.policy().cache_max;
+    Ok(report)
+}
+
+/// Replaces the local file `res` by a placeholder, under the folder's lock, if the journal and
+/// the disk still hold what `res` says and nobody opened it meanwhile. Why not, otherwise.
+fn evict_one(folders: &Folders, rt: &FolderRt, res: &Resident) -> Result<(), String> {
+    let _guard = rt
+        .op_lock
+        .lock()
+        .map_err(|_| "the folder's lock is poisoned".to_string())?;
+    let now = folders
+        .journal()
+        .and_then(|j| Ok(j.get(&rt.id, &res.path)?))
+        .map_err(|e| e.to_string())?;
+    let Some(now) = now.filter(|s| s.record.sequence == res.sequence && s.local == Some(res.local))
+    else {
+        return Err("changed since it was weighed".into());
+    };
+    if rt.writers.has_open(&res.path) {
+        return Err("open through the mount".into());
+    }
+    match rt.store.evict(&now.record, res.local) {
+        Ok(local) => {
+            rt.echoes.expect(res.path.clone(), Some(local));
+            rt.invalidator.invalidate(&res.path);
+            folders
+                .journal()
+                .and_then(|mut j| Ok(j.made_absent(&rt.id, &res.path, local)?))
+                .map_err(|e| e.to_string())?;
+            rt.demand.evicted_files.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(folder = %rt.id, path = %res.path, size = res.size, "evicted: its content stays with the peers, a placeholder here");
+            Ok(())
+        }
+        Err(StoreError::Busy(_)) => Err("open for writing by another program".into()),
+        Err(StoreError::Changed(_)) => Err("changed on disk since it was scanned".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The folder's local files, least recently used first (their last use since the daemon
+/// started, else when their version was journaled).
+fn by_last_use(rt: &FolderRt, mut files: Vec<Resident>) -> Vec<Resident> {
+    files.sort_by_key(|r| {
+        (
+            rt.demand.last_used(&r.path).unwrap_or(r.changed_ns),
+            r.path.clone(),
+        )
+    });
+    files
+}
+
+/// Evicts least recently used files of `rt` until it is under its budget (nothing when it has
+/// none, or is not on demand).
+pub fn keep_budget(
+    folders: &Folders,
+    rt: &FolderRt,
+    connected: &[DeviceId],
+) -> Result<EvictReport, FolderError> {
+    let policy = rt.policy();
+    let (true, Some(max)) = (policy.on_demand, policy.cache_max) else {
+        return Ok(EvictReport::default());
+    };
+    let (local, files) = {
+        let reader = folders.reader()?;
+        let local = reader.residency(&rt.id)?.local_bytes;
+        if local <= max {
+            return Ok(EvictReport {
+                local_bytes: local,
+                cache_max: Some(max),
+                ..Default::default()
+            });
+        }
+        (local, reader.residents(&rt.id)?)
+    };
+    let over = local - max;
+    evict_files(folders, rt, by_last_use(rt, files), connected, |freed| {
+        freed < over
+    })
+}
+
+/// `meshfs evict FOLDER PATH`: evicts what is local at or below `scope` now, by the same rules.
+pub fn evict(
+    folders: &Folders,
+    rt: &FolderRt,
+    scope: &RelPath,
+    connected: &[DeviceId],
+) -> Result<EvictReport, FolderError> {
+    let files: Vec<Resident> = folders
+        .reader()?
+        .residents(&rt.id)?
+        .into_iter()
+        .filter(|r| r.path.is_within(scope))
+        .collect();
+    evict_files(folders, rt, by_last_use(rt, files), connected, |_| true)
+}
+
+/// Keeps `folder` under its budget while it runs: at once when content arrived
+/// (`Demand::arrived`), and every [`BUDGET_TICK`]; stale placeholder rows are dropped at each
+/// tick. Ends when the folder stops.
+pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected) {
+    let mut pruned = Instant::now() - BUDGET_TICK;
+    loop {
+        let Some(rt) = folders.upgrade().and_then(|f| f.get(&folder)) else {
+            return;
+        };
+        let _ = tokio::time::timeout(BUDGET_TICK, rt.demand.arrived.notified()).await;
+        drop(rt);
+        let Some(f) = folders.upgrade() else {
+            return;
+        };
+        let Some(rt) = f.get(&folder) else {
+            return;
+        };
+        if !rt.policy().on_demand {
+            continue;
+        }
+        let prune = pruned.elapsed() >= BUDGET_TICK;
+        if prune {
+            pruned = Instant::now();
+        }
+        let ids = connected(&folder);
+        let done = tokio::task::spawn_blocking(move || {
+            if prune {
+                f.journal()?.prune_absent(&rt.id)?;
+            }
+            keep_budget(&f, &rt, &ids)
+        })
+        .await;
+        match done {
+            Ok(Ok(r)) if !r.evicted.is_empty() || !r.kept.is_empty() => {
+                tracing::info!(%folder, evicted = r.evicted.len(), freed = r.freed_bytes, kept = r.kept.len(),
+                    local = r.local_bytes, max = ?r.cache_max, "budget kept");
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(%folder, error = %e, "keeping the folder's budget failed"),
+            Err(e) => tracing::warn!(%folder, error = %e, "keeping the folder's budget failed"),
+        }
+    }
+}

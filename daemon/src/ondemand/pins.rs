@@ -1,0 +1,141 @@
+//! Pins (docs/decisions.md, D94): a path kept local, recorded in the journal, and what is not
+//! local below it fetched now. The decide step and eviction read the pins from the folder's
+//! demand, which follows the journal here.
+
+use super::{errno_name, make_local, Peers};
+use crate::folder::{FolderError, FolderRt, Folders};
+use meshfs_protocol::RelPath;
+use serde::Serialize;
+use std::sync::Arc;
+
+/// Why a pin or an unpin was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PinError {
+    /// Nothing is journaled at or below the path.
+    #[error("{0}: no such file or directory in the folder")]
+    NothingThere(RelPath),
+    /// The journal or the folder failed.
+    #[error(transparent)]
+    Folder(#[from] FolderError),
+}
+
+impl From<crate::journal::JournalError> for PinError {
+    fn from(e: crate::journal::JournalError) -> Self {
+        PinError::Folder(e.into())
+    }
+}
+
+/// What `meshfs pin` did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PinReport {
+    /// The pinned path.
+    pub path: String,
+    /// Files below it fetched now.
+    pub fetched: usize,
+    /// Files below it that could not be fetched (they are fetched at their next open, or by
+    /// `meshfs pin` again), and why.
+    pub failed: Vec<PinFailure>,
+}
+
+/// A file a pin could not fetch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PinFailure {
+    /// The path.
+    pub path: String,
+    /// Why, in words.
+    pub error: String,
+    /// The errno an open of it fails with now, by name.
+    pub errno: &'static str,
+}
+
+/// Pins `path` of `rt` and fetches what is not local at or below it, one file after another.
+pub async fn pin(
+    folders: &Arc<Folders>,
+    rt: &Arc<FolderRt>,
+    peers: &Peers,
+    path: RelPath,
+) -> Result<PinReport, PinError> {
+    if !rt.policy().on_demand {
+        return Err(FolderError::NotOnDemand(rt.id.clone()).into());
+    }
+    let (f, r, p) = (folders.clone(), rt.clone(), path.clone());
+    let online = tokio::task::spawn_blocking(move || -> Result<Vec<RelPath>, PinError> {
+        {
+            let reader = f.reader()?;
+            let here = reader.get(&r.id, &p)?.is_some_and(|s| !s.record.deleted)
+                || reader.has_live_below(&r.id, &p)?;
+            if !here {
+                return Err(PinError::NothingThere(p));
+            }
+        }
+        let mut j = f.journal()?;
+        j.pin(&r.id, &p)?;
+        r.demand.set_pins(j.pins(&r.id)?);
+        drop(j);
+        Ok(f.reader()?.online(&r.id, Some(&p))?)
+    })
+    .await
+    .map_err(|e| FolderError::Task(e.to_string()))??;
+    let (fetched, failed) = fetch_all(folders, rt, peers, online).await;
+    Ok(PinReport {
+        path: path.as_str().to_string(),
+        fetched,
+        failed,
+    })
+}
+
+/// Makes `files` (placeholders) local, one after another: how many were, and those that could
+/// not be.
+pub async fn fetch_all(
+    folders: &Arc<Folders>,
+    rt: &Arc<FolderRt>,
+    peers: &Peers,
+    files: Vec<RelPath>,
+) -> (usize, Vec<PinFailure>) {
+    let mut fetched = 0;
+    let mut failed = Vec::new();
+    for file in files {
+        match make_local(folders, rt, peers, &file, 0).await {
+            Ok(()) => fetched += 1,
+            Err(f) => failed.push(PinFailure {
+                path: file.as_str().to_string(),
+                error: f.why,
+                errno: errno_name(f.errno),
+            }),
+        }
+    }
+    (fetched, failed)
+}
+
+/// A folder that stopped being on demand: everything not local is fetched now (in the
+/// background; what cannot be is fetched when opened, as before).
+pub async fn make_whole(folders: Arc<Folders>, rt: Arc<FolderRt>, peers: Peers) {
+    let (f, r) = (folders.clone(), rt.clone());
+    let online = tokio::task::spawn_blocking(move || {
+        f.reader().and_then(|j| Ok(j.online(&r.id, None)?))
+    })
+    .await;
+    let Ok(Ok(online)) = online else {
+        return;
+    };
+    if online.is_empty() {
+        return;
+    }
+    tracing::info!(folder = %rt.id, files = online.len(), "no longer on demand: fetching what is not here");
+    let (fetched, failed) = fetch_all(&folders, &rt, &peers, online).await;
+    tracing::info!(folder = %rt.id, fetched, failed = failed.len(), "no longer on demand: fetched");
+}
+
+/// Drops the pin of `path` (its files stay local until the budget needs the room); whether
+/// there was one.
+pub fn unpin(folders: &Folders, rt: &FolderRt, path: &RelPath) -> Result<bool, PinError> {
+    let mut j = folders.journal()?;
+    let was = j.unpin(&rt.id, path)?;
+    rt.demand.set_pins(j.pins(&rt.id)?);
+    drop(j);
+    if was {
+        // What it kept may be over the budget now.
+        rt.demand.arrived.notify_one();
+    }
+    Ok(was)
+}
