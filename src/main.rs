@@ -365,7 +365,7 @@ enum FolderCmd {
         no_on_demand: bool,
         /// The budget: a size (64MiB, 2GiB, bytes), or `none`.
         #[arg(long, value_parser = ondemand_cmd::parse_cache_max_or_none)]
-        cache_max: Option<Option<u64>>,
+        cache_max: Option<ondemand_cmd::Budget>,
     },
     /// List folders.
     #[command(

@@ -16,12 +16,16 @@ pub fn parse_cache_max(s: &str) -> Result<u64, String> {
     parse_size(s)
 }
 
+/// A `folder set --cache-max` value: a size, or none (no budget).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget(pub Option<u64>);
+
 /// A `folder set --cache-max` argument: a size, or `none` (no budget).
-pub fn parse_cache_max_or_none(s: &str) -> Result<Option<u64>, String> {
+pub fn parse_cache_max_or_none(s: &str) -> Result<Budget, String> {
     if s.eq_ignore_ascii_case("none") {
-        return Ok(None);
+        return Ok(Budget(None));
     }
-    parse_size(s).map(Some)
+    parse_size(s).map(|b| Budget(Some(b)))
 }
 
 /// `meshfs folder set ID [--on-demand | --no-on-demand] [--cache-max SIZE|none]`.
@@ -29,7 +33,7 @@ pub fn folder_set(
     home: &Home,
     id: &FolderId,
     on_demand: Option<bool>,
-    cache_max: Option<Option<u64>>,
+    cache_max: Option<Budget>,
 ) -> anyhow::Result<u8> {
     if on_demand.is_none() && cache_max.is_none() {
         bail!("nothing to set: give --on-demand, --no-on-demand or --cache-max");
@@ -42,7 +46,7 @@ pub fn folder_set(
     if let Some(on) = on_demand {
         f.on_demand = on;
     }
-    if let Some(max) = cache_max {
+    if let Some(Budget(max)) = cache_max {
         f.cache_max = max;
     }
     if f.cache_max.is_some() && !f.on_demand {
@@ -101,7 +105,9 @@ pub fn unpin(home: &Home, folder: FolderId, path: String) -> anyhow::Result<u8> 
         return Ok(EXIT_NO_DAEMON);
     };
     if r["unpinned"].as_bool() == Some(true) {
-        println!("unpinned {path} in {folder}: its files stay here until the budget needs the room");
+        println!(
+            "unpinned {path} in {folder}: its files stay here until the budget needs the room"
+        );
         Ok(0)
     } else {
         eprintln!("meshfs: {path} is not pinned in {folder} (a pin covers what is below it: unpin the directory that was pinned)");

@@ -22,7 +22,11 @@ struct OnDemand {
 
 /// A with `files` (path, content, mode), B on demand with `budget`, both started, B mounted
 /// and caught up with A.
-fn setup(t: &std::sync::Arc<tempfile::TempDir>, files: &[(&str, Vec<u8>, u32)], budget: Option<&str>) -> OnDemand {
+fn setup(
+    t: &std::sync::Arc<tempfile::TempDir>,
+    files: &[(&str, Vec<u8>, u32)],
+    budget: Option<&str>,
+) -> OnDemand {
     let mut a = Device::new(t, "a");
     let mut b = Device::new(t, "b");
     for (path, data, mode) in files {
@@ -51,7 +55,13 @@ fn setup(t: &std::sync::Arc<tempfile::TempDir>, files: &[(&str, Vec<u8>, u32)], 
 fn in_sync(d: &Device, secs: u64) {
     let out = meshfs(
         &d.home,
-        &["status", "--wait-synced", "--connected", "--timeout", &secs.to_string()],
+        &[
+            "status",
+            "--wait-synced",
+            "--connected",
+            "--timeout",
+            &secs.to_string(),
+        ],
     );
     assert!(
         out.status.success(),
@@ -105,7 +115,12 @@ fn state(p: &Path) -> String {
             buf.len(),
         )
     };
-    assert!(n >= 0, "getxattr {}: {}", p.display(), std::io::Error::last_os_error());
+    assert!(
+        n >= 0,
+        "getxattr {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
     String::from_utf8_lossy(&buf[..n as usize]).into_owned()
 }
 
@@ -115,7 +130,12 @@ fn listing(root: &Path) -> BTreeMap<String, (u64, u32, i64)> {
     let mut stack = vec![root.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let rel = e.path().strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            let rel = e
+                .path()
+                .strip_prefix(root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
             if rel.starts_with(".meshfs") {
                 continue;
             }
@@ -135,7 +155,8 @@ fn blake(data: &[u8]) -> String {
 }
 
 #[test]
-fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches_a_file_when_read() {
+fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches_a_file_when_read()
+{
     let t = tmp();
     let big = noise(6 << 20, 1);
     let files = vec![
@@ -144,13 +165,18 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
         ("docs/deep/b.txt", noise(90 << 10, 3), 0o600),
         ("docs/small.txt", b"a small file".to_vec(), 0o644),
         ("empty", Vec::new(), 0o644),
+        ("edit.bin", noise(200 << 10, 4), 0o644),
+        ("gone.bin", noise(150 << 10, 5), 0o644),
     ];
     let od = setup(&t, &files, None);
     // B's backing holds nearly nothing: placeholders, no data blocks.
     let (blocks, sizes) = disk_use(&od.b.dir);
     let total: u64 = files.iter().map(|f| f.1.len() as u64).sum();
     assert_eq!(sizes, total, "true sizes in the backing");
-    assert!(blocks < total / 100, "backing uses {blocks} bytes of {total}");
+    assert!(
+        blocks < total / 100,
+        "backing uses {blocks} bytes of {total}"
+    );
     // Listing and stat through the mount: true sizes, modes, times; nothing fetched.
     let before = received(&od.b);
     let theirs = listing(&od.a.dir);
@@ -159,7 +185,11 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     for (path, _, _) in &files {
         let md = std::fs::metadata(od.mnt.join(path)).unwrap();
         if md.len() > 0 {
-            assert_eq!(md.blocks(), 0, "{path}: st_blocks counts what is local: nothing");
+            assert_eq!(
+                md.blocks(),
+                0,
+                "{path}: st_blocks counts what is local: nothing"
+            );
             assert_eq!(state(&od.mnt.join(path)), "online", "{path}");
         }
     }
@@ -174,8 +204,15 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     assert!(got >= big.len() as u64, "fetched: {got} bytes received");
     assert_eq!(state(&od.mnt.join("big.bin")), "local");
     let md = std::fs::metadata(od.mnt.join("big.bin")).unwrap();
-    assert!(md.blocks() * 512 >= big.len() as u64, "st_blocks: all of it is local");
-    assert_eq!(std::fs::read(od.b.path("big.bin")).unwrap(), big, "the backing holds it");
+    assert!(
+        md.blocks() * 512 >= big.len() as u64,
+        "st_blocks: all of it is local"
+    );
+    assert_eq!(
+        std::fs::read(od.b.path("big.bin")).unwrap(),
+        big,
+        "the backing holds it"
+    );
     // Read again: nothing more fetched.
     let before = received(&od.b);
     assert_eq!(std::fs::read(od.mnt.join("big.bin")).unwrap(), big);
@@ -187,9 +224,257 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     in_sync(&od.b, 30);
     assert_eq!(listing(&od.mnt), theirs);
     // Every other file reads right through the mount.
-    for (path, data, _) in &files {
+    for (path, data, _) in files
+        .iter()
+        .filter(|f| !f.0.ends_with(".bin") || f.0 == "big.bin")
+    {
         assert_eq!(std::fs::read(od.mnt.join(path)).unwrap(), *data, "{path}");
     }
-    let _ = Instant::now();
-    let _ = Duration::ZERO;
+    // An edit of a file that is not local keeps the bytes it did not touch: the open for
+    // writing makes it whole first; the edit reaches A.
+    let edited = {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(od.mnt.join("edit.bin"))
+            .unwrap();
+        f.seek(SeekFrom::Start(1000)).unwrap();
+        f.write_all(b"EDITED").unwrap();
+        let mut want = files.iter().find(|f| f.0 == "edit.bin").unwrap().1.clone();
+        want[1000..1006].copy_from_slice(b"EDITED");
+        want
+    };
+    assert_eq!(std::fs::read(od.mnt.join("edit.bin")).unwrap(), edited);
+    // A truncate to nothing needs no content.
+    let before = received(&od.b);
+    let c = CString::new(od.mnt.join("gone.bin").as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path, valid for the call.
+    assert_eq!(
+        unsafe { libc::truncate(c.as_ptr(), 0) },
+        0,
+        "{}",
+        std::io::Error::last_os_error()
+    );
+    assert!(
+        received(&od.b) - before < 64 << 10,
+        "the truncate fetched nothing"
+    );
+    assert_eq!(std::fs::metadata(od.mnt.join("gone.bin")).unwrap().len(), 0);
+    assert_eq!(state(&od.mnt.join("gone.bin")), "local");
+    let t0 = Instant::now();
+    while std::fs::read(od.a.path("edit.bin")).unwrap() != edited
+        || std::fs::metadata(od.a.path("gone.bin")).unwrap().len() != 0
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the edits never reached A"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until `what` holds of B's `on_demand` status.
+fn until_status(b: &Device, secs: u64, what: &str, f: impl Fn(&serde_json::Value) -> bool) {
+    let t0 = Instant::now();
+    loop {
+        let d = on_demand(b);
+        if f(&d) {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "{what}: {d:#}\n{}",
+            b.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn evict(b: &Device, path: &str) -> serde_json::Value {
+    serde_json::from_str(&b.cli_ok(&["evict", "work", path, "--json"])).unwrap()
+}
+
+fn kept_why(report: &serde_json::Value, path: &str) -> String {
+    report["kept"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["path"] == path)
+        .map(|k| k["why"].as_str().unwrap().to_string())
+        .unwrap_or_else(|| panic!("{path} not kept: {report:#}"))
+}
+
+#[test]
+fn the_budget_holds_while_reading_and_pinned_open_and_unacknowledged_files_stay() {
+    let t = tmp();
+    const MIB: usize = 1 << 20;
+    let mut files: Vec<(String, Vec<u8>, u32)> = (0..6)
+        .map(|i| (format!("x/f{i}"), noise(3 * MIB, 10 + i as u64), 0o644))
+        .collect();
+    files.push(("keep/k0".into(), noise(3 * MIB, 20), 0o644));
+    files.push(("keep/k1".into(), noise(3 * MIB, 21), 0o644));
+    let refs: Vec<(&str, Vec<u8>, u32)> = files
+        .iter()
+        .map(|(p, d, m)| (p.as_str(), d.clone(), *m))
+        .collect();
+    let mut od = setup(&t, &refs, Some("8MiB"));
+    let budget = 8u64 << 20;
+    // Reading 18 MiB one file after another: the folder stays under 8 MiB, least recently
+    // used first out.
+    for i in 0..6 {
+        let path = format!("x/f{i}");
+        let data = std::fs::read(od.mnt.join(&path)).unwrap();
+        assert_eq!(data, files[i].1, "{path}");
+        until_status(&od.b, 10, "under the budget after a read", |d| {
+            d["local_bytes"].as_u64().unwrap() <= budget
+        });
+    }
+    let (blocks, _) = disk_use(&od.b.dir);
+    assert!(blocks <= budget + (1 << 20), "backing holds {blocks} bytes");
+    assert_eq!(
+        state(&od.mnt.join("x/f0")),
+        "online",
+        "read first, evicted first"
+    );
+    assert_eq!(state(&od.mnt.join("x/f5")), "local", "read last, kept");
+    // A pin fetches now, and a pinned tree survives what the budget does.
+    let pinned: serde_json::Value =
+        serde_json::from_str(&od.b.cli_ok(&["pin", "work", "keep", "--json"])).unwrap();
+    assert_eq!(pinned["fetched"], 2, "{pinned}");
+    assert_eq!(state(&od.mnt.join("keep/k0")), "pinned");
+    for i in 0..3 {
+        std::fs::read(od.mnt.join(format!("x/f{i}"))).unwrap();
+    }
+    until_status(&od.b, 10, "only the pins and one more left", |d| {
+        d["local_bytes"].as_u64().unwrap() <= budget
+    });
+    for k in ["keep/k0", "keep/k1"] {
+        assert_eq!(state(&od.mnt.join(k)), "pinned", "{k} survived");
+        assert_eq!(
+            std::fs::read(od.b.path(k)).unwrap(),
+            files.iter().find(|f| f.0 == k).unwrap().1
+        );
+    }
+    let r = evict(&od.b, "keep");
+    assert_eq!(r["evicted"].as_array().unwrap().len(), 0, "{r}");
+    assert!(kept_why(&r, "keep/k0").contains("pinned"));
+    // An open file survives the budget and `evict`.
+    let held = std::fs::File::open(od.mnt.join("x/f4")).unwrap();
+    std::fs::read(od.mnt.join("x/f3")).unwrap();
+    until_status(&od.b, 10, "over the budget: pins and an open file", |d| {
+        d["over_budget"].as_u64().unwrap() > 0 || d["local_bytes"].as_u64().unwrap() <= budget
+    });
+    assert_eq!(state(&od.mnt.join("x/f4")), "local", "open: not evicted");
+    let r = evict(&od.b, "x");
+    assert_eq!(kept_why(&r, "x/f4"), "open through the mount");
+    assert_eq!(state(&od.mnt.join("x/f4")), "local");
+    drop(held);
+    let r = evict(&od.b, "x/f4");
+    assert_eq!(r["evicted"], serde_json::json!(["x/f4"]), "{r}");
+    assert_eq!(state(&od.mnt.join("x/f4")), "online");
+    assert_eq!(
+        std::fs::read(od.mnt.join("x/f4")).unwrap(),
+        files[4].1,
+        "fetched again"
+    );
+    // Unpinned, a file may go; but not while its only other holder is offline, nor a change
+    // made here that no peer has acknowledged.
+    od.b.cli_ok(&["unpin", "work", "keep"]);
+    od.a.stop();
+    let r = evict(&od.b, "keep");
+    assert_eq!(r["evicted"].as_array().unwrap().len(), 0, "{r}");
+    let kept = r["kept"].as_array().unwrap().clone();
+    assert!(!kept.is_empty(), "{r}");
+    for k in &kept {
+        assert!(k["why"].as_str().unwrap().contains("last copy"), "{r}");
+    }
+    write(&od.mnt.join("mine.txt"), &noise(100 << 10, 30));
+    let t0 = Instant::now();
+    let r = loop {
+        let r = evict(&od.b, "mine.txt");
+        if r["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["path"] == "mine.txt")
+        {
+            break r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "mine.txt never journaled: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(kept_why(&r, "mine.txt").contains("acknowledged"), "{r}");
+    od.a.start();
+    // Once A has it, it may go, and it comes back whole.
+    in_sync(&od.b, 30);
+    in_sync(&od.a, 30);
+    let r = evict(&od.b, "keep");
+    assert_eq!(r["evicted"].as_array().unwrap().len(), kept.len(), "{r}");
+    let r = evict(&od.b, "mine.txt");
+    assert_eq!(r["evicted"], serde_json::json!(["mine.txt"]), "{r}");
+    assert_eq!(
+        std::fs::read(od.mnt.join("mine.txt")).unwrap(),
+        noise(100 << 10, 30)
+    );
+}
+
+fn open_errno(p: &Path) -> Option<i32> {
+    match std::fs::File::open(p) {
+        Ok(_) => None,
+        Err(e) => Some(e.raw_os_error().unwrap_or(0)),
+    }
+}
+
+#[test]
+fn offline_an_open_fails_within_seconds_with_ehostunreach_and_status_says_why_then_succeeds() {
+    let t = tmp();
+    let data = noise(2 << 20, 40);
+    let mut od = setup(&t, &[("far.bin", data.clone(), 0o644)], None);
+    let path = od.mnt.join("far.bin");
+    // Killed: its connection is not closed, B learns it is gone only by the silence.
+    od.a.kill();
+    let t0 = Instant::now();
+    let errno = open_errno(&path);
+    let took = t0.elapsed();
+    eprintln!("offline open (peer killed) failed in {took:?}");
+    assert_eq!(errno, Some(libc::EHOSTUNREACH), "{}", od.b.log());
+    assert!(
+        took < Duration::from_secs(5),
+        "the open failed after {took:?}"
+    );
+    let d = on_demand(&od.b);
+    let u = &d["unavailable"][0];
+    assert_eq!(u["path"], "far.bin", "{d:#}");
+    assert_eq!(u["errno"], "EHOSTUNREACH");
+    let human = od.b.cli_ok(&["status"]);
+    assert!(
+        human.contains("could not fetch far.bin (EHOSTUNREACH)"),
+        "{human}"
+    );
+    // Once the connection is gone too: at once.
+    let t0 = Instant::now();
+    until_status(&od.b, 60, "A seen offline", |_| {
+        od.b.status()["peers"][0]["connected"] == false
+    });
+    let t1 = Instant::now();
+    assert_eq!(open_errno(&path), Some(libc::EHOSTUNREACH));
+    assert!(
+        t1.elapsed() < Duration::from_secs(1),
+        "offline known: {:?}",
+        t1.elapsed()
+    );
+    let _ = t0;
+    // A back: the same open succeeds and gives the content.
+    od.a.start();
+    until_status(&od.b, 30, "A connected again", |_| {
+        od.b.status()["peers"][0]["connected"] == true
+    });
+    assert_eq!(std::fs::read(&path).unwrap(), data);
+    assert!(on_demand(&od.b)["unavailable"]
+        .as_array()
+        .unwrap()
+        .is_empty());
 }

@@ -156,7 +156,10 @@ impl Demand {
     /// The paths that could not be fetched (by path), and how many more were not listed.
     pub fn unavailable(&self) -> (Vec<(RelPath, Unavailable)>, u64) {
         let u = lock(&self.unavailable);
-        (u.0.iter().map(|(p, x)| (p.clone(), x.clone())).collect(), u.1)
+        (
+            u.0.iter().map(|(p, x)| (p.clone(), x.clone())).collect(),
+            u.1,
+        )
     }
 
     /// Forgets that `path` could not be fetched (it is local or gone now).

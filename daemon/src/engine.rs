@@ -452,8 +452,7 @@ impl Engine {
             return Err(FolderError::NotOnDemand(folder.clone()));
         }
         let folders = self.folders.clone();
-        let connected: Vec<DeviceId> = self
-            .ondemand_peers()(folder)
+        let connected: Vec<DeviceId> = self.ondemand_peers()(folder)
             .into_iter()
             .map(|(d, _)| d)
             .collect();
@@ -517,7 +516,6 @@ impl Engine {
             rt.demand.set_pins(j.pins(&id)?);
             j.prune_absent(&id)?;
         }
-        self.start_on_demand(&rt, f);
         if f.watch {
             let quiet = Duration::from_millis(self.options().coalesce_ms);
             match capture::watch(
@@ -543,6 +541,7 @@ impl Engine {
             );
         }
         self.folders.insert(rt.clone());
+        self.start_on_demand(&rt, f);
         let started = Instant::now();
         let path = f.path.clone();
         if fresh {
@@ -615,9 +614,8 @@ impl Engine {
             }
         }
         let peers = self.ondemand_peers();
-        let connected: crate::ondemand::budget::Connected = Arc::new(move |folder: &FolderId| {
-            peers(folder).into_iter().map(|(d, _)| d).collect()
-        });
+        let connected: crate::ondemand::budget::Connected =
+            Arc::new(move |folder: &FolderId| peers(folder).into_iter().map(|(d, _)| d).collect());
         tokio::spawn(crate::ondemand::budget::run(
             Arc::downgrade(&self.folders),
             rt.id.clone(),

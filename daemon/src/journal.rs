@@ -57,10 +57,10 @@
 //! - The chunk index refers to a record by its row id (not its path, which would be repeated
 //!   per chunk) and is searched by the first 8 bytes of the chunk hash.
 
+mod on_demand;
 mod roles;
 mod rows;
 mod schema;
-mod on_demand;
 mod versions;
 mod wal;
 

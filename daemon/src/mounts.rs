@@ -76,6 +76,10 @@ impl WriterRegistry for MountSlot {
     fn has_writer(&self, path: &RelPath) -> bool {
         self.current().is_some_and(|h| h.has_writer(path))
     }
+
+    fn holds_inode(&self, inode: u64) -> bool {
+        self.current().is_some_and(|h| h.holds_inode(inode))
+    }
 }
 
 /// Feeds a mount's change events into a folder's capture loop.

@@ -23,11 +23,11 @@ use crate::backing::{
     file_type, generation, is_internal, kill_suidgid, rel_path, zero_stat, zero_umask, Shared,
     Target,
 };
-use crate::placeholder;
 use crate::handles::MakeBacking;
 use crate::inodes::ROOT;
 use crate::kept::ContentSig;
 use crate::passthrough::{capable_sys_admin, PassthroughOff};
+use crate::placeholder;
 use crate::prefetch::{Job, Prefetcher};
 use crate::sys::{self, SetTime, Stat, SysResult};
 use crate::{lock, ChangeEvent, ChangeKind};
@@ -123,17 +123,23 @@ impl Passthrough {
     }
 
     /// The value of `user.meshfs.state` for node `ino`: asked of the engine for a regular file
-    /// of a mount with a content source; `None` (no such attribute) otherwise.
-    fn state_xattr(&self, ino: u64) -> Option<Vec<u8>> {
-        let source = self.sh.content.as_ref()?;
+    /// of a mount with a content source; `ENODATA` (no such attribute) otherwise. A node whose
+    /// name now holds another file answers `ESTALE`, as for any attribute (the kernel looks the
+    /// name up again).
+    fn state_xattr(&self, ino: u64) -> Result<Vec<u8>, Errno> {
+        let Some(source) = self.sh.content.as_ref() else {
+            return Err(Errno::ENODATA);
+        };
         if self.sh.kind_of(ino) != Some(libc::S_IFREG) {
-            return None;
+            return Err(Errno::ENODATA);
         }
-        let path = self.sh.path_of(ino).and_then(|p| rel_path(&p))?;
-        let local = !self
-            .with_xattr(ino, |at| Ok(placeholder::is_placeholder(at)))
-            .ok()?;
-        Some(source.state(&path, local).as_bytes().to_vec())
+        let path = self
+            .sh
+            .path_of(ino)
+            .and_then(|p| rel_path(&p))
+            .ok_or(Errno::ENODATA)?;
+        let local = !self.with_xattr(ino, |at| Ok(placeholder::is_placeholder(at)))?;
+        Ok(source.state(&path, local).as_bytes().to_vec())
     }
 
     fn do_create_node(
@@ -757,6 +763,7 @@ impl Filesystem for Passthrough {
                 |fd: BorrowedFd<'_>| self.sh.make_backing(fd, |fd| reply.open_backing(fd));
             self.sh.handles.add_file(
                 ino,
+                st.ino,
                 fd,
                 writable,
                 passthrough.then_some(&mut make as MakeBacking<'_>),
@@ -1070,7 +1077,7 @@ impl Filesystem for Passthrough {
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let res = sys::cstr(name).map_err(err).and_then(|n| {
             if placeholder::is_state(&n) {
-                return self.state_xattr(ino.0).ok_or(Errno::ENODATA);
+                return self.state_xattr(ino.0);
             }
             if placeholder::is_own(&n) {
                 return Err(Errno::ENODATA);
@@ -1097,8 +1104,8 @@ impl Filesystem for Passthrough {
                 sys::listxattr(at, n)
             })
             .map(|list| {
-                let with_state = self.sh.content.is_some()
-                    && self.sh.kind_of(ino.0) == Some(libc::S_IFREG);
+                let with_state =
+                    self.sh.content.is_some() && self.sh.kind_of(ino.0) == Some(libc::S_IFREG);
                 placeholder::filter_list(&list, with_state)
             });
         let res = match res {
@@ -1195,6 +1202,7 @@ impl Filesystem for Passthrough {
                 |fd: BorrowedFd<'_>| self.sh.make_backing(fd, |fd| reply.open_backing(fd));
             self.sh.handles.add_file(
                 ino,
+                st.ino,
                 fd,
                 writable,
                 passthrough.then_some(&mut make as MakeBacking<'_>),

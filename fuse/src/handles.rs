@@ -24,6 +24,9 @@ pub(crate) type MakeBacking<'a> = &'a mut dyn FnMut(BorrowedFd<'_>) -> Option<Ba
 pub(crate) struct Handle {
     /// The node it was opened through.
     pub ino: u64,
+    /// The backing inode its descriptor holds (the node's, but for an open that made a
+    /// placeholder's content local: the new file's, D92).
+    pub backing_ino: u64,
     /// The backing descriptor.
     pub fd: OwnedFd,
     /// Opened for writing (O_WRONLY or O_RDWR).
@@ -67,6 +70,8 @@ pub(crate) struct Handles {
     next: AtomicU64,
     map: Mutex<HashMap<u64, Arc<Handle>>>,
     inodes: Mutex<HashMap<u64, InodeOpens>>,
+    /// Open handles by the backing inode their descriptor holds.
+    backing: Mutex<HashMap<u64, u32>>,
 }
 
 impl Handles {
@@ -76,15 +81,18 @@ impl Handles {
             next: AtomicU64::new(1),
             map: Mutex::new(HashMap::new()),
             inodes: Mutex::new(HashMap::new()),
+            backing: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Registers an open file. `make_backing` (when passthrough is wanted) registers `fd`
+    /// Registers an open file of node `ino` whose descriptor `fd` holds the backing inode
+    /// `backing_ino`. `make_backing` (when passthrough is wanted) registers `fd`
     /// with the kernel; it is only called for the first open of an inode, whose mode the
     /// later opens then share. Returns the handle id and the backing id to reply with.
     pub fn add_file(
         &self,
         ino: u64,
+        backing_ino: u64,
         fd: OwnedFd,
         writable: bool,
         make_backing: Option<MakeBacking<'_>>,
@@ -116,12 +124,14 @@ impl Handles {
             st.handles.push(fh);
             backing
         };
+        *lock(&self.backing).entry(backing_ino).or_default() += 1;
         // Inserted after the inode's bookkeeping: `any_file_of` may see an id not yet in
         // the map (and then finds nothing), never a handle its inode does not count.
         lock(&self.map).insert(
             fh,
             Arc::new(Handle {
                 ino,
+                backing_ino,
                 fd,
                 writable,
                 wrote: AtomicBool::new(false),
@@ -155,6 +165,15 @@ impl Handles {
                 }
             }
         }
+        {
+            let mut b = lock(&self.backing);
+            if let Some(n) = b.get_mut(&handle.backing_ino) {
+                *n -= 1;
+                if *n == 0 {
+                    b.remove(&handle.backing_ino);
+                }
+            }
+        }
         Some(Released {
             handle,
             last_writer,
@@ -166,9 +185,9 @@ impl Handles {
         lock(&self.inodes).get(&ino).is_some_and(|s| s.writers > 0)
     }
 
-    /// Whether any handle of `ino` is open.
-    pub fn is_open(&self, ino: u64) -> bool {
-        lock(&self.inodes).get(&ino).is_some_and(|s| s.opens > 0)
+    /// Whether a handle whose descriptor holds the backing inode `backing_ino` is open.
+    pub fn holds_backing(&self, backing_ino: u64) -> bool {
+        lock(&self.backing).contains_key(&backing_ino)
     }
 
     /// Any open file of `ino` (to reach an unlinked or replaced inode).

@@ -24,7 +24,8 @@
 //!   kernel may keep entries and attributes for a minute (D34).
 //! - **no replace under an open writer:** [`WriterRegistry::has_writer`] tells the engine
 //!   a path is open for writing, so it defers an apply until the `Closed` event
-//!   ([`WriterRegistry::has_open`]: open at all, which on-demand eviction respects).
+//!   ([`WriterRegistry::holds_inode`]: a backing file open at all, which on-demand eviction
+//!   respects).
 //! - **content on demand:** in a folder that is on demand, a file whose content is not here is
 //!   a *placeholder* (true size, mode and mtime, no data, the [`PLACEHOLDER_XATTR`] attribute,
 //!   docs/decisions.md D90). An open of one asks the engine's [`ContentSource`] to make it
@@ -175,10 +176,10 @@ pub trait WriterRegistry: Send + Sync {
     /// Whether a handle that may write `path` is open.
     fn has_writer(&self, path: &RelPath) -> bool;
 
-    /// Whether any handle of `path` is open (reading or writing). By default: whether one that
-    /// may write is.
-    fn has_open(&self, path: &RelPath) -> bool {
-        self.has_writer(path)
+    /// Whether a file open through the mount holds the backing inode `inode` (reading or
+    /// writing): what on-demand eviction never replaces. By default: nothing is.
+    fn holds_inode(&self, _inode: u64) -> bool {
+        false
     }
 }
 

@@ -267,9 +267,8 @@ impl WriterRegistry for MountHandle {
             .is_some_and(|ino| self.sh.handles.has_writer(ino))
     }
 
-    fn has_open(&self, path: &RelPath) -> bool {
-        self.node_of(path)
-            .is_some_and(|ino| self.sh.handles.is_open(ino))
+    fn holds_inode(&self, inode: u64) -> bool {
+        self.sh.handles.holds_backing(inode)
     }
 }
 
@@ -692,8 +691,8 @@ impl WriterRegistry for Mount {
         self.handle.has_writer(path)
     }
 
-    fn has_open(&self, path: &RelPath) -> bool {
-        self.handle.has_open(path)
+    fn holds_inode(&self, inode: u64) -> bool {
+        self.handle.holds_inode(inode)
     }
 }
 

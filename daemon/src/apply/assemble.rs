@@ -155,7 +155,10 @@ impl chunks::ChunkSink for TempWriter {
         write_chunk(&self.rt.store, &self.missing, &mut self.temps, hash, data)?;
         if let Some(p) = &self.progress {
             let places = self.missing.get(&hash).map_or(0, |(_, at)| at.len()) as u64;
-            p.fetch_add(places * data.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            p.fetch_add(
+                places * data.len() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         Ok(())
     }

@@ -433,7 +433,12 @@ impl Deciding<'_> {
             return false;
         }
         let had_file = stored.is_some_and(|s| !s.record.deleted && s.record.kind == FileKind::File);
-        !had_file || self.rt.store.placeholder_at(&mut self.dirs, &record.path).is_some()
+        !had_file
+            || self
+                .rt
+                .store
+                .placeholder_at(&mut self.dirs, &record.path)
+                .is_some()
     }
 
     /// A remote version of a path open for writing through the mount is never replaced,

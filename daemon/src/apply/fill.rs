@@ -140,7 +140,8 @@ async fn attempt(
     progress: &Arc<AtomicU64>,
 ) -> Result<Filled, Attempt> {
     let (f, r, p) = (folders.clone(), rt.clone(), path.clone());
-    let Some((seen, transfer, sources, dirs)) = on_blocking(move || Ok(start(&f, &r, &p))).await??
+    let Some((seen, transfer, sources, dirs)) =
+        on_blocking(move || Ok(start(&f, &r, &p))).await??
     else {
         return Ok(Filled::Already);
     };
@@ -186,7 +187,11 @@ async fn attempt(
             Ok(absent) if absent.is_empty() => back.temps,
             Ok(absent) => {
                 discard_all(rt, back.temps.into_iter().flatten());
-                let bytes: u64 = absent.iter().filter_map(|h| lens.get(h)).map(|&l| l as u64).sum();
+                let bytes: u64 = absent
+                    .iter()
+                    .filter_map(|h| lens.get(h))
+                    .map(|&l| l as u64)
+                    .sum();
                 return Err(Attempt::Peer(
                     format!(
                         "it does not have {} of the chunks ({bytes} bytes)",
@@ -235,7 +240,9 @@ fn start(
         Some(h) if h != stored.record.hash => return Err(FillError::Changed(path.clone())),
         Some(_) => {}
     }
-    let local = stored.local.ok_or_else(|| FillError::Changed(path.clone()))?;
+    let local = stored
+        .local
+        .ok_or_else(|| FillError::Changed(path.clone()))?;
     let record = stored.record;
     let meta = Meta {
         record: record.clone(),

@@ -8,8 +8,8 @@ use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::{Change, Journal, Op};
 use crate::store::{placeholder_of, DirCache, Expect, LocalStat, StoreError, TempFile};
-use std::os::fd::AsFd;
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId};
+use std::os::fd::AsFd;
 
 pub(super) fn install(
     folders: &Folders,

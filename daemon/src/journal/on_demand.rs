@@ -49,7 +49,8 @@ const IS_ABSENT: &str =
     "EXISTS (SELECT 1 FROM absent a WHERE a.folder = r.folder AND a.inode = r.local_inode)";
 
 fn mark(tx: &Connection, key: i64, inodes: &[u64]) -> Result<()> {
-    let mut st = tx.prepare_cached("INSERT OR IGNORE INTO absent (folder, inode) VALUES (?1, ?2)")?;
+    let mut st =
+        tx.prepare_cached("INSERT OR IGNORE INTO absent (folder, inode) VALUES (?1, ?2)")?;
     for i in inodes {
         st.execute(params![key, to_i64(*i)])?;
     }
@@ -130,7 +131,12 @@ impl Journal {
 
     /// `path` is a placeholder now, the file `local`: its record's local stat and its row, in
     /// one transaction.
-    pub fn made_absent(&mut self, folder: &FolderId, path: &RelPath, local: LocalStat) -> Result<()> {
+    pub fn made_absent(
+        &mut self,
+        folder: &FolderId,
+        path: &RelPath,
+        local: LocalStat,
+    ) -> Result<()> {
         self.write(|tx| {
             let (key, _) = ensure_folder(tx, folder)?;
             set_local(tx, key, path, &local)?;
@@ -213,7 +219,8 @@ impl Journal {
                 let source = source
                     .and_then(|b| <[u8; 32]>::try_from(b.as_slice()).ok())
                     .map(DeviceId::from_bytes);
-                let opt = |i: usize| -> Result<i64> { Ok(r.get::<_, Option<i64>>(i)?.unwrap_or(0)) };
+                let opt =
+                    |i: usize| -> Result<i64> { Ok(r.get::<_, Option<i64>>(i)?.unwrap_or(0)) };
                 out.push(Resident {
                     path,
                     size: to_u64(r.get(1)?),
@@ -272,7 +279,8 @@ impl Journal {
             let Some(key) = self.key(c, folder)? else {
                 return Ok(Vec::new());
             };
-            let mut st = c.prepare_cached("SELECT path FROM pins WHERE folder = ?1 ORDER BY path")?;
+            let mut st =
+                c.prepare_cached("SELECT path FROM pins WHERE folder = ?1 ORDER BY path")?;
             let mut rows = st.query([key])?;
             let mut out = Vec::new();
             while let Some(r) = rows.next()? {

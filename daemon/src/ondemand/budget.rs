@@ -16,6 +16,14 @@ use std::time::{Duration, Instant};
 /// How often the budget is checked when no content arrived (what a peer's install or a local
 /// write added meanwhile), and stale placeholder rows are dropped.
 pub const BUDGET_TICK: Duration = Duration::from_secs(30);
+/// How soon the budget is checked again when it was kept over only by files open or being
+/// fetched (the file whose fetch woke the check is still open by its reader).
+pub const BUSY_RETRY: Duration = Duration::from_secs(1);
+
+/// Why a file open through the mount is kept.
+const OPEN: &str = "open through the mount";
+/// Why a file being fetched is kept.
+const FETCHING: &str = "being fetched";
 
 /// The connected peers that share a folder now.
 pub type Connected = Arc<dyn Fn(&FolderId) -> Vec<DeviceId> + Send + Sync>;
@@ -50,11 +58,11 @@ fn keeps(res: &Resident, rt: &FolderRt, acked: &HashMap<DeviceId, u64>) -> Optio
     if rt.demand.pinned(&res.path) {
         return Some("pinned (`meshfs unpin` lets it go)");
     }
-    if rt.writers.has_open(&res.path) {
-        return Some("open through the mount");
+    if rt.writers.holds_inode(res.local.inode) {
+        return Some(OPEN);
     }
     if rt.demand.fetching(&res.path) {
-        return Some("being fetched");
+        return Some(FETCHING);
     }
     let held = acked
         .iter()
@@ -127,8 +135,8 @@ fn evict_one(folders: &Folders, rt: &FolderRt, res: &Resident) -> Result<(), Str
     else {
         return Err("changed since it was weighed".into());
     };
-    if rt.writers.has_open(&res.path) {
-        return Err("open through the mount".into());
+    if rt.writers.holds_inode(res.local.inode) {
+        return Err(OPEN.into());
     }
     match rt.store.evict(&now.record, res.local) {
         Ok(local) => {
@@ -210,11 +218,13 @@ pub fn evict(
 /// tick. Ends when the folder stops.
 pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected) {
     let mut pruned = Instant::now() - BUDGET_TICK;
+    let mut wait = BUDGET_TICK;
     loop {
         let Some(rt) = folders.upgrade().and_then(|f| f.get(&folder)) else {
             return;
         };
-        let _ = tokio::time::timeout(BUDGET_TICK, rt.demand.arrived.notified()).await;
+        let _ = tokio::time::timeout(wait, rt.demand.arrived.notified()).await;
+        wait = BUDGET_TICK;
         drop(rt);
         let Some(f) = folders.upgrade() else {
             return;
@@ -237,6 +247,12 @@ pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected)
             keep_budget(&f, &rt, &ids)
         })
         .await;
+        if let Ok(Ok(r)) = &done {
+            let busy = r.kept.iter().any(|k| k.why == OPEN || k.why == FETCHING);
+            if busy && r.cache_max.is_some_and(|max| r.local_bytes > max) {
+                wait = BUSY_RETRY;
+            }
+        }
         match done {
             Ok(Ok(r)) if !r.evicted.is_empty() || !r.kept.is_empty() => {
                 tracing::info!(%folder, evicted = r.evicted.len(), freed = r.freed_bytes, kept = r.kept.len(),

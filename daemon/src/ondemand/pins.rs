@@ -111,10 +111,9 @@ pub async fn fetch_all(
 /// background; what cannot be is fetched when opened, as before).
 pub async fn make_whole(folders: Arc<Folders>, rt: Arc<FolderRt>, peers: Peers) {
     let (f, r) = (folders.clone(), rt.clone());
-    let online = tokio::task::spawn_blocking(move || {
-        f.reader().and_then(|j| Ok(j.online(&r.id, None)?))
-    })
-    .await;
+    let online =
+        tokio::task::spawn_blocking(move || f.reader().and_then(|j| Ok(j.online(&r.id, None)?)))
+            .await;
     let Ok(Ok(online)) = online else {
         return;
     };

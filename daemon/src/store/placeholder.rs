@@ -93,9 +93,7 @@ impl Store {
         t.same_version = true;
         let made = self
             .make_placeholder(&mut t, record.size, &record.hash)
-            .and_then(|()| {
-                self.finish_temp(&mut t, record.size, record.mode, record.mtime_ns)
-            });
+            .and_then(|()| self.finish_temp(&mut t, record.size, record.mode, record.mtime_ns));
         if let Err(e) = made {
             self.discard_temp(t);
             return Err(e);
@@ -134,8 +132,14 @@ mod tests {
         let hash = Hash::of(b"whatever");
         let mut t = store.create_temp(&p("d/f")).unwrap();
         store.make_placeholder(&mut t, 10 << 20, &hash).unwrap();
-        store.finish_temp(&mut t, 10 << 20, 0o640, 7_000_000_000).unwrap();
-        let st = store.install(vec![(t, Expect::Absent)]).pop().unwrap().unwrap();
+        store
+            .finish_temp(&mut t, 10 << 20, 0o640, 7_000_000_000)
+            .unwrap();
+        let st = store
+            .install(vec![(t, Expect::Absent)])
+            .pop()
+            .unwrap()
+            .unwrap();
         assert_eq!(st.size, 10 << 20);
         assert_eq!(st.mtime_ns, 7_000_000_000);
         let md = std::fs::metadata(dir.path().join("d/f")).unwrap();
