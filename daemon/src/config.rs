@@ -890,6 +890,39 @@ mod tests {
     }
 
     #[test]
+    fn a_budget_is_read_in_bytes_or_with_a_unit_and_written_back_in_the_largest_whole_unit() {
+        assert_eq!(parse_size("65536"), Ok(65536));
+        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_size("2 GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size("10K"), Ok(10 << 10));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("12 parsecs").is_err());
+        assert_eq!(format_size(64 << 20), "64MiB");
+        assert_eq!(format_size((64 << 20) + 1), ((64u64 << 20) + 1).to_string());
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        let mut f = FolderConfig::new(FolderId::new("work").unwrap(), "/tmp/w".into());
+        f.on_demand = true;
+        f.cache_max = Some(3 << 30);
+        c.folders.push(f);
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(text.contains("on_demand = true"), "{text}");
+        assert!(text.contains("cache_max = \"3GiB\""), "{text}");
+        assert_eq!(Config::load(&home).unwrap(), c);
+        std::fs::write(home.config_file(), text.replace("\"3GiB\"", "1073741824")).unwrap();
+        assert_eq!(
+            Config::load(&home).unwrap().folders[0].cache_max,
+            Some(1 << 30)
+        );
+        std::fs::write(home.config_file(), text.replace("\"3GiB\"", "\"much\"")).unwrap();
+        let err = Config::load(&home).unwrap_err().to_string();
+        assert!(err.contains("not a size"), "{err}");
+    }
+
+    #[test]
     fn ids_are_written_as_text_and_read_back_typed() {
         let dir = tempfile::tempdir().unwrap();
         let home = Home::resolve(Some(dir.path()));

@@ -871,6 +871,27 @@ mod tests {
                 },
             ),
             (json!({"op": "ui"}), Request::Ui),
+            (
+                json!({"op": "pin", "folder": "work", "path": "photos"}),
+                Request::Pin {
+                    folder: work(),
+                    path: "photos".into(),
+                },
+            ),
+            (
+                json!({"op": "unpin", "folder": "work", "path": "photos"}),
+                Request::Unpin {
+                    folder: work(),
+                    path: "photos".into(),
+                },
+            ),
+            (
+                json!({"op": "evict", "folder": "work", "path": "videos"}),
+                Request::Evict {
+                    folder: work(),
+                    path: "videos".into(),
+                },
+            ),
         ]
     }
 

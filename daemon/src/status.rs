@@ -974,6 +974,7 @@ mod tests {
                 "not_sent": {"count": 0, "items": []},
                 "in_sync": true, "in_sync_with_connected": true, "peers_connected": true,
                 "peers": [folder_peer],
+                "on_demand": null,
             }],
             "peers": [
                 {"device_id": peer_id().to_string(), "short_id": peer_id().short().display7(),

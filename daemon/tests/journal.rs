@@ -1686,3 +1686,62 @@ fn a_held_read_transaction_sees_writes_and_blocks_no_one() {
     j.end_reads();
     assert!(j.get(&folder(), &p("c")).unwrap().is_some());
 }
+
+#[test]
+fn placeholders_are_counted_apart_follow_their_inode_and_stale_rows_are_dropped() {
+    let dir = TempDir::new().unwrap();
+    let (mut j, _) = open(&dir);
+    let f = folder();
+    let local = |inode: u64, size: u64| LocalStat {
+        inode,
+        size,
+        mtime_ns: 1,
+        ctime_ns: 1,
+        mode: 0o100644,
+    };
+    let a = file("a", &[7u8; 100], vv(&[(1, 1)]));
+    let b = file("d/b", &[8u8; 300], vv(&[(1, 2)]));
+    let mut ca = change(a.clone(), Op::Create);
+    ca.local = Some(local(10, 100));
+    ca.source = Some(dev(1));
+    let mut cb = change(b.clone(), Op::Create);
+    cb.local = Some(local(11, 300));
+    // b arrives as a placeholder: in the same transaction as its record.
+    j.commit_absent(&f, vec![ca, cb], &[11]).unwrap();
+    let r = j.residency(&f).unwrap();
+    assert_eq!((r.local_files, r.local_bytes), (1, 100));
+    assert_eq!((r.online_files, r.online_bytes), (1, 300));
+    assert_eq!(j.online(&f, None).unwrap(), vec![p("d/b")]);
+    assert_eq!(j.online(&f, Some(&p("d"))).unwrap(), vec![p("d/b")]);
+    assert_eq!(j.online(&f, Some(&p("d/b"))).unwrap(), vec![p("d/b")]);
+    assert!(j.online(&f, Some(&p("a"))).unwrap().is_empty());
+    let res = j.residents(&f).unwrap();
+    assert_eq!(res.len(), 1);
+    assert_eq!(res[0].path, p("a"));
+    assert_eq!(res[0].source, Some(dev(1)));
+    assert_eq!(res[0].local.inode, 10);
+    // Its content fetched: a new inode, the row gone.
+    j.made_local(&f, &p("d/b"), local(12, 300), 11).unwrap();
+    assert_eq!(j.residency(&f).unwrap().online_files, 0);
+    // a evicted: a placeholder with a new inode.
+    j.made_absent(&f, &p("a"), local(13, 100)).unwrap();
+    let r = j.residency(&f).unwrap();
+    assert_eq!((r.local_bytes, r.online_bytes), (300, 100));
+    // A chunk of a placeholder is not offered as local content.
+    let chunk = a.chunks[0].hash;
+    assert!(j.find_chunk(&f, &chunk).unwrap().is_empty());
+    assert_eq!(j.find_chunk(&f, &b.chunks[0].hash).unwrap().len(), 1);
+    // A row no live record names any more is dropped.
+    j.mark_absent(&f, &[99]).unwrap();
+    assert_eq!(j.prune_absent(&f).unwrap(), 1);
+    assert_eq!(j.prune_absent(&f).unwrap(), 0);
+    assert_eq!(j.residency(&f).unwrap().online_files, 1);
+    // Pins.
+    j.pin(&f, &p("d")).unwrap();
+    j.pin(&f, &p("d")).unwrap();
+    j.pin(&f, &p("a")).unwrap();
+    assert_eq!(j.pins(&f).unwrap(), vec![p("a"), p("d")]);
+    assert!(j.unpin(&f, &p("d")).unwrap());
+    assert!(!j.unpin(&f, &p("d")).unwrap());
+    assert_eq!(j.pins(&f).unwrap(), vec![p("a")]);
+}
