@@ -577,6 +577,7 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     assert_eq!(
         folders,
         serde_json::json!([{"id": "work", "path": a.dir.to_str().unwrap(), "watch": true,
+                            "on_demand": false, "cache_max": null,
                             "shared_with": [b.id.as_str()]}])
     );
     assert_eq!(

@@ -248,7 +248,8 @@ fn a_journal_from_before_the_mark_killed_right_after_its_upgrade_starts_again() 
         "import sqlite3, sys\n\
          c = sqlite3.connect(sys.argv[1])\n\
          c.executescript('DROP TABLE wal_mark; DROP TABLE versions; DROP TABLE pruned; \
-         DROP TABLE held; DROP TABLE local_only; PRAGMA user_version = 4;')\n\
+         DROP TABLE held; DROP TABLE local_only; DROP TABLE absent; DROP TABLE pins; \
+         PRAGMA user_version = 4;')\n\
          c.close()\n",
         &[journal(&d).to_str().unwrap()],
     );
