@@ -478,3 +478,53 @@ fn offline_an_open_fails_within_seconds_with_ehostunreach_and_status_says_why_th
         .unwrap()
         .is_empty());
 }
+
+#[test]
+fn a_crash_right_after_a_placeholder_is_installed_is_completed_at_restart_and_the_file_still_opens() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    let data = noise(1 << 20, 50);
+    write(&a.path("far.bin"), &data);
+    ok(&b.home, &["folder", "set", "work", "--on-demand"]);
+    pair(&a, &b);
+    // Killed between the rename of the placeholder into place and the journal's commit.
+    b.arm("install.after_rename@far.bin=abort");
+    a.start();
+    let status = b.run_to_exit(30);
+    assert!(!status.success(), "b died at the failpoint");
+    assert!(
+        is_placeholder(&b.path("far.bin")),
+        "the placeholder is in place"
+    );
+    b.env.clear();
+    b.start();
+    in_sync(&b, 30);
+    let d = on_demand(&b);
+    assert_eq!(d["online_files"], 1, "journaled as not local: {d:#}");
+    assert!(
+        !b.log().contains("kept changing"),
+        "no rescan loop over the placeholder"
+    );
+    let mnt = t.path().join("mnt-b");
+    std::fs::create_dir_all(&mnt).unwrap();
+    ok(&b.home, &["mount", "work", mnt.to_str().unwrap()]);
+    assert_eq!(std::fs::read(mnt.join("far.bin")).unwrap(), data);
+    // Nothing of it became a version of B's: A's journal has the one it made.
+    assert_eq!(a.journal(&["--path", "far.bin"]).len(), 1);
+}
+
+/// Whether `p` carries the placeholder mark.
+fn is_placeholder(p: &Path) -> bool {
+    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path and a null buffer of size 0 (asks the value's size).
+    let n = unsafe {
+        libc::getxattr(
+            c.as_ptr(),
+            c"user.meshfs.placeholder".as_ptr(),
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    n == 32
+}

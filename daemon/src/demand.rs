@@ -30,7 +30,7 @@ pub struct Flight {
     pub pid: u32,
     /// The file's size.
     pub size: u64,
-    /// Bytes of it here so far (copied or fetched).
+    /// Bytes of it fetched so far (chunks copied from local files are not counted).
     pub done: Arc<AtomicU64>,
     outcome: Mutex<Option<Result<(), Failure>>>,
     ended: Condvar,
@@ -130,9 +130,6 @@ impl Demand {
             }
         }
         if let Some(f) = flight {
-            if outcome.is_ok() {
-                self.fetched_files.fetch_add(1, Ordering::Relaxed);
-            }
             *lock(&f.outcome) = Some(outcome);
             f.ended.notify_all();
         }

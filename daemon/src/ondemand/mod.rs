@@ -75,6 +75,7 @@ pub async fn make_local(
     let outcome = match filled {
         Ok(Filled::Local(_)) => {
             rt.demand.fetched_bytes.fetch_add(size, Ordering::Relaxed);
+            rt.demand.fetched_files.fetch_add(1, Ordering::Relaxed);
             tracing::info!(folder = %rt.id, %path, size, pid, ms = started.elapsed().as_millis() as u64, "content fetched on demand");
             Ok(())
         }
