@@ -480,7 +480,8 @@ fn offline_an_open_fails_within_seconds_with_ehostunreach_and_status_says_why_th
 }
 
 #[test]
-fn a_crash_right_after_a_placeholder_is_installed_is_completed_at_restart_and_the_file_still_opens() {
+fn a_crash_right_after_a_placeholder_is_installed_is_completed_at_restart_and_the_file_still_opens()
+{
     let t = tmp();
     let mut a = Device::new(&t, "a");
     let mut b = Device::new(&t, "b");

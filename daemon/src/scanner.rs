@@ -738,7 +738,11 @@ fn add_hashed(
     for (job, read) in hashed {
         let content = match read {
             None => None,
-            Some(Read::Content(c)) => Some(c),
+            Some(Read::Content(c)) => {
+                report.hashed_files += 1;
+                report.hashed_bytes += c.size;
+                Some(c)
+            }
             Some(Read::Placeholder(hash)) => {
                 let c = placeholder_content(lk, &job, hash);
                 match &c {
@@ -754,8 +758,6 @@ fn add_hashed(
             report.unread.push(job.path);
             continue;
         };
-        report.hashed_files += 1;
-        report.hashed_bytes += content.size;
         let live_prev = job.prev.as_ref().filter(|k| !k.s.deleted);
         if let Some(k) = live_prev {
             if k.s.kind == FileKind::File

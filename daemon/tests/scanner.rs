@@ -347,3 +347,91 @@ fn a_file_renamed_over_one_of_the_same_size_and_mtime_is_a_new_version() {
     assert!(r.changes.is_empty(), "{:?}", r.changes);
     assert_eq!(r.hashed_bytes, 11);
 }
+
+/// Marks `p` a placeholder of the content `hash` (as the store makes them, D90).
+fn mark(p: &std::path::Path, hash: &meshfs_protocol::Hash) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path and name, and a 32-byte value, valid for the call.
+    let r = unsafe {
+        libc::setxattr(
+            c.as_ptr(),
+            c"user.meshfs.placeholder".as_ptr(),
+            hash.0.as_ptr().cast(),
+            32,
+            0,
+        )
+    };
+    r == 0
+}
+
+#[test]
+fn a_placeholder_is_never_read_as_content_a_touched_one_is_a_metadata_version_and_a_stray_one_is_left_alone(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    std::fs::create_dir_all(&root).unwrap();
+    let data = vec![9u8; 200_000];
+    std::fs::write(root.join("f"), &data).unwrap();
+    let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let fx = Fixture::new(&root);
+    let (folder, t) = (&fx.folder, fx.target());
+    commit_all(&mut j, folder, &t);
+    let rec = j
+        .get(folder, &meshfs_protocol::RelPath::new("f").unwrap())
+        .unwrap()
+        .unwrap()
+        .record;
+    // f becomes a placeholder of its own version (an eviction's new inode, journaled late).
+    // Made beside it and renamed over it: a new inode, as an eviction's is.
+    let f = std::fs::File::create(root.join("f.new")).unwrap();
+    f.set_len(data.len() as u64).unwrap();
+    drop(f);
+    if !mark(&root.join("f.new"), &rec.hash) {
+        eprintln!("no user extended attributes here; skipped");
+        return;
+    }
+    std::fs::rename(root.join("f.new"), root.join("f")).unwrap();
+    let mtime =
+        std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_nanos(rec.mtime_ns as u64);
+    std::fs::File::options()
+        .write(true)
+        .open(root.join("f"))
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let r = scan(&t, &j, &[]).unwrap();
+    assert_eq!(r.hashed_bytes, 0, "a placeholder is not read");
+    assert!(r.changes.is_empty(), "same version: a restat, no version");
+    assert_eq!(
+        r.placeholders.len(),
+        1,
+        "noted as not local: {:?} {:?}",
+        r.unread,
+        r.restat
+    );
+    j.set_local_stats(folder, &r.restat).unwrap();
+    // Touched: a metadata version with the record's content, never zeros.
+    let later = mtime + std::time::Duration::from_secs(60);
+    std::fs::File::options()
+        .write(true)
+        .open(root.join("f"))
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let r = scan(&t, &j, &[]).unwrap();
+    assert_eq!(r.changes.len(), 1);
+    let c = &r.changes[0];
+    assert_eq!(c.op.as_str(), "metadata");
+    assert_eq!(c.record.hash, rec.hash);
+    assert_eq!(c.record.chunks, rec.chunks);
+    j.commit(folder, r.changes).unwrap();
+    // A placeholder at a path that has no such version: left alone, no version.
+    let stray = std::fs::File::create(root.join("stray")).unwrap();
+    stray.set_len(1000).unwrap();
+    drop(stray);
+    assert!(mark(&root.join("stray"), &rec.hash));
+    let r = scan(&t, &j, &[]).unwrap();
+    assert!(r.changes.is_empty(), "{:?}", r.changes);
+    assert_eq!(r.unread.len(), 1);
+}
