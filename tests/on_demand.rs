@@ -219,7 +219,7 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     assert!(received(&od.b) - before < 64 << 10);
     let d = on_demand(&od.b);
     assert_eq!(d["fetched_files"], 1, "{d}");
-    assert_eq!(d["local_bytes"], big.len() as u64 + 0, "{d}");
+    assert_eq!(d["local_bytes"], big.len() as u64, "{d}");
     // The fetch made no version: B's journal and A's still agree, and A changed nothing.
     in_sync(&od.b, 30);
     assert_eq!(listing(&od.mnt), theirs);
@@ -249,12 +249,8 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     let before = received(&od.b);
     let c = CString::new(od.mnt.join("gone.bin").as_os_str().as_bytes()).unwrap();
     // SAFETY: a NUL-terminated path, valid for the call.
-    assert_eq!(
-        unsafe { libc::truncate(c.as_ptr(), 0) },
-        0,
-        "{}",
-        std::io::Error::last_os_error()
-    );
+    let truncated = unsafe { libc::truncate(c.as_ptr(), 0) };
+    assert_eq!(truncated, 0, "{}", std::io::Error::last_os_error());
     assert!(
         received(&od.b) - before < 64 << 10,
         "the truncate fetched nothing"
@@ -321,10 +317,9 @@ fn the_budget_holds_while_reading_and_pinned_open_and_unacknowledged_files_stay(
     let budget = 8u64 << 20;
     // Reading 18 MiB one file after another: the folder stays under 8 MiB, least recently
     // used first out.
-    for i in 0..6 {
-        let path = format!("x/f{i}");
-        let data = std::fs::read(od.mnt.join(&path)).unwrap();
-        assert_eq!(data, files[i].1, "{path}");
+    for (path, want, _) in files.iter().take(6) {
+        let data = std::fs::read(od.mnt.join(path)).unwrap();
+        assert_eq!(&data, want, "{path}");
         until_status(&od.b, 10, "under the budget after a read", |d| {
             d["local_bytes"].as_u64().unwrap() <= budget
         });

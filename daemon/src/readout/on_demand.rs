@@ -11,7 +11,7 @@ use serde_json::Value;
 pub fn size_words(bytes: u64) -> String {
     for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
         if bytes >= 1 << shift {
-            return if bytes % (1 << shift) == 0 {
+            return if bytes.is_multiple_of(1 << shift) {
                 format_size(bytes)
             } else {
                 format!("{:.1}{unit}", bytes as f64 / (1u64 << shift) as f64)
