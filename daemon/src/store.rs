@@ -35,11 +35,12 @@
 mod displace;
 mod placeholder;
 
+use crate::failpoint;
 use crate::room::Claim;
-use crate::{failpoint, sys};
 use displace::{same_version, Keeper, Old, Verdict};
 pub use displace::{Displaced, DisplacedSink};
 use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
+use meshfs_sys as sys;
 pub use placeholder::placeholder_of;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};

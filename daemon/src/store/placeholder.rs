@@ -9,8 +9,8 @@
 //! content from local files verify every chunk by its hash.
 
 use super::{io_err, DirCache, Expect, LocalStat, Store, StoreError, TempFile};
-use crate::sys;
 use meshfs_protocol::{FileRecord, Hash, RelPath};
+use meshfs_sys as sys;
 use std::ffi::CStr;
 use std::os::fd::{AsFd, BorrowedFd};
 
