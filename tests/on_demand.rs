@@ -223,6 +223,21 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     // The fetch made no version: B's journal and A's still agree, and A changed nothing.
     in_sync(&od.b, 30);
     assert_eq!(listing(&od.mnt), theirs);
+    // A renames it: B makes the new name from its local copy, fetching nothing, and it stays
+    // local.
+    let before = received(&od.b);
+    std::fs::rename(od.a.path("big.bin"), od.a.path("moved.bin")).unwrap();
+    in_sync(&od.a, 30);
+    in_sync(&od.b, 30);
+    assert_eq!(state(&od.mnt.join("moved.bin")), "local");
+    assert!(
+        received(&od.b) - before < 256 << 10,
+        "a rename moved no content"
+    );
+    assert_eq!(std::fs::read(od.mnt.join("moved.bin")).unwrap(), big);
+    std::fs::rename(od.a.path("moved.bin"), od.a.path("big.bin")).unwrap();
+    in_sync(&od.a, 30);
+    in_sync(&od.b, 30);
     // Every other file reads right through the mount.
     for (path, data, _) in files
         .iter()

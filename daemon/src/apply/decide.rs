@@ -394,7 +394,7 @@ impl Deciding<'_> {
         }
         let stored = self.stored(&planned.record().path)?;
         let (expect, basis) = seen_of(stored.as_ref());
-        let placeholder = self.on_demand(planned.record(), stored.as_ref());
+        let placeholder = self.on_demand(planned.record(), stored.as_ref())?;
         let meta = Meta {
             record: planned.record().clone(),
             op: planned.op,
@@ -422,23 +422,42 @@ impl Deciding<'_> {
     }
 
     /// Whether the content of `record` stays online (a placeholder is installed, D91): the
-    /// folder is on demand, the file is not empty, its path is not pinned, and it does not
-    /// hold a local file now (a file that is local stays local: the budget decides later).
-    fn on_demand(&mut self, record: &FileRecord, stored: Option<&StoredRecord>) -> bool {
+    /// folder is on demand, the file is not empty, its path is not pinned, it does not hold a
+    /// local file now (a file that is local stays local: the budget decides later), and some
+    /// of its content is not here (a file a peer renamed or copied is made from local chunks,
+    /// as anywhere).
+    fn on_demand(
+        &mut self,
+        record: &FileRecord,
+        stored: Option<&StoredRecord>,
+    ) -> Result<bool, ApplyError> {
         if !self.rt.policy().on_demand
             || record.kind != FileKind::File
             || record.size == 0
             || self.rt.demand.pinned(&record.path)
         {
-            return false;
+            return Ok(false);
         }
         let had_file = stored.is_some_and(|s| !s.record.deleted && s.record.kind == FileKind::File);
-        !had_file
-            || self
+        if had_file
+            && self
                 .rt
                 .store
                 .placeholder_at(&mut self.dirs, &record.path)
-                .is_some()
+                .is_none()
+        {
+            return Ok(false);
+        }
+        // Placeholders' chunks are not in the chunk index (`Journal::find_chunk`): a chunk
+        // found is local content. The first one missing settles it.
+        let folder = self.folder;
+        let journal = self.journal.get()?;
+        let all_here = crate::journal::indexed_chunks(record).all(|(_, c)| {
+            journal
+                .find_chunk(folder, &c.hash)
+                .is_ok_and(|at| at.iter().any(|l| l.len == c.len))
+        });
+        Ok(!all_here)
     }
 
     /// A remote version of a path open for writing through the mount is never replaced,
