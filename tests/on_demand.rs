@@ -539,3 +539,54 @@ fn is_placeholder(p: &Path) -> bool {
     };
     n == 32
 }
+
+#[test]
+fn a_concurrent_edit_of_a_file_that_is_not_local_keeps_both_versions_on_both_devices() {
+    let t = tmp();
+    let mut od = setup(&t, &[("c.txt", noise(80 << 10, 60), 0o644)], None);
+    assert_eq!(state(&od.mnt.join("c.txt")), "online");
+    // Apart: B empties it (no fetch needed), A writes a new version.
+    od.a.stop();
+    let c = CString::new(od.mnt.join("c.txt").as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path, valid for the call.
+    let truncated = unsafe { libc::truncate(c.as_ptr(), 0) };
+    assert_eq!(truncated, 0, "{}", std::io::Error::last_os_error());
+    let theirs = noise(70 << 10, 61);
+    std::thread::sleep(Duration::from_millis(1100));
+    write(&od.a.path("c.txt"), &theirs);
+    od.a.start();
+    in_sync(&od.a, 60);
+    in_sync(&od.b, 60);
+    let names = |root: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with(".meshfs"))
+            .collect();
+        v.sort();
+        v
+    };
+    let t0 = Instant::now();
+    while names(&od.mnt).len() < 2 || names(&od.a.dir).len() < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no conflict copy: {:?} {:?}",
+            names(&od.mnt),
+            names(&od.a.dir)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(names(&od.mnt), names(&od.a.dir));
+    let mut got: Vec<Vec<u8>> = names(&od.mnt)
+        .iter()
+        .map(|n| std::fs::read(od.mnt.join(n)).unwrap())
+        .collect();
+    got.sort();
+    assert_eq!(got, vec![Vec::new(), theirs.clone()], "both versions, on B");
+    let mut on_a: Vec<Vec<u8>> = names(&od.a.dir)
+        .iter()
+        .map(|n| std::fs::read(od.a.path(n)).unwrap())
+        .collect();
+    on_a.sort();
+    assert_eq!(on_a, vec![Vec::new(), theirs], "both versions, on A");
+}
