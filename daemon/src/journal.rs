@@ -1333,7 +1333,8 @@ impl Journal {
         })
     }
 
-    /// Where local copies of the chunk `hash` live in `folder` (at most
+    /// Where local copies of the chunk `hash` live in `folder`, placeholders left out (their
+    /// bytes are not content, D90) (at most
     /// [`MAX_CHUNK_LOCATIONS`]).
     pub fn find_chunk(&self, folder: &FolderId, hash: &Hash) -> Result<Vec<ChunkLocation>> {
         self.read(|c| {

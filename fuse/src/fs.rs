@@ -3,7 +3,8 @@
 //! Owns the meaning of each operation: resolve the node(s) through the inode table, do the
 //! one syscall on the backing directory, keep the table in step, report the change to the
 //! engine's sink. It never hashes, never reads a whole file, never blocks on the engine:
-//! a request costs its syscalls and a few map updates.
+//! a request costs its syscalls and a few map updates — but for the open (or truncate) of a
+//! placeholder, which waits for the engine to make its content local (D92).
 //!
 //! How a node is reached is [`crate::backing`]'s business.
 //!

@@ -37,7 +37,8 @@
 //! It owns the FUSE session, the inode table (FUSE node ↔ backing path) and the open
 //! handles. It **never** touches SQLite, the network or an async runtime (its dependencies
 //! leave no way to); it never hashes or reads a file on its own behalf, and never blocks a
-//! request on the engine: the sink must not block, and invalidations are queued. The one
+//! request on the engine: the sink must not block, and invalidations are queued (the one
+//! exception: an open of a placeholder waits for [`ContentSource::fetch`]). The one
 //! thing it reads unasked is metadata: after a listing that went to disk, one thread lists
 //! the directories it named and `statx`es their entries ahead of the caller (bounded, never
 //! for a warm listing; `prefetch`, D33).

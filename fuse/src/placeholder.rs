@@ -5,24 +5,22 @@
 //! engine's, asked through [`crate::ContentSource`] by `fs`.
 
 use crate::sys::{self, XattrAt};
-use crate::{OWN_XATTR_PREFIX, PLACEHOLDER_XATTR, STATE_XATTR};
-use std::ffi::{CStr, CString};
+use crate::{OWN_XATTR_PREFIX, STATE_XATTR};
+use std::ffi::CStr;
 use std::os::unix::ffi::OsStrExt;
 
-/// The placeholder attribute's name, as the system calls want it.
-fn mark() -> CString {
-    CString::new(PLACEHOLDER_XATTR).unwrap_or_default()
-}
+/// The placeholder attribute's name ([`PLACEHOLDER_XATTR`]), as the system calls want it.
+const MARK: &CStr = c"user.meshfs.placeholder";
 
 /// Whether the file reached through `at` is a placeholder: it carries the mark. An error
 /// other than "no such attribute" (a filesystem without user attributes) says no.
 pub(crate) fn is_placeholder(at: &XattrAt<'_>) -> bool {
-    sys::getxattr(at, &mark(), 0).is_ok()
+    sys::getxattr(at, MARK, 0).is_ok()
 }
 
 /// Removes the mark (the placeholder was emptied: its content, nothing, is known).
 pub(crate) fn unmark(at: &XattrAt<'_>) -> sys::SysResult<()> {
-    match sys::removexattr(at, &mark()) {
+    match sys::removexattr(at, MARK) {
         Err(libc::ENODATA) => Ok(()),
         r => r,
     }
@@ -75,5 +73,6 @@ mod tests {
         assert!(is_own(c"user.meshfs.state"));
         assert!(!is_own(c"user.meshfsx"));
         assert!(is_state(c"user.meshfs.state"));
+        assert_eq!(MARK.to_bytes(), crate::PLACEHOLDER_XATTR.as_bytes());
     }
 }
