@@ -82,6 +82,10 @@ pub struct Demand {
     pub fetched_files: AtomicU64,
     /// Files evicted since the daemon started.
     pub evicted_files: AtomicU64,
+    /// What `status` last read of the folder's residency (local files and bytes, online files
+    /// and bytes), and when: `status` is polled every 10–25 ms by `--wait-synced`, and reading
+    /// it is a pass over the folder's records.
+    residency: Mutex<Option<(std::time::Instant, [u64; 4])>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -172,6 +176,31 @@ impl Demand {
     /// When `path` was last used, if it was since the daemon started.
     pub fn last_used(&self, path: &RelPath) -> Option<i64> {
         lock(&self.used).get(path).copied()
+    }
+
+    /// The residency `status` shows: the one read within `fresh` (and not made stale since),
+    /// else `read`'s.
+    pub fn residency(
+        &self,
+        now: std::time::Instant,
+        fresh: std::time::Duration,
+        read: impl FnOnce() -> [u64; 4],
+    ) -> [u64; 4] {
+        let mut r = lock(&self.residency);
+        if let Some((at, v)) = *r {
+            if now.saturating_duration_since(at) < fresh {
+                return v;
+            }
+        }
+        let v = read();
+        *r = Some((now, v));
+        v
+    }
+
+    /// What is local changed (a fetch, an eviction, an install): the next `status` reads the
+    /// residency again.
+    pub fn changed(&self) {
+        *lock(&self.residency) = None;
     }
 
     /// The pins now.

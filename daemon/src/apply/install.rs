@@ -147,8 +147,11 @@ pub(super) fn install(
         .any(|c| c.record.path.as_str() == crate::ignore::IGNORE_FILE);
     journal.commit_absent(folder, changes, &absent)?;
     failpoint::hit("apply.installed", "");
-    if arrived && rt.policy().on_demand {
-        rt.demand.arrived.notify_one();
+    if rt.policy().on_demand {
+        rt.demand.changed();
+        if arrived {
+            rt.demand.arrived.notify_one();
+        }
     }
     if touched_ignore {
         // A new shared ignore file: its rules apply from the next decision on (read once the

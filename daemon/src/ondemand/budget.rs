@@ -147,6 +147,7 @@ fn evict_one(folders: &Folders, rt: &FolderRt, res: &Resident) -> Result<(), Str
                 .and_then(|mut j| Ok(j.made_absent(&rt.id, &res.path, local)?))
                 .map_err(|e| e.to_string())?;
             rt.demand.evicted_files.fetch_add(1, Ordering::Relaxed);
+            rt.demand.changed();
             tracing::info!(folder = %rt.id, path = %res.path, size = res.size, "evicted: its content stays with the peers, a placeholder here");
             Ok(())
         }

@@ -22,6 +22,10 @@ use meshfs_protocol::{DeviceId, FolderId, RelPath};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// How long `status` shows the residency it read, unless something local changed meanwhile
+/// (a local write the scanner journals is seen that much later).
+const RESIDENCY_FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The connected peers that share a folder now, with their ids (asked at each use).
 pub type Peers = Arc<dyn Fn(&FolderId) -> Vec<(DeviceId, quinn::Connection)> + Send + Sync>;
 
@@ -88,6 +92,7 @@ pub async fn make_local(
     };
     if outcome.is_ok() {
         rt.demand.used(path, now_ns());
+        rt.demand.changed();
         rt.demand.arrived.notify_one();
     }
     rt.demand
@@ -134,17 +139,22 @@ pub fn status_of(journal: &crate::journal::Journal, rt: &FolderRt) -> Option<OnD
     if !policy.on_demand {
         return None;
     }
-    let r = journal.residency(&rt.id).unwrap_or_default();
+    let [local_files, local_bytes, online_files, online_bytes] =
+        rt.demand
+            .residency(std::time::Instant::now(), RESIDENCY_FRESH, || {
+                let r = journal.residency(&rt.id).unwrap_or_default();
+                [r.local_files, r.local_bytes, r.online_files, r.online_bytes]
+            });
     let (unavailable, unlisted) = rt.demand.unavailable();
     Some(OnDemandStatus {
         cache_max: policy.cache_max,
-        local_files: r.local_files,
-        local_bytes: r.local_bytes,
-        online_files: r.online_files,
-        online_bytes: r.online_bytes,
+        local_files,
+        local_bytes,
+        online_files,
+        online_bytes,
         over_budget: policy
             .cache_max
-            .map_or(0, |max| r.local_bytes.saturating_sub(max)),
+            .map_or(0, |max| local_bytes.saturating_sub(max)),
         pins: rt
             .demand
             .pins()
