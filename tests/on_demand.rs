@@ -590,3 +590,33 @@ fn a_concurrent_edit_of_a_file_that_is_not_local_keeps_both_versions_on_both_dev
     on_a.sort();
     assert_eq!(on_a, vec![Vec::new(), theirs], "both versions, on A");
 }
+
+#[test]
+fn a_folder_set_back_from_on_demand_fetches_what_is_not_local_and_is_whole_again() {
+    let t = tmp();
+    let files = vec![
+        ("one.bin", noise(500 << 10, 70), 0o644),
+        ("d/two.bin", noise(300 << 10, 71), 0o644),
+    ];
+    let od = setup(&t, &files, Some("100MiB"));
+    assert_eq!(on_demand(&od.b)["online_files"], 2);
+    od.b.cli_ok(&["folder", "set", "work", "--no-on-demand"]);
+    let t0 = Instant::now();
+    while tree(&od.b.dir) != tree(&od.a.dir) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "not whole: {:#?}\n{}",
+            tree(&od.b.dir),
+            od.b.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(od.b.status()["folders"][0]["on_demand"].is_null());
+    for (path, data, _) in &files {
+        assert_eq!(state(&od.mnt.join(path)), "local", "{path}");
+        assert_eq!(std::fs::read(od.b.path(path)).unwrap(), *data);
+    }
+    // A new file from A is fetched as it arrives.
+    write(&od.a.path("three.bin"), &noise(100 << 10, 72));
+    wait_synced(&[&od.a, &od.b], 30);
+}
