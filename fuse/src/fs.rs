@@ -276,6 +276,39 @@ impl Passthrough {
         Ok((fd, st))
     }
 
+    /// Before a CREATE opens `name` in `dir` (the kernel sends one for a name it holds as
+    /// absent; the engine may have installed a placeholder there since): a placeholder there is
+    /// made local first, as an open of it is (D92), so the create's open (`O_TRUNC` included)
+    /// acts on the content. Only while the folder is on demand: an `openat` more per create.
+    fn local_before_create(
+        &self,
+        req: &Request,
+        parent: u64,
+        dir: BorrowedFd<'_>,
+        cname: &CString,
+        name: &OsStr,
+    ) -> SysResult<()> {
+        let Some(source) = self.sh.content.as_ref().filter(|s| s.active()) else {
+            return Ok(());
+        };
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
+        let Ok(fd) = sys::openat(dir, cname, flags, 0) else {
+            return Ok(());
+        };
+        let st = sys::fstat(fd.as_fd())?;
+        if st.kind() != libc::S_IFREG || !placeholder::is_placeholder(&sys::XattrAt::Fd(fd.as_fd()))
+        {
+            return Ok(());
+        }
+        drop(fd);
+        let path = self
+            .sh
+            .child_path(parent, name)
+            .and_then(|p| rel_path(&p))
+            .ok_or(libc::EIO)?;
+        source.fetch(&path, req.pid())
+    }
+
     /// A truncate of a placeholder that is not open (opens make it whole): to 0, its content
     /// is known (none) and the mark goes after the truncate; to another size, the engine makes
     /// it local first, and the node then names the old inode (`ESTALE`: the kernel looks the
@@ -1180,6 +1213,7 @@ impl Filesystem for Passthrough {
         let res = (|| {
             let dir = self.sh.dir(parent)?;
             let cname = sys::cstr(name)?;
+            self.local_before_create(req, parent, dir.as_fd(), &cname, name)?;
             let private_umask = zero_umask();
             let fd = sys::openat(dir.as_fd(), &cname, oflags, mode & 0o7777)?;
             if let Some((uid, gid)) = self.sh.new_owner(req, dir.as_fd()) {

@@ -210,6 +210,9 @@ pub trait ContentSource: Send + Sync + std::fmt::Debug {
     /// What [`STATE_XATTR`] says of the regular file `path`; `local`: the backing holds its
     /// content (it is no placeholder).
     fn state(&self, path: &RelPath, local: bool) -> &'static str;
+    /// Whether the folder is on demand now: new placeholders may appear under any name (a
+    /// create checks the name it opens). An open checks its file whatever this says.
+    fn active(&self) -> bool;
 }
 
 /// The registry of a folder with no mount: nothing is ever open through it.

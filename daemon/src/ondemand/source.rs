@@ -61,6 +61,13 @@ impl ContentSource for MountContent {
         }
     }
 
+    fn active(&self) -> bool {
+        self.folders
+            .upgrade()
+            .and_then(|f| f.get(&self.folder))
+            .is_some_and(|rt| rt.policy().on_demand)
+    }
+
     fn state(&self, path: &RelPath, local: bool) -> &'static str {
         let rt = self.folders.upgrade().and_then(|f| f.get(&self.folder));
         let demand = rt.as_ref().map(|rt| &rt.demand);
