@@ -8,7 +8,7 @@ use common::*;
 use std::time::{Duration, Instant};
 
 /// Now as RFC 3339 with nanoseconds, as `--at` takes it.
-fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     let out = std::process::Command::new("date")
         .args(["-u", "+%Y-%m-%dT%H:%M:%S.%NZ"])
         .output()
@@ -17,12 +17,12 @@ fn now_rfc3339() -> String {
 }
 
 /// `meshfs versions work PATH --json`.
-fn versions(d: &Device, path: &str) -> serde_json::Value {
+pub(crate) fn versions(d: &Device, path: &str) -> serde_json::Value {
     serde_json::from_str(&d.cli_ok(&["versions", "work", path, "--json"])).unwrap()
 }
 
 /// The `content` marks of the versions `meshfs versions` lists for `path`, oldest first.
-fn contents(d: &Device, path: &str) -> Vec<String> {
+pub(crate) fn contents(d: &Device, path: &str) -> Vec<String> {
     versions(d, path)["versions"]
         .as_array()
         .unwrap()
@@ -32,7 +32,7 @@ fn contents(d: &Device, path: &str) -> Vec<String> {
 }
 
 /// Waits up to `secs` for `cond`, saying `what` if it never holds.
-fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while !cond() {
         assert!(Instant::now() < deadline, "never: {what}");
@@ -42,7 +42,7 @@ fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
 
 /// Sets `key = value` (TOML) in the folder `work` of `d`'s config and reloads a running
 /// daemon.
-fn set_folder(d: &Device, key: &str, value: &str, running: bool) {
+pub(crate) fn set_folder(d: &Device, key: &str, value: &str, running: bool) {
     let file = d.home.join("config.toml");
     let text = std::fs::read_to_string(&file).unwrap();
     let text = text.replacen(
@@ -372,7 +372,7 @@ fn a_send_only_device_holds_peers_changes_lists_them_and_override_makes_its_stat
 }
 
 /// The vault's bytes on disk (the database and its WAL).
-fn vault_bytes(d: &Device) -> u64 {
+pub(crate) fn vault_bytes(d: &Device) -> u64 {
     let dir = d.home.join("state").join("versions");
     std::fs::read_dir(&dir)
         .map(|rd| {

@@ -19,6 +19,11 @@
 //! after [`GIVE_UP`]. Its descriptor keeps the old inode readable meanwhile; the queue is
 //! bounded ([`QUEUE`]) so that descriptors stay a budget: what does not fit is not kept, and
 //! says so in the log.
+//!
+//! Each file keeps its marked name aside until this thread drops it (`store::Displaced`): after
+//! its content is in the vault, or once it will not be. Killed before then, the daemon finds it
+//! at its next start and hands it over again, so a SIGKILL at any instant loses no version the
+//! keeper had been given.
 
 use crate::folder::Folders;
 use crate::journal::{Departed, KeptVersion};
@@ -32,8 +37,10 @@ use std::time::{Duration, Instant};
 
 /// Displaced files waiting for the keeper at most (each holds a descriptor).
 pub const QUEUE: usize = 4096;
-/// How long a displaced file waits for the journal to commit its replacement.
-const GIVE_UP: Duration = Duration::from_secs(60);
+/// How long a displaced file waits for the journal to commit its replacement: after a crash,
+/// a restore's replacement is journaled by the start-up scan, which a large folder takes
+/// minutes over.
+const GIVE_UP: Duration = Duration::from_secs(600);
 /// Files looked up under one hold of the journal at most.
 const PER_HOLD: usize = 256;
 
@@ -159,6 +166,9 @@ fn resolve(
     while rest.peek().is_some() {
         let hold: Vec<Waiting> = rest.by_ref().take(PER_HOLD).collect();
         let Ok(mut j) = folders.journal() else {
+            // Looked up again at the next round (or given up after GIVE_UP).
+            still.extend(hold);
+            still.extend(rest);
             return (ready, still);
         };
         j.begin_reads();
