@@ -474,6 +474,174 @@ fn a_budget_prunes_the_oldest_versions_first_and_never_touches_the_live_tree() {
     assert!(pruned.iter().all(|r| r["path"] == "doc.bin"));
 }
 
+/// `(size, content mark)` of each version of `path` that `meshfs versions` lists, oldest first.
+fn listed(d: &Device, path: &str) -> Vec<(u64, String)> {
+    versions(d, path)["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["size"].as_u64().unwrap(),
+                v["content"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// `MESHFS_TEST_CLOCK` for a daemon whose journal clock reads noon UTC of today plus `days`
+/// (the daemon/src/clock.rs knob: days of retention in seconds of a test).
+fn clock_at_day(noon: i64, days: i64) -> (String, String) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    (
+        "MESHFS_TEST_CLOCK".to_string(),
+        format!("offset={}s", noon + days * 86_400 - now),
+    )
+}
+
+#[test]
+fn past_versions_are_thinned_then_pruned_by_age_oldest_first_and_the_live_tree_is_never_touched() {
+    let (_t, mut a, mut b) = two();
+    // Each version of doc.bin a size of its own: the listing tells them apart by it.
+    let v = |i: u64| noise(100_000 + i as usize * 1000, 300 + i);
+    let size = |i: u64| 100_000 + i * 1000;
+    write(&a.path("old.txt"), b"written once, long ago\n");
+    write(&a.path("doc.bin"), &v(0));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    // Noon of today (UTC): every version B keeps "on day 0" leaves in one hour of one day.
+    let noon = now - now.rem_euclid(86_400) + 43_200;
+    let at_day = |b: &mut Device, day: i64| {
+        b.kill();
+        b.env = vec![clock_at_day(noon, day)];
+        b.start();
+    };
+    b.env = vec![clock_at_day(noon, 0)];
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 60);
+    let old = std::fs::metadata(b.path("old.txt")).unwrap();
+    let edit = |a: &Device, b: &Device, i: u64| {
+        write(&a.path("doc.bin"), &v(i));
+        wait_synced(&[a, b], 60);
+    };
+    let expect = |b: &Device, want: &[(u64, &str)], what: &str| {
+        let want: Vec<(u64, String)> = want
+            .iter()
+            .map(|(i, m)| (size(*i), m.to_string()))
+            .collect();
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while seen != want {
+            assert!(
+                Instant::now() < deadline,
+                "never: {what}: listed {seen:?}\n{:#?}",
+                b.journal(&["--all"])
+            );
+            std::thread::sleep(Duration::from_millis(50));
+            seen = listed(b, "doc.bin");
+        }
+    };
+    // Day 0: three edits within minutes. B keeps the three versions they replaced.
+    for i in 1..=3 {
+        edit(&a, &b, i);
+    }
+    expect(
+        &b,
+        &[(0, "kept"), (1, "kept"), (2, "kept"), (3, "current")],
+        "day 0: every past version kept",
+    );
+    // Day 10: older than a day, the versions of day 0 are thinned to the last of that day;
+    // the history rows of the ones that went go with them.
+    at_day(&mut b, 10);
+    expect(
+        &b,
+        &[(0, "pruned"), (2, "kept"), (3, "current")],
+        "day 10: day 0 thinned to its last version",
+    );
+    edit(&a, &b, 4);
+    // Day 20: another.
+    at_day(&mut b, 20);
+    edit(&a, &b, 5);
+    expect(
+        &b,
+        &[
+            (0, "pruned"),
+            (2, "kept"),
+            (3, "kept"),
+            (4, "kept"),
+            (5, "current"),
+        ],
+        "day 20: three past versions kept",
+    );
+    // Day 35: past 30 days, the oldest goes first; the next still restores byte-identical.
+    at_day(&mut b, 35);
+    expect(
+        &b,
+        &[(0, "pruned"), (3, "kept"), (4, "kept"), (5, "current")],
+        "day 35: the version of day 0 pruned by age",
+    );
+    let reasons = |b: &Device| -> Vec<String> {
+        b.journal(&["--all"])
+            .into_iter()
+            .filter(|r| r["op"] == "pruned")
+            .map(|r| format!("{} {}", r["size"], r["detail"].as_str().unwrap()))
+            .collect()
+    };
+    assert_eq!(
+        reasons(&b),
+        [
+            format!("{} thinned", size(0)),
+            format!("{} thinned", size(1)),
+            format!("{} age", size(2)),
+        ]
+    );
+    let seq = versions(&b, "doc.bin")["versions"][1]["sequence"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    b.cli_ok(&[
+        "restore", "work", "doc.bin", "--seq", &seq, "--to", "v3.bin",
+    ]);
+    assert_eq!(std::fs::read(b.path("v3.bin")).unwrap(), v(3));
+    wait_synced(&[&a, &b], 60);
+    // Day 45, day 55: one more each time, oldest first, until none is left.
+    at_day(&mut b, 45);
+    expect(
+        &b,
+        &[(0, "pruned"), (3, "pruned"), (4, "kept"), (5, "current")],
+        "day 45: the version of day 10 pruned",
+    );
+    at_day(&mut b, 55);
+    expect(
+        &b,
+        &[(0, "pruned"), (3, "pruned"), (4, "pruned"), (5, "current")],
+        "day 55: the version of day 20 pruned",
+    );
+    wait_for(20, "the vault is empty", || {
+        let st = b.status();
+        st["folders"][0]["versions"]["bytes"] == 0
+    });
+    // The live tree, never: the file untouched since day 0 is the same file, unchanged.
+    let still = std::fs::metadata(b.path("old.txt")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        (still.ino(), still.mtime_nsec(), still.ctime_nsec()),
+        (old.ino(), old.mtime_nsec(), old.ctime_nsec())
+    );
+    assert_eq!(
+        std::fs::read(b.path("old.txt")).unwrap(),
+        b"written once, long ago\n"
+    );
+    assert_eq!(std::fs::read(b.path("doc.bin")).unwrap(), v(5));
+    wait_synced(&[&a, &b], 60);
+}
+
 #[test]
 fn a_restore_killed_at_each_step_leaves_the_old_file_or_the_restored_one_never_a_partial() {
     let (_t, mut a, mut b) = two();

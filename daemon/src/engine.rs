@@ -982,10 +982,7 @@ async fn retention_loop(engine: Arc<Engine>) {
     ));
     loop {
         let o = engine.options();
-        let now_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as i64)
-            .unwrap_or(0);
+        let now_ns = crate::clock::now_ns();
         let day_ns: i64 = 86_400 * 1_000_000_000;
         let folders = engine.folders.ids();
         if let Ok(mut j) = engine.folders.journal_lock() {
@@ -1000,7 +997,7 @@ async fn retention_loop(engine: Arc<Engine>) {
             }
         }
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(3600)) => {}
+            _ = tokio::time::sleep(crate::clock::real(Duration::from_secs(3600))) => {}
             _ = stopping.changed() => return,
         }
     }

@@ -79,7 +79,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// How long a statement waits for another connection's lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -399,11 +399,9 @@ fn below_bounds(dir: &RelPath) -> (String, String) {
     (format!("{}/", dir.as_str()), format!("{}0", dir.as_str()))
 }
 
+/// The journal's stamps: the system clock, unless a test moved it (`crate::clock`).
 fn now_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
+    crate::clock::now_ns()
 }
 
 /// Chunks shorter than this are indexed only as a file's last chunk: the chunker never cuts

@@ -1255,6 +1255,40 @@ fn prune_tombstones_removes_only_tombstones_older_than_the_limit() {
     assert_eq!(all_history(&j, &f).len(), 3, "history is kept");
 }
 
+#[test]
+fn thinning_keeps_the_history_row_of_every_version_still_kept_and_the_newest_of_each_bucket() {
+    let dir = TempDir::new().unwrap();
+    let (mut j, _) = open(&dir);
+    let f = folder();
+    // Four saves of one file in one bucket [0, 1000): each replaces the one before, which
+    // becomes a past version (a `versions` row).
+    let mut seqs = Vec::new();
+    for (i, t) in [(1u64, 10i64), (2, 20), (3, 30), (4, 40)] {
+        let op = if i == 1 { Op::Create } else { Op::Modify };
+        let rec = file("doc", format!("save {i}").as_bytes(), vv(&[(1, i)]));
+        seqs.extend(j.commit_at(&f, vec![change(rec, op)], t).unwrap());
+    }
+    let kept = j.all_versions(&f).unwrap();
+    assert_eq!(kept.len(), 3);
+    // Retention let go of the second save only (its content); the third is still kept.
+    let second = kept.iter().find(|v| v.record.sequence == seqs[1]).unwrap();
+    j.retire_versions(
+        &f,
+        &[meshfs_daemon::journal::Retired {
+            id: second.id,
+            reason: "thinned",
+        }],
+        50,
+    )
+    .unwrap();
+    assert_eq!(j.thin_history(&f, 0, 1000, 1000).unwrap(), 1);
+    assert_eq!(
+        sequences(&all_history(&j, &f)),
+        [seqs[0], seqs[2], seqs[3]],
+        "the creation, the kept third save, the current fourth"
+    );
+}
+
 // ---- peers, folders, counts ----
 
 #[test]

@@ -331,7 +331,10 @@ impl Journal {
     /// fall in the same `bucket_ns` (counted from the epoch), a `modify`, `metadata` or
     /// `merged` row is deleted when a later row of that path is in the bucket too. Creations,
     /// deletions, renames and resolutions stay, and so does every path's newest row (the
-    /// current record's). Returns how many rows were deleted.
+    /// current record's), and every row whose version is still listed in `versions`: a
+    /// version is thinned by when it left the tree, its row by when it was made, and a kept
+    /// version must stay listed (`meshfs versions`, `restore --at`). Returns how many rows
+    /// were deleted.
     pub fn thin_history(
         &mut self,
         folder: &FolderId,
@@ -351,7 +354,9 @@ impl Journal {
                  AND op IN ('modify', 'metadata', 'merged') \
                  AND EXISTS (SELECT 1 FROM history n WHERE n.folder = history.folder \
                     AND n.path = history.path AND n.sequence > history.sequence \
-                    AND n.time_ns / ?4 = history.time_ns / ?4)",
+                    AND n.time_ns / ?4 = history.time_ns / ?4) \
+                 AND NOT EXISTS (SELECT 1 FROM versions v WHERE v.folder = history.folder \
+                    AND v.sequence = history.sequence)",
                 params![key, from_ns, to_ns, bucket_ns],
             )?;
             Ok(n as u64)

@@ -81,9 +81,7 @@ pub async fn retention_loop(
     loop {
         for rt in folders.all() {
             let f = folders.clone();
-            let now_ns = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as i64);
+            let now_ns = crate::clock::now_ns();
             let room = rt
                 .vault()
                 .and_then(|v| v.path().parent().and_then(crate::store::free_bytes));
@@ -94,7 +92,7 @@ pub async fn retention_loop(
             }
         }
         tokio::select! {
-            _ = tokio::time::sleep(RETENTION_EVERY) => {}
+            _ = tokio::time::sleep(crate::clock::real(RETENTION_EVERY)) => {}
             _ = PRUNE_SOON.notified() => {
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
