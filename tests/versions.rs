@@ -579,29 +579,44 @@ fn past_versions_are_thinned_then_pruned_by_age_oldest_first_and_the_live_tree_i
         ],
         "day 20: three past versions kept",
     );
+    let count = |b: &Device| {
+        b.status()["folders"][0]["versions"]["count"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(count(&b), 3);
     // Day 35: past 30 days, the oldest goes first; the next still restores byte-identical.
+    // The history past 30 days keeps each path's newest row only: doc.bin's creation and the
+    // rows of what was pruned are gone, old.txt's creation (its newest) stays.
     at_day(&mut b, 35);
     expect(
         &b,
-        &[(0, "pruned"), (3, "kept"), (4, "kept"), (5, "current")],
+        &[(3, "kept"), (4, "kept"), (5, "current")],
         "day 35: the version of day 0 pruned by age",
     );
-    let reasons = |b: &Device| -> Vec<String> {
-        b.journal(&["--all"])
-            .into_iter()
-            .filter(|r| r["op"] == "pruned")
-            .map(|r| format!("{} {}", r["size"], r["detail"].as_str().unwrap()))
-            .collect()
-    };
+    assert_eq!(count(&b), 2);
+    let rows: Vec<String> = b
+        .journal(&["--all"])
+        .into_iter()
+        .map(|r| {
+            format!(
+                "{} {} {}",
+                r["op"].as_str().unwrap(),
+                r["path"].as_str().unwrap(),
+                r["size"]
+            )
+        })
+        .collect();
     assert_eq!(
-        reasons(&b),
+        rows,
         [
-            format!("{} thinned", size(0)),
-            format!("{} thinned", size(1)),
-            format!("{} age", size(2)),
+            "create old.txt 23".to_string(),
+            format!("modify doc.bin {}", size(3)),
+            format!("modify doc.bin {}", size(4)),
+            format!("modify doc.bin {}", size(5)),
         ]
     );
-    let seq = versions(&b, "doc.bin")["versions"][1]["sequence"]
+    let seq = versions(&b, "doc.bin")["versions"][0]["sequence"]
         .as_u64()
         .unwrap()
         .to_string();
@@ -614,15 +629,17 @@ fn past_versions_are_thinned_then_pruned_by_age_oldest_first_and_the_live_tree_i
     at_day(&mut b, 45);
     expect(
         &b,
-        &[(0, "pruned"), (3, "pruned"), (4, "kept"), (5, "current")],
+        &[(4, "kept"), (5, "current")],
         "day 45: the version of day 10 pruned",
     );
+    assert_eq!(count(&b), 1);
     at_day(&mut b, 55);
     expect(
         &b,
-        &[(0, "pruned"), (3, "pruned"), (4, "pruned"), (5, "current")],
+        &[(5, "current")],
         "day 55: the version of day 20 pruned",
     );
+    assert_eq!(count(&b), 0);
     wait_for(20, "the vault is empty", || {
         let st = b.status();
         st["folders"][0]["versions"]["bytes"] == 0

@@ -424,7 +424,12 @@ impl Engine {
         let rt = Arc::new(FolderRt::new(id.clone(), store, ignore, tx.clone(), slot));
         // The keeper first: an old file kept aside when the daemon stopped goes to it as the
         // temp files are removed (`Store::remove_temps`).
-        crate::versions::start_folder(&self.folders, &rt, f, &self.home.vault_file(&id));
+        crate::versions::start_folder(
+            &self.folders,
+            &rt,
+            crate::folder::FolderPolicy::new(f, &self.options()),
+            &self.home.vault_file(&id),
+        );
         let removed = rt.store.remove_temps();
         if removed > 0 {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
@@ -620,7 +625,7 @@ impl Engine {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
             } else if let Some(rt) = self.folders.get(&f.id) {
-                rt.set_policy(crate::folder::FolderPolicy::from(f));
+                rt.set_policy(crate::folder::FolderPolicy::new(f, &new.options));
             }
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();
@@ -972,8 +977,8 @@ async fn network_loop(engine: Arc<Engine>) {
     }
 }
 
-/// Applies the history and tombstone retention of `[options]` once an hour, and each folder's
-/// version retention every few minutes (`crate::versions::retention`).
+/// Applies the tombstone retention of `[options]` once an hour, and each folder's version and
+/// history retention every few minutes (`crate::versions::retention`).
 async fn retention_loop(engine: Arc<Engine>) {
     let mut stopping = engine.net.stopping.subscribe();
     tokio::spawn(crate::versions::retention_loop(
@@ -987,9 +992,6 @@ async fn retention_loop(engine: Arc<Engine>) {
         let folders = engine.folders.ids();
         if let Ok(mut j) = engine.folders.journal_lock() {
             for f in &folders {
-                if o.history_retention_days > 0 {
-                    let _ = j.prune_history(f, now_ns - o.history_retention_days as i64 * day_ns);
-                }
                 if o.tombstone_retention_days > 0 {
                     let _ =
                         j.prune_tombstones(f, now_ns - o.tombstone_retention_days as i64 * day_ns);

@@ -139,15 +139,20 @@ pub struct FolderPolicy {
     pub versions_space_percent: u8,
     /// And at most this many MiB, if set.
     pub versions_max_mib: Option<u64>,
+    /// `[options] history_retention_days`: days each change stays in the history; 0: as long
+    /// as the folder keeps past versions (`crate::versions::retention`).
+    pub history_days: u64,
 }
 
-impl From<&crate::config::FolderConfig> for FolderPolicy {
-    fn from(f: &crate::config::FolderConfig) -> FolderPolicy {
+impl FolderPolicy {
+    /// The policy the config gives folder `f`, with the global `options`.
+    pub fn new(f: &crate::config::FolderConfig, options: &crate::config::Options) -> FolderPolicy {
         FolderPolicy {
             role: f.role,
             versions_days: f.versions_days,
             versions_space_percent: f.versions_space_percent,
             versions_max_mib: f.versions_max_mib,
+            history_days: options.history_retention_days,
         }
     }
 }
@@ -159,6 +164,7 @@ impl Default for FolderPolicy {
             versions_days: crate::config::VERSIONS_DAYS,
             versions_space_percent: crate::config::VERSIONS_SPACE_PERCENT,
             versions_max_mib: None,
+            history_days: 0,
         }
     }
 }

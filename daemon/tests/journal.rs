@@ -1216,15 +1216,54 @@ fn history_limit_gives_the_most_recent_rows_unless_a_since_is_given() {
 }
 
 #[test]
-fn prune_history_removes_only_old_rows_and_keeps_current_records() {
+fn prune_history_keeps_each_path_s_newest_row_and_the_row_of_every_version_still_listed() {
     let (_tmp, mut j) = history_fixture();
     let f = folder();
-    assert_eq!(j.prune_history(&f, 200).unwrap(), 2);
-    assert_eq!(sequences(&all_history(&j, &f)), vec![3, 4, 5, 6, 7]);
+    // Before 250: `docs` and `docs/sub/b.txt`, `docs.txt` have no later row; the first
+    // `docs/a.txt` has (its modification at 300) but is a past version still listed.
+    assert_eq!(j.prune_history(&f, 250).unwrap(), 0);
+    let listed = j.all_versions(&f).unwrap();
+    assert_eq!(sequences_of(&listed), [2]);
+    j.retire_versions(
+        &f,
+        &[meshfs_daemon::journal::Retired {
+            id: listed[0].id,
+            reason: "age",
+        }],
+        260,
+    )
+    .unwrap();
+    assert_eq!(j.prune_history(&f, 250).unwrap(), 1);
+    assert_eq!(sequences(&all_history(&j, &f)), vec![1, 3, 4, 5, 6, 7]);
     assert!(j.get(&f, &p("docs")).unwrap().is_some());
     assert_eq!(j.max_history_sequence(&f).unwrap(), 7);
     assert_eq!(j.records_since(&f, 0, usize::MAX).unwrap().len(), 6);
-    assert_eq!(j.prune_history(&f, 200).unwrap(), 0);
+    // A directory deleted long ago: its deletion stays while its tombstone does, then goes.
+    j.commit_at(&f, vec![change(dir("old", vv(&[(1, 2)])), Op::Create)], 400)
+        .unwrap();
+    j.commit_at(
+        &f,
+        vec![change(tombstone(&dir("old", vv(&[(1, 2)])), 1), Op::Delete)],
+        500,
+    )
+    .unwrap();
+    assert_eq!(j.prune_history(&f, 600).unwrap(), 1, "the creation");
+    assert_eq!(j.prune_tombstones(&f, 600).unwrap(), 1);
+    assert_eq!(j.prune_history(&f, 600).unwrap(), 1, "the deletion");
+    assert!(j
+        .history(
+            &f,
+            &HistoryQuery {
+                path: Some(p("old")),
+                ..Default::default()
+            }
+        )
+        .unwrap()
+        .is_empty());
+}
+
+fn sequences_of(v: &[meshfs_daemon::journal::KeptVersion]) -> Vec<u64> {
+    v.iter().map(|v| v.record.sequence).collect()
 }
 
 #[test]

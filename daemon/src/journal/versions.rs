@@ -363,15 +363,19 @@ impl Journal {
         })
     }
 
-    /// Forgets the prunings recorded before `before_ns` (they are shown by `meshfs journal
-    /// --all` for as long as the versions they retired would have been kept). Returns how many.
+    /// Forgets the prunings recorded before `before_ns`, and those whose version's history row
+    /// is gone (thinned or pruned: nothing in `meshfs journal` names that version any more).
+    /// A pruning is shown by `meshfs journal --all` beside the row of the version it retired,
+    /// for as long as that version would have been kept. Returns how many.
     pub fn forget_pruned(&mut self, folder: &FolderId, before_ns: i64) -> Result<u64> {
         self.write(|tx| {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(0);
             };
             let n = tx.execute(
-                "DELETE FROM pruned WHERE folder = ?1 AND time_ns < ?2",
+                "DELETE FROM pruned WHERE folder = ?1 AND (time_ns < ?2 \
+                 OR NOT EXISTS (SELECT 1 FROM history h WHERE h.folder = pruned.folder \
+                    AND h.sequence = pruned.sequence))",
                 params![key, before_ns],
             )?;
             Ok(n as u64)

@@ -26,7 +26,6 @@ pub mod restore;
 pub mod retention;
 pub mod snapshot;
 
-use crate::config::FolderConfig;
 use crate::folder::{FolderPolicy, FolderRt, Folders};
 use crate::vault::Vault;
 use std::path::Path;
@@ -46,10 +45,10 @@ static PRUNE_SOON: tokio::sync::Notify = tokio::sync::Notify::const_new();
 pub fn start_folder(
     folders: &Arc<Folders>,
     rt: &Arc<FolderRt>,
-    f: &FolderConfig,
+    policy: FolderPolicy,
     vault_path: &Path,
 ) {
-    rt.set_policy(FolderPolicy::from(f));
+    rt.set_policy(policy);
     let vault = match Vault::open(vault_path) {
         Ok(v) => Arc::new(v),
         Err(e) => {

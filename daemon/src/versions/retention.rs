@@ -11,10 +11,21 @@
 //! vault's gate, which the keeper also holds while it adds chunks ([`crate::vault::Vault::gate`]).
 
 use super::policy::{self, Candidate, Policy, DAY_NS, HOUR_NS};
-use crate::folder::{FolderError, FolderRt, Folders};
+use crate::folder::{FolderError, FolderPolicy, FolderRt, Folders};
 use crate::journal::Retired;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
+
+/// How many days each change stays in the history: `history_retention_days` if set, else as
+/// long as past versions are kept (`versions_days`; where keeping is off, its default).
+pub fn history_days(p: &FolderPolicy) -> i64 {
+    let days = match (p.history_days, p.versions_days) {
+        (0, 0) => crate::config::VERSIONS_DAYS,
+        (0, v) => v,
+        (h, _) => h,
+    };
+    days.clamp(1, 100_000) as i64
+}
 
 /// What one retention run did to a folder.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -90,10 +101,12 @@ pub fn run(
         }
     }
     // The history: whole for an hour, then one modification per path and hour for a day,
-    // then one per day.
+    // then one per day; past its window (`history_retention_days`, else as long as versions
+    // are kept), only each path's newest row.
     let mut j = folders.journal()?;
     out.history += j.thin_history(folder, now_ns - DAY_NS, now_ns - HOUR_NS, HOUR_NS)?;
     out.history += j.thin_history(folder, 0, now_ns - DAY_NS, DAY_NS)?;
+    out.history += j.prune_history(folder, now_ns - history_days(&p) * DAY_NS)?;
     // Prunings are shown as long as what they retired would have been kept, a day at least.
     let days = p.versions_days.clamp(1, 100_000) as i64;
     out.history += j.forget_pruned(folder, now_ns - days * DAY_NS)?;
