@@ -304,7 +304,7 @@ impl Read for AdvisedReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         if self.advised < self.size && self.pos + AHEAD / 2 >= self.advised {
             let _ =
-                crate::sys::fadvise_willneed(self.file.as_fd(), self.advised as i64, AHEAD as i64);
+                meshfs_sys::fadvise_willneed(self.file.as_fd(), self.advised as i64, AHEAD as i64);
             self.advised += AHEAD;
         }
         let n = self.file.read(buf)?;

@@ -351,7 +351,7 @@ pub async fn serve(
 
 fn same_user(stream: &UnixStream) -> bool {
     match stream.peer_cred() {
-        Ok(cred) => cred.uid() == crate::sys::geteuid(),
+        Ok(cred) => cred.uid() == meshfs_sys::geteuid(),
         Err(_) => false,
     }
 }

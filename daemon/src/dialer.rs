@@ -87,6 +87,11 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, stop: Arc<Notify>) {
                 continue;
             }
             Some(Ok(won)) => {
+                // A hint nothing answered at before the device did elsewhere is dropped too: a
+                // forged announcement costs one dial, however the race ended.
+                for c in &won.cut {
+                    net.addresses.failed(&peer, c.addr, Failure::Unreachable);
+                }
                 if let Some(link) = register(&net, won.established, net.folders.device, won.source)
                 {
                     let e = net.clone();
@@ -125,18 +130,21 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, stop: Arc<Notify>) {
 /// answered).
 fn dial_failed(net: &Net, peer: &DeviceId, lost: Vec<discovery::dial::Lost>, retrying: bool) {
     let mut shown: Option<&discovery::dial::Lost> = None;
+    // The device answered and said why not: no error to show (every other attempt still tells
+    // the book how it failed).
+    let mut answered = false;
     for l in &lost {
         match &l.error {
             // Both dialed at once and the peer kept its own connection: nothing failed.
             transport::TransportError::Duplicate { .. } => {
                 tracing::debug!(peer = %peer.short(), addr = %l.addr, reason = %l.error, "crossed dial");
-                return;
+                answered = true;
             }
             // Its daemon is going down: shown as offline, not as an error (the same as a
             // session it ends with a Shutdown message).
             transport::TransportError::Stopping { .. } => {
                 tracing::debug!(peer = %peer.short(), addr = %l.addr, reason = %l.error, "peer stopping");
-                return;
+                answered = true;
             }
             transport::TransportError::Refused { .. } => shown = Some(l),
             transport::TransportError::WrongDevice { .. } => {
@@ -144,6 +152,9 @@ fn dial_failed(net: &Net, peer: &DeviceId, lost: Vec<discovery::dial::Lost>, ret
             }
             _ => net.addresses.failed(peer, l.addr, Failure::Unreachable),
         }
+    }
+    if answered {
+        return;
     }
     let Some(l) = shown.or(lost.first()) else {
         return;

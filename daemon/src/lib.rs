@@ -35,7 +35,6 @@ pub mod room;
 pub mod scanner;
 pub mod status;
 pub mod store;
-pub(crate) mod sys;
 pub mod traffic;
 pub mod transport;
 pub mod ui;

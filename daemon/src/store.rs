@@ -34,11 +34,12 @@
 
 mod displace;
 
+use crate::failpoint;
 use crate::room::Claim;
-use crate::{failpoint, sys};
 use displace::{same_version, Keeper, Old, Verdict};
 pub use displace::{Displaced, DisplacedSink};
 use meshfs_protocol::{FileKind, Hash, RelPath, ShortId, INTERNAL_PREFIX, MODE_SYNC_MASK};
+use meshfs_sys as sys;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::fs::File;

@@ -1,6 +1,9 @@
-//! The Linux syscalls the passthrough makes, as safe functions over file descriptors.
+//! The Linux syscalls the passthrough makes, as safe functions over file descriptors, answering
+//! the errno the kernel gave. The calls the engine makes too (open, mkdir, unlink, rename,
+//! symlink, readlink, fsync) are `meshfs-sys`'s, their one home; this module turns their
+//! `io::Error` back into the errno.
 //!
-//! Owns every `unsafe` block of the request path (the mount module has a few more for
+//! Owns every other `unsafe` block of the request path (the mount module has a few more for
 //! `umount2`). Each wrapper returns the errno the backing filesystem returned, untouched, so
 //! a failure seen through the mount is the failure ext4 gave.
 //!
@@ -19,6 +22,11 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 pub(crate) type Errno = i32;
 /// The result of a syscall: its value or the errno it failed with.
 pub(crate) type SysResult<T> = Result<T, Errno>;
+
+/// The errno of an error from a `meshfs_sys` call (every one carries the kernel's).
+fn errno(e: std::io::Error) -> Errno {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
 
 fn last_errno() -> Errno {
     std::io::Error::last_os_error()
@@ -217,23 +225,7 @@ pub(crate) fn openat(
     flags: i32,
     mode: u32,
 ) -> SysResult<OwnedFd> {
-    loop {
-        // SAFETY: `name` is NUL-terminated and outlives the call.
-        let r = unsafe {
-            libc::openat(
-                dir.as_raw_fd(),
-                name.as_ptr(),
-                flags | libc::O_CLOEXEC,
-                mode as libc::c_uint,
-            )
-        };
-        match check(r) {
-            // SAFETY: the kernel returned a new descriptor that nothing else owns.
-            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
-            Err(libc::EINTR) => continue,
-            Err(e) => return Err(e),
-        }
-    }
+    meshfs_sys::openat(dir, name, flags, mode).map_err(errno)
 }
 
 /// `open(path, flags)` of a `/proc/self/fd/N` path: reopens the inode a descriptor holds.
@@ -247,8 +239,7 @@ pub(crate) fn reopen(fd: BorrowedFd<'_>, flags: i32) -> SysResult<OwnedFd> {
 
 /// `mkdirat`.
 pub(crate) fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: u32) -> SysResult<()> {
-    // SAFETY: `name` is NUL-terminated and outlives the call.
-    check(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) }).map(drop)
+    meshfs_sys::mkdirat(dir, name, mode).map_err(errno)
 }
 
 /// `mknodat` (fifos, sockets, device nodes, regular files).
@@ -259,8 +250,7 @@ pub(crate) fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode: u32, rdev: u64) ->
 
 /// `symlinkat(target, dir, name)`.
 pub(crate) fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> SysResult<()> {
-    // SAFETY: both strings are NUL-terminated and outlive the call.
-    check(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
+    meshfs_sys::symlinkat(target, dir, name).map_err(errno)
 }
 
 /// A new name `dir/name` for the inode `fd` holds (via its `/proc/self/fd` link, which
@@ -282,8 +272,7 @@ pub(crate) fn link_fd(fd: BorrowedFd<'_>, dir: BorrowedFd<'_>, name: &CStr) -> S
 
 /// `unlinkat` (`AT_REMOVEDIR` for a directory).
 pub(crate) fn unlinkat(dir: BorrowedFd<'_>, name: &CStr, flags: i32) -> SysResult<()> {
-    // SAFETY: `name` is NUL-terminated and outlives the call.
-    check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) }).map(drop)
+    meshfs_sys::unlinkat(dir, name, flags).map_err(errno)
 }
 
 /// `renameat2` with its flags (`RENAME_NOREPLACE`, `RENAME_EXCHANGE`, `RENAME_WHITEOUT`).
@@ -294,31 +283,13 @@ pub(crate) fn renameat2(
     to: &CStr,
     flags: u32,
 ) -> SysResult<()> {
-    // SAFETY: both names are NUL-terminated and outlive the call.
-    check(unsafe {
-        libc::renameat2(
-            from_dir.as_raw_fd(),
-            from.as_ptr(),
-            to_dir.as_raw_fd(),
-            to.as_ptr(),
-            flags,
-        )
-    })
-    .map(drop)
+    meshfs_sys::renameat2(from_dir, from, to_dir, to, flags).map_err(errno)
 }
 
 /// `readlinkat(dir, name)`: the link's target bytes.
 pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr) -> SysResult<Vec<u8>> {
     let mut buf = vec![0u8; libc::PATH_MAX as usize + 1];
-    // SAFETY: `name` is NUL-terminated; `buf` is writable for the length passed.
-    let n = check_size(unsafe {
-        libc::readlinkat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    })?;
+    let n = meshfs_sys::readlinkat(dir, name, &mut buf).map_err(errno)?;
     buf.truncate(n);
     Ok(buf)
 }
@@ -503,15 +474,12 @@ pub(crate) fn pwrite(fd: BorrowedFd<'_>, offset: u64, data: &[u8]) -> SysResult<
 
 /// `fsync`, or `fdatasync` when `data_only`.
 pub(crate) fn fsync(fd: BorrowedFd<'_>, data_only: bool) -> SysResult<()> {
-    // SAFETY: plain syscalls on a descriptor we own.
-    check(unsafe {
-        if data_only {
-            libc::fdatasync(fd.as_raw_fd())
-        } else {
-            libc::fsync(fd.as_raw_fd())
-        }
-    })
-    .map(drop)
+    if data_only {
+        meshfs_sys::fdatasync(fd)
+    } else {
+        meshfs_sys::fsync(fd)
+    }
+    .map_err(errno)
 }
 
 /// `fallocate`.

@@ -2,7 +2,9 @@
 //! 8305): the first address is tried alone, the next joins [`STAGGER`] later or as soon as one
 //! fails, and the first TLS handshake that completes with the device wins. Only the winner is
 //! greeted; the other attempts are dropped before their hello, so the listener never counts
-//! them as connections (and no crossed-dial tie is ever needed between them).
+//! them as connections (and no crossed-dial tie is ever needed between them). The attempts cut
+//! short so were sent to and never answered: the race names them, so that a hint nothing
+//! answered at is forgotten whether or not another address answered first.
 //!
 //! **What it owns.** The race. It decides nothing about which addresses to try (the caller
 //! passes them best first) nor what a failure means for the address book (the caller reads the
@@ -27,6 +29,8 @@ pub struct Won {
     pub addr: SocketAddr,
     /// How that address was learned.
     pub source: Source,
+    /// The attempts still waiting for an answer when this one won (cut short).
+    pub cut: Vec<Candidate>,
 }
 
 /// One attempt that failed.
@@ -54,8 +58,13 @@ pub async fn race(
     let candidates = &candidates[..candidates.len().min(MAX_CANDIDATES)];
     let mut lost = Vec::new();
     let mut running = tokio::task::JoinSet::new();
+    // The attempts started and not yet ended.
+    let mut waiting = std::collections::BTreeSet::new();
     let mut next = 0;
-    let start = |i: usize, running: &mut tokio::task::JoinSet<_>| {
+    let start = |i: usize,
+                 running: &mut tokio::task::JoinSet<_>,
+                 waiting: &mut std::collections::BTreeSet<usize>| {
+        waiting.insert(i);
         let (ep, addr) = (endpoint.clone(), candidates[i].addr);
         running.spawn(async move {
             let shake = transport::handshake(&ep, addr, peer);
@@ -74,7 +83,7 @@ pub async fn race(
     };
     loop {
         if next < candidates.len() && (running.is_empty() || next == 0) {
-            start(next, &mut running);
+            start(next, &mut running, &mut waiting);
             next += 1;
         }
         let stagger = async {
@@ -90,19 +99,30 @@ pub async fn race(
                     return Err(lost);
                 };
                 let Ok((i, r)) = done else { continue };
+                waiting.remove(&i);
                 let c = candidates[i];
                 match r {
                     Ok(shaken) => {
                         // The others are dropped before their hello.
                         running.abort_all();
+                        let cut: Vec<Candidate> = waiting.iter().map(|&j| candidates[j]).collect();
                         return match shaken.greet().await {
                             Ok(established) => Ok(Won {
                                 established,
                                 addr: c.addr,
                                 source: c.source,
+                                cut,
                             }),
                             Err(error) => {
                                 lost.push(Lost { addr: c.addr, source: c.source, error });
+                                lost.extend(cut.into_iter().map(|c| Lost {
+                                    addr: c.addr,
+                                    source: c.source,
+                                    error: TransportError::Connect {
+                                        addr: c.addr,
+                                        reason: "no answer before the device answered at another address".into(),
+                                    },
+                                }));
                                 Err(lost)
                             }
                         };
@@ -111,7 +131,7 @@ pub async fn race(
                         lost.push(Lost { addr: c.addr, source: c.source, error });
                         // A failure lets the next candidate start at once.
                         if next < candidates.len() {
-                            start(next, &mut running);
+                            start(next, &mut running, &mut waiting);
                             next += 1;
                         } else if running.is_empty() {
                             return Err(lost);
@@ -120,7 +140,7 @@ pub async fn race(
                 }
             }
             _ = stagger => {
-                start(next, &mut running);
+                start(next, &mut running, &mut waiting);
                 next += 1;
             }
         }
@@ -173,6 +193,8 @@ mod tests {
             .unwrap();
         assert_eq!(won.addr, eb.local_addr().unwrap());
         assert_eq!(won.source, Source::Incoming);
+        // The silent address was sent to and never answered: named, so a hint is forgotten.
+        assert_eq!(won.cut, candidates[..1]);
         assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
         assert!(accept.await.unwrap().is_ok());
     }

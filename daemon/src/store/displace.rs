@@ -32,8 +32,8 @@
 //! if it is unchanged and otherwise moves it next to its path as a conflict copy.
 
 use super::{cstr, io_err, lstat_at, stat_of, LocalStat, StoreError};
-use crate::sys;
 use meshfs_protocol::{RelPath, ShortId};
+use meshfs_sys as sys;
 use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};

@@ -48,9 +48,9 @@ pub struct Cost {
 impl Cost {
     /// Runs `f`, counting the CPU time it takes on this thread.
     pub fn measure<T>(&self, f: impl FnOnce() -> T) -> T {
-        let t0 = crate::sys::thread_cpu_time();
+        let t0 = meshfs_sys::thread_cpu_time();
         let out = f();
-        let spent = crate::sys::thread_cpu_time().saturating_sub(t0);
+        let spent = meshfs_sys::thread_cpu_time().saturating_sub(t0);
         self.cpu_ns
             .fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
         out

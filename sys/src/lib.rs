@@ -1,6 +1,8 @@
-//! The Linux syscalls the daemon makes beyond std, as safe functions over borrowed descriptors.
+//! The Linux system calls meshfs makes beyond std, as safe functions over borrowed descriptors.
 //!
-//! **What it owns.** The `unsafe` blocks of the replica store and the scanner: each wrapper
+//! **What it owns.** The `unsafe` blocks of the engine's replica store and scanner, and of the
+//! calls the mount makes too (`meshfs-fuse` turns their `io::Error` into the errno it answers
+//! the kernel with, untouched): each wrapper
 //! takes `BorrowedFd`s (so the descriptor is open for the whole call) and `CStr` names (so
 //! every string is NUL-terminated), and returns what the kernel filled in only once the call
 //! succeeded. Each block says why the pointers it passes are valid; nothing else in a
@@ -9,7 +11,10 @@
 //! **What it never does.** Decide anything: no retries, no fallbacks, no path handling. The
 //! wrappers are named after the syscall they make and keep its arguments; what an error means
 //! is the caller's business. Other concerns keep their own `unsafe` next to them: the file
-//! mappings in `mapped`, the socket buffer option in `transport`.
+//! mappings in the daemon's `mapped`, the socket buffer option in its `transport`, the mount's
+//! own requests in `meshfs-fuse`'s `sys`.
+
+#![deny(missing_docs)]
 
 use std::ffi::CStr;
 use std::io;
@@ -26,34 +31,42 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
 
 /// `AT_FDCWD` as a directory argument: relative names resolve against the working
 /// directory, absolute ones ignore it.
-pub(crate) fn cwd() -> BorrowedFd<'static> {
+pub fn cwd() -> BorrowedFd<'static> {
     // SAFETY: AT_FDCWD (-100) is not -1, and it names no descriptor that could be closed: the
     // *at calls this is passed to take it to mean the working directory.
     unsafe { BorrowedFd::borrow_raw(libc::AT_FDCWD) }
 }
 
-/// `openat(dir, name, flags | O_CLOEXEC, mode)`: the descriptor it opens.
-pub(crate) fn openat(
+/// `openat(dir, name, flags | O_CLOEXEC, mode)`: the descriptor it opens (an interrupted
+/// open is made again).
+pub fn openat(
     dir: BorrowedFd<'_>,
     name: &CStr,
     flags: libc::c_int,
     mode: libc::c_uint,
 ) -> io::Result<OwnedFd> {
-    // SAFETY: `name` is NUL-terminated and outlives the call.
-    let fd = cvt(unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            flags | libc::O_CLOEXEC,
-            mode,
-        )
-    })?;
-    // SAFETY: the kernel returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    loop {
+        // SAFETY: `name` is NUL-terminated and outlives the call.
+        let r = cvt(unsafe {
+            libc::openat(
+                dir.as_raw_fd(),
+                name.as_ptr(),
+                flags | libc::O_CLOEXEC,
+                mode,
+            )
+        });
+        match r {
+            // SAFETY: the kernel returned a new descriptor that nothing else owns.
+            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
+            // An open of a FIFO or of a file on a slow filesystem may be interrupted.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// `fstat(fd)`.
-pub(crate) fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
+pub fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
     let mut st = MaybeUninit::<libc::stat>::uninit();
     // SAFETY: `st` is writable memory of the type fstat fills.
     cvt(unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) })?;
@@ -62,11 +75,7 @@ pub(crate) fn fstat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
 }
 
 /// `fstatat(dir, name, flags)` (`AT_SYMLINK_NOFOLLOW` to stat a symlink itself).
-pub(crate) fn fstatat(
-    dir: BorrowedFd<'_>,
-    name: &CStr,
-    flags: libc::c_int,
-) -> io::Result<libc::stat> {
+pub fn fstatat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> io::Result<libc::stat> {
     let mut st = MaybeUninit::<libc::stat>::uninit();
     // SAFETY: `name` is NUL-terminated and outlives the call; `st` is writable memory of the
     // type fstatat fills.
@@ -76,19 +85,19 @@ pub(crate) fn fstatat(
 }
 
 /// `mkdirat(dir, name, mode)`.
-pub(crate) fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
+pub fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t) -> io::Result<()> {
     // SAFETY: `name` is NUL-terminated and outlives the call.
     cvt(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) }).map(drop)
 }
 
 /// `unlinkat(dir, name, flags)` (`AT_REMOVEDIR` for a directory).
-pub(crate) fn unlinkat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> io::Result<()> {
+pub fn unlinkat(dir: BorrowedFd<'_>, name: &CStr, flags: libc::c_int) -> io::Result<()> {
     // SAFETY: `name` is NUL-terminated and outlives the call.
     cvt(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) }).map(drop)
 }
 
 /// `renameat(from, old, to, new)`: replaces `new` if it exists.
-pub(crate) fn renameat(
+pub fn renameat(
     from: BorrowedFd<'_>,
     old: &CStr,
     to: BorrowedFd<'_>,
@@ -100,7 +109,7 @@ pub(crate) fn renameat(
 }
 
 /// `renameat2(from, old, to, new, flags)` (`RENAME_NOREPLACE`, …).
-pub(crate) fn renameat2(
+pub fn renameat2(
     from: BorrowedFd<'_>,
     old: &CStr,
     to: BorrowedFd<'_>,
@@ -122,7 +131,7 @@ pub(crate) fn renameat2(
 
 /// `linkat(from, old, to, new, flags)` (`AT_EMPTY_PATH` with an empty `old` links the file
 /// `from` itself holds; `AT_SYMLINK_FOLLOW` follows a final symlink in `old`).
-pub(crate) fn linkat(
+pub fn linkat(
     from: BorrowedFd<'_>,
     old: &CStr,
     to: BorrowedFd<'_>,
@@ -143,14 +152,14 @@ pub(crate) fn linkat(
 }
 
 /// `symlinkat(target, dir, name)`: makes `name` in `dir` a symlink to `target`.
-pub(crate) fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
+pub fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
     // SAFETY: both strings are NUL-terminated and outlive the call.
     cvt(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) }).map(drop)
 }
 
 /// `readlinkat(dir, name)` into `buf`: how many bytes of it the target fills (the target is
 /// cut short if it is longer than `buf`).
-pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr, buf: &mut [u8]) -> io::Result<usize> {
+pub fn readlinkat(dir: BorrowedFd<'_>, name: &CStr, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: `name` is NUL-terminated and outlives the call; `buf` is writable for the length
     // passed, and readlinkat writes no more than that.
     let n = unsafe {
@@ -168,7 +177,7 @@ pub(crate) fn readlinkat(dir: BorrowedFd<'_>, name: &CStr, buf: &mut [u8]) -> io
 }
 
 /// `utimensat(dir, name, times, flags)`: `times` is (atime, mtime), `UTIME_OMIT` to keep one.
-pub(crate) fn utimensat(
+pub fn utimensat(
     dir: BorrowedFd<'_>,
     name: &CStr,
     times: &[libc::timespec; 2],
@@ -179,13 +188,13 @@ pub(crate) fn utimensat(
 }
 
 /// `futimens(fd, times)`: `times` is (atime, mtime), `UTIME_OMIT` to keep one.
-pub(crate) fn futimens(fd: BorrowedFd<'_>, times: &[libc::timespec; 2]) -> io::Result<()> {
+pub fn futimens(fd: BorrowedFd<'_>, times: &[libc::timespec; 2]) -> io::Result<()> {
     // SAFETY: `times` points to the two timespecs futimens reads.
     cvt(unsafe { libc::futimens(fd.as_raw_fd(), times.as_ptr()) }).map(drop)
 }
 
 /// `fchmod(fd, mode)`.
-pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: libc::mode_t) -> io::Result<()> {
+pub fn fchmod(fd: BorrowedFd<'_>, mode: libc::mode_t) -> io::Result<()> {
     // SAFETY: integer arguments only; the descriptor is borrowed for the call.
     cvt(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map(drop)
 }
@@ -193,13 +202,13 @@ pub(crate) fn fchmod(fd: BorrowedFd<'_>, mode: libc::mode_t) -> io::Result<()> {
 /// `fcntl(fd, F_SETLEASE, kind)` (`F_RDLCK`, `F_WRLCK`, `F_UNLCK`). A read lease is refused
 /// (`EAGAIN`) while anyone has the file open for writing; while it is held, an open for writing
 /// (or a truncate) must first break it.
-pub(crate) fn set_lease(fd: BorrowedFd<'_>, kind: libc::c_int) -> io::Result<()> {
+pub fn set_lease(fd: BorrowedFd<'_>, kind: libc::c_int) -> io::Result<()> {
     // SAFETY: F_SETLEASE takes an int argument and touches no memory of ours.
     cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, kind) }).map(drop)
 }
 
 /// `fcntl(fd, F_GETLEASE)`: the lease `fd` holds (`F_UNLCK` once a break has begun).
-pub(crate) fn get_lease(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
+pub fn get_lease(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
     // SAFETY: F_GETLEASE takes no argument and touches no memory of ours.
     cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETLEASE) })
 }
@@ -207,7 +216,7 @@ pub(crate) fn get_lease(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
 /// Ignores `SIGIO`: the kernel sends it to a lease holder when someone breaks the lease, and
 /// its default action ends the process. The store's leases are only held for a few system
 /// calls and read back with [`get_lease`], never waited on with the signal.
-pub(crate) fn ignore_sigio() {
+pub fn ignore_sigio() {
     // SAFETY: SIG_IGN installs no handler code; it only changes the disposition of SIGIO,
     // which nothing else in the daemon uses.
     unsafe {
@@ -216,7 +225,7 @@ pub(crate) fn ignore_sigio() {
 }
 
 /// `fsetxattr(fd, name, value, 0)`.
-pub(crate) fn fsetxattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Result<()> {
+pub fn fsetxattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Result<()> {
     // SAFETY: `name` is NUL-terminated and `value` is readable for its length; both outlive
     // the call.
     cvt(unsafe {
@@ -232,13 +241,13 @@ pub(crate) fn fsetxattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Re
 }
 
 /// `fremovexattr(fd, name)`.
-pub(crate) fn fremovexattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
+pub fn fremovexattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
     // SAFETY: `name` is NUL-terminated and outlives the call.
     cvt(unsafe { libc::fremovexattr(fd.as_raw_fd(), name.as_ptr()) }).map(drop)
 }
 
 /// `fgetxattr(fd, name)`: the value (at most 4 KiB).
-pub(crate) fn fgetxattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
+pub fn fgetxattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 4096];
     // SAFETY: `name` is NUL-terminated; `buf` is writable for its length; both outlive the
     // call.
@@ -258,19 +267,25 @@ pub(crate) fn fgetxattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> 
 }
 
 /// `fsync(fd)` (a directory's too: its entries become durable).
-pub(crate) fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub fn fsync(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: integer arguments only; the descriptor is borrowed for the call.
     cvt(unsafe { libc::fsync(fd.as_raw_fd()) }).map(drop)
 }
 
+/// `fdatasync(fd)`: the data and what is needed to read it back, not every timestamp.
+pub fn fdatasync(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: integer arguments only; the descriptor is borrowed for the call.
+    cvt(unsafe { libc::fdatasync(fd.as_raw_fd()) }).map(drop)
+}
+
 /// `syncfs(fd)`: flushes the whole filesystem `fd` is on.
-pub(crate) fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub fn syncfs(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: integer arguments only; the descriptor is borrowed for the call.
     cvt(unsafe { libc::syncfs(fd.as_raw_fd()) }).map(drop)
 }
 
 /// `sync_file_range(fd, offset, nbytes, flags)` (`nbytes` 0: to the end of the file).
-pub(crate) fn sync_file_range(
+pub fn sync_file_range(
     fd: BorrowedFd<'_>,
     offset: i64,
     nbytes: i64,
@@ -282,7 +297,7 @@ pub(crate) fn sync_file_range(
 
 /// `posix_fadvise(fd, offset, len, POSIX_FADV_WILLNEED)`: starts reading the range into the
 /// page cache. Advice only: the caller may ignore a failure.
-pub(crate) fn fadvise_willneed(fd: BorrowedFd<'_>, offset: i64, len: i64) -> io::Result<()> {
+pub fn fadvise_willneed(fd: BorrowedFd<'_>, offset: i64, len: i64) -> io::Result<()> {
     // SAFETY: integer arguments only; the descriptor is borrowed for the call.
     let rc = unsafe { libc::posix_fadvise(fd.as_raw_fd(), offset, len, libc::POSIX_FADV_WILLNEED) };
     // posix_fadvise returns the error number instead of setting errno.
@@ -296,7 +311,7 @@ pub(crate) fn fadvise_willneed(fd: BorrowedFd<'_>, offset: i64, len: i64) -> io:
 /// `len` bytes of `fd` from `offset` by `pread`, read into a buffer that is not zeroed first
 /// (a chunk is read in full or not at all, so zeroing it first was only work). Fails with
 /// `UnexpectedEof` if the file ends first.
-pub(crate) fn pread_exact(fd: BorrowedFd<'_>, len: usize, offset: u64) -> io::Result<Vec<u8>> {
+pub fn pread_exact(fd: BorrowedFd<'_>, len: usize, offset: u64) -> io::Result<Vec<u8>> {
     let mut buf: Vec<u8> = Vec::with_capacity(len);
     while buf.len() < len {
         let at = buf.len();
@@ -329,7 +344,7 @@ pub(crate) fn pread_exact(fd: BorrowedFd<'_>, len: usize, offset: u64) -> io::Re
 }
 
 /// `statvfs(path)`.
-pub(crate) fn statvfs(path: &CStr) -> io::Result<libc::statvfs> {
+pub fn statvfs(path: &CStr) -> io::Result<libc::statvfs> {
     let mut st = MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: `path` is NUL-terminated and outlives the call; `st` is writable memory of the
     // type statvfs fills.
@@ -339,14 +354,14 @@ pub(crate) fn statvfs(path: &CStr) -> io::Result<libc::statvfs> {
 }
 
 /// The effective user id of this process.
-pub(crate) fn geteuid() -> libc::uid_t {
+pub fn geteuid() -> libc::uid_t {
     // SAFETY: geteuid takes nothing, touches no memory and cannot fail.
     unsafe { libc::geteuid() }
 }
 
 /// The CPU time the calling thread has used so far (`clock_gettime(CLOCK_THREAD_CPUTIME_ID)`);
 /// zero if the clock cannot be read.
-pub(crate) fn thread_cpu_time() -> std::time::Duration {
+pub fn thread_cpu_time() -> std::time::Duration {
     let mut ts = MaybeUninit::<libc::timespec>::uninit();
     // SAFETY: `ts` is a writable timespec for the kernel to fill; the call touches nothing else.
     let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, ts.as_mut_ptr()) };
