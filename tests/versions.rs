@@ -660,6 +660,57 @@ fn past_versions_are_thinned_then_pruned_by_age_oldest_first_and_the_live_tree_i
 }
 
 #[test]
+fn a_device_alone_keeps_what_its_own_edits_and_deletions_outside_a_mount_replace_and_restores_it() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    write(&a.path("before.txt"), b"there before meshfs first ran\n");
+    a.start();
+    wait_synced(&[&a], 30);
+    let held = |a: &Device| {
+        a.status()["folders"][0]["versions"]["bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    // Changes made as any program makes them (no mount, the watcher's path): each new version
+    // is held ahead, so what the next change replaces is kept.
+    let v1 = noise(300_000, 90);
+    write(&a.path("notes.txt"), &v1);
+    wait_for(20, "the first version held ahead", || held(&a) >= 300_000);
+    let v2 = noise(200_000, 91);
+    write(&a.path("notes.txt"), &v2);
+    wait_for(20, "the overwritten version kept", || {
+        contents(&a, "notes.txt") == ["kept", "current"]
+    });
+    let report = noise(1_500_000, 92);
+    write(&a.path("docs/report.bin"), &report);
+    wait_for(20, "the report held ahead", || held(&a) >= 2_000_000);
+    std::fs::remove_dir_all(a.path("docs")).unwrap();
+    wait_for(20, "the deleted report kept", || {
+        contents(&a, "docs/report.bin") == ["kept", "none"]
+    });
+    // Both come back byte-identical, from this device alone.
+    a.cli_ok(&["restore", "work", "notes.txt"]);
+    a.cli_ok(&["restore", "work", "docs/report.bin"]);
+    assert_eq!(std::fs::read(a.path("notes.txt")).unwrap(), v1);
+    assert_eq!(std::fs::read(a.path("docs/report.bin")).unwrap(), report);
+    // What the restore replaced is kept in its turn.
+    wait_for(20, "the second version kept", || {
+        contents(&a, "notes.txt")
+            .iter()
+            .filter(|c| *c == "kept")
+            .count()
+            == 1
+            && contents(&a, "notes.txt").last().map(String::as_str) == Some("current")
+    });
+    // A file nobody changed since meshfs first scanned it was never held: its deletion is
+    // listed, its content is not here (docs/decisions.md, D68).
+    std::fs::remove_file(a.path("before.txt")).unwrap();
+    wait_for(20, "the deletion listed", || {
+        contents(&a, "before.txt") == ["not_here", "none"]
+    });
+}
+
+#[test]
 fn a_restore_killed_at_each_step_leaves_the_old_file_or_the_restored_one_never_a_partial() {
     let (_t, mut a, mut b) = two();
     let before = noise(900_000, 70);

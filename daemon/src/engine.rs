@@ -427,7 +427,7 @@ impl Engine {
         crate::versions::start_folder(
             &self.folders,
             &rt,
-            crate::folder::FolderPolicy::new(f, &self.options()),
+            crate::folder::FolderPolicy::new(f, &self.config()),
             &self.home.vault_file(&id),
         );
         let removed = rt.store.remove_temps();
@@ -625,7 +625,7 @@ impl Engine {
             if !running.contains(&f.id) {
                 self.start_folder(f).await?;
             } else if let Some(rt) = self.folders.get(&f.id) {
-                rt.set_policy(crate::folder::FolderPolicy::new(f, &new.options));
+                rt.set_policy(crate::folder::FolderPolicy::new(f, &new));
             }
         }
         let wanted: HashSet<FolderId> = new.folders.iter().map(|f| f.id.clone()).collect();

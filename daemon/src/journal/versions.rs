@@ -4,7 +4,7 @@
 //! The journal only stores and answers here: which versions to prune is the retention
 //! policy's (`crate::versions::policy`), whether a version's content is kept is the vault's.
 
-use super::rows::{self, to_i64, to_u64, HISTORY_COLUMNS};
+use super::rows::{self, to_i64, to_u64, HISTORY_COLUMNS, RECORD_COLUMNS};
 use super::{below_bounds, limit_sql, lookup_folder, HistoryEntry, Journal, Result};
 use crate::store::LocalStat;
 use meshfs_protocol::{DeviceId, FileRecord, FolderId, Hash, RelPath};
@@ -196,6 +196,33 @@ impl Journal {
             let mut out = Vec::new();
             while let Some(r) = rows.next()? {
                 out.push(kept_version(folder, r)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// The live files this device made (no peer's version) that changed at or after
+    /// `since_ns`, oldest first: each record's row, when it changed, and the record. What a
+    /// folder no peer shares holds ahead (`crate::versions::retention`).
+    pub fn own_files_since(
+        &self,
+        folder: &FolderId,
+        since_ns: i64,
+    ) -> Result<Vec<(i64, i64, FileRecord)>> {
+        self.read(|c| {
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {RECORD_COLUMNS}, id, changed_at FROM records WHERE folder = ?1 \
+                 AND deleted = 0 AND kind = 'file' AND source IS NULL AND changed_at >= ?2 \
+                 ORDER BY changed_at, sequence"
+            ))?;
+            let mut rows = st.query(params![key, since_ns])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let stored = rows::stored_record(folder, r)?;
+                out.push((r.get(18)?, r.get(19)?, stored.record));
             }
             Ok(out)
         })

@@ -57,18 +57,16 @@ pub fn start_folder(
         }
     };
     rt.set_vault(vault.clone());
-    let weak = Arc::downgrade(rt);
-    let sink = keeper::start(
-        folders.clone(),
-        rt.id.clone(),
-        vault,
-        move || {
-            weak.upgrade()
-                .is_some_and(|rt| rt.policy().versions_days > 0)
-        },
-        |_| PRUNE_SOON.notify_one(),
-    );
-    rt.store.on_displaced(sink);
+    let (on, ahead) = (Arc::downgrade(rt), Arc::downgrade(rt));
+    let switches = keeper::Switches {
+        on: Box::new(move || on.upgrade().is_some_and(|rt| rt.policy().versions_days > 0)),
+        ahead: Box::new(move || ahead.upgrade().is_some_and(|rt| rt.policy().alone)),
+    };
+    let (displaced, local) = keeper::start(folders.clone(), rt.id.clone(), vault, switches, |_| {
+        PRUNE_SOON.notify_one()
+    });
+    rt.store.on_displaced(displaced);
+    rt.on_local(local);
 }
 
 /// Runs every folder's retention at start, every [`RETENTION_EVERY`], and a second after the

@@ -60,25 +60,47 @@ pub fn run(
         room.unwrap_or(u64::MAX / 200).saturating_add(stored_bytes),
         p.versions_max_mib.map(|m| m.saturating_mul(1 << 20)),
     );
+    if let Some(v) = &vault {
+        v.set_budget(policy.budget_bytes);
+    }
     {
         let _gate = vault.as_ref().map(|v| v.gate());
         let versions = folders.journal()?.all_versions(folder)?;
+        // A folder no peer shares holds its own files changed within the age limit (D68).
+        let own = match policy.max_age_ns {
+            Some(age) if p.alone => folders
+                .journal()?
+                .own_files_since(folder, now_ns.saturating_sub(age))?,
+            _ => Vec::new(),
+        };
         let stored: HashMap<_, _> = match &vault {
             Some(v) => v.chunk_sizes().unwrap_or_default().into_iter().collect(),
             None => HashMap::new(),
         };
-        let candidates: Vec<Candidate<'_>> = versions
+        let mut candidates: Vec<Candidate<'_>> = versions
             .iter()
             .map(|v| Candidate {
                 id: v.id,
                 path: &v.record.path,
                 left_ns: v.left_ns,
                 chunks: v.record.chunks.iter().map(|c| c.hash).collect(),
+                live: false,
             })
+            .chain(own.iter().map(|(id, changed, record)| Candidate {
+                // Below every versions row's id: the two never meet.
+                id: -1 - id,
+                path: &record.path,
+                left_ns: *changed,
+                chunks: record.chunks.iter().map(|c| c.hash).collect(),
+                live: true,
+            }))
             .collect();
-        let retired: Vec<Retired> = policy::retire(&policy, &candidates, &stored, now_ns)
-            .into_iter()
-            .map(|(id, reason)| Retired { id, reason })
+        candidates.sort_by_key(|c| c.left_ns);
+        let gone_all = policy::retire(&policy, &candidates, &stored, now_ns);
+        let retired: Vec<Retired> = gone_all
+            .iter()
+            .filter(|(id, _)| *id > 0)
+            .map(|&(id, reason)| Retired { id, reason })
             .collect();
         if !retired.is_empty() {
             out.versions = folders
@@ -86,7 +108,7 @@ pub fn run(
                 .retire_versions(folder, &retired, now_ns)?;
             crate::failpoint::hit("prune.retired", "");
         }
-        let gone: HashSet<i64> = retired.iter().map(|r| r.id).collect();
+        let gone: HashSet<i64> = gone_all.iter().map(|g| g.0).collect();
         let keep = policy::needed(&candidates, &gone);
         if let Some(v) = &vault {
             match v.sweep(|h| keep.contains(h)) {
