@@ -1630,21 +1630,30 @@ impl Journal {
     /// Deletes history rows journaled before `older_than_ns`, but for each path's newest row
     /// while the path has a record (what the folder is: `state_at` finds a file unchanged for
     /// years) and every row whose version is still listed in `versions` (a kept version stays
-    /// listed). Current records are untouched. Returns how many rows were deleted.
-    pub fn prune_history(&mut self, folder: &FolderId, older_than_ns: i64) -> Result<u64> {
+    /// listed). Current records are untouched. At most `limit` rows per call (one
+    /// transaction: a long history's first compaction does not hold the journal for long).
+    /// Returns how many rows were deleted.
+    pub fn prune_history(
+        &mut self,
+        folder: &FolderId,
+        older_than_ns: i64,
+        limit: usize,
+    ) -> Result<u64> {
         self.write(|tx| {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(0);
             };
             let n = tx.execute(
-                "DELETE FROM history WHERE folder = ?1 AND time_ns < ?2 \
-                 AND NOT EXISTS (SELECT 1 FROM versions v WHERE v.folder = history.folder \
-                    AND v.sequence = history.sequence) \
-                 AND (EXISTS (SELECT 1 FROM history n WHERE n.folder = history.folder \
-                        AND n.path = history.path AND n.sequence > history.sequence) \
-                    OR NOT EXISTS (SELECT 1 FROM records r WHERE r.folder = history.folder \
-                        AND r.path = history.path))",
-                params![key, older_than_ns],
+                "DELETE FROM history WHERE folder = ?1 AND sequence IN (\
+                 SELECT h.sequence FROM history h WHERE h.folder = ?1 AND h.time_ns < ?2 \
+                 AND NOT EXISTS (SELECT 1 FROM versions v WHERE v.folder = h.folder \
+                    AND v.sequence = h.sequence) \
+                 AND (EXISTS (SELECT 1 FROM history n WHERE n.folder = h.folder \
+                        AND n.path = h.path AND n.sequence > h.sequence) \
+                    OR NOT EXISTS (SELECT 1 FROM records r WHERE r.folder = h.folder \
+                        AND r.path = h.path)) \
+                 LIMIT ?3)",
+                params![key, older_than_ns, limit_sql(limit)],
             )?;
             Ok(n as u64)
         })

@@ -1221,7 +1221,7 @@ fn prune_history_keeps_each_path_s_newest_row_and_the_row_of_every_version_still
     let f = folder();
     // Before 250: `docs` and `docs/sub/b.txt`, `docs.txt` have no later row; the first
     // `docs/a.txt` has (its modification at 300) but is a past version still listed.
-    assert_eq!(j.prune_history(&f, 250).unwrap(), 0);
+    assert_eq!(j.prune_history(&f, 250, usize::MAX).unwrap(), 0);
     let listed = j.all_versions(&f).unwrap();
     assert_eq!(sequences_of(&listed), [2]);
     j.retire_versions(
@@ -1233,7 +1233,7 @@ fn prune_history_keeps_each_path_s_newest_row_and_the_row_of_every_version_still
         260,
     )
     .unwrap();
-    assert_eq!(j.prune_history(&f, 250).unwrap(), 1);
+    assert_eq!(j.prune_history(&f, 250, usize::MAX).unwrap(), 1);
     assert_eq!(sequences(&all_history(&j, &f)), vec![1, 3, 4, 5, 6, 7]);
     assert!(j.get(&f, &p("docs")).unwrap().is_some());
     assert_eq!(j.max_history_sequence(&f).unwrap(), 7);
@@ -1247,9 +1247,15 @@ fn prune_history_keeps_each_path_s_newest_row_and_the_row_of_every_version_still
         500,
     )
     .unwrap();
-    assert_eq!(j.prune_history(&f, 600).unwrap(), 1, "the creation");
+    assert_eq!(j.prune_history(&f, 600, 0).unwrap(), 0, "a batch of none");
+    assert_eq!(j.prune_history(&f, 600, 1).unwrap(), 1, "the creation");
+    assert_eq!(j.prune_history(&f, 600, 1).unwrap(), 0);
     assert_eq!(j.prune_tombstones(&f, 600).unwrap(), 1);
-    assert_eq!(j.prune_history(&f, 600).unwrap(), 1, "the deletion");
+    assert_eq!(
+        j.prune_history(&f, 600, usize::MAX).unwrap(),
+        1,
+        "the deletion"
+    );
     assert!(j
         .history(
             &f,

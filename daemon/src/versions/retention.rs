@@ -27,6 +27,9 @@ pub fn history_days(p: &FolderPolicy) -> i64 {
     days.clamp(1, 100_000) as i64
 }
 
+/// History rows compacted per transaction at most.
+const PRUNE_BATCH: usize = 5_000;
+
 /// What one retention run did to a folder.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Pruned {
@@ -128,11 +131,24 @@ pub fn run(
     let mut j = folders.journal()?;
     out.history += j.thin_history(folder, now_ns - DAY_NS, now_ns - HOUR_NS, HOUR_NS)?;
     out.history += j.thin_history(folder, 0, now_ns - DAY_NS, DAY_NS)?;
-    out.history += j.prune_history(folder, now_ns - history_days(&p) * DAY_NS)?;
+    drop(j);
+    // In batches, the journal let go between them: applies and captures go on meanwhile.
+    loop {
+        let n = folders.journal()?.prune_history(
+            folder,
+            now_ns - history_days(&p) * DAY_NS,
+            PRUNE_BATCH,
+        )?;
+        out.history += n;
+        if n < PRUNE_BATCH as u64 {
+            break;
+        }
+    }
     // Prunings are shown as long as what they retired would have been kept, a day at least.
     let days = p.versions_days.clamp(1, 100_000) as i64;
-    out.history += j.forget_pruned(folder, now_ns - days * DAY_NS)?;
-    drop(j);
+    out.history += folders
+        .journal()?
+        .forget_pruned(folder, now_ns - days * DAY_NS)?;
     if out != Pruned::default() {
         tracing::info!(%folder, versions = out.versions, chunks = out.chunks, bytes = out.bytes, history = out.history, "retention pruned");
     }
