@@ -1,7 +1,8 @@
 //! Carrying out the retention policy ([`super::policy`]) on a folder: the versions it retires
 //! leave the journal (each one a `pruned` row, shown by `meshfs journal --all`), then the vault
-//! drops every chunk no remaining version names; and the history is thinned the same way
-//! (docs/decisions.md, D45), so the journal stays bounded under an editing run that never
+//! drops every chunk no remaining version (nor, in a folder no peer shares, a recent file held
+//! ahead: D68) names; and the history is thinned the same way and compacted past its window
+//! (docs/decisions.md, D64, D67), so the journal stays bounded under an editing run that never
 //! stops.
 //!
 //! The order is what makes a crash harmless: the journal's rows go first (one transaction),
