@@ -2,7 +2,8 @@
 //!
 //! - [`keeper`]: the content of a version an apply replaces or deletes, read from the old file
 //!   (the store hands it over as it keeps it aside) into the folder's vault, only the chunks
-//!   nothing else holds;
+//!   nothing else holds; and, in a folder no peer shares, this device's own new versions held
+//!   ahead (D68);
 //! - [`content`]: a past version's chunks, from the vault, the live tree or a connected peer
 //!   (which serves them from its own vault: `crate::chunks`);
 //! - [`restore`]: `meshfs restore`, through the store's safe path and the capture path;
