@@ -31,6 +31,7 @@ mod sync;
 mod ui;
 mod user_mount;
 mod versions;
+mod versions_kills;
 mod wal_identity;
 
 /// Each `tests/*.rs` file is declared above (Cargo builds only this file: `autotests = false`).

@@ -366,6 +366,122 @@ fn without_the_token_every_address_answers_401_and_tells_nothing_and_another_hos
     assert!(!token_file.exists(), "the token goes with the daemon");
 }
 
+#[test]
+fn a_kept_version_is_restored_from_its_journal_row_on_the_page_and_never_by_a_request_from_elsewhere(
+) {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    write(&a.path("report.txt"), b"first draft");
+    Device::start_together(&mut [&mut a, &mut b]);
+    wait_synced(&[&a, &b], 30);
+    write(&a.path("report.txt"), b"second draft, a mistake");
+    wait_synced(&[&a, &b], 30);
+    // B applied A's edit and kept what it replaced: the creation's row is `kept` on B.
+    let kept = |b: &Device| {
+        b.journal(&["--path", "report.txt"])
+            .into_iter()
+            .find(|r| r["op"] == "create" && r["content"] == "kept")
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while kept(&b).is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "B never kept the first draft"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let seq = kept(&b).unwrap()["sequence"].as_u64().unwrap();
+    let current = b.journal(&["--path", "report.txt"]).last().unwrap()["sequence"]
+        .as_u64()
+        .unwrap();
+
+    let (port, token) = port_and_token(&page_url(&b));
+    let addr = format!("127.0.0.1:{port}");
+    let host = format!("Host: 127.0.0.1:{port}");
+    let cookie = format!("Cookie: meshfs-ui-{port}={token}\r\n");
+    let ours = format!("Origin: http://127.0.0.1:{port}\r\nSec-Fetch-Site: same-origin\r\n");
+    let restore = |sequence: u64, cookie: &str, origin: &str| {
+        http(
+            &addr,
+            &format!(
+                "POST /restore?folder=work&sequence={sequence} HTTP/1.1\r\n{host}\r\n{cookie}{origin}Content-Length: 0\r\n\r\n"
+            ),
+        )
+    };
+    // Without the cookie, from another site, from no page at all, or said to be cross-site
+    // by the browser: refused, and nothing is restored.
+    assert_eq!(restore(seq, "", &ours).status, 401);
+    assert_eq!(
+        restore(seq, &cookie, "Origin: http://evil.example\r\n").status,
+        403
+    );
+    assert_eq!(restore(seq, &cookie, "").status, 403);
+    let cross = format!("Origin: http://127.0.0.1:{port}\r\nSec-Fetch-Site: cross-site\r\n");
+    assert_eq!(restore(seq, &cookie, &cross).status, 403);
+    let get = http(
+        &addr,
+        &format!("GET /restore?folder=work&sequence={seq} HTTP/1.1\r\n{host}\r\n{cookie}\r\n"),
+    );
+    assert_eq!(get.status, 405, "a restore is never a GET");
+    // What cannot be restored says why, and changes nothing.
+    let now = restore(current, &cookie, &ours);
+    assert_eq!(now.status, 404, "{}", now.head);
+    assert!(now.body.contains("nothing to restore"), "{}", now.body);
+    let none = restore(999_999, &cookie, &ours);
+    assert_eq!(none.status, 404);
+    assert!(none.body.contains("no row 999999"), "{}", none.body);
+    std::thread::sleep(Duration::from_millis(300));
+    for d in [&a, &b] {
+        assert_eq!(
+            std::fs::read(d.path("report.txt")).unwrap(),
+            b"second draft, a mistake"
+        );
+    }
+
+    // The page's own button, in a real browser where there is one (else the same request).
+    let row = format!("#rows tr[data-seq=\"{seq}\"][data-content=\"kept\"]");
+    match browser::chromium() {
+        Some((chromium, driver)) => {
+            let web = Browser::start(&chromium, &driver, 1100, 1000);
+            web.go(&page_url(&b));
+            web.wait_for(
+                "the kept first draft with its restore button",
+                20,
+                &format!("return !!document.querySelector('{row} form button')"),
+                SHOW,
+            );
+            web.screenshot("restore-1-kept.png");
+            web.click(&format!("{row} form button"));
+            web.wait_for(
+                "the restore's outcome",
+                30,
+                &format!(
+                    "const n = document.querySelector('.notice'); return !!n
+                        && n.textContent === 'version {seq} of report.txt restored: a new change of this device, sent to its peers'"
+                ),
+                SHOW,
+            );
+            web.screenshot("restore-2-done.png");
+        }
+        None => {
+            let done = restore(seq, &cookie, &ours);
+            assert_eq!(done.status, 303, "{}", done.head);
+            assert!(done.head.contains(&format!(
+                "Location: /?folder=work&restored={seq}&restored_path=report.txt"
+            )));
+        }
+    }
+    wait_synced(&[&a, &b], 30);
+    for d in [&a, &b] {
+        assert_eq!(std::fs::read(d.path("report.txt")).unwrap(), b"first draft");
+    }
+    // Journaled on B as its own new version, as `meshfs restore` does.
+    let last = b.journal(&["--path", "report.txt"]).pop().unwrap();
+    assert_eq!(last["modified_by"], b.status()["device"]["short_id"]);
+}
+
 /// A local user made for one test, removed when it ends.
 struct OtherUser {
     name: String,

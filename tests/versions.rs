@@ -8,7 +8,7 @@ use common::*;
 use std::time::{Duration, Instant};
 
 /// Now as RFC 3339 with nanoseconds, as `--at` takes it.
-fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     let out = std::process::Command::new("date")
         .args(["-u", "+%Y-%m-%dT%H:%M:%S.%NZ"])
         .output()
@@ -17,12 +17,12 @@ fn now_rfc3339() -> String {
 }
 
 /// `meshfs versions work PATH --json`.
-fn versions(d: &Device, path: &str) -> serde_json::Value {
+pub(crate) fn versions(d: &Device, path: &str) -> serde_json::Value {
     serde_json::from_str(&d.cli_ok(&["versions", "work", path, "--json"])).unwrap()
 }
 
 /// The `content` marks of the versions `meshfs versions` lists for `path`, oldest first.
-fn contents(d: &Device, path: &str) -> Vec<String> {
+pub(crate) fn contents(d: &Device, path: &str) -> Vec<String> {
     versions(d, path)["versions"]
         .as_array()
         .unwrap()
@@ -32,7 +32,7 @@ fn contents(d: &Device, path: &str) -> Vec<String> {
 }
 
 /// Waits up to `secs` for `cond`, saying `what` if it never holds.
-fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while !cond() {
         assert!(Instant::now() < deadline, "never: {what}");
@@ -42,7 +42,7 @@ fn wait_for(secs: u64, what: &str, mut cond: impl FnMut() -> bool) {
 
 /// Sets `key = value` (TOML) in the folder `work` of `d`'s config and reloads a running
 /// daemon.
-fn set_folder(d: &Device, key: &str, value: &str, running: bool) {
+pub(crate) fn set_folder(d: &Device, key: &str, value: &str, running: bool) {
     let file = d.home.join("config.toml");
     let text = std::fs::read_to_string(&file).unwrap();
     let text = text.replacen(
@@ -372,7 +372,7 @@ fn a_send_only_device_holds_peers_changes_lists_them_and_override_makes_its_stat
 }
 
 /// The vault's bytes on disk (the database and its WAL).
-fn vault_bytes(d: &Device) -> u64 {
+pub(crate) fn vault_bytes(d: &Device) -> u64 {
     let dir = d.home.join("state").join("versions");
     std::fs::read_dir(&dir)
         .map(|rd| {
@@ -472,6 +472,242 @@ fn a_budget_prunes_the_oldest_versions_first_and_never_touches_the_live_tree() {
         .collect();
     assert!(pruned.len() >= 2, "{pruned:?}");
     assert!(pruned.iter().all(|r| r["path"] == "doc.bin"));
+}
+
+/// `(size, content mark)` of each version of `path` that `meshfs versions` lists, oldest first.
+fn listed(d: &Device, path: &str) -> Vec<(u64, String)> {
+    versions(d, path)["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["size"].as_u64().unwrap(),
+                v["content"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// `MESHFS_TEST_CLOCK` for a daemon whose journal clock reads noon UTC of today plus `days`
+/// (the daemon/src/clock.rs knob: days of retention in seconds of a test).
+fn clock_at_day(noon: i64, days: i64) -> (String, String) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    (
+        "MESHFS_TEST_CLOCK".to_string(),
+        format!("offset={}s", noon + days * 86_400 - now),
+    )
+}
+
+#[test]
+fn past_versions_are_thinned_then_pruned_by_age_oldest_first_and_the_live_tree_is_never_touched() {
+    let (_t, mut a, mut b) = two();
+    // Each version of doc.bin a size of its own: the listing tells them apart by it.
+    let v = |i: u64| noise(100_000 + i as usize * 1000, 300 + i);
+    let size = |i: u64| 100_000 + i * 1000;
+    write(&a.path("old.txt"), b"written once, long ago\n");
+    write(&a.path("doc.bin"), &v(0));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    // Noon of today (UTC): every version B keeps "on day 0" leaves in one hour of one day.
+    let noon = now - now.rem_euclid(86_400) + 43_200;
+    let at_day = |b: &mut Device, day: i64| {
+        b.kill();
+        b.env = vec![clock_at_day(noon, day)];
+        b.start();
+    };
+    b.env = vec![clock_at_day(noon, 0)];
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 60);
+    let old = std::fs::metadata(b.path("old.txt")).unwrap();
+    let edit = |a: &Device, b: &Device, i: u64| {
+        write(&a.path("doc.bin"), &v(i));
+        wait_synced(&[a, b], 60);
+    };
+    let expect = |b: &Device, want: &[(u64, &str)], what: &str| {
+        let want: Vec<(u64, String)> = want
+            .iter()
+            .map(|(i, m)| (size(*i), m.to_string()))
+            .collect();
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while seen != want {
+            assert!(
+                Instant::now() < deadline,
+                "never: {what}: listed {seen:?}\n{:#?}",
+                b.journal(&["--all"])
+            );
+            std::thread::sleep(Duration::from_millis(50));
+            seen = listed(b, "doc.bin");
+        }
+    };
+    // Day 0: three edits within minutes. B keeps the three versions they replaced.
+    for i in 1..=3 {
+        edit(&a, &b, i);
+    }
+    expect(
+        &b,
+        &[(0, "kept"), (1, "kept"), (2, "kept"), (3, "current")],
+        "day 0: every past version kept",
+    );
+    // Day 10: older than a day, the versions of day 0 are thinned to the last of that day;
+    // the history rows of the ones that went go with them.
+    at_day(&mut b, 10);
+    expect(
+        &b,
+        &[(0, "pruned"), (2, "kept"), (3, "current")],
+        "day 10: day 0 thinned to its last version",
+    );
+    edit(&a, &b, 4);
+    // Day 20: another.
+    at_day(&mut b, 20);
+    edit(&a, &b, 5);
+    expect(
+        &b,
+        &[
+            (0, "pruned"),
+            (2, "kept"),
+            (3, "kept"),
+            (4, "kept"),
+            (5, "current"),
+        ],
+        "day 20: three past versions kept",
+    );
+    let count = |b: &Device| {
+        b.status()["folders"][0]["versions"]["count"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(count(&b), 3);
+    // Day 35: past 30 days, the oldest goes first; the next still restores byte-identical.
+    // The history past 30 days keeps each path's newest row only: doc.bin's creation and the
+    // rows of what was pruned are gone, old.txt's creation (its newest) stays.
+    at_day(&mut b, 35);
+    expect(
+        &b,
+        &[(3, "kept"), (4, "kept"), (5, "current")],
+        "day 35: the version of day 0 pruned by age",
+    );
+    assert_eq!(count(&b), 2);
+    let rows: Vec<String> = b
+        .journal(&["--all"])
+        .into_iter()
+        .map(|r| {
+            format!(
+                "{} {} {}",
+                r["op"].as_str().unwrap(),
+                r["path"].as_str().unwrap(),
+                r["size"]
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            "create old.txt 23".to_string(),
+            format!("modify doc.bin {}", size(3)),
+            format!("modify doc.bin {}", size(4)),
+            format!("modify doc.bin {}", size(5)),
+        ]
+    );
+    let seq = versions(&b, "doc.bin")["versions"][0]["sequence"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    b.cli_ok(&[
+        "restore", "work", "doc.bin", "--seq", &seq, "--to", "v3.bin",
+    ]);
+    assert_eq!(std::fs::read(b.path("v3.bin")).unwrap(), v(3));
+    wait_synced(&[&a, &b], 60);
+    // Day 45, day 55: one more each time, oldest first, until none is left.
+    at_day(&mut b, 45);
+    expect(
+        &b,
+        &[(4, "kept"), (5, "current")],
+        "day 45: the version of day 10 pruned",
+    );
+    assert_eq!(count(&b), 1);
+    at_day(&mut b, 55);
+    expect(
+        &b,
+        &[(5, "current")],
+        "day 55: the version of day 20 pruned",
+    );
+    assert_eq!(count(&b), 0);
+    wait_for(20, "the vault is empty", || {
+        let st = b.status();
+        st["folders"][0]["versions"]["bytes"] == 0
+    });
+    // The live tree, never: the file untouched since day 0 is the same file, unchanged.
+    let still = std::fs::metadata(b.path("old.txt")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(
+        (still.ino(), still.mtime_nsec(), still.ctime_nsec()),
+        (old.ino(), old.mtime_nsec(), old.ctime_nsec())
+    );
+    assert_eq!(
+        std::fs::read(b.path("old.txt")).unwrap(),
+        b"written once, long ago\n"
+    );
+    assert_eq!(std::fs::read(b.path("doc.bin")).unwrap(), v(5));
+    wait_synced(&[&a, &b], 60);
+}
+
+#[test]
+fn a_device_alone_keeps_what_its_own_edits_and_deletions_outside_a_mount_replace_and_restores_it() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    write(&a.path("before.txt"), b"there before meshfs first ran\n");
+    a.start();
+    wait_synced(&[&a], 30);
+    let held = |a: &Device| {
+        a.status()["folders"][0]["versions"]["bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    // Changes made as any program makes them (no mount, the watcher's path): each new version
+    // is held ahead, so what the next change replaces is kept.
+    let v1 = noise(300_000, 90);
+    write(&a.path("notes.txt"), &v1);
+    wait_for(20, "the first version held ahead", || held(&a) >= 300_000);
+    let v2 = noise(200_000, 91);
+    write(&a.path("notes.txt"), &v2);
+    wait_for(20, "the overwritten version kept", || {
+        contents(&a, "notes.txt") == ["kept", "current"]
+    });
+    let report = noise(1_500_000, 92);
+    write(&a.path("docs/report.bin"), &report);
+    wait_for(20, "the report held ahead", || held(&a) >= 2_000_000);
+    std::fs::remove_dir_all(a.path("docs")).unwrap();
+    wait_for(20, "the deleted report kept", || {
+        contents(&a, "docs/report.bin") == ["kept", "none"]
+    });
+    // Both come back byte-identical, from this device alone.
+    a.cli_ok(&["restore", "work", "notes.txt"]);
+    a.cli_ok(&["restore", "work", "docs/report.bin"]);
+    assert_eq!(std::fs::read(a.path("notes.txt")).unwrap(), v1);
+    assert_eq!(std::fs::read(a.path("docs/report.bin")).unwrap(), report);
+    // What the restore replaced is kept in its turn.
+    wait_for(20, "the second version kept", || {
+        contents(&a, "notes.txt")
+            .iter()
+            .filter(|c| *c == "kept")
+            .count()
+            == 1
+            && contents(&a, "notes.txt").last().map(String::as_str) == Some("current")
+    });
+    // A file nobody changed since meshfs first scanned it was never held: its deletion is
+    // listed, its content is not here (docs/decisions.md, D68).
+    std::fs::remove_file(a.path("before.txt")).unwrap();
+    wait_for(20, "the deletion listed", || {
+        contents(&a, "before.txt") == ["not_here", "none"]
+    });
 }
 
 #[test]

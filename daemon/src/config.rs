@@ -243,7 +243,8 @@ pub struct DeviceConfig {
 pub struct Options {
     /// How long changes to one path are coalesced before they are journaled, in ms.
     pub coalesce_ms: u64,
-    /// How long history entries are kept, in days (0: forever).
+    /// How long each change stays in the history, in days; after that only each path's
+    /// latest. 0: as long as each folder keeps past versions (`versions_days`).
     pub history_retention_days: u64,
     /// How long tombstones are kept, in days: a peer offline longer than this may bring a
     /// deleted file back (it is never lost). 0: forever.

@@ -501,7 +501,12 @@ impl Engine {
         let rt = Arc::new(FolderRt::new(id.clone(), store, ignore, tx.clone(), slot));
         // The keeper first: an old file kept aside when the daemon stopped goes to it as the
         // temp files are removed (`Store::remove_temps`).
-        crate::versions::start_folder(&self.folders, &rt, f, &self.home.vault_file(&id));
+        crate::versions::start_folder(
+            &self.folders,
+            &rt,
+            crate::folder::FolderPolicy::new(f, &self.config()),
+            &self.home.vault_file(&id),
+        );
         let removed = rt.store.remove_temps();
         if removed > 0 {
             tracing::info!(folder = %id, removed, "removed temp files left by an interrupted apply");
@@ -727,7 +732,7 @@ impl Engine {
                 self.start_folder(f).await?;
             } else if let Some(rt) = self.folders.get(&f.id) {
                 let was = rt.policy().on_demand;
-                rt.set_policy(crate::folder::FolderPolicy::from(f));
+                rt.set_policy(crate::folder::FolderPolicy::new(f, &new));
                 if was && !f.on_demand {
                     tokio::spawn(crate::ondemand::pins::make_whole(
                         self.folders.clone(),
@@ -1098,8 +1103,8 @@ async fn network_loop(engine: Arc<Engine>) {
     }
 }
 
-/// Applies the history and tombstone retention of `[options]` once an hour, and each folder's
-/// version retention every few minutes (`crate::versions::retention`).
+/// Applies the tombstone retention of `[options]` once an hour, and each folder's version and
+/// history retention every few minutes (`crate::versions::retention`).
 async fn retention_loop(engine: Arc<Engine>) {
     let mut stopping = engine.net.stopping.subscribe();
     tokio::spawn(crate::versions::retention_loop(
@@ -1108,17 +1113,11 @@ async fn retention_loop(engine: Arc<Engine>) {
     ));
     loop {
         let o = engine.options();
-        let now_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as i64)
-            .unwrap_or(0);
+        let now_ns = crate::clock::now_ns();
         let day_ns: i64 = 86_400 * 1_000_000_000;
         let folders = engine.folders.ids();
         if let Ok(mut j) = engine.folders.journal_lock() {
             for f in &folders {
-                if o.history_retention_days > 0 {
-                    let _ = j.prune_history(f, now_ns - o.history_retention_days as i64 * day_ns);
-                }
                 if o.tombstone_retention_days > 0 {
                     let _ =
                         j.prune_tombstones(f, now_ns - o.tombstone_retention_days as i64 * day_ns);
@@ -1126,7 +1125,7 @@ async fn retention_loop(engine: Arc<Engine>) {
             }
         }
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(3600)) => {}
+            _ = tokio::time::sleep(crate::clock::real(Duration::from_secs(3600))) => {}
             _ = stopping.changed() => return,
         }
     }

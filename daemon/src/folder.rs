@@ -126,11 +126,27 @@ pub struct FolderRt {
     watcher: Ranked<Option<notify::RecommendedWatcher>>,
     /// Its role and version retention, as the config says now.
     policy: Ranked<FolderPolicy>,
+    /// Told of the files each scan journals as this device's new versions (not the first
+    /// scan's), once set: `crate::versions` holds their content ahead where no peer would.
+    local_sink: std::sync::OnceLock<LocalSink>,
     /// Where the content of its past versions is kept, once opened.
     vault: std::sync::OnceLock<Arc<crate::vault::Vault>>,
     /// What is asked of its content on demand: fetches, failures, use, pins (D92–D94).
     pub demand: crate::demand::Demand,
 }
+
+/// Where a folder's scans hand the files they journaled as this device's new versions: each
+/// file's path, its record as committed, and the stat it was read with. Called under the
+/// folder's lock: it must not block.
+pub type LocalSink = Arc<dyn Fn(Vec<LocalFile>) + Send + Sync>;
+
+/// A file a scan journaled as this device's new version: its path, its record as committed,
+/// the stat it was read with.
+pub type LocalFile = (
+    RelPath,
+    meshfs_protocol::FileRecord,
+    crate::store::LocalStat,
+);
 
 /// What the config says of a running folder that the engine follows (reloaded with it): its
 /// role, and how long and in how much space the content of its past versions is kept.
@@ -144,19 +160,28 @@ pub struct FolderPolicy {
     pub versions_space_percent: u8,
     /// And at most this many MiB, if set.
     pub versions_max_mib: Option<u64>,
+    /// `[options] history_retention_days`: days each change stays in the history; 0: as long
+    /// as the folder keeps past versions (`crate::versions::retention`).
+    pub history_days: u64,
+    /// No peer shares the folder: nobody else keeps what this device's own changes replace,
+    /// so it holds their content ahead (`crate::versions::keeper`).
+    pub alone: bool,
     /// Files on demand (D90–D94).
     pub on_demand: bool,
     /// The most bytes of content it keeps here, on demand.
     pub cache_max: Option<u64>,
 }
 
-impl From<&crate::config::FolderConfig> for FolderPolicy {
-    fn from(f: &crate::config::FolderConfig) -> FolderPolicy {
+impl FolderPolicy {
+    /// The policy `config` gives its folder `f`.
+    pub fn new(f: &crate::config::FolderConfig, config: &crate::config::Config) -> FolderPolicy {
         FolderPolicy {
             role: f.role,
             versions_days: f.versions_days,
             versions_space_percent: f.versions_space_percent,
             versions_max_mib: f.versions_max_mib,
+            history_days: config.options.history_retention_days,
+            alone: !config.peers.iter().any(|p| p.folders.contains(&f.id)),
             on_demand: f.on_demand,
             cache_max: f.cache_max,
         }
@@ -170,6 +195,8 @@ impl Default for FolderPolicy {
             versions_days: crate::config::VERSIONS_DAYS,
             versions_space_percent: crate::config::VERSIONS_SPACE_PERCENT,
             versions_max_mib: None,
+            history_days: 0,
+            alone: false,
             on_demand: false,
             cache_max: None,
         }
@@ -268,6 +295,7 @@ impl FolderRt {
             echoes: Default::default(),
             watcher: Ranked::new(Rank::Leaf, "watcher", None),
             policy: Ranked::new(Rank::Leaf, "policy", FolderPolicy::default()),
+            local_sink: std::sync::OnceLock::new(),
             vault: Default::default(),
             demand: Default::default(),
             id,
@@ -282,6 +310,37 @@ impl FolderRt {
     /// Follows the config's `policy` from now on.
     pub fn set_policy(&self, policy: FolderPolicy) {
         *self.policy.lock_anyway() = policy;
+    }
+
+    /// Hands the files each later scan journals as this device's new versions to `sink` (set
+    /// once; later calls are ignored).
+    pub fn on_local(&self, sink: LocalSink) {
+        let _ = self.local_sink.set(sink);
+    }
+
+    /// The new file versions among `changes`, for the sink once they are committed (none
+    /// when no sink is set).
+    fn local_files(&self, changes: &[Change]) -> Vec<LocalFile> {
+        if self.local_sink.get().is_none() {
+            return Vec::new();
+        }
+        changes
+            .iter()
+            .filter(|c| {
+                c.source.is_none()
+                    && !c.record.deleted
+                    && c.record.kind == meshfs_protocol::FileKind::File
+                    && c.record.size > 0
+            })
+            .filter_map(|c| Some((c.record.path.clone(), c.record.clone(), c.local?)))
+            .collect()
+    }
+
+    /// Tells the sink of `files`, journaled.
+    fn local_committed(&self, files: Vec<LocalFile>) {
+        if let (Some(sink), false) = (self.local_sink.get(), files.is_empty()) {
+            sink(files);
+        }
     }
 
     /// Its role now.
@@ -776,8 +835,10 @@ impl Folders {
             j.set_local_stats(folder, &report.restat)?;
         }
         note_local_only(&mut j, &rt, folder, &report.changes)?;
+        let local = rt.local_files(&report.changes);
         commit_in_batches(&mut j, folder, report.changes)?;
         j.mark_absent(folder, &report.placeholders)?;
+        rt.local_committed(local);
         if report.entries > 10_000 {
             j.release_memory();
         }

@@ -81,7 +81,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// How long a statement waits for another connection's lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -401,11 +401,9 @@ fn below_bounds(dir: &RelPath) -> (String, String) {
     (format!("{}/", dir.as_str()), format!("{}0", dir.as_str()))
 }
 
+/// The journal's stamps: the system clock, unless a test moved it (`crate::clock`).
 fn now_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
+    crate::clock::now_ns()
 }
 
 /// Chunks shorter than this are indexed only as a file's last chunk: the chunker never cuts
@@ -1634,16 +1632,33 @@ impl Journal {
         })
     }
 
-    /// Deletes history rows journaled before `older_than_ns`; current records are untouched.
+    /// Deletes history rows journaled before `older_than_ns`, but for each path's newest row
+    /// while the path has a record (what the folder is: `state_at` finds a file unchanged for
+    /// years) and every row whose version is still listed in `versions` (a kept version stays
+    /// listed). Current records are untouched. At most `limit` rows per call (one
+    /// transaction: a long history's first compaction does not hold the journal for long).
     /// Returns how many rows were deleted.
-    pub fn prune_history(&mut self, folder: &FolderId, older_than_ns: i64) -> Result<u64> {
+    pub fn prune_history(
+        &mut self,
+        folder: &FolderId,
+        older_than_ns: i64,
+        limit: usize,
+    ) -> Result<u64> {
         self.write(|tx| {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(0);
             };
             let n = tx.execute(
-                "DELETE FROM history WHERE folder = ?1 AND time_ns < ?2",
-                params![key, older_than_ns],
+                "DELETE FROM history WHERE folder = ?1 AND sequence IN (\
+                 SELECT h.sequence FROM history h WHERE h.folder = ?1 AND h.time_ns < ?2 \
+                 AND NOT EXISTS (SELECT 1 FROM versions v WHERE v.folder = h.folder \
+                    AND v.sequence = h.sequence) \
+                 AND (EXISTS (SELECT 1 FROM history n WHERE n.folder = h.folder \
+                        AND n.path = h.path AND n.sequence > h.sequence) \
+                    OR NOT EXISTS (SELECT 1 FROM records r WHERE r.folder = h.folder \
+                        AND r.path = h.path)) \
+                 LIMIT ?3)",
+                params![key, older_than_ns, limit_sql(limit)],
             )?;
             Ok(n as u64)
         })

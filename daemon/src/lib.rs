@@ -10,6 +10,7 @@ pub mod apply;
 pub mod capture;
 pub mod chunker;
 pub mod chunks;
+pub mod clock;
 pub mod config;
 pub mod conflicts;
 pub mod control;

@@ -1126,6 +1126,7 @@ impl Store {
             }
         };
         failpoint::hit("install.before_rename", path.as_str());
+        old.mark(path);
         match sys::renameat2(
             aside.as_fd(),
             tname,
@@ -1138,6 +1139,7 @@ impl Store {
                 return self.replace_linked_aside(dir, name, path, new, old, hand_over);
             }
             Err(e) => {
+                old.unmark();
                 let _ = sys::unlinkat(aside.as_fd(), tname, 0);
                 return Err(io_err(path, e));
             }
@@ -1157,6 +1159,7 @@ impl Store {
                 Ok(())
             }
             v => {
+                old.unmark();
                 drop(old);
                 self.put_back(dir, name, path, new, &ours);
                 Err(match v {
@@ -1218,7 +1221,9 @@ impl Store {
         hand_over: bool,
     ) -> Result<(), StoreError> {
         let (aside, tname) = new;
+        // `old` was marked by `replace`: unmarked wherever it stays at its path.
         let drop_ours = |e| {
+            old.unmark();
             let _ = sys::unlinkat(aside.as_fd(), tname, 0);
             Err(e)
         };
@@ -1247,6 +1252,7 @@ impl Store {
         }
         match old.verdict() {
             Verdict::Written => {
+                old.unmark();
                 drop(old);
                 let by = self.keeper.device();
                 let _ = displace::keep_as_copy(aside.as_fd(), &kept, dir.as_fd(), path, by);
@@ -1283,7 +1289,11 @@ impl Store {
         let aside = self.aside_for(&dir, path)?;
         let kept = cstr(&format!("{TEMP_PREFIX}{}", random_suffix()))?;
         failpoint::hit("remove.before_rename", path.as_str());
-        sys::renameat(dir.as_fd(), &name, aside.as_fd(), &kept).map_err(|e| io_err(path, e))?;
+        old.mark(path);
+        if let Err(e) = sys::renameat(dir.as_fd(), &name, aside.as_fd(), &kept) {
+            old.unmark();
+            return Err(io_err(path, e));
+        }
         failpoint::hit("remove.after_rename", path.as_str());
         match old.verdict() {
             Verdict::Same => {
@@ -1292,6 +1302,7 @@ impl Store {
                 Ok(())
             }
             v => {
+                old.unmark();
                 drop(old);
                 // Back where it was, unless the path was made again meanwhile: then kept.
                 let back = sys::renameat2(

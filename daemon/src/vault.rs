@@ -2,7 +2,8 @@
 //! database per folder (`STATE/versions/FOLDER-ID.db`, docs/decisions.md D43).
 //!
 //! **What it owns.** Chunks by hash: each stored once (a version kept is only the chunks it does
-//! not share with the live tree or another kept version), zstd-compressed where that saves an
+//! not share with the live tree or another kept version; a folder no peer shares also holds its
+//! own recent files' chunks ahead, D68), zstd-compressed where that saves an
 //! eighth, verified by blake3 before it is written and again whenever it is read back. A chunk
 //! is in the vault entirely or not at all: every write is one SQLite transaction (WAL), so a
 //! crash (SIGKILL at any instant) leaves each chunk either durable and whole or absent, never
@@ -81,6 +82,8 @@ pub struct Vault {
     /// What the chunks take as stored, kept up to date by this handle's writes (`status`
     /// reads it every few milliseconds while it waits for sync).
     bytes: std::sync::atomic::AtomicU64,
+    /// The space retention last allowed the folder's versions (0: not known yet).
+    budget: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Vault {
@@ -143,6 +146,7 @@ impl Vault {
             path: path.to_path_buf(),
             gate: Mutex::new(()),
             bytes: Default::default(),
+            budget: Default::default(),
         };
         let (_, bytes) = v.stored()?;
         v.bytes.store(bytes, std::sync::atomic::Ordering::Relaxed);
@@ -169,6 +173,7 @@ impl Vault {
             path: path.to_path_buf(),
             gate: Mutex::new(()),
             bytes: Default::default(),
+            budget: Default::default(),
         };
         let (_, bytes) = v.stored()?;
         v.bytes.store(bytes, std::sync::atomic::Ordering::Relaxed);
@@ -314,6 +319,17 @@ impl Vault {
                 |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
             )
             .map_err(|e| self.err(e))
+    }
+
+    /// Notes the space retention allows the folder's versions now.
+    pub fn set_budget(&self, bytes: u64) {
+        self.budget
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The space retention last allowed (0: it has not run yet).
+    pub fn budget(&self) -> u64 {
+        self.budget.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The chunks' bytes as stored ([`Vault::stored`]), as this handle last counted them.

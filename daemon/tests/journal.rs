@@ -1217,15 +1217,60 @@ fn history_limit_gives_the_most_recent_rows_unless_a_since_is_given() {
 }
 
 #[test]
-fn prune_history_removes_only_old_rows_and_keeps_current_records() {
+fn prune_history_keeps_each_path_s_newest_row_and_the_row_of_every_version_still_listed() {
     let (_tmp, mut j) = history_fixture();
     let f = folder();
-    assert_eq!(j.prune_history(&f, 200).unwrap(), 2);
-    assert_eq!(sequences(&all_history(&j, &f)), vec![3, 4, 5, 6, 7]);
+    // Before 250: `docs` and `docs/sub/b.txt`, `docs.txt` have no later row; the first
+    // `docs/a.txt` has (its modification at 300) but is a past version still listed.
+    assert_eq!(j.prune_history(&f, 250, usize::MAX).unwrap(), 0);
+    let listed = j.all_versions(&f).unwrap();
+    assert_eq!(sequences_of(&listed), [2]);
+    j.retire_versions(
+        &f,
+        &[meshfs_daemon::journal::Retired {
+            id: listed[0].id,
+            reason: "age",
+        }],
+        260,
+    )
+    .unwrap();
+    assert_eq!(j.prune_history(&f, 250, usize::MAX).unwrap(), 1);
+    assert_eq!(sequences(&all_history(&j, &f)), vec![1, 3, 4, 5, 6, 7]);
     assert!(j.get(&f, &p("docs")).unwrap().is_some());
     assert_eq!(j.max_history_sequence(&f).unwrap(), 7);
     assert_eq!(j.records_since(&f, 0, usize::MAX).unwrap().len(), 6);
-    assert_eq!(j.prune_history(&f, 200).unwrap(), 0);
+    // A directory deleted long ago: its deletion stays while its tombstone does, then goes.
+    j.commit_at(&f, vec![change(dir("old", vv(&[(1, 2)])), Op::Create)], 400)
+        .unwrap();
+    j.commit_at(
+        &f,
+        vec![change(tombstone(&dir("old", vv(&[(1, 2)])), 1), Op::Delete)],
+        500,
+    )
+    .unwrap();
+    assert_eq!(j.prune_history(&f, 600, 0).unwrap(), 0, "a batch of none");
+    assert_eq!(j.prune_history(&f, 600, 1).unwrap(), 1, "the creation");
+    assert_eq!(j.prune_history(&f, 600, 1).unwrap(), 0);
+    assert_eq!(j.prune_tombstones(&f, 600).unwrap(), 1);
+    assert_eq!(
+        j.prune_history(&f, 600, usize::MAX).unwrap(),
+        1,
+        "the deletion"
+    );
+    assert!(j
+        .history(
+            &f,
+            &HistoryQuery {
+                path: Some(p("old")),
+                ..Default::default()
+            }
+        )
+        .unwrap()
+        .is_empty());
+}
+
+fn sequences_of(v: &[meshfs_daemon::journal::KeptVersion]) -> Vec<u64> {
+    v.iter().map(|v| v.record.sequence).collect()
 }
 
 #[test]
@@ -1254,6 +1299,40 @@ fn prune_tombstones_removes_only_tombstones_older_than_the_limit() {
     assert!(j.get(&f, &p("recent")).unwrap().is_some());
     assert!(j.get(&f, &p("live")).unwrap().is_some());
     assert_eq!(all_history(&j, &f).len(), 3, "history is kept");
+}
+
+#[test]
+fn thinning_keeps_the_history_row_of_every_version_still_kept_and_the_newest_of_each_bucket() {
+    let dir = TempDir::new().unwrap();
+    let (mut j, _) = open(&dir);
+    let f = folder();
+    // Four saves of one file in one bucket [0, 1000): each replaces the one before, which
+    // becomes a past version (a `versions` row).
+    let mut seqs = Vec::new();
+    for (i, t) in [(1u64, 10i64), (2, 20), (3, 30), (4, 40)] {
+        let op = if i == 1 { Op::Create } else { Op::Modify };
+        let rec = file("doc", format!("save {i}").as_bytes(), vv(&[(1, i)]));
+        seqs.extend(j.commit_at(&f, vec![change(rec, op)], t).unwrap());
+    }
+    let kept = j.all_versions(&f).unwrap();
+    assert_eq!(kept.len(), 3);
+    // Retention let go of the second save only (its content); the third is still kept.
+    let second = kept.iter().find(|v| v.record.sequence == seqs[1]).unwrap();
+    j.retire_versions(
+        &f,
+        &[meshfs_daemon::journal::Retired {
+            id: second.id,
+            reason: "thinned",
+        }],
+        50,
+    )
+    .unwrap();
+    assert_eq!(j.thin_history(&f, 0, 1000, 1000).unwrap(), 1);
+    assert_eq!(
+        sequences(&all_history(&j, &f)),
+        [seqs[0], seqs[2], seqs[3]],
+        "the creation, the kept third save, the current fourth"
+    );
 }
 
 // ---- peers, folders, counts ----

@@ -240,6 +240,12 @@ pub fn fsetxattr(fd: BorrowedFd<'_>, name: &CStr, value: &[u8]) -> io::Result<()
     .map(drop)
 }
 
+/// `fremovexattr(fd, name)`.
+pub fn fremovexattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated and outlives the call.
+    cvt(unsafe { libc::fremovexattr(fd.as_raw_fd(), name.as_ptr()) }).map(drop)
+}
+
 /// `fgetxattr(fd, name)`: the value (at most 4 KiB).
 pub fn fgetxattr(fd: BorrowedFd<'_>, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 4096];

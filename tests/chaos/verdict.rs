@@ -10,8 +10,9 @@
 //!     it unjournaled). A write never captured is the bug of issue #41;
 //! (3) no lost version: every version a device made (a local row) is dominated (every
 //!     counter ≥) by the current record of its path — superseded causally, or merged by a
-//!     conflict resolution. History is kept forever by default (`history_retention_days =
-//!     0`) and tombstones for a year, so every row and every path's record is still there.
+//!     conflict resolution. History is kept whole for an hour, every row of it for 30 days by
+//!     default (D64, D67), and tombstones for a year: a run of minutes still has every row
+//!     and every path's record.
 //!     Stronger, and checked too: on each device each row of a path dominates the one
 //!     before it (versions never move backwards);
 //! (4) the devices agree on each path's current record (kind, deleted, hash, version), and

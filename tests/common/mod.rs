@@ -247,6 +247,23 @@ impl Device {
         }
     }
 
+    /// Waits up to `secs` for the running daemon to end by itself (an armed failpoint); its
+    /// exit status, or `None` while it still runs (it is left running).
+    pub fn wait_exit(&mut self, secs: f64) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + Duration::from_secs_f64(secs);
+        loop {
+            let c = self.child.as_mut()?;
+            if let Some(s) = c.try_wait().unwrap() {
+                self.child = None;
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// SIGTERM, and the exit status (`None`: it had to be killed after 10 s, or was not
     /// running).
     pub fn stop_status(&mut self) -> Option<std::process::ExitStatus> {

@@ -4,7 +4,7 @@
 //! The journal only stores and answers here: which versions to prune is the retention
 //! policy's (`crate::versions::policy`), whether a version's content is kept is the vault's.
 
-use super::rows::{self, to_i64, to_u64, HISTORY_COLUMNS};
+use super::rows::{self, to_i64, to_u64, HISTORY_COLUMNS, RECORD_COLUMNS};
 use super::{below_bounds, limit_sql, lookup_folder, HistoryEntry, Journal, Result};
 use crate::store::LocalStat;
 use meshfs_protocol::{DeviceId, FileRecord, FolderId, Hash, RelPath};
@@ -201,6 +201,33 @@ impl Journal {
         })
     }
 
+    /// The live files this device made (no peer's version) that changed at or after
+    /// `since_ns`, oldest first: each record's row, when it changed, and the record. What a
+    /// folder no peer shares holds ahead (`crate::versions::retention`).
+    pub fn own_files_since(
+        &self,
+        folder: &FolderId,
+        since_ns: i64,
+    ) -> Result<Vec<(i64, i64, FileRecord)>> {
+        self.read(|c| {
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {RECORD_COLUMNS}, id, changed_at FROM records WHERE folder = ?1 \
+                 AND deleted = 0 AND kind = 'file' AND source IS NULL AND changed_at >= ?2 \
+                 ORDER BY changed_at, sequence"
+            ))?;
+            let mut rows = st.query(params![key, since_ns])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let stored = rows::stored_record(folder, r)?;
+                out.push((r.get(18)?, r.get(19)?, stored.record));
+            }
+            Ok(out)
+        })
+    }
+
     /// How many versions of the folder left the tree and are still listed.
     pub fn version_count(&self, folder: &FolderId) -> Result<u64> {
         self.read(|c| {
@@ -331,7 +358,10 @@ impl Journal {
     /// fall in the same `bucket_ns` (counted from the epoch), a `modify`, `metadata` or
     /// `merged` row is deleted when a later row of that path is in the bucket too. Creations,
     /// deletions, renames and resolutions stay, and so does every path's newest row (the
-    /// current record's). Returns how many rows were deleted.
+    /// current record's), and every row whose version is still listed in `versions`: a
+    /// version is thinned by when it left the tree, its row by when it was made, and a kept
+    /// version must stay listed (`meshfs versions`, `restore --at`). Returns how many rows
+    /// were deleted.
     pub fn thin_history(
         &mut self,
         folder: &FolderId,
@@ -351,22 +381,28 @@ impl Journal {
                  AND op IN ('modify', 'metadata', 'merged') \
                  AND EXISTS (SELECT 1 FROM history n WHERE n.folder = history.folder \
                     AND n.path = history.path AND n.sequence > history.sequence \
-                    AND n.time_ns / ?4 = history.time_ns / ?4)",
+                    AND n.time_ns / ?4 = history.time_ns / ?4) \
+                 AND NOT EXISTS (SELECT 1 FROM versions v WHERE v.folder = history.folder \
+                    AND v.sequence = history.sequence)",
                 params![key, from_ns, to_ns, bucket_ns],
             )?;
             Ok(n as u64)
         })
     }
 
-    /// Forgets the prunings recorded before `before_ns` (they are shown by `meshfs journal
-    /// --all` for as long as the versions they retired would have been kept). Returns how many.
+    /// Forgets the prunings recorded before `before_ns`, and those whose version's history row
+    /// is gone (thinned or pruned: nothing in `meshfs journal` names that version any more).
+    /// A pruning is shown by `meshfs journal --all` beside the row of the version it retired,
+    /// for as long as that version would have been kept. Returns how many.
     pub fn forget_pruned(&mut self, folder: &FolderId, before_ns: i64) -> Result<u64> {
         self.write(|tx| {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(0);
             };
             let n = tx.execute(
-                "DELETE FROM pruned WHERE folder = ?1 AND time_ns < ?2",
+                "DELETE FROM pruned WHERE folder = ?1 AND (time_ns < ?2 \
+                 OR NOT EXISTS (SELECT 1 FROM history h WHERE h.folder = pruned.folder \
+                    AND h.sequence = pruned.sequence))",
                 params![key, before_ns],
             )?;
             Ok(n as u64)

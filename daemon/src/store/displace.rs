@@ -160,11 +160,21 @@ impl Old {
     }
 
     /// Marks it, for a start-up after a crash, as kept aside for `path` (best effort: a
-    /// filesystem without user extended attributes keeps no mark).
-    fn mark(&self, path: &RelPath) {
+    /// filesystem without user extended attributes keeps no mark). Done before it is moved
+    /// aside, so that a crash right after the move finds it marked: unmarked, it would be
+    /// taken for a temp file and removed, and the version it holds lost.
+    pub(super) fn mark(&self, path: &RelPath) {
         let value = format!("{} {} {}", self.st.size, self.st.mtime_ns, path);
         if self.regular {
             let _ = sys::fsetxattr(self.fd.as_fd(), KEPT_XATTR, value.as_bytes());
+        }
+    }
+
+    /// Takes the mark off again: the file goes back to its path, or next to it as a conflict
+    /// copy (a user's file carries nothing of ours).
+    pub(super) fn unmark(&self) {
+        if self.regular {
+            let _ = sys::fremovexattr(self.fd.as_fd(), KEPT_XATTR);
         }
     }
 }
@@ -239,7 +249,8 @@ pub(super) fn keep_as_copy(
     Err(io_err(path, io::Error::from_raw_os_error(libc::EEXIST)))
 }
 
-/// An old file kept aside for [`GRACE`].
+/// An old file kept aside for [`GRACE`], and for as long as the keeper of past versions still
+/// reads it ([`Displaced`]).
 struct Kept {
     /// The directory it is in (staging, or its target's) and its name there.
     dir: Arc<OwnedFd>,
@@ -253,12 +264,17 @@ struct Kept {
     path: RelPath,
     target_dir: Arc<OwnedFd>,
     until: Instant,
+    /// Shared with the [`Displaced`] handed over, if any: while that lives, the file keeps its
+    /// name aside (a crash before its content is kept leaves it for the next start).
+    held: Arc<()>,
 }
 
 /// A file an apply replaced or deleted, handed over as it is kept aside: the content of a
 /// version leaving the tree, for the engine to keep what it needs of it (`crate::versions`)
-/// off the folder's lock. The descriptor is the file's own (read-only): it stays readable
-/// after the keeper removes its name.
+/// off the folder's lock. The descriptor is the file's own (read-only). The file keeps its
+/// (marked) name aside until this is dropped, whatever the grace: the receiver drops it once
+/// the content is kept, or it will not be, so a crash before then leaves the file for the next
+/// start to hand over again ([`recover`]).
 #[derive(Debug)]
 pub struct Displaced {
     /// Where it was.
@@ -267,6 +283,30 @@ pub struct Displaced {
     pub stat: LocalStat,
     /// The file, open for reading.
     pub file: std::fs::File,
+    _hold: Hold,
+}
+
+/// What keeps a [`Displaced`] file's name aside until it is dropped.
+enum Hold {
+    /// A file kept aside by a running install: the store's keeper removes it after its grace,
+    /// once this is gone.
+    Shared(#[allow(dead_code)] Arc<()>),
+    /// A file found aside at start-up: removed when this is dropped.
+    Unlink(Arc<OwnedFd>, CString),
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hold")
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Hold::Unlink(dir, name) = self {
+            let _ = sys::unlinkat(dir.as_fd(), name, 0);
+        }
+    }
 }
 
 /// Where displaced files go ([`Displaced`]). Called on the installing thread: it must not
@@ -321,8 +361,9 @@ impl Keeper {
     }
 
     /// Keeps `old`, now at `name` in `dir`, for [`GRACE`]; `path` is where it was, in
-    /// `target_dir`. `hand_over`: it is a version that leaves, for the sink (not when its
-    /// replacement holds the same version: a fetched content or an eviction).
+    /// `target_dir`. The caller marked it ([`Old::mark`]) before it moved it there.
+    /// `hand_over`: it is a version that leaves, for the sink (not when its replacement holds
+    /// the same version: a fetched content or an eviction).
     pub(super) fn keep(
         &self,
         old: Old,
@@ -332,11 +373,11 @@ impl Keeper {
         target_dir: Arc<OwnedFd>,
         hand_over: bool,
     ) {
-        old.mark(path);
         let st = match sys::fstat(old.fd.as_fd()) {
             Ok(st) => stat_of(&st).local,
             Err(_) => old.st,
         };
+        let held = Arc::new(());
         if let (Some(sink), true) = (self.sink.get().filter(|_| hand_over), old.regular) {
             // A descriptor of its own: the old one's lease goes with `old`.
             if let Ok(fd) = old.fd.try_clone() {
@@ -344,20 +385,31 @@ impl Keeper {
                     path: path.clone(),
                     stat: old.st,
                     file: std::fs::File::from(fd),
+                    _hold: Hold::Shared(held.clone()),
                 });
             }
         }
         drop(old);
-        let (lock, wake) = &*self.state;
-        let Ok(mut s) = lock.lock() else { return };
-        s.kept.push(Kept {
+        self.watch(vec![Kept {
             dir,
             name,
             st,
             path: path.clone(),
             target_dir,
             until: Instant::now() + GRACE,
-        });
+            held,
+        }]);
+    }
+
+    /// Adds `kept` to the files looked at when their time comes, starting the thread that
+    /// looks if it is not running.
+    fn watch(&self, kept: Vec<Kept>) {
+        if kept.is_empty() {
+            return;
+        }
+        let (lock, wake) = &*self.state;
+        let Ok(mut s) = lock.lock() else { return };
+        s.kept.extend(kept);
         if !s.running {
             s.running = true;
             let state = self.state.clone();
@@ -371,16 +423,17 @@ impl Keeper {
         wake.notify_one();
     }
 
-    /// Looks at every kept file now (not waiting out its grace); for tests and shutdown.
+    /// Looks at every kept file now (not waiting out its grace); for tests and shutdown. One
+    /// the keeper of past versions still reads is looked at again later (and at a stop stays
+    /// where it is, marked, for the next start).
     pub(super) fn settle_all(&self) {
         let (lock, _) = &*self.state;
         let (due, by) = match lock.lock() {
             Ok(mut s) => (std::mem::take(&mut s.kept), s.by),
             Err(_) => return,
         };
-        for k in due {
-            let _ = settle(k, by);
-        }
+        let again: Vec<Kept> = due.into_iter().filter_map(|k| settle(k, by)).collect();
+        self.watch(again);
     }
 }
 
@@ -420,9 +473,17 @@ fn run(state: Arc<(Mutex<KeeperState>, Condvar)>) {
     }
 }
 
+/// How soon a kept file is looked at again while the keeper of past versions still reads it.
+const HELD_AGAIN: Duration = Duration::from_millis(500);
+
 /// Looks at a kept file whose grace is over: dropped if unchanged and free of writers, kept
-/// as a conflict copy if written, looked at again later while someone has it open for writing.
+/// as a conflict copy if written, looked at again later while someone has it open for writing
+/// or the keeper of past versions has not kept its content yet.
 fn settle(mut k: Kept, by: ShortId) -> Option<Kept> {
+    if Arc::strong_count(&k.held) > 1 {
+        k.until = Instant::now() + HELD_AGAIN;
+        return Some(k);
+    }
     let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
     let fd = match sys::openat(k.dir.as_fd(), &k.name, flags, 0) {
         Ok(fd) => fd,
@@ -476,14 +537,19 @@ pub(super) fn recover(
     let st = sys::fstat(fd.as_fd()).ok().map(|st| stat_of(&st).local);
     let unchanged = st.is_some_and(|l| l.size == size && l.mtime_ns == mtime);
     if let (true, Some(sink), Some(stat)) = (unchanged, sink, st) {
-        // Read-only, so the keeper's reads never count as a writer.
+        // Read-only, so the keeper's reads never count as a writer. The name goes when the
+        // keeper is done with it: killed before then, the next start hands it over again.
         let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK;
-        if let Ok(ro) = sys::openat(dir.as_fd(), name, flags, 0) {
+        let ro = sys::openat(dir.as_fd(), name, flags, 0);
+        let own_dir = dir.as_fd().try_clone_to_owned();
+        if let (Ok(ro), Ok(own_dir)) = (ro, own_dir) {
             sink(Displaced {
                 path: path.clone(),
                 stat,
                 file: std::fs::File::from(ro),
+                _hold: Hold::Unlink(Arc::new(own_dir), name.to_owned()),
             });
+            return true;
         }
     }
     drop(fd);
@@ -716,6 +782,78 @@ mod tests {
             std::fs::read(dir.path().join("d").join(&recovered[0])).unwrap(),
             b"written after the swap"
         );
+    }
+
+    /// A sink that keeps what it is handed, as the keeper of past versions does until the
+    /// content is in its vault.
+    fn holding_sink(store: &Store) -> Arc<Mutex<Vec<Displaced>>> {
+        let held: Arc<Mutex<Vec<Displaced>>> = Arc::default();
+        let h = held.clone();
+        store.on_displaced(Arc::new(move |d| h.lock().unwrap().push(d)));
+        held
+    }
+
+    #[test]
+    fn a_replaced_file_keeps_its_name_aside_until_the_keeper_of_versions_lets_it_go() {
+        let (store, dir, state) = staged();
+        let held = holding_sink(&store);
+        std::fs::write(dir.path().join("f"), b"old").unwrap();
+        let before = local(&store, "f");
+        install(&store, "f", b"new", Expect::Matches(before), true).unwrap();
+        let staging = state.path().join("staging");
+        store.settle_displaced();
+        assert_eq!(files_in(&staging).len(), 1, "still read by the keeper");
+        held.lock().unwrap().clear();
+        store.settle_displaced();
+        assert!(files_in(&staging).is_empty());
+    }
+
+    #[test]
+    fn a_file_found_aside_at_start_goes_only_once_the_keeper_of_versions_lets_it_go() {
+        let (store, dir, state) = staged();
+        std::fs::write(dir.path().join("f"), b"old").unwrap();
+        let before = local(&store, "f");
+        install(&store, "f", b"new", Expect::Matches(before), true).unwrap();
+        let staging = state.path().join("staging");
+        // Killed before its grace was over: the next start finds it aside, marked.
+        drop(store);
+        let store = Store::open_staged(dir.path(), &staging).unwrap();
+        let held = holding_sink(&store);
+        store.remove_temps();
+        assert_eq!(held.lock().unwrap().len(), 1);
+        assert_eq!(files_in(&staging).len(), 1, "until the keeper is done");
+        // Killed again before the keeper was done: the start after hands it over again.
+        let again = Store::open_staged(dir.path(), &staging).unwrap();
+        let held_again = holding_sink(&again);
+        again.remove_temps();
+        assert_eq!(held_again.lock().unwrap().len(), 1);
+        held.lock().unwrap().clear();
+        held_again.lock().unwrap().clear();
+        assert!(files_in(&staging).is_empty());
+        assert_eq!(std::fs::read(dir.path().join("f")).unwrap(), b"new");
+    }
+
+    #[test]
+    fn a_file_swapped_out_is_marked_before_the_swap_and_a_user_file_never_keeps_the_mark() {
+        let (store, dir, state) = staged();
+        std::fs::write(dir.path().join("f"), b"old").unwrap();
+        let before = local(&store, "f");
+        install(&store, "f", b"new", Expect::Matches(before), true).unwrap();
+        let staging = state.path().join("staging");
+        let kept = files_in(&staging);
+        let f = std::fs::File::open(staging.join(&kept[0])).unwrap();
+        assert!(sys::fgetxattr(f.as_fd(), KEPT_XATTR).is_ok(), "marked");
+        // A write between the check and the swap puts the old file back, unmarked.
+        std::fs::write(dir.path().join("g"), b"mine").unwrap();
+        let g = local(&store, "g");
+        std::fs::write(dir.path().join("g"), b"mine, written since").unwrap();
+        let r = install(&store, "g", b"theirs", Expect::Matches(g), true);
+        assert!(matches!(r, Err(StoreError::Changed(_))), "{r:?}");
+        let g = std::fs::File::open(dir.path().join("g")).unwrap();
+        assert!(sys::fgetxattr(g.as_fd(), KEPT_XATTR).is_err());
+        let f = std::fs::File::open(dir.path().join("f")).unwrap();
+        assert!(sys::fgetxattr(f.as_fd(), KEPT_XATTR).is_err());
+        store.settle_displaced();
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! What keeps the page live: one sampler takes the `status --json` document every [`TICK`]
 //! while at least one page listens (none: it takes nothing), and each page (a [`Viewer`])
 //! makes its sections from the samples: the header, folders and peers from each, the journal
-//! rows again only when its folder's sequence moved, the conflicts only when a folder's
+//! rows again only when its folder's sequence or past versions (their count, the bytes their
+//! vault holds: a row's content mark) moved, the conflicts only when a folder's
 //! conflicts may have changed. A section is sent only when its HTML changed. The journal is
 //! read through the page's own SQLite connection, on a blocking thread, never under the
 //! engine's journal lock. What it all costs the daemon is counted ([`Cost`]) and logged at
@@ -13,6 +14,7 @@ use crate::conflicts::ConflictFile;
 use crate::readout::journal::{self as rows_of, Filter, Row};
 use crate::readout::rates::History;
 use crate::readout::status::{s, u};
+use crate::versions::listing::{Content, ContentCheck};
 use meshfs_protocol::FolderId;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -192,7 +194,7 @@ pub struct Viewer {
     limit: usize,
     history: History,
     sent: HashMap<&'static str, String>,
-    rows_key: Option<(String, u64)>,
+    rows_key: Option<(String, u64, u64, u64)>,
     conflicts_key: Option<Vec<(String, u64, u64)>>,
 }
 
@@ -261,7 +263,7 @@ impl Viewer {
     ) -> (
         Option<(FilterForm, UtcOffset, usize)>,
         Option<Vec<(String, u64, u64)>>,
-        (String, u64),
+        (String, u64, u64, u64),
         Vec<(String, u64, u64)>,
     ) {
         self.history.push(sample.at, sample.status.clone());
@@ -272,11 +274,12 @@ impl Viewer {
                 self.form.folder = s(f, "id").to_string();
             }
         }
-        let sequence = folders
-            .iter()
-            .find(|f| s(f, "id") == self.form.folder)
-            .map_or(0, |f| u(f, "sequence"));
-        let rows_key = (self.form.folder.clone(), sequence);
+        let shown = folders.iter().find(|f| s(f, "id") == self.form.folder);
+        let sequence = shown.map_or(0, |f| u(f, "sequence"));
+        let (kept, kept_bytes) = shown.map_or((0, 0), |f| {
+            (u(&f["versions"], "count"), u(&f["versions"], "bytes"))
+        });
+        let rows_key = (self.form.folder.clone(), sequence, kept, kept_bytes);
         let want_rows = self.rows_key.as_ref() != Some(&rows_key);
         // A folder's conflicts can change only when its count or (with some) its records do.
         let conflicts_key: Vec<(String, u64, u64)> = folders
@@ -298,7 +301,7 @@ impl Viewer {
         &mut self,
         sample: &Sample,
         read: Read,
-        rows_key: (String, u64),
+        rows_key: (String, u64, u64, u64),
         conflicts_key: Vec<(String, u64, u64)>,
     ) -> Vec<(&'static str, String)> {
         let st = &sample.status;
@@ -366,14 +369,15 @@ fn read(
     }
 }
 
-/// The rows of `meshfs journal FOLDER --path … --device … --since … --limit N`, newest first.
+/// The rows of `meshfs journal FOLDER --path … --device … --since … --limit N`, newest first,
+/// each with where its content is (the `content` column of `meshfs journal`).
 fn journal_rows(
     site: &Site,
     journal: &crate::journal::Journal,
     form: &FilterForm,
     tz: UtcOffset,
     limit: usize,
-) -> Result<Vec<Row>, String> {
+) -> Result<Vec<(Row, Content)>, String> {
     let folder = FolderId::new(&form.folder).map_err(|e| format!("folder: {e}"))?;
     let config = site.engine.config();
     if config.folder(&folder).is_none() {
@@ -398,12 +402,16 @@ fn journal_rows(
             e => format!("device: {e}"),
         })?;
     q.newest = true;
-    let mut rows: Vec<Row> = journal
-        .history(&folder, &q)
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(Row::of)
-        .collect();
-    rows.reverse();
+    let entries = journal.history(&folder, &q).map_err(|e| e.to_string())?;
+    // Where each version's content is: the vault asked chunk by chunk (a page shows a few
+    // rows of what may be a large vault).
+    let rt = site.engine.folders.get(&folder);
+    let vault = rt.as_ref().and_then(|rt| rt.vault()).map(|v| v.as_ref());
+    let mut check = ContentCheck::asking(journal, &folder, vault);
+    let mut rows = Vec::with_capacity(entries.len());
+    for e in entries.iter().rev() {
+        let content = check.of(e).unwrap_or(Content::None);
+        rows.push((Row::of(e), content));
+    }
     Ok(rows)
 }

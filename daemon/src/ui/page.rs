@@ -4,6 +4,7 @@
 //! `meshfs status`, `status --watch` and `meshfs journal` print); every value is escaped here.
 //! Pure: takes the status document and what the journal gave, returns text.
 
+use super::http::encode;
 use crate::conflicts::ConflictFile;
 use crate::readout::journal::Row;
 use crate::readout::rates::{bytes, folder_work, peer_link, History};
@@ -11,6 +12,7 @@ use crate::readout::status::{
     first_of, folder_summary, last_error_line, local_time, peer_name, peer_state, plural, s,
     source_words, u,
 };
+use crate::versions::listing::Content;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -383,13 +385,15 @@ pub struct FilterForm {
 pub struct Rows {
     /// The folder.
     pub folder: String,
-    /// The rows, or the filter's error.
-    pub rows: Result<Vec<Row>, String>,
+    /// The rows, each with where its content is, or the filter's error.
+    pub rows: Result<Vec<(Row, Content)>, String>,
     /// At most this many are shown.
     pub limit: usize,
 }
 
-/// The journal table: the same columns and rows as `meshfs journal`, newest first.
+/// The journal table: the same columns and rows as `meshfs journal`, newest first, with where
+/// each version's content is and, where it can be brought back (kept here, or asked of the
+/// peers), a "restore" button: a form that posts `/restore?folder=ID&sequence=N`.
 pub fn rows(r: &Rows, names: &Names) -> String {
     let mut o = String::new();
     let rows = match &r.rows {
@@ -417,13 +421,28 @@ pub fn rows(r: &Rows, names: &Names) -> String {
     for c in Row::COLUMNS {
         let _ = write!(o, "<th>{c}</th>");
     }
-    o.push_str("</tr></thead><tbody>");
-    for row in rows {
+    o.push_str("<th>content</th><th></th></tr></thead><tbody>");
+    for (row, content) in rows {
+        let action = match content {
+            Content::Kept | Content::Partial | Content::NotHere => format!(
+                "<form method=\"post\" action=\"/restore?folder={folder}&amp;sequence={seq}\">\
+                 <button title=\"{title}\">restore</button></form>",
+                folder = esc(&encode(&r.folder)),
+                seq = row.sequence,
+                title = if *content == Content::Kept {
+                    "bring this version back (kept here)"
+                } else {
+                    "bring this version back (asks the connected peers for what is not here)"
+                },
+            ),
+            _ => String::new(),
+        };
         let _ = write!(
             o,
-            "<tr data-seq=\"{seq}\" data-path=\"{path}\" data-op=\"{op}\"><td>{seq}</td><td>{time}</td>\
+            "<tr data-seq=\"{seq}\" data-path=\"{path}\" data-op=\"{op}\" data-content=\"{content}\"><td>{seq}</td><td>{time}</td>\
              <td title=\"{who}\">{device}</td><td>{op}</td><td class=\"p\">{path}</td>\
-             <td class=\"n\">{size}</td><td><code>{hash}</code></td><td><code>{version}</code></td></tr>",
+             <td class=\"n\">{size}</td><td><code>{hash}</code></td><td><code>{version}</code></td>\
+             <td>{content}</td><td>{action}</td></tr>",
             seq = row.sequence,
             time = esc(&row.time),
             who = esc(&names.device(&row.device)),
@@ -433,6 +452,7 @@ pub fn rows(r: &Rows, names: &Names) -> String {
             size = row.size,
             hash = esc(&row.hash),
             version = esc(&row.version),
+            content = content.as_str(),
         );
     }
     o.push_str("</tbody></table></div>");
@@ -584,26 +604,43 @@ mod tests {
 
     #[test]
     fn journal_rows_have_the_columns_of_meshfs_journal() {
+        let row = |sequence, op| Row {
+            sequence,
+            time: "2026-11-25 19:17:40.000".into(),
+            device: "BBBBBBB".into(),
+            op,
+            path: "a&b.txt".into(),
+            size: 5,
+            hash: "0123abcd".into(),
+            version: "{BBBBBBB:1}".into(),
+        };
         let r = Rows {
-            folder: "work".into(),
-            rows: Ok(vec![Row {
-                sequence: 7,
-                time: "2026-11-25 19:17:40.000".into(),
-                device: "BBBBBBB".into(),
-                op: "create",
-                path: "a&b.txt".into(),
-                size: 5,
-                hash: "0123abcd".into(),
-                version: "{BBBBBBB:1}".into(),
-            }]),
+            folder: "w&rk".into(),
+            rows: Ok(vec![
+                (row(9, "delete"), Content::None),
+                (row(8, "modify"), Content::Current),
+                (row(7, "create"), Content::Kept),
+            ]),
             limit: 100,
         };
         let html = rows(&r, &Names::of(&status()));
-        for c in Row::COLUMNS {
+        for c in Row::COLUMNS.iter().chain(&["content"]) {
             assert!(html.contains(&format!("<th>{c}</th>")), "{c}");
         }
-        assert!(html.contains("data-seq=\"7\" data-path=\"a&amp;b.txt\" data-op=\"create\""));
+        assert!(html.contains(
+            "data-seq=\"7\" data-path=\"a&amp;b.txt\" data-op=\"create\" data-content=\"kept\""
+        ));
         assert!(html.contains("title=\"a (BBBBBBB)\""));
+        // Only the kept version can be brought back; the folder id is encoded, then escaped.
+        assert_eq!(
+            html.matches("<form method=\"post\" action=\"/restore?")
+                .count(),
+            1
+        );
+        assert!(
+            html.contains("action=\"/restore?folder=w%26rk&amp;sequence=7\""),
+            "{html}"
+        );
         let err = rows(
             &Rows {
                 rows: Err("bad <since>".into()),

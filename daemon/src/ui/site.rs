@@ -1,8 +1,10 @@
 //! The page's server: accepts connections on the loopback listener (at most
 //! [`MAX_CONNECTIONS`] at once, of which [`MAX_STREAMS`] event streams), reads one request,
 //! lets `guard` judge it, and answers: the page (`/`), its script and style, its event stream
-//! (`/events`), and its one action, a rescan (`POST /scan?folder=ID`). Anything else is 404;
-//! anything unjudged never reaches a route.
+//! (`/events`), and its two actions, a rescan (`POST /scan?folder=ID`) and the restore of the
+//! version a journal row names (`POST /restore?folder=ID&sequence=N`). Anything else is 404;
+//! anything unjudged never reaches a route (an action needs the cookie and the page's own
+//! origin: `guard`).
 
 use super::guard::{self, Token, Verdict};
 use super::http::{self, Request, Response};
@@ -160,7 +162,10 @@ async fn route(site: &Arc<Site>, req: &Request) -> Response {
         (true, _, "/app.css") => Response::new(200, "text/css; charset=utf-8", APP_CSS),
         (true, _, "/events") => Response::new(200, "text/event-stream", ""),
         (_, "POST", "/scan") => scan(site, req).await,
-        (_, _, "/" | "/app.js" | "/app.css" | "/events" | "/scan") => Response::bare(405),
+        (_, "POST", "/restore") => restore(site, req).await,
+        (_, _, "/" | "/app.js" | "/app.css" | "/events" | "/scan" | "/restore") => {
+            Response::bare(405)
+        }
         _ => Response::bare(404),
     }
 }
@@ -177,11 +182,27 @@ async fn document(site: &Arc<Site>, req: &Request) -> Response {
     let mut viewer = Viewer::new(|k| req.param(k).map(String::from));
     let sections: HashMap<&'static str, String> =
         viewer.update(site, &sample).await.into_iter().collect();
-    let notice = match (req.param("scanned"), req.param("folder")) {
-        (Some(n), Some(f)) => n
+    let restored = |n: &str| -> Option<String> {
+        let seq = n.parse::<u64>().ok()?;
+        let path = req.param("restored_path")?;
+        Some(if req.param("unchanged").is_some() {
+            format!("{path} already holds version {seq}: nothing to restore")
+        } else {
+            format!(
+                "version {seq} of {path} restored: a new change of this device, sent to its peers"
+            )
+        })
+    };
+    let notice = match (
+        req.param("scanned"),
+        req.param("restored"),
+        req.param("folder"),
+    ) {
+        (Some(n), _, Some(f)) => n
             .parse::<u64>()
             .ok()
             .map(|n| format!("rescan of folder {f}: {n} change(s) journaled")),
+        (_, Some(n), Some(_)) => restored(n),
         _ => None,
     };
     let title = crate::readout::status::s(&sample.status["device"], "name").to_string();
@@ -211,6 +232,70 @@ async fn scan(site: &Arc<Site>, req: &Request) -> Response {
                 page::esc(&e.to_string())
             ),
         ),
+    }
+}
+
+/// `POST /restore?folder=ID&sequence=N`: the version the journal row `N` names, brought back
+/// as `meshfs restore FOLDER PATH --seq` does (a new change of this device, through the
+/// store's safe path), then back to the page, which says what was done; or a page that says
+/// why not (404: no such folder or version here; 409: it could not be written).
+async fn restore(site: &Arc<Site>, req: &Request) -> Response {
+    let folder = req.param("folder").and_then(|f| FolderId::new(f).ok());
+    let sequence = req.param("sequence").and_then(|s| s.parse::<u64>().ok());
+    let (Some(folder), Some(sequence)) = (folder, sequence) else {
+        return Response::bare(404);
+    };
+    let error = |status: u16, what: String| {
+        Response::new(
+            status,
+            "text/html; charset=utf-8",
+            format!(
+                "<!doctype html><title>meshfs</title><p>not restored: {}</p>\
+                 <p><a href=\"/?folder={}\">Back</a></p>",
+                page::esc(&what),
+                page::esc(&http::encode(folder.as_str()))
+            ),
+        )
+    };
+    if site.engine.folders.get(&folder).is_none() {
+        return error(404, format!("no folder {folder} runs here"));
+    }
+    let looked = {
+        let (site, folder) = (site.clone(), folder.clone());
+        tokio::task::spawn_blocking(move || {
+            let j = site.journal()?;
+            crate::versions::restore::version_of_row(&j, &folder, sequence)
+                .map_err(|e| e.to_string())
+        })
+        .await
+    };
+    let (path, version) = match looked {
+        Ok(Ok(found)) => found,
+        Ok(Err(e)) => return error(404, e),
+        Err(e) => return error(500, e.to_string()),
+    };
+    let pick = crate::versions::restore::Pick::Sequence(version);
+    match site.engine.restore(&folder, path.clone(), pick, None).await {
+        Ok(report) if report.failed.is_empty() => Response::see_other(&format!(
+            "/?folder={}&restored={version}&restored_path={}{}",
+            http::encode(folder.as_str()),
+            http::encode(path.as_str()),
+            if report.restored.is_empty() {
+                "&unchanged=1"
+            } else {
+                ""
+            }
+        )),
+        Ok(report) => error(
+            409,
+            report
+                .failed
+                .iter()
+                .map(|f| format!("{}: {}", f.path, f.error))
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+        Err(e) => error(409, e.to_string()),
     }
 }
 

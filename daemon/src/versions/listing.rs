@@ -50,12 +50,32 @@ impl Content {
 pub struct ContentCheck<'a> {
     journal: &'a Journal,
     folder: FolderId,
-    in_vault: HashSet<Hash>,
+    vault: InVault<'a>,
     seen: HashMap<(RelPath, Hash), Content>,
 }
 
+/// Which chunks the vault holds: all of them read at once (a listing of many rows), or each
+/// asked for when a row needs it (a page of a few rows, read again at each change).
+enum InVault<'a> {
+    All(HashSet<Hash>),
+    Ask(Option<&'a Vault>),
+}
+
+impl InVault<'_> {
+    fn holds(&self, h: &Hash) -> bool {
+        match self {
+            InVault::All(set) => set.contains(h),
+            InVault::Ask(v) => v.is_some_and(|v| {
+                v.has(std::slice::from_ref(h))
+                    .is_ok_and(|r| r.first() == Some(&true))
+            }),
+        }
+    }
+}
+
 impl<'a> ContentCheck<'a> {
-    /// A check of `folder` against `journal` and the folder's `vault` (if it has one).
+    /// A check of `folder` against `journal` and the folder's `vault` (if it has one), whose
+    /// chunk list it reads at once.
     pub fn new(journal: &'a Journal, folder: &FolderId, vault: Option<&Vault>) -> Self {
         let in_vault = vault
             .and_then(|v| v.chunk_sizes().ok())
@@ -64,7 +84,18 @@ impl<'a> ContentCheck<'a> {
         ContentCheck {
             journal,
             folder: folder.clone(),
-            in_vault,
+            vault: InVault::All(in_vault),
+            seen: HashMap::new(),
+        }
+    }
+
+    /// As [`ContentCheck::new`], asking the vault for each chunk a row needs instead (for a
+    /// few rows of a large vault).
+    pub fn asking(journal: &'a Journal, folder: &FolderId, vault: Option<&'a Vault>) -> Self {
+        ContentCheck {
+            journal,
+            folder: folder.clone(),
+            vault: InVault::Ask(vault),
             seen: HashMap::new(),
         }
     }
@@ -100,7 +131,7 @@ impl<'a> ContentCheck<'a> {
         }
         let mut here = 0;
         for c in &v.record.chunks {
-            if self.in_vault.contains(&c.hash)
+            if self.vault.holds(&c.hash)
                 || !self.journal.find_chunk(&self.folder, &c.hash)?.is_empty()
             {
                 here += 1;

@@ -2,7 +2,8 @@
 //!
 //! - [`keeper`]: the content of a version an apply replaces or deletes, read from the old file
 //!   (the store hands it over as it keeps it aside) into the folder's vault, only the chunks
-//!   nothing else holds;
+//!   nothing else holds; and, in a folder no peer shares, this device's own new versions held
+//!   ahead (D68);
 //! - [`content`]: a past version's chunks, from the vault, the live tree or a connected peer
 //!   (which serves them from its own vault: `crate::chunks`);
 //! - [`restore`]: `meshfs restore`, through the store's safe path and the capture path;
@@ -26,7 +27,6 @@ pub mod restore;
 pub mod retention;
 pub mod snapshot;
 
-use crate::config::FolderConfig;
 use crate::folder::{FolderPolicy, FolderRt, Folders};
 use crate::vault::Vault;
 use std::path::Path;
@@ -46,10 +46,10 @@ static PRUNE_SOON: tokio::sync::Notify = tokio::sync::Notify::const_new();
 pub fn start_folder(
     folders: &Arc<Folders>,
     rt: &Arc<FolderRt>,
-    f: &FolderConfig,
+    policy: FolderPolicy,
     vault_path: &Path,
 ) {
-    rt.set_policy(FolderPolicy::from(f));
+    rt.set_policy(policy);
     let vault = match Vault::open(vault_path) {
         Ok(v) => Arc::new(v),
         Err(e) => {
@@ -58,18 +58,16 @@ pub fn start_folder(
         }
     };
     rt.set_vault(vault.clone());
-    let weak = Arc::downgrade(rt);
-    let sink = keeper::start(
-        folders.clone(),
-        rt.id.clone(),
-        vault,
-        move || {
-            weak.upgrade()
-                .is_some_and(|rt| rt.policy().versions_days > 0)
-        },
-        |_| PRUNE_SOON.notify_one(),
-    );
-    rt.store.on_displaced(sink);
+    let (on, ahead) = (Arc::downgrade(rt), Arc::downgrade(rt));
+    let switches = keeper::Switches {
+        on: Box::new(move || on.upgrade().is_some_and(|rt| rt.policy().versions_days > 0)),
+        ahead: Box::new(move || ahead.upgrade().is_some_and(|rt| rt.policy().alone)),
+    };
+    let (displaced, local) = keeper::start(folders.clone(), rt.id.clone(), vault, switches, |_| {
+        PRUNE_SOON.notify_one()
+    });
+    rt.store.on_displaced(displaced);
+    rt.on_local(local);
 }
 
 /// Runs every folder's retention at start, every [`RETENTION_EVERY`], and a second after the
@@ -81,9 +79,7 @@ pub async fn retention_loop(
     loop {
         for rt in folders.all() {
             let f = folders.clone();
-            let now_ns = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as i64);
+            let now_ns = crate::clock::now_ns();
             let room = rt
                 .vault()
                 .and_then(|v| v.path().parent().and_then(crate::store::free_bytes));
@@ -94,7 +90,7 @@ pub async fn retention_loop(
             }
         }
         tokio::select! {
-            _ = tokio::time::sleep(RETENTION_EVERY) => {}
+            _ = tokio::time::sleep(crate::clock::real(RETENTION_EVERY)) => {}
             _ = PRUNE_SOON.notified() => {
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }

@@ -13,8 +13,13 @@
 //!    however many versions share it, and not at all when the live tree holds it — those are
 //!    not in the vault); while that is more than the budget, the oldest version goes.
 //!
-//! It never names a chunk of the live tree: those are not the vault's, so pruning never
-//! touches a file of the folder.
+//! A folder no peer shares also holds the content of its own recent files ahead (D68): each is
+//! a *live* candidate, timed by when it changed, never aged or thinned (it is the current
+//! version, changed within the age limit), weighed in the budget with the versions, newest
+//! first. A live candidate that does not fit is not held; nothing of the journal goes for it.
+//!
+//! It never touches a file of the folder: what it names goes from the vault, or from the
+//! journal's list of past versions.
 
 use meshfs_protocol::{Hash, RelPath};
 use std::collections::{HashMap, HashSet};
@@ -57,11 +62,14 @@ pub struct Candidate<'a> {
     pub left_ns: i64,
     /// Its chunks.
     pub chunks: Vec<Hash>,
+    /// A live file's content held ahead (`left_ns`: when it changed), not a past version.
+    pub live: bool,
 }
 
 /// Which versions go (their rows, with the reason: `off`, `age`, `thinned`, `space`) given
 /// `versions` (oldest first), the vault's chunk sizes `stored` (a chunk absent there costs
-/// nothing) and the time `now_ns`. The rest stay.
+/// nothing) and the time `now_ns`. The rest stay. Live candidates come back too where they
+/// are not held (`off`, `space`); they are no journal rows to retire.
 pub fn retire(
     policy: &Policy,
     versions: &[Candidate<'_>],
@@ -74,7 +82,7 @@ pub fn retire(
     let mut out = Vec::new();
     let mut left: Vec<&Candidate<'_>> = Vec::new();
     for v in versions {
-        if now_ns.saturating_sub(v.left_ns) > max_age {
+        if !v.live && now_ns.saturating_sub(v.left_ns) > max_age {
             out.push((v.id, "age"));
         } else {
             left.push(v);
@@ -83,7 +91,7 @@ pub fn retire(
     // Thinning: the last of each (path, bucket) stays; `left` is oldest first, so a later one
     // in the same bucket replaces the one before.
     let mut last: HashMap<(&RelPath, i64, i64), i64> = HashMap::new();
-    for v in &left {
+    for v in left.iter().filter(|v| !v.live) {
         if let Some(key) = bucket(v, now_ns) {
             last.insert((v.path, key.0, key.1), v.id);
         }
@@ -91,7 +99,7 @@ pub fn retire(
     let mut kept: Vec<&Candidate<'_>> = Vec::new();
     for v in left {
         match bucket(v, now_ns) {
-            Some(key) if last.get(&(v.path, key.0, key.1)) != Some(&v.id) => {
+            Some(key) if !v.live && last.get(&(v.path, key.0, key.1)) != Some(&v.id) => {
                 out.push((v.id, "thinned"))
             }
             _ => kept.push(v),
@@ -168,6 +176,7 @@ mod tests {
                 path,
                 left_ns,
                 chunks: chunks.iter().map(|&c| h(c)).collect(),
+                live: false,
             })
             .collect()
     }
@@ -243,6 +252,56 @@ mod tests {
         assert!((60 + 22..=60 + 24 + 4).contains(&kept), "{kept}");
     }
 
+    #[test]
+    fn a_live_file_held_ahead_is_never_aged_or_thinned_and_weighs_in_the_budget_newest_first() {
+        let p = RelPath::new("f").unwrap();
+        let q = RelPath::new("g").unwrap();
+        let min = 60_000_000_000i64;
+        let mut v = cands(
+            &p,
+            &[
+                (1, NOW - 4 * DAY_NS, &[1]),
+                (2, NOW - 2 * DAY_NS - 10 * min, &[2]),
+                (3, NOW - 2 * DAY_NS - 5 * min, &[3]),
+            ],
+        );
+        // g changed 40 days ago (past the age limit: held all the same) and f 2 minutes ago.
+        v.insert(
+            0,
+            Candidate {
+                id: -10,
+                path: &q,
+                left_ns: NOW - 40 * DAY_NS,
+                chunks: vec![h(10)],
+                live: true,
+            },
+        );
+        v.push(Candidate {
+            id: -11,
+            path: &p,
+            left_ns: NOW - 2 * min,
+            chunks: vec![h(11)],
+            live: true,
+        });
+        let stored: HashMap<Hash, u64> = [1, 2, 3, 10, 11].iter().map(|&c| (h(c), 10)).collect();
+        let month = Policy {
+            max_age_ns: Some(30 * DAY_NS),
+            budget_bytes: 1000,
+        };
+        assert_eq!(retire(&month, &v, &stored, NOW), vec![(2, "thinned")]);
+        // Room for two: the live f and the newest past version; the rest go, g not held.
+        let two = Policy {
+            budget_bytes: 20,
+            ..month
+        };
+        assert_eq!(
+            retire(&two, &v, &stored, NOW),
+            vec![(2, "thinned"), (-10, "space"), (1, "space")]
+        );
+        let off = Policy::new(0, 10, 1 << 30, None);
+        assert_eq!(retire(&off, &v, &stored, NOW).len(), 5);
+    }
+
     proptest! {
         #[test]
         fn what_stays_fits_the_budget_and_no_newer_version_goes_for_space_before_an_older_one(
@@ -255,6 +314,7 @@ mod tests {
                 .collect();
             let v: Vec<Candidate<'_>> = spec.iter().map(|(id, left, c)| Candidate {
                 id: *id, path: &p, left_ns: *left, chunks: c.iter().map(|&x| h(x)).collect(),
+                live: id % 5 == 4,
             }).collect();
             let stored: HashMap<Hash, u64> = (0u32..40).filter(|x| x % 3 != 0)
                 .map(|x| (h(x), sizes[x as usize % sizes.len()].0)).collect();

@@ -254,6 +254,59 @@ fn choose(
     Ok((targets, unlisted))
 }
 
+/// The version a journal row names, to restore by its sequence (the page's restore button):
+/// its path and the sequence of the `versions` row that holds it — the row's own when that
+/// version left the tree, else the newest past version of that path with the row's content (a
+/// metadata change keeps content, so several rows may name one version's content).
+pub fn version_of_row(
+    j: &Journal,
+    folder: &FolderId,
+    sequence: u64,
+) -> Result<(RelPath, u64), RestoreError> {
+    if let Some(v) = j.version_at_sequence(folder, sequence)? {
+        return Ok((v.record.path, sequence));
+    }
+    let row = j
+        .history(
+            folder,
+            &crate::journal::HistoryQuery {
+                since_sequence: Some(sequence.saturating_sub(1)),
+                limit: Some(1),
+                bookkeeping: true,
+                ..Default::default()
+            },
+        )?
+        .into_iter()
+        .find(|e| e.sequence == sequence)
+        .ok_or_else(|| {
+            RestoreError::NoVersion(format!(
+                "the journal has no row {sequence} in folder {folder}"
+            ))
+        })?;
+    let unkept = || {
+        RestoreError::NoVersion(format!(
+            "row {sequence} ({} of {}) names no past version this device lists",
+            row.op.as_str(),
+            row.path
+        ))
+    };
+    if row.deleted || row.kind == FileKind::Dir {
+        return Err(unkept());
+    }
+    if let Some(now) = j.get(folder, &row.path)? {
+        if !now.record.deleted && now.record.kind == row.kind && now.record.hash == row.hash {
+            return Err(RestoreError::NoVersion(format!(
+                "row {sequence} is {} as it is now; nothing to restore",
+                row.path
+            )));
+        }
+    }
+    let v = j
+        .version_with_content(folder, &row.path, &row.hash)?
+        .ok_or_else(unkept)?;
+    Ok((row.path, v.record.sequence))
+}
+
 /// The full record of the version a history row names: a directory from the row itself, a
 /// file's or symlink's from the current record (same content) or the `versions` row; `None`
 /// when the journal no longer lists it.
