@@ -17,6 +17,7 @@ mod conflicts;
 mod discovery;
 mod hostile;
 mod hostile_items;
+mod hostile_load;
 mod hostile_second;
 mod install_races;
 mod layering;

@@ -149,7 +149,7 @@ async fn measure(
             .accept()
             .await
             .context("the sink's endpoint closed")?;
-        anyhow::Ok(accept(incoming).await?)
+        anyhow::Ok(accept(&listener, incoming).await?)
     });
     let server_addr = server.endpoint.local_addr()?;
     let target = match via_relay {

@@ -297,8 +297,9 @@ async fn serve_on(endpoint: quinn::Endpoint, root: &Path) -> anyhow::Result<()> 
     let root = Arc::new(root.to_path_buf());
     while let Some(incoming) = endpoint.accept().await {
         let root = root.clone();
+        let endpoint = endpoint.clone();
         tokio::spawn(async move {
-            let conn = match accept(incoming).await {
+            let conn = match accept(&endpoint, incoming).await {
                 Ok((conn, _)) => conn,
                 Err(e) => return eprintln!("wire_copy: refused a connection: {e}"),
             };

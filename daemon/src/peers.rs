@@ -412,8 +412,9 @@ fn unregister(net: &Net, peer: &DeviceId, serial: u64) {
 pub async fn accept_loop(net: Arc<Net>, endpoint: quinn::Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
         let net = net.clone();
+        let endpoint = endpoint.clone();
         tokio::spawn(async move {
-            match transport::accept_peer(incoming).await {
+            match transport::accept_peer(&endpoint, incoming).await {
                 Ok(est) => {
                     let peer = est.peer;
                     if let Some(link) = register(&net, est, peer, Source::Incoming) {
@@ -584,7 +585,11 @@ async fn drive_session(
         conn.accept_bi().await.map_err(|e| e.to_string())?
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<LinkEvent>();
-    tokio::spawn(control_reader(recv, tx.clone()));
+    // The peer's messages, one at a time: the next is read only once the session takes it
+    // (below, while it holds less than its budget of batches), so what the peer sends beyond
+    // waits in its flow control, not here.
+    let (msgs_tx, mut msgs) = mpsc::channel::<LinkEvent>(1);
+    tokio::spawn(control_reader(recv, msgs_tx));
     // Control stream writer: messages leave in order; an index batch first gets its small new
     // files' content attached, read on a blocking thread so this loop goes on meanwhile.
     let (out, writer) = control_writer(net.clone(), send, tx.clone());
@@ -678,6 +683,10 @@ async fn drive_session(
             exchanged_told = true;
         }
         tokio::select! {
+            ev = msgs.recv(), if session.wants_messages() => {
+                let Some(ev) = ev else { return Err("link closed".into()) };
+                pending = on_event(net, peer, &mut session, ev)?;
+            }
             ev = rx.recv() => {
                 let Some(ev) = ev else { return Err("link closed".into()) };
                 pending = on_event(net, peer, &mut session, ev)?;
@@ -823,8 +832,9 @@ fn on_event(
     }
 }
 
-/// Reads the control stream into the session's events until it ends.
-async fn control_reader(mut recv: quinn::RecvStream, tx: mpsc::UnboundedSender<LinkEvent>) {
+/// Reads the control stream into the session's events until it ends, a message at a time:
+/// the next frame is read once the one before is taken.
+async fn control_reader(mut recv: quinn::RecvStream, tx: mpsc::Sender<LinkEvent>) {
     loop {
         let ev = match transport::read_message(&mut recv).await {
             Ok(Some(m)) => LinkEvent::Message(m),
@@ -832,7 +842,7 @@ async fn control_reader(mut recv: quinn::RecvStream, tx: mpsc::UnboundedSender<L
             Err(e) => LinkEvent::Closed(e.to_string()),
         };
         let last = !matches!(ev, LinkEvent::Message(_));
-        if tx.send(ev).is_err() || last {
+        if tx.send(ev).await.is_err() || last {
             return;
         }
     }

@@ -29,7 +29,10 @@
 //!    its handshake completes, the dialer likewise opens its first unidirectional stream
 //!    (stream id 2) and writes its *hello*: [`HELLO`] (`0x02`) and its own instance nonce,
 //!    then finishes it; the listener closes a connection whose hello is missing or wrong
-//!    after [`WELCOME_TIMEOUT`] with [`CLOSE_BAD_HELLO`]. The instance nonce is drawn at
+//!    after [`WELCOME_TIMEOUT`] with [`CLOSE_BAD_HELLO`]. Until the hello is read, the
+//!    listener lets the dialer send [`GREETING_WINDOW`] bytes and open no bidirectional
+//!    stream, and keeps at most [`MAX_WAITING_PER_DEVICE`] connections of one device waiting
+//!    (one more is closed with [`CLOSE_BUSY`]). The instance nonce is drawn at
 //!    random when the daemon starts and again when one of its addresses goes away
 //!    ([`new_instance`]): a connection from a new instance proves every older connection
 //!    from the same device dead (its process is gone, or it moved), so the peer replaces it
@@ -101,6 +104,19 @@ pub const CLOSE_WRONG_DEVICE: VarInt = VarInt::from_u32(2);
 pub const CLOSE_DUPLICATE: VarInt = VarInt::from_u32(1);
 /// Application close code (listener): the dialer's hello was missing or wrong.
 pub const CLOSE_BAD_HELLO: VarInt = VarInt::from_u32(3);
+/// Application close code (listener): [`MAX_WAITING_PER_DEVICE`] connections of the dialer's
+/// device already wait for their hello.
+pub const CLOSE_BUSY: VarInt = VarInt::from_u32(4);
+/// Connections of one device that may wait for their hello at once; one more is closed with
+/// [`CLOSE_BUSY`]. A dialer greets its connection as soon as its handshake is done (and drops
+/// at once the candidates that lost a race, `discovery::dial`), so only a device that means
+/// harm keeps more waiting.
+pub const MAX_WAITING_PER_DEVICE: usize = 4;
+/// Bytes a dialer may send on all its streams of a connection before the listener has read
+/// its hello (nine bytes), and no bidirectional stream: then the connection gets its window
+/// ([`Tuning::receive_window`]) and its streams. A device opening connections that never say
+/// hello makes the listener hold this, not a window, for each.
+pub const GREETING_WINDOW: u32 = 4 << 10;
 /// Bytes reserved for a frame's payload before any of it has arrived.
 const FRAME_PREALLOC: usize = 64 << 10;
 /// Bytes reserved for a chunk read in place ([`read_response_within`]) before any of it has
@@ -497,10 +513,11 @@ impl Tuning {
     }
 }
 
-/// What [`dial`] needs besides the endpoint: our certificate and key, and the transport
-/// configuration. `dial`'s signature names only the endpoint, and quinn endpoints carry no
-/// user data, so [`endpoint_with`] registers this under the endpoint's local address (unique
-/// among live sockets; a new endpoint on a reused address replaces the entry).
+/// What [`dial`] and [`accept`] need besides the endpoint: our certificate and key, the
+/// transport configuration, and the connections waiting for their hello. Their signatures name
+/// only the endpoint, and quinn endpoints carry no user data, so [`endpoint_with`] registers
+/// this under the endpoint's local address (unique among live sockets; a new endpoint on a
+/// reused address replaces the entry).
 struct DialContext {
     cert: CertificateDer<'static>,
     key_der: Vec<u8>,
@@ -508,11 +525,63 @@ struct DialContext {
     transport: Arc<TransportConfig>,
     /// Another descriptor of the endpoint's socket, for [`rebind`].
     socket: std::net::UdpSocket,
+    /// What an accepted connection is opened to once its hello is read: its receive window and
+    /// the bidirectional streams its dialer may open ([`Tuning`]; before: [`GREETING_WINDOW`]
+    /// and none).
+    opened: (u32, u32),
+    /// Accepted connections waiting for their hello, by device.
+    waiting: Mutex<HashMap<DeviceId, usize>>,
 }
 
 fn dial_contexts() -> &'static Mutex<HashMap<SocketAddr, Arc<DialContext>>> {
     static CONTEXTS: OnceLock<Mutex<HashMap<SocketAddr, Arc<DialContext>>>> = OnceLock::new();
     CONTEXTS.get_or_init(Default::default)
+}
+
+/// The context [`endpoint_with`] registered for `endpoint`.
+fn context_of(endpoint: &quinn::Endpoint) -> Option<Arc<DialContext>> {
+    let local = endpoint.local_addr().ok()?;
+    dial_contexts()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&local)
+        .cloned()
+}
+
+/// One connection of a device counted among those waiting for their hello, until dropped.
+struct Waiting {
+    context: Arc<DialContext>,
+    device: DeviceId,
+}
+
+impl Waiting {
+    /// Counts a connection of `device`, unless [`MAX_WAITING_PER_DEVICE`] already wait.
+    fn enter(context: Arc<DialContext>, device: DeviceId) -> Option<Waiting> {
+        let mut waiting = context.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let n = waiting.entry(device).or_insert(0);
+        if *n >= MAX_WAITING_PER_DEVICE {
+            return None;
+        }
+        *n += 1;
+        drop(waiting);
+        Some(Waiting { context, device })
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let mut waiting = self
+            .context
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = waiting.get_mut(&self.device) {
+            *n -= 1;
+            if *n == 0 {
+                waiting.remove(&self.device);
+            }
+        }
+    }
 }
 
 fn provider() -> Arc<CryptoProvider> {
@@ -544,6 +613,13 @@ pub fn endpoint_with(
     tuning: &Tuning,
 ) -> Result<quinn::Endpoint, TransportError> {
     let transport = Arc::new(tuning.transport_config()?);
+    // Until its hello is read, an accepted connection may send little and open no
+    // bidirectional stream: a device can open many connections, and each would otherwise hold
+    // a receive window of unread data for as long as its hello is waited for.
+    let mut greeting = tuning.transport_config()?;
+    greeting
+        .receive_window(VarInt::from_u32(GREETING_WINDOW))
+        .max_concurrent_bidi_streams(VarInt::from_u32(0));
     let cert = CertificateDer::from(identity.cert_der.clone());
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(identity.key_der.clone()));
 
@@ -565,7 +641,7 @@ pub fn endpoint_with(
     tls.send_tls13_tickets = 0;
     let crypto = QuicServerConfig::try_from(tls).map_err(tls_err)?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    server.transport_config(transport.clone());
+    server.transport_config(Arc::new(greeting));
 
     let socket = udp_socket(listen, tuning.socket_buffer)?;
     let spare = socket.try_clone().map_err(|source| TransportError::Io {
@@ -592,6 +668,8 @@ pub fn endpoint_with(
         device_id: identity.device_id,
         transport,
         socket: spare,
+        opened: (tuning.receive_window, tuning.max_concurrent_bidi_streams),
+        waiting: Mutex::new(HashMap::new()),
     });
     dial_contexts()
         .lock()
@@ -1018,22 +1096,35 @@ impl Dial {
     }
 }
 
-/// Completes the handshake of an incoming connection and welcomes the peer (module docs,
-/// step 5). Returns the connection and the peer's device id.
+/// Completes the handshake of a connection coming in on `endpoint` (made by [`endpoint`]) and
+/// welcomes the peer (module docs, step 5). Returns the connection and the peer's device id.
 ///
 /// A device not in the trust store fails here with [`TransportError::UnknownDevice`]; the
 /// refusal has already been logged and recorded in [`TrustStore::refused`] by then, so the
 /// caller's accept loop should just continue. The handshake takes a round trip or more, so
 /// run each `accept` in its own task rather than in the loop that calls `Endpoint::accept`.
 pub async fn accept(
+    endpoint: &quinn::Endpoint,
     incoming: quinn::Incoming,
 ) -> Result<(quinn::Connection, DeviceId), TransportError> {
-    accept_peer(incoming).await.map(|e| (e.conn, e.peer))
+    accept_peer(endpoint, incoming)
+        .await
+        .map(|e| (e.conn, e.peer))
 }
 
 /// [`accept`], also returning the dialer's instance nonce (read from its hello within
-/// [`WELCOME_TIMEOUT`]).
-pub async fn accept_peer(incoming: quinn::Incoming) -> Result<Established, TransportError> {
+/// [`WELCOME_TIMEOUT`]). Until the hello is read the connection holds at most
+/// [`GREETING_WINDOW`] bytes of the dialer's and no bidirectional stream, and at most
+/// [`MAX_WAITING_PER_DEVICE`] connections of one device wait (one more is closed with
+/// [`CLOSE_BUSY`]); then it is opened to the endpoint's [`Tuning`].
+pub async fn accept_peer(
+    endpoint: &quinn::Endpoint,
+    incoming: quinn::Incoming,
+) -> Result<Established, TransportError> {
+    let context = context_of(endpoint).ok_or_else(|| TransportError::Connect {
+        addr: incoming.remote_address(),
+        reason: "the endpoint was not created by meshfs_daemon::transport::endpoint".into(),
+    })?;
     let conn = match incoming.accept()?.await {
         Ok(conn) => conn,
         Err(ConnectionError::TransportError(e)) => {
@@ -1049,6 +1140,16 @@ pub async fn accept_peer(incoming: quinn::Incoming) -> Result<Established, Trans
         return Err(TransportError::Connect {
             addr: conn.remote_address(),
             reason: "the peer presented no usable certificate".into(),
+        });
+    };
+    let (window, streams) = context.opened;
+    let Some(_waiting) = Waiting::enter(context, id) else {
+        conn.close(CLOSE_BUSY, b"too many connections waiting for their hello");
+        return Err(TransportError::Connect {
+            addr: conn.remote_address(),
+            reason: format!(
+                "device {id} already has {MAX_WAITING_PER_DEVICE} connections waiting for their hello"
+            ),
         });
     };
     send_greeting(&conn, WELCOME).await?;
@@ -1070,11 +1171,15 @@ pub async fn accept_peer(incoming: quinn::Incoming) -> Result<Established, Trans
         ))),
         Ok(Err(GreetingError::Lost(e))) => Err(e.into()),
         Ok(Err(other)) => Err(bad(other.to_string())),
-        Ok(Ok(instance)) => Ok(Established {
-            conn,
-            peer: id,
-            instance,
-        }),
+        Ok(Ok(instance)) => {
+            conn.set_receive_window(VarInt::from_u32(window));
+            conn.set_max_concurrent_bi_streams(VarInt::from_u32(streams));
+            Ok(Established {
+                conn,
+                peer: id,
+                instance,
+            })
+        }
     }
 }
 

@@ -95,8 +95,9 @@ impl Device {
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
                 let tx = tx.clone();
+                let endpoint = endpoint.clone();
                 tokio::spawn(async move {
-                    let _ = tx.send(accept(incoming).await);
+                    let _ = tx.send(accept(&endpoint, incoming).await);
                 });
             }
         });

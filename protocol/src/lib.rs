@@ -37,7 +37,8 @@ pub use message::{
     AddressList, ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch,
     LimitError, Message, PeerList, ScanState, SeekList, MAX_ADDRESSES_PER_DEVICE,
     MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN, MAX_FOLDERS_PER_HELLO, MAX_HASHES_PER_REQUEST,
-    MAX_PEERS_PER_LIST, MAX_RECORDS_PER_BATCH, MAX_SOUGHT_DEVICES, PROTOCOL_VERSION,
+    MAX_PEERS_PER_LIST, MAX_RECORDS_PER_BATCH, MAX_SOUGHT_DEVICES, MAX_VV_ENTRIES_PER_BATCH,
+    PROTOCOL_VERSION,
 };
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
 pub use record::{

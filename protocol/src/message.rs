@@ -21,6 +21,13 @@ pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
 pub const MAX_RECORDS_PER_BATCH: usize = 1000;
+/// Most version vector entries the records of one [`IndexBatch`] carry together (262,144). An
+/// entry decodes to 16 bytes however few it takes on the wire (two small varints, 2 bytes), so
+/// this keeps what a batch decodes to near the frame's own size: at most 4 MiB of vectors. A
+/// meshfs sender cuts its batches at [`crate::MAX_FRAME_LEN`] / 8 bytes of records, counting
+/// 20 bytes an entry, so it puts at most 104,858 entries in a batch besides its first record's
+/// 4,096.
+pub const MAX_VV_ENTRIES_PER_BATCH: usize = 1 << 18;
 /// Most hashes in one [`ChunkRequest`]: each makes the server find, read and send a chunk of
 /// up to [`MAX_CHUNK_LEN`] bytes.
 pub const MAX_HASHES_PER_REQUEST: usize = 64;
@@ -53,6 +60,10 @@ pub enum LimitError {
         /// Records in the batch.
         records: usize,
     },
+    /// An index batch whose records' version vectors hold more than
+    /// [`MAX_VV_ENTRIES_PER_BATCH`] entries together.
+    #[error("index batch for folder {0} carries {1} version vector entries, more than {MAX_VV_ENTRIES_PER_BATCH}")]
+    VersionEntries(FolderId, usize),
     /// A chunk request with more than [`MAX_HASHES_PER_REQUEST`] hashes.
     #[error(
         "chunk request for folder {0} asks for {1} chunks, more than {MAX_HASHES_PER_REQUEST}"
@@ -210,8 +221,9 @@ pub struct IndexBatch {
     /// The folder.
     pub folder: FolderId,
     /// Records with increasing `sequence` (the sender's journal sequence); at most
-    /// [`MAX_RECORDS_PER_BATCH`].
-    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_RECORDS_PER_BATCH>")]
+    /// [`MAX_RECORDS_PER_BATCH`], with at most [`MAX_VV_ENTRIES_PER_BATCH`] version vector
+    /// entries together (refused at the record that passes it, before the next is decoded).
+    #[serde(deserialize_with = "records")]
     pub records: Vec<FileRecord>,
     /// The sender's sequence this batch brings the receiver up to (≥ every record's sequence;
     /// records the receiver already has are skipped, so this may be larger).
@@ -221,6 +233,75 @@ pub struct IndexBatch {
     /// hash before use and requests anything missing or wrong as usual. At most one per record.
     #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_RECORDS_PER_BATCH>")]
     pub inline: Vec<ChunkResponse>,
+}
+
+impl IndexBatch {
+    /// About the memory this batch holds once decoded: its records (each with its path,
+    /// chunk list, target and vector) and its inline chunks. A receiver counts the batches it
+    /// holds against a budget with it.
+    pub fn held_bytes(&self) -> usize {
+        std::mem::size_of::<IndexBatch>()
+            + self.folder.as_str().len()
+            + self
+                .records
+                .iter()
+                .map(FileRecord::held_bytes)
+                .sum::<usize>()
+            + self
+                .inline
+                .iter()
+                .map(|c| {
+                    std::mem::size_of::<ChunkResponse>() + c.data.as_ref().map_or(0, Vec::capacity)
+                })
+                .sum::<usize>()
+    }
+
+    /// Version vector entries of its records together.
+    pub fn vector_entries(&self) -> usize {
+        self.records.iter().map(|r| r.version.entries().len()).sum()
+    }
+}
+
+/// Decodes [`IndexBatch::records`]: at most [`MAX_RECORDS_PER_BATCH`] records (refused on the
+/// declared count), with at most [`MAX_VV_ENTRIES_PER_BATCH`] vector entries together
+/// (refused at the record that passes it). Nothing is reserved beyond a few records up front.
+fn records<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<FileRecord>, D::Error> {
+    use serde::de::{Error, SeqAccess, Visitor};
+    struct Records;
+    impl<'de> Visitor<'de> for Records {
+        type Value = Vec<FileRecord>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "at most {MAX_RECORDS_PER_BATCH} records with at most {MAX_VV_ENTRIES_PER_BATCH} version vector entries together"
+            )
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<FileRecord>, A::Error> {
+            let declared = seq.size_hint();
+            if let Some(n) = declared.filter(|&n| n > MAX_RECORDS_PER_BATCH) {
+                return Err(A::Error::invalid_length(n, &self));
+            }
+            let mut out = Vec::with_capacity(declared.unwrap_or(0).min(16));
+            let mut entries = 0usize;
+            while let Some(r) = seq.next_element::<FileRecord>()? {
+                if out.len() == MAX_RECORDS_PER_BATCH {
+                    return Err(A::Error::invalid_length(MAX_RECORDS_PER_BATCH + 1, &self));
+                }
+                entries += r.version.entries().len();
+                if entries > MAX_VV_ENTRIES_PER_BATCH {
+                    return Err(A::Error::invalid_value(
+                        serde::de::Unexpected::Unsigned(entries as u64),
+                        &self,
+                    ));
+                }
+                out.push(r);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Records)
 }
 
 /// Acknowledges a peer's index up to a sequence.
@@ -293,6 +374,10 @@ impl Message {
             Message::Index(b) => {
                 if b.records.len() > MAX_RECORDS_PER_BATCH {
                     return Err(LimitError::Records(b.folder.clone(), b.records.len()));
+                }
+                let entries = b.vector_entries();
+                if entries > MAX_VV_ENTRIES_PER_BATCH {
+                    return Err(LimitError::VersionEntries(b.folder.clone(), entries));
                 }
                 if b.inline.len() > b.records.len() {
                     return Err(LimitError::Inline {
@@ -451,6 +536,50 @@ mod limits {
             batch(MAX_RECORDS_PER_BATCH + 1, 0),
             LimitError::Records(folder(), MAX_RECORDS_PER_BATCH + 1),
         );
+    }
+
+    /// A batch of `records` directories whose vectors hold `entries` entries together (small
+    /// device ids and counters: two bytes an entry on the wire, 16 decoded).
+    fn long_vectors(records: usize, entries: usize) -> Message {
+        let mut left = entries;
+        let recs = (0..records)
+            .map(|i| {
+                let n = left.div_ceil(records - i).min(crate::MAX_VV_ENTRIES);
+                left -= n;
+                FileRecord {
+                    version: VersionVector::from_pairs((1..=n as u64).map(|d| (ShortId(d), 1))),
+                    ..dir(i)
+                }
+            })
+            .collect();
+        Message::Index(IndexBatch {
+            folder: folder(),
+            records: recs,
+            up_to: records as u64,
+            inline: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn a_batch_carries_at_most_max_vv_entries_per_batch_vector_entries() {
+        bounded(
+            long_vectors(70, MAX_VV_ENTRIES_PER_BATCH),
+            long_vectors(70, MAX_VV_ENTRIES_PER_BATCH + 1),
+            LimitError::VersionEntries(folder(), MAX_VV_ENTRIES_PER_BATCH + 1),
+        );
+    }
+
+    #[test]
+    fn what_a_batch_decodes_to_stays_near_its_frame() {
+        // Vectors of the smallest entries the wire allows: the most a frame decodes to.
+        let msg = long_vectors(70, MAX_VV_ENTRIES_PER_BATCH);
+        let wire = encode_frame(&msg).unwrap().len();
+        let Ok(Message::Index(b)) = received(&msg) else {
+            panic!("refused")
+        };
+        let held = b.held_bytes();
+        assert!(held <= 5 << 20, "{held} bytes held for a frame of {wire}");
+        assert!(held >= MAX_VV_ENTRIES_PER_BATCH * 16);
     }
 
     #[test]

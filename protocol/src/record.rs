@@ -304,6 +304,15 @@ impl FileRecord {
         }
     }
 
+    /// About the memory this record holds: the struct, its path, target, chunk list and vector.
+    pub fn held_bytes(&self) -> usize {
+        std::mem::size_of::<FileRecord>()
+            + self.path.as_str().len()
+            + self.target.capacity()
+            + self.chunks.capacity() * std::mem::size_of::<Chunk>()
+            + self.version.held_bytes()
+    }
+
     /// The chunks with their byte offsets.
     pub fn chunk_offsets(&self) -> impl Iterator<Item = (u64, &Chunk)> {
         let mut off = 0u64;

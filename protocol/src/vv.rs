@@ -39,12 +39,20 @@ impl VersionVector {
         let mut all: Vec<(ShortId, u64)> = pairs.into_iter().filter(|p| p.1 > 0).collect();
         all.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
         all.dedup_by_key(|p| p.0);
+        // Exactly as long as it is: a decoded vector would otherwise keep the spare room of
+        // the collection, up to twice its entries.
+        all.shrink_to_fit();
         VersionVector(all)
     }
 
     /// The (device, counter) pairs, sorted by device.
     pub fn entries(&self) -> &[(ShortId, u64)] {
         &self.0
+    }
+
+    /// About the memory its entries take.
+    pub fn held_bytes(&self) -> usize {
+        self.0.capacity() * std::mem::size_of::<(ShortId, u64)>()
     }
 
     /// Whether no device has a counter.

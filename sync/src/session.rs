@@ -56,6 +56,13 @@ pub const MAX_BATCH_RECORDS: usize = meshfs_protocol::MAX_RECORDS_PER_BATCH;
 pub const MAX_BATCH_BYTES: usize = MAX_FRAME_LEN / 8;
 /// Most unacknowledged batches in flight per folder.
 pub const MAX_IN_FLIGHT: usize = 4;
+/// Bytes of the peer's batches a session holds (queued, or handed to the driver and not yet
+/// applied: [`IndexBatch::held_bytes`]) beyond which it takes no more messages
+/// ([`Session::wants_messages`]): the driver stops reading the control stream, and the peer's
+/// flow control holds the rest. Per session, so per connection and per device, whatever the
+/// number of folders: a peer's batches are at most [`MAX_IN_FLIGHT`] per folder, each up to a
+/// frame, and a device may share thousands of folders.
+pub const RECEIVE_BUDGET: usize = 64 << 20;
 
 /// Where the driver reads local records for sending.
 pub trait IndexSource {
@@ -243,11 +250,12 @@ struct FolderState {
     their_applied: u64,
     /// Highest `up_to` of their batches received in this session.
     their_received: u64,
-    /// Outstanding Receives, oldest first: their `up_to`, how far applying it lets us
-    /// acknowledge (further, when empty batches arrived behind it), and whether it is applied
-    /// already (its report overtook an older one's: it waits to be acknowledged in order).
-    receiving: VecDeque<(u64, u64, bool)>,
-    queued: VecDeque<IndexBatch>,
+    /// Outstanding Receives, oldest first.
+    receiving: VecDeque<Receiving>,
+    /// Batches received and not handed to the driver yet, each with its held bytes.
+    queued: VecDeque<(IndexBatch, usize)>,
+    /// Bytes of the batches queued and receiving ([`IndexBatch::held_bytes`]).
+    held: usize,
     /// Our records with a sequence above this are new to the peer (see [`Session::inline_after`]).
     inline_after: u64,
     /// Our first scan, as the driver last reported it: `Some` while it runs.
@@ -259,6 +267,20 @@ struct FolderState {
     told_scan: Option<ScanCounts>,
     /// The peer's first scan, as it last said: `Some` while it runs.
     their_scan: Option<ScanCounts>,
+}
+
+/// A Receive handed to the driver and not acknowledged yet.
+#[derive(Debug)]
+struct Receiving {
+    /// Its `up_to`.
+    up_to: u64,
+    /// How far applying it lets us acknowledge (further, when empty batches arrived behind it).
+    ack_to: u64,
+    /// It is applied already (its report overtook an older one's: it waits to be
+    /// acknowledged in order).
+    applied: bool,
+    /// Bytes its batch held when received ([`IndexBatch::held_bytes`]).
+    held: usize,
 }
 
 /// One peer session. See the module docs.
@@ -490,7 +512,7 @@ impl Session {
         let Some(f) = self.folders.get_mut(folder) else {
             return Vec::new();
         };
-        let Some(&(oldest, _, _)) = f.receiving.front() else {
+        let Some(oldest) = f.receiving.front().map(|r| r.up_to) else {
             return Vec::new();
         };
         if up_to < oldest {
@@ -499,12 +521,20 @@ impl Session {
         // A Receive is applied: the oldest, or a later one whose report overtook the oldest's
         // (the driver's applies install in order, but each reports from its own task, and the
         // newer one can report first). It is acknowledged once everything before it is.
-        let i = f.receiving.iter().position(|r| r.0 == up_to).unwrap_or(0);
-        f.receiving[i].2 = true;
+        let i = f
+            .receiving
+            .iter()
+            .position(|r| r.up_to == up_to)
+            .unwrap_or(0);
+        f.receiving[i].applied = true;
         let mut ack = None;
-        while let Some(&(_, ack_to, true)) = f.receiving.front() {
-            f.receiving.pop_front();
-            ack = Some(ack_to);
+        while let Some(r) = f.receiving.pop_front() {
+            if !r.applied {
+                f.receiving.push_front(r);
+                break;
+            }
+            f.held -= r.held;
+            ack = Some(r.ack_to);
         }
         let mut out = ack.map(|a| f.progress(a)).unwrap_or_default();
         out.extend(f.deliver());
@@ -668,6 +698,19 @@ impl Session {
             .map_or(u64::MAX, |f| f.inline_after)
     }
 
+    /// Bytes of the peer's batches this session holds: queued, or handed to the driver and not
+    /// applied yet ([`IndexBatch::held_bytes`]).
+    pub fn held_bytes(&self) -> usize {
+        self.folders.values().map(|f| f.held).sum()
+    }
+
+    /// Whether the driver should read the peer's next message: the batches held are under
+    /// [`RECEIVE_BUDGET`]. Otherwise the driver waits for applies to report first (a batch is
+    /// always taken when it arrives; the budget is passed by at most one message).
+    pub fn wants_messages(&self) -> bool {
+        self.closed || self.held_bytes() < RECEIVE_BUDGET
+    }
+
     /// Progress of `folder`, if it is one of ours.
     pub fn folder_status(&self, folder: &FolderId) -> Option<FolderSyncStatus> {
         let f = self.folders.get(folder)?;
@@ -827,7 +870,9 @@ impl Session {
         }
         f.their_received = batch.up_to;
         f.their_known_max = f.their_known_max.max(batch.up_to);
-        f.queued.push_back(batch);
+        let held = batch.held_bytes();
+        f.held += held;
+        f.queued.push_back((batch, held));
         f.deliver()
     }
 
@@ -898,6 +943,7 @@ impl FolderState {
             in_flight: VecDeque::new(),
             receiving: VecDeque::new(),
             queued: VecDeque::new(),
+            held: 0,
             inline_after: u64::MAX,
             our_scan: cfg.scanning.then(ScanCounts::default),
             our_scan_end: ScanCounts::default(),
@@ -975,16 +1021,22 @@ impl FolderState {
     fn deliver(&mut self) -> Vec<Action> {
         let mut out = Vec::new();
         while self.receiving.len() < RECEIVE_DEPTH {
-            let Some(batch) = self.queued.pop_front() else {
+            let Some((batch, held)) = self.queued.pop_front() else {
                 break;
             };
             if batch.records.is_empty() {
+                self.held -= held;
                 match self.receiving.back_mut() {
-                    Some((_, ack_to, _)) => *ack_to = batch.up_to,
+                    Some(r) => r.ack_to = batch.up_to,
                     None => out.extend(self.progress(batch.up_to)),
                 }
             } else {
-                self.receiving.push_back((batch.up_to, batch.up_to, false));
+                self.receiving.push_back(Receiving {
+                    up_to: batch.up_to,
+                    ack_to: batch.up_to,
+                    applied: false,
+                    held,
+                });
                 out.push(Action::Receive {
                     folder: batch.folder,
                     records: batch.records,
@@ -2050,6 +2102,78 @@ mod tests {
             matches!(last.last(), Some(Action::Close { .. })),
             "{last:?}"
         );
+    }
+
+    #[test]
+    fn a_session_holding_its_budget_of_batches_takes_no_more_messages_until_one_applies() {
+        let mut a = hearing_b(100);
+        let big = |seq: u64| {
+            let mut r = record(&format!("big{seq}"), 2, seq);
+            r.target = "t".repeat(RECEIVE_BUDGET / 3);
+            r
+        };
+        assert!(a.session.wants_messages());
+        for seq in 1..=2 {
+            a.session
+                .handle(index_batch(vec![big(seq)], seq), &mut a.journal);
+            assert!(a.session.wants_messages(), "after {seq}");
+        }
+        // The third passes the budget: it is taken, and nothing more is read.
+        a.session
+            .handle(index_batch(vec![big(3)], 3), &mut a.journal);
+        assert!(a.session.held_bytes() >= RECEIVE_BUDGET);
+        assert!(!a.session.wants_messages());
+        // Applied (and acknowledged), the first lets go of what it held.
+        let acts = a.session.applied(&fid("f"), 1);
+        assert!(acks_through(&acts, 1), "{acts:?}");
+        assert!(a.session.wants_messages());
+        a.session.applied(&fid("f"), 2);
+        a.session.applied(&fid("f"), 3);
+        assert_eq!(a.session.held_bytes(), 0);
+    }
+
+    #[test]
+    fn a_batch_sent_stays_within_the_vector_entries_a_receiver_takes() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        for i in 0..200u64 {
+            let seq = i + 1;
+            let mut r = record(&format!("long{i}"), 1, seq);
+            r.version = VersionVector::from_pairs(
+                (1..meshfs_protocol::MAX_VV_ENTRIES as u64).map(|d| (ShortId(d * 1000 + i), 1)),
+            );
+            a.journal.records.push((r, None));
+        }
+        let mut b = Side::new(2, 1, vec![folder("f", 22)]);
+        let (fa, fb) = (
+            a.session.start(&mut a.journal),
+            b.session.start(&mut b.journal),
+        );
+        let mut sent = Vec::new();
+        let mut pending: VecDeque<Action> = fa.into();
+        let hello_b = fb
+            .into_iter()
+            .find_map(|x| match x {
+                Action::Send(m @ Message::Hello(_)) => Some(m),
+                _ => None,
+            })
+            .unwrap();
+        pending.extend(a.session.handle(hello_b, &mut a.journal));
+        while let Some(act) = pending.pop_front() {
+            if let Action::Send(Message::Index(batch)) = act {
+                assert!(
+                    batch.vector_entries() <= meshfs_protocol::MAX_VV_ENTRIES_PER_BATCH,
+                    "{} entries",
+                    batch.vector_entries()
+                );
+                let ack = Message::IndexAck(IndexAck {
+                    folder: batch.folder.clone(),
+                    sequence: batch.up_to,
+                });
+                sent.extend(batch.records);
+                pending.extend(a.session.handle(ack, &mut a.journal));
+            }
+        }
+        assert_eq!(sent.len(), 200);
     }
 
     #[test]

@@ -10,17 +10,25 @@ use std::time::{Duration, Instant};
 
 /// The `Hello` a hostile peer opens its control stream with, sharing `folder`.
 pub fn hello(folder: &str) -> Message {
+    hello_sharing(&[folder])
+}
+
+/// The `Hello` of a hostile peer sharing `folders`.
+pub fn hello_sharing(folders: &[&str]) -> Message {
     Message::Hello(Hello {
         protocol_version: PROTOCOL_VERSION,
         device_name: "mallory".into(),
-        folders: vec![HelloFolder {
-            folder: FolderId::new(folder).unwrap(),
-            index_id: 7,
-            your_index_id: 0,
-            your_sequence: 0,
-            max_sequence: 0,
-            scanning: false,
-        }],
+        folders: folders
+            .iter()
+            .map(|f| HelloFolder {
+                folder: FolderId::new(f).unwrap(),
+                index_id: 7,
+                your_index_id: 0,
+                your_sequence: 0,
+                max_sequence: 0,
+                scanning: false,
+            })
+            .collect(),
     })
 }
 
@@ -97,16 +105,28 @@ pub struct Mallory {
     pub ctl_recv: quinn::RecvStream,
     /// The last sequence sent.
     pub seq: u64,
+    /// The last sequence sent in each other folder ([`Mallory::send_batch_to`]).
+    pub seqs: std::collections::HashMap<String, u64>,
     _endpoint: quinn::Endpoint,
 }
 
 impl Mallory {
     /// Dials `victim` as `identity` (which the victim trusts) and says hello for `work`.
     pub async fn connect(victim: &Device, identity: &Identity) -> Mallory {
+        Mallory::connect_sharing(victim, identity, &["work"]).await
+    }
+
+    /// Dials `victim` as `identity` and says hello for `folders` (which the victim shares
+    /// with it).
+    pub async fn connect_sharing(
+        victim: &Device,
+        identity: &Identity,
+        folders: &[&str],
+    ) -> Mallory {
         let conn_ep = connect_raw(victim, identity).await;
-        let (endpoint, conn) = conn_ep.expect("mallory is trusted for `work`");
+        let (endpoint, conn) = conn_ep.expect("mallory is trusted");
         let (mut ctl, ctl_recv) = conn.open_bi().await.unwrap();
-        transport::write_message(&mut ctl, &hello("work"))
+        transport::write_message(&mut ctl, &hello_sharing(folders))
             .await
             .unwrap();
         Mallory {
@@ -115,8 +135,30 @@ impl Mallory {
             ctl,
             ctl_recv,
             seq: 0,
+            seqs: Default::default(),
             _endpoint: endpoint,
         }
+    }
+
+    /// Sends `records` in one index batch of `folder` (not `work`: its sequences are
+    /// [`Mallory::send_batch`]'s), without inline chunks.
+    pub async fn send_batch_to(
+        &mut self,
+        folder: &str,
+        mut records: Vec<FileRecord>,
+    ) -> Result<usize, TransportError> {
+        let seq = self.seqs.entry(folder.to_string()).or_insert(0);
+        for r in &mut records {
+            *seq += 1;
+            r.sequence = *seq;
+        }
+        let batch = Message::Index(IndexBatch {
+            folder: FolderId::new(folder).unwrap(),
+            records,
+            up_to: *seq,
+            inline: Vec::new(),
+        });
+        transport::write_message(&mut self.ctl, &batch).await
     }
 
     /// Its short id, as its versions name it.

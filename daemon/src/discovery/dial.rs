@@ -173,7 +173,7 @@ mod tests {
         let eb = endpoint(&b, vec![a.device_id]);
         let accept = tokio::spawn({
             let eb = eb.clone();
-            async move { transport::accept_peer(eb.accept().await.unwrap()).await }
+            async move { transport::accept_peer(&eb, eb.accept().await.unwrap()).await }
         });
         let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let candidates = [
@@ -214,7 +214,8 @@ mod tests {
         for e in [eb.clone(), ec.clone()] {
             tokio::spawn(async move {
                 while let Some(i) = e.accept().await {
-                    tokio::spawn(transport::accept_peer(i));
+                    let e = e.clone();
+                    tokio::spawn(async move { transport::accept_peer(&e, i).await });
                 }
             });
         }

@@ -1,0 +1,235 @@
+//! A trusted peer turned hostile, second pass continued (#45): what it can make the victim
+//! hold, queue or redo. Each test is driven by a hostile client built on the protocol crate
+//! (`common::hostile`) against a real daemon, and prints the figures it bounds.
+//!
+//! | item | attack | test |
+//! |---|---|---|
+//! | connections | 50 connections of one trusted device, none saying its hello, each pushing data | `connections_waiting_for_their_hello_hold_little_of_the_victims_memory` |
+//! | batches held | in each of 16 folders, four batches of the most vector entries a batch may carry, none of which can apply | `the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders` |
+
+use crate::common;
+use common::hostile::*;
+use common::*;
+use meshfs_protocol::*;
+use std::time::{Duration, Instant};
+
+/// Connections mallory opens without the transport's hello.
+const WAITING: usize = 50;
+
+/// The victim's resident memory may grow by at most this much while 50 connections of one
+/// device wait for their hello, each pushing data (MiB). Before #45's second pass each could
+/// hold 64 MiB of unread stream data (the connection's receive window) for 10 s.
+const WAITING_BOUND_MIB: u64 = 48;
+
+#[test]
+fn connections_waiting_for_their_hello_hold_little_of_the_victims_memory() {
+    let mut s = Scene::new();
+    s.start();
+    let addr: std::net::SocketAddr = s.a.addr.parse().unwrap();
+    let config = resuming_client(&s.mallory, CountingTickets::new());
+    let before = s.a.usage();
+    let t0 = Instant::now();
+    let (opened, welcomed, pushed) = s.rt.block_on(async {
+        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        ep.set_default_client_config(config);
+        let pushed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut conns = Vec::new();
+        let mut writers = Vec::new();
+        for _ in 0..WAITING {
+            // The TLS handshake only: no hello on the first unidirectional stream.
+            let Ok(Ok(conn)) = tokio::time::timeout(
+                Duration::from_secs(5),
+                ep.connect(addr, meshfs_daemon::transport::SERVER_NAME)
+                    .unwrap(),
+            )
+            .await
+            else {
+                continue;
+            };
+            // Data on bidirectional streams (chunk requests, the control stream), as fast as
+            // the victim takes it; no unidirectional stream, whose first would be its hello.
+            for _ in 0..8 {
+                let (c, pushed) = (conn.clone(), pushed.clone());
+                writers.push(tokio::spawn(async move {
+                    let Ok((mut send, _)) = c.open_bi().await else {
+                        return;
+                    };
+                    let block = vec![0x5au8; 64 << 10];
+                    while send.write_all(&block).await.is_ok() {
+                        pushed.fetch_add(block.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }));
+            }
+            conns.push(conn);
+        }
+        // Long enough for every connection to fill whatever the victim lets it, well within
+        // the 10 s it waits for a hello.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let opened = conns.len();
+        // The victim welcomes a connection it keeps waiting for the hello (its first
+        // unidirectional stream); those beyond what it lets one device keep waiting are closed.
+        let mut welcomed = 0;
+        for c in &conns {
+            if let Ok(Ok(_)) =
+                tokio::time::timeout(Duration::from_millis(200), c.accept_uni()).await
+            {
+                welcomed += 1;
+            }
+        }
+        for w in writers {
+            w.abort();
+        }
+        (
+            opened,
+            welcomed,
+            pushed.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    });
+    let during = s.a.usage();
+    let growth = during.peak_kib.saturating_sub(before.rss_kib);
+    eprintln!(
+        "{opened} connections without a hello ({welcomed} kept waiting), {} MiB written by mallory in {:.1} s (how much the victim took): victim RSS {} -> {} KiB, peak +{growth} KiB (bound {WAITING_BOUND_MIB} MiB)",
+        pushed >> 20,
+        t0.elapsed().as_secs_f64(),
+        before.rss_kib,
+        during.rss_kib,
+    );
+    assert!(
+        welcomed <= meshfs_daemon::transport::MAX_WAITING_PER_DEVICE,
+        "{welcomed} connections of one device were kept waiting for their hello"
+    );
+    assert!(
+        growth <= WAITING_BOUND_MIB << 10,
+        "the victim's peak RSS grew by {growth} KiB with {opened} connections waiting for their hello"
+    );
+    s.honest_peer_syncs("after");
+    // Once those are gone, the device connects, and a second connection of it replaces the
+    // first: one connection per device.
+    let first = s.connect();
+    let second = s.connect();
+    assert!(
+        s.rt.block_on(first.closed_within(10)),
+        "a second connection of the device did not replace the first"
+    );
+    assert!(!s.rt.block_on(second.closed_within(1)));
+}
+
+/// Folders the victim shares with mallory besides `work`.
+const FOLDERS: usize = 16;
+
+/// The victim's resident memory may grow by at most this much while mallory's batches wait
+/// in 16 folders (MiB): the session's budget (`RECEIVE_BUDGET`, 64 MiB) and a few batches
+/// more, the control stream's unread window, allocator slack.
+const HELD_BOUND_MIB: u64 = 128;
+
+/// A batch of 1000 directories with 255-byte names and vectors of 262 entries each, together
+/// nearly the most a batch may carry (`MAX_VV_ENTRIES_PER_BATCH`): about 1 MB on the wire,
+/// 4.6 MB decoded.
+fn heavy_batch(n: usize, by: ShortId) -> Vec<FileRecord> {
+    let entries = MAX_VV_ENTRIES_PER_BATCH / 1000;
+    (0..1000)
+        .map(|i| {
+            let name = format!("{n:03}-{i:04}-{}", "x".repeat(246));
+            let v = VersionVector::from_pairs(
+                std::iter::once((by, 1 + n as u64))
+                    .chain((1..entries as u64).map(|d| (ShortId(d), 1))),
+            );
+            FileRecord {
+                kind: FileKind::Dir,
+                mode: 0o755,
+                ..file_record(&name, b"", v, by)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders() {
+    let mut s = Scene::new();
+    let folders: Vec<String> = (0..FOLDERS).map(|i| format!("f{i}")).collect();
+    for f in &folders {
+        let dir = s.t.path().join("a-folders").join(f);
+        std::fs::create_dir_all(&dir).unwrap();
+        ok(
+            &s.a.home,
+            &["folder", "add", dir.to_str().unwrap(), "--id", f],
+        );
+    }
+    let mallory_id = s.mallory.device_id.to_string();
+    let mut share = vec!["peer", "add", mallory_id.as_str(), "--share", "work"];
+    for f in &folders {
+        share.extend(["--share", f.as_str()]);
+    }
+    ok(&s.a.home, &share);
+    // Each folder's first batch stops in its decision (the folder's lock held), so nothing
+    // mallory sends after it can apply: the batches queue, as many as the session takes.
+    let points: Vec<String> = folders
+        .iter()
+        .map(|f| format!("apply.decided@hold-{f}.txt"))
+        .collect();
+    s.a.arm(
+        &points
+            .iter()
+            .map(|p| format!("{p}=pause"))
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    s.start();
+    let names: Vec<&str> = folders.iter().map(String::as_str).collect();
+    let mut m =
+        s.rt.block_on(Mallory::connect_sharing(&s.a, &s.mallory, &names));
+    let by = m.short();
+    for f in &folders {
+        let hold = file_record(
+            &format!("hold-{f}.txt"),
+            b"never served",
+            version(&[(by, 1)]),
+            by,
+        );
+        s.rt.block_on(m.send_batch_to(f, vec![hold])).unwrap();
+    }
+    for p in &points {
+        s.a.wait_paused(p, 30);
+    }
+    let before = s.a.usage();
+    s.a.reset_peak_rss();
+    // Three more batches per folder (the window is four unacknowledged): as many as the
+    // victim reads within a few seconds; the rest waits in mallory's flow control.
+    let t0 = Instant::now();
+    let sent = s.rt.block_on(async {
+        let mut sent = 0usize;
+        let all = async {
+            for n in 0..3 {
+                for f in &folders {
+                    if m.send_batch_to(f, heavy_batch(n, by)).await.is_err() {
+                        return;
+                    }
+                    sent += 1;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(4), all).await;
+        sent
+    });
+    // What the victim took in settles once its session stops reading.
+    std::thread::sleep(Duration::from_secs(1));
+    let during = s.a.usage();
+    let growth = during.peak_kib.saturating_sub(before.rss_kib);
+    eprintln!(
+        "{sent} of {} batches of ~4.6 MB decoded written by mallory in {:.1} s: victim RSS {} -> {} KiB, peak +{growth} KiB (bound {HELD_BOUND_MIB} MiB)",
+        3 * FOLDERS,
+        t0.elapsed().as_secs_f64(),
+        before.rss_kib,
+        during.rss_kib
+    );
+    // The honest peer's folder is not held up.
+    s.honest_peer_syncs("during");
+    assert!(
+        growth <= HELD_BOUND_MIB << 10,
+        "the victim's peak RSS grew by {growth} KiB holding mallory's batches"
+    );
+    for p in &points {
+        s.a.resume(p);
+    }
+    drop(m);
+}
