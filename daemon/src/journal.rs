@@ -1140,20 +1140,8 @@ impl Journal {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(());
             };
-            let mut st = tx.prepare_cached(
-                "UPDATE records SET local_inode = ?3, local_size = ?4, local_mtime_ns = ?5, \
-                 local_ctime_ns = ?6, local_mode = ?7 WHERE folder = ?1 AND path = ?2",
-            )?;
             for (path, l) in items {
-                st.execute(params![
-                    key,
-                    path.as_str(),
-                    to_i64(l.inode),
-                    to_i64(l.size),
-                    l.mtime_ns,
-                    l.ctime_ns,
-                    l.mode
-                ])?;
+                set_local(tx, key, path, l)?;
             }
             Ok(())
         })
@@ -2030,6 +2018,24 @@ fn chunk_location(folder: FolderId, r: &rusqlite::Row<'_>, first: usize) -> Resu
         len,
         folder,
     })
+}
+
+/// Records `l` as what `path`'s file is on disk (the stat a scan compares with).
+fn set_local(tx: &Connection, key: i64, path: &RelPath, l: &LocalStat) -> Result<()> {
+    tx.prepare_cached(
+        "UPDATE records SET local_inode = ?3, local_size = ?4, local_mtime_ns = ?5, \
+         local_ctime_ns = ?6, local_mode = ?7 WHERE folder = ?1 AND path = ?2",
+    )?
+    .execute(params![
+        key,
+        path.as_str(),
+        to_i64(l.inode),
+        to_i64(l.size),
+        l.mtime_ns,
+        l.ctime_ns,
+        l.mode
+    ])?;
+    Ok(())
 }
 
 #[cfg(test)]

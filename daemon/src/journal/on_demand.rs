@@ -3,7 +3,7 @@
 //! budget. The journal decides nothing: `crate::ondemand` does.
 
 use super::rows::{to_i64, to_u64};
-use super::{ensure_folder, lookup_folder, Change, Commit, Journal, Result};
+use super::{ensure_folder, lookup_folder, set_local, Change, Commit, Journal, Result};
 use crate::store::LocalStat;
 use meshfs_protocol::{DeviceId, FolderId, Hash, RelPath};
 use rusqlite::{params, Connection};
@@ -54,23 +54,6 @@ fn mark(tx: &Connection, key: i64, inodes: &[u64]) -> Result<()> {
     for i in inodes {
         st.execute(params![key, to_i64(*i)])?;
     }
-    Ok(())
-}
-
-fn set_local(tx: &Connection, key: i64, path: &RelPath, l: &LocalStat) -> Result<()> {
-    tx.prepare_cached(
-        "UPDATE records SET local_inode = ?3, local_size = ?4, local_mtime_ns = ?5, \
-         local_ctime_ns = ?6, local_mode = ?7 WHERE folder = ?1 AND path = ?2",
-    )?
-    .execute(params![
-        key,
-        path.as_str(),
-        to_i64(l.inode),
-        to_i64(l.size),
-        l.mtime_ns,
-        l.ctime_ns,
-        l.mode
-    ])?;
     Ok(())
 }
 
