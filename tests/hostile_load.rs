@@ -5,6 +5,7 @@
 //! | item | attack | test |
 //! |---|---|---|
 //! | connections | 50 connections of one trusted device, none saying its hello, each pushing data | `connections_waiting_for_their_hello_hold_little_of_the_victims_memory` |
+//! | empty batches | 50,000 empty index batches with rising `up_to`, the victim's answers never read | `a_flood_of_empty_batches_leaves_one_acknowledgement_waiting_and_few_journal_writes` |
 //! | batches held | in each of 16 folders, four batches of the most vector entries a batch may carry, none of which can apply | `the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders` |
 
 use crate::common;
@@ -233,3 +234,112 @@ fn the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders() {
     }
     drop(m);
 }
+
+/// Empty batches mallory sends.
+const EMPTY: u64 = 50_000;
+
+/// The victim's resident memory may grow by at most this much while it answers 50,000 empty
+/// batches that mallory does not read (MiB).
+const EMPTY_BOUND_MIB: u64 = 16;
+
+#[test]
+fn a_flood_of_empty_batches_leaves_one_acknowledgement_waiting_and_few_journal_writes() {
+    let mut s = Scene::new();
+    s.start();
+    // Mallory reads a kilobyte of what the victim says and then nothing, until the end.
+    let mut m =
+        s.rt.block_on(Mallory::connect_with_window(&s.a, &s.mallory, 1024));
+    // Its hello through (the victim says its own), before counting.
+    std::thread::sleep(Duration::from_millis(500));
+    let before = s.a.usage();
+    s.a.reset_peak_rss();
+    let (calls0, bytes0) = s.a.writes();
+    let t0 = Instant::now();
+    let work = FolderId::new("work").unwrap();
+    let mut frames = Vec::new();
+    for up_to in 1..=EMPTY {
+        frames.extend(
+            encode_frame(&Message::Index(IndexBatch {
+                folder: work.clone(),
+                records: Vec::new(),
+                up_to,
+                inline: Vec::new(),
+            }))
+            .unwrap(),
+        );
+    }
+    s.rt.block_on(m.ctl.write_all(&frames)).unwrap();
+    // Mallory reads nothing until the victim has taken every batch.
+    let mallory_id = s.mallory.device_id.to_string();
+    wait_until(120, "the victim takes every empty batch", &s.a, || {
+        applied_from(&s.a.status(), &mallory_id) == EMPTY
+    });
+    let took = t0.elapsed();
+    // Then it reads what the victim had for it, up to the acknowledgement of the last batch.
+    let (acks, last) = s.rt.block_on(async {
+        let mut acks = 0u64;
+        let mut last = 0;
+        while last < EMPTY {
+            match tokio::time::timeout(
+                Duration::from_secs(30),
+                meshfs_daemon::transport::read_message(&mut m.ctl_recv),
+            )
+            .await
+            {
+                Ok(Ok(Some(Message::IndexAck(a)))) => {
+                    acks += 1;
+                    last = a.sequence;
+                }
+                Ok(Ok(Some(_))) => {}
+                other => panic!("the victim stopped answering: {other:?}"),
+            }
+        }
+        (acks, last)
+    });
+    // The last resume point is written within a second of the last batch.
+    std::thread::sleep(Duration::from_millis(1500));
+    let after = s.a.usage();
+    let (calls1, bytes1) = s.a.writes();
+    let growth = after.peak_kib.saturating_sub(before.rss_kib);
+    let (calls, bytes) = (calls1 - calls0, bytes1 - bytes0);
+    eprintln!(
+        "{EMPTY} empty batches taken in {:.1} s: {acks} acknowledgements waited for mallory (the last of {last}); the victim wrote {} KiB to files in {calls} calls; RSS {} -> {} KiB, peak +{growth} KiB (bound {EMPTY_BOUND_MIB} MiB)",
+        took.as_secs_f64(),
+        bytes >> 10,
+        before.rss_kib,
+        after.rss_kib,
+    );
+    assert_eq!(last, EMPTY);
+    // A kilobyte holds ~80 acknowledgements, written before mallory's window filled; then one
+    // waited, replaced by each newer one.
+    assert!(
+        acks <= 200,
+        "{acks} acknowledgements waited for {EMPTY} batches: one was queued per batch"
+    );
+    // The resume point is written about once a second. Written per batch, each a page of
+    // SQLite's log (4 KiB and a 24-byte header), it would be over 200 MB; what remains is the
+    // runtime's wake-ups (8 bytes each) and the log.
+    assert!(
+        bytes <= 8 << 20,
+        "the victim wrote {bytes} bytes to files for {EMPTY} empty batches"
+    );
+    assert!(
+        growth <= EMPTY_BOUND_MIB << 10,
+        "the victim's peak RSS grew by {growth} KiB"
+    );
+    s.honest_peer_syncs("after");
+}
+
+/// What the victim's status says it applied of `peer`'s index in folder `work`.
+fn applied_from(st: &serde_json::Value, peer: &str) -> u64 {
+    st["folders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["id"] == "work")
+        .flat_map(|f| f["peers"].as_array().cloned().unwrap_or_default())
+        .find(|p| p["device_id"] == peer)
+        .and_then(|p| p["applied_from_peer"].as_u64())
+        .unwrap_or(0)
+}
+
