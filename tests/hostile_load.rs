@@ -6,6 +6,7 @@
 //! |---|---|---|
 //! | connections | 50 connections of one trusted device, none saying its hello, each pushing data | `connections_waiting_for_their_hello_hold_little_of_the_victims_memory` |
 //! | empty batches | 50,000 empty index batches with rising `up_to`, the victim's answers never read | `a_flood_of_empty_batches_leaves_one_acknowledgement_waiting_and_few_journal_writes` |
+//! | records that never apply | a file where the victim has a FIFO (which it does not sync), then a later batch | `a_record_in_the_way_of_something_not_synced_is_skipped_and_later_batches_apply` |
 //! | batches held | in each of 16 folders, four batches of the most vector entries a batch may carry, none of which can apply | `the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders` |
 
 use crate::common;
@@ -341,5 +342,62 @@ fn applied_from(st: &serde_json::Value, peer: &str) -> u64 {
         .find(|p| p["device_id"] == peer)
         .and_then(|p| p["applied_from_peer"].as_u64())
         .unwrap_or(0)
+}
+
+#[test]
+fn a_record_in_the_way_of_something_not_synced_is_skipped_and_later_batches_apply() {
+    let mut s = Scene::new();
+    s.start();
+    // A FIFO on the victim: a special file, never recorded, so no version of the path exists.
+    // (Made once in sync: comparing the two trees would open it and wait for a writer.)
+    let fifo = s.a.path("pipe.txt");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    let mut m = s.connect();
+    let by = m.short();
+    let theirs = file_record("pipe.txt", b"theirs", version(&[(by, 1)]), by);
+    let fine = file_record("fine.txt", b"fine", version(&[(by, 2)]), by);
+    s.rt.block_on(m.send_batch(vec![theirs, fine], vec![inline(b"theirs"), inline(b"fine")]))
+        .unwrap();
+    let later = file_record("later.txt", b"later", version(&[(by, 3)]), by);
+    s.rt.block_on(m.send_batch(vec![later], vec![inline(b"later")]))
+        .unwrap();
+    // The batch after it applies: the first was acknowledged, with pipe.txt left out.
+    wait_until(60, "the later batch applies", &s.a, || {
+        s.a.path("later.txt").exists()
+    });
+    assert!(s.a.path("fine.txt").exists());
+    use std::os::unix::fs::FileTypeExt;
+    assert!(
+        std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo(),
+        "the FIFO was replaced"
+    );
+    let st = s.a.status();
+    let skipped: Vec<(String, String)> = st["folders"][0]["skipped"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|x| {
+            (
+                x["path"].as_str().unwrap_or_default().to_string(),
+                x["error"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        skipped
+            .iter()
+            .any(|(p, e)| p == "pipe.txt" && e.contains("changed at every try")),
+        "pipe.txt is not shown as skipped: {skipped:?}"
+    );
+    // The session goes on: no failure, no reconnect.
+    assert!(!s.rt.block_on(m.closed_within(1)), "the session ended");
+    assert!(!s.a.log().contains("kept changing"), "{}", s.a.log());
+    s.honest_peer_syncs("after");
 }
 
