@@ -7,6 +7,7 @@
 //! | connections | 50 connections of one trusted device, none saying its hello, each pushing data | `connections_waiting_for_their_hello_hold_little_of_the_victims_memory` |
 //! | empty batches | 50,000 empty index batches with rising `up_to`, the victim's answers never read | `a_flood_of_empty_batches_leaves_one_acknowledgement_waiting_and_few_journal_writes` |
 //! | records that never apply | a file where the victim has a FIFO (which it does not sync), then a later batch | `a_record_in_the_way_of_something_not_synced_is_skipped_and_later_batches_apply` |
+//! | tiny chunks | a record of 400,000 distinct one-byte chunks (a 14 MB frame for 400 KB) | `a_record_of_chunks_no_meshfs_cuts_is_skipped_before_any_is_looked_up` |
 //! | batches held | in each of 16 folders, four batches of the most vector entries a batch may carry, none of which can apply | `the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders` |
 
 use crate::common;
@@ -401,3 +402,66 @@ fn a_record_in_the_way_of_something_not_synced_is_skipped_and_later_batches_appl
     s.honest_peer_syncs("after");
 }
 
+/// The `work` folder's skipped list in the victim's status: (path, error).
+fn skipped_in_work(dev: &Device) -> Vec<(String, String)> {
+    dev.status()["folders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["id"] == "work")
+        .flat_map(|f| f["skipped"].as_array().cloned().unwrap_or_default())
+        .map(|x| {
+            (
+                x["path"].as_str().unwrap_or_default().to_string(),
+                x["error"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_record_of_chunks_no_meshfs_cuts_is_skipped_before_any_is_looked_up() {
+    let mut s = Scene::new();
+    s.start();
+    let mut m = s.connect();
+    let by = m.short();
+    // 400,000 one-byte chunks, each its own hash: per chunk, a lookup under the folder's lock
+    // (those the index could hold), an entry to fetch, a request, a write.
+    const TINY: u32 = 400_000;
+    let mut tiny = file_record("tiny.bin", b"", version(&[(by, 1)]), by);
+    tiny.chunks = (0..TINY)
+        .map(|i| Chunk {
+            len: 1,
+            hash: Hash::of(&i.to_le_bytes()),
+        })
+        .collect();
+    tiny.size = u64::from(TINY);
+    tiny.hash = Hash::of_chunks(&tiny.chunks);
+    let fine = file_record("fine.txt", b"fine", version(&[(by, 2)]), by);
+    let before = s.a.usage();
+    let t0 = Instant::now();
+    s.rt.block_on(m.send_batch(vec![tiny, fine], vec![inline(b"fine")]))
+        .unwrap();
+    let later = file_record("later.txt", b"later", version(&[(by, 3)]), by);
+    s.rt.block_on(m.send_batch(vec![later], vec![inline(b"later")]))
+        .unwrap();
+    wait_until(60, "the rest of the batch and the next apply", &s.a, || {
+        s.a.path("fine.txt").exists() && s.a.path("later.txt").exists()
+    });
+    let took = t0.elapsed();
+    let after = s.a.usage();
+    let sk = skipped_in_work(&s.a);
+    eprintln!(
+        "a record of {TINY} one-byte chunks: the batch and the next applied in {:.1} s, the victim spent {:.2} s of CPU; skipped: {sk:?}",
+        took.as_secs_f64(),
+        after.cpu.saturating_sub(before.cpu).as_secs_f64()
+    );
+    assert!(!s.a.path("tiny.bin").exists());
+    assert!(
+        sk.iter()
+            .any(|(p, e)| p == "tiny.bin" && e.contains("shorter than")),
+        "tiny.bin is not shown as skipped: {sk:?}"
+    );
+    assert!(!s.rt.block_on(m.closed_within(1)), "the session ended");
+    s.honest_peer_syncs("after");
+}
