@@ -5,6 +5,9 @@
 //! | item | attack | test |
 //! |---|---|---|
 //! | connections | 50 connections of one trusted device, none saying its hello, each pushing data | `connections_waiting_for_their_hello_hold_little_of_the_victims_memory` |
+//! | empty batches | 50,000 empty index batches with rising `up_to`, the victim's answers never read | `a_flood_of_empty_batches_leaves_one_acknowledgement_waiting_and_few_journal_writes` |
+//! | records that never apply | a file where the victim has a FIFO (which it does not sync), then a later batch | `a_record_in_the_way_of_something_not_synced_is_skipped_and_later_batches_apply` |
+//! | tiny chunks | a record of 400,000 distinct one-byte chunks (a 14 MB frame for 400 KB) | `a_record_of_chunks_no_meshfs_cuts_is_skipped_before_any_is_looked_up` |
 //! | batches held | in each of 16 folders, four batches of the most vector entries a batch may carry, none of which can apply | `the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders` |
 
 use crate::common;
@@ -232,4 +235,233 @@ fn the_batches_a_session_holds_are_bounded_in_bytes_whatever_the_folders() {
         s.a.resume(p);
     }
     drop(m);
+}
+
+/// Empty batches mallory sends.
+const EMPTY: u64 = 50_000;
+
+/// The victim's resident memory may grow by at most this much while it answers 50,000 empty
+/// batches that mallory does not read (MiB).
+const EMPTY_BOUND_MIB: u64 = 16;
+
+#[test]
+fn a_flood_of_empty_batches_leaves_one_acknowledgement_waiting_and_few_journal_writes() {
+    let mut s = Scene::new();
+    s.start();
+    // Mallory reads a kilobyte of what the victim says and then nothing, until the end.
+    let mut m =
+        s.rt.block_on(Mallory::connect_with_window(&s.a, &s.mallory, 1024));
+    // Its hello through (the victim says its own), before counting.
+    std::thread::sleep(Duration::from_millis(500));
+    let before = s.a.usage();
+    s.a.reset_peak_rss();
+    let (calls0, bytes0) = s.a.writes();
+    let t0 = Instant::now();
+    let work = FolderId::new("work").unwrap();
+    let mut frames = Vec::new();
+    for up_to in 1..=EMPTY {
+        frames.extend(
+            encode_frame(&Message::Index(IndexBatch {
+                folder: work.clone(),
+                records: Vec::new(),
+                up_to,
+                inline: Vec::new(),
+            }))
+            .unwrap(),
+        );
+    }
+    s.rt.block_on(m.ctl.write_all(&frames)).unwrap();
+    // Mallory reads nothing until the victim has taken every batch.
+    let mallory_id = s.mallory.device_id.to_string();
+    wait_until(120, "the victim takes every empty batch", &s.a, || {
+        applied_from(&s.a.status(), &mallory_id) == EMPTY
+    });
+    let took = t0.elapsed();
+    // Then it reads what the victim had for it, up to the acknowledgement of the last batch.
+    let (acks, last) = s.rt.block_on(async {
+        let mut acks = 0u64;
+        let mut last = 0;
+        while last < EMPTY {
+            match tokio::time::timeout(
+                Duration::from_secs(30),
+                meshfs_daemon::transport::read_message(&mut m.ctl_recv),
+            )
+            .await
+            {
+                Ok(Ok(Some(Message::IndexAck(a)))) => {
+                    acks += 1;
+                    last = a.sequence;
+                }
+                Ok(Ok(Some(_))) => {}
+                other => panic!("the victim stopped answering: {other:?}"),
+            }
+        }
+        (acks, last)
+    });
+    // The last resume point is written within a second of the last batch.
+    std::thread::sleep(Duration::from_millis(1500));
+    let after = s.a.usage();
+    let (calls1, bytes1) = s.a.writes();
+    let growth = after.peak_kib.saturating_sub(before.rss_kib);
+    let (calls, bytes) = (calls1 - calls0, bytes1 - bytes0);
+    eprintln!(
+        "{EMPTY} empty batches taken in {:.1} s: {acks} acknowledgements waited for mallory (the last of {last}); the victim wrote {} KiB to files in {calls} calls; RSS {} -> {} KiB, peak +{growth} KiB (bound {EMPTY_BOUND_MIB} MiB)",
+        took.as_secs_f64(),
+        bytes >> 10,
+        before.rss_kib,
+        after.rss_kib,
+    );
+    assert_eq!(last, EMPTY);
+    // A kilobyte holds ~80 acknowledgements, written before mallory's window filled; then one
+    // waited, replaced by each newer one.
+    assert!(
+        acks <= 200,
+        "{acks} acknowledgements waited for {EMPTY} batches: one was queued per batch"
+    );
+    // The resume point is written about once a second. Written per batch, each a page of
+    // SQLite's log (4 KiB and a 24-byte header), it would be over 200 MB; what remains is the
+    // runtime's wake-ups (8 bytes each) and the log.
+    assert!(
+        bytes <= 8 << 20,
+        "the victim wrote {bytes} bytes to files for {EMPTY} empty batches"
+    );
+    assert!(
+        growth <= EMPTY_BOUND_MIB << 10,
+        "the victim's peak RSS grew by {growth} KiB"
+    );
+    s.honest_peer_syncs("after");
+}
+
+/// What the victim's status says it applied of `peer`'s index in folder `work`.
+fn applied_from(st: &serde_json::Value, peer: &str) -> u64 {
+    st["folders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["id"] == "work")
+        .flat_map(|f| f["peers"].as_array().cloned().unwrap_or_default())
+        .find(|p| p["device_id"] == peer)
+        .and_then(|p| p["applied_from_peer"].as_u64())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_record_in_the_way_of_something_not_synced_is_skipped_and_later_batches_apply() {
+    let mut s = Scene::new();
+    s.start();
+    // A FIFO on the victim: a special file, never recorded, so no version of the path exists.
+    // (Made once in sync: comparing the two trees would open it and wait for a writer.)
+    let fifo = s.a.path("pipe.txt");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    let mut m = s.connect();
+    let by = m.short();
+    let theirs = file_record("pipe.txt", b"theirs", version(&[(by, 1)]), by);
+    let fine = file_record("fine.txt", b"fine", version(&[(by, 2)]), by);
+    s.rt.block_on(m.send_batch(vec![theirs, fine], vec![inline(b"theirs"), inline(b"fine")]))
+        .unwrap();
+    let later = file_record("later.txt", b"later", version(&[(by, 3)]), by);
+    s.rt.block_on(m.send_batch(vec![later], vec![inline(b"later")]))
+        .unwrap();
+    // The batch after it applies: the first was acknowledged, with pipe.txt left out.
+    wait_until(60, "the later batch applies", &s.a, || {
+        s.a.path("later.txt").exists()
+    });
+    assert!(s.a.path("fine.txt").exists());
+    use std::os::unix::fs::FileTypeExt;
+    assert!(
+        std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo(),
+        "the FIFO was replaced"
+    );
+    let st = s.a.status();
+    let skipped: Vec<(String, String)> = st["folders"][0]["skipped"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|x| {
+            (
+                x["path"].as_str().unwrap_or_default().to_string(),
+                x["error"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        skipped
+            .iter()
+            .any(|(p, e)| p == "pipe.txt" && e.contains("changed at every try")),
+        "pipe.txt is not shown as skipped: {skipped:?}"
+    );
+    // The session goes on: no failure, no reconnect.
+    assert!(!s.rt.block_on(m.closed_within(1)), "the session ended");
+    assert!(!s.a.log().contains("kept changing"), "{}", s.a.log());
+    s.honest_peer_syncs("after");
+}
+
+/// The `work` folder's skipped list in the victim's status: (path, error).
+fn skipped_in_work(dev: &Device) -> Vec<(String, String)> {
+    dev.status()["folders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["id"] == "work")
+        .flat_map(|f| f["skipped"].as_array().cloned().unwrap_or_default())
+        .map(|x| {
+            (
+                x["path"].as_str().unwrap_or_default().to_string(),
+                x["error"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_record_of_chunks_no_meshfs_cuts_is_skipped_before_any_is_looked_up() {
+    let mut s = Scene::new();
+    s.start();
+    let mut m = s.connect();
+    let by = m.short();
+    // 400,000 one-byte chunks, each its own hash: per chunk, a lookup under the folder's lock
+    // (those the index could hold), an entry to fetch, a request, a write.
+    const TINY: u32 = 400_000;
+    let mut tiny = file_record("tiny.bin", b"", version(&[(by, 1)]), by);
+    tiny.chunks = (0..TINY)
+        .map(|i| Chunk {
+            len: 1,
+            hash: Hash::of(&i.to_le_bytes()),
+        })
+        .collect();
+    tiny.size = u64::from(TINY);
+    tiny.hash = Hash::of_chunks(&tiny.chunks);
+    let fine = file_record("fine.txt", b"fine", version(&[(by, 2)]), by);
+    let before = s.a.usage();
+    let t0 = Instant::now();
+    s.rt.block_on(m.send_batch(vec![tiny, fine], vec![inline(b"fine")]))
+        .unwrap();
+    let later = file_record("later.txt", b"later", version(&[(by, 3)]), by);
+    s.rt.block_on(m.send_batch(vec![later], vec![inline(b"later")]))
+        .unwrap();
+    wait_until(60, "the rest of the batch and the next apply", &s.a, || {
+        s.a.path("fine.txt").exists() && s.a.path("later.txt").exists()
+    });
+    let took = t0.elapsed();
+    let after = s.a.usage();
+    let sk = skipped_in_work(&s.a);
+    eprintln!(
+        "a record of {TINY} one-byte chunks: the batch and the next applied in {:.1} s, the victim spent {:.2} s of CPU; skipped: {sk:?}",
+        took.as_secs_f64(),
+        after.cpu.saturating_sub(before.cpu).as_secs_f64()
+    );
+    assert!(!s.a.path("tiny.bin").exists());
+    assert!(
+        sk.iter()
+            .any(|(p, e)| p == "tiny.bin" && e.contains("shorter than")),
+        "tiny.bin is not shown as skipped: {sk:?}"
+    );
+    assert!(!s.rt.block_on(m.closed_within(1)), "the session ended");
+    s.honest_peer_syncs("after");
 }

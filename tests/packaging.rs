@@ -68,6 +68,7 @@ fn both_systemd_units_pass_systemd_analyze_verify() {
     let t = tmp();
     let user = unit_copy(t.path(), "meshfs.service", "meshfs.service");
     let system = unit_copy(t.path(), "meshfs@.service", "meshfs@root.service");
+    let system_copy = system.clone();
     let runtime = t.path().join("runtime");
     std::fs::create_dir(&runtime).unwrap();
     for (unit, user_mode) in [(&user, true), (&system, false)] {
@@ -103,6 +104,27 @@ fn both_systemd_units_pass_systemd_analyze_verify() {
     let system = std::fs::read_to_string(repo().join("packaging/meshfs@.service")).unwrap();
     assert!(system.contains("\nUser=%i\n") && system.contains("\nDeviceAllow=/dev/fuse rw\n"));
     assert!(system.contains("\nCapabilityBoundingSet=CAP_SYS_ADMIN\n"));
+    for unit in ["meshfs.service", "meshfs@.service"] {
+        let text = std::fs::read_to_string(repo().join("packaging").join(unit)).unwrap();
+        for line in ["MemoryHigh=2G", "MemoryMax=4G", "TasksMax=4096"] {
+            assert!(text.lines().any(|l| l == line), "{unit}: {line}");
+        }
+    }
+    // The drop-in for a device that never mounts, applied to the system unit: it verifies.
+    let drop_in = std::fs::read_to_string(repo().join("packaging/no-mount.conf")).unwrap();
+    assert!(drop_in.lines().any(|l| l == "NoNewPrivileges=yes"));
+    let hardened = t.path().join("hardened");
+    std::fs::create_dir(&hardened).unwrap();
+    let unit = hardened.join("meshfs@root.service");
+    let text = std::fs::read_to_string(&system_copy).unwrap();
+    std::fs::write(&unit, format!("{text}\n{drop_in}")).unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(&unit)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.trim().is_empty(), "{err}");
 }
 
 #[test]
@@ -223,6 +245,7 @@ fn cargo_deb_builds_a_package_that_installs_and_runs() {
         "usr/share/fish/vendor_completions.d/meshfs.fish",
         "usr/share/man/man1/meshfs.1.gz",
         "usr/share/man/man1/meshfs-status.1.gz",
+        "usr/share/doc/meshfs/examples/no-mount.conf",
     ] {
         // cargo-deb 3 writes `./usr/...` into the archive, 2.0 (.ci/run's wheel) `usr/...`.
         assert!(

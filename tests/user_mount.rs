@@ -2,7 +2,7 @@
 //! fusermount3 as Debian ships it (`/dev/fuse` 0666). The user mounts, works in the folder
 //! (files, `git`), reads the journal and unmounts; the user service mounts its folders at start
 //! and unmounts them at stop; a daemon killed again and again mounts again within 2 s and
-//! loses nothing a program was told was written.
+//! loses nothing a program was told was written; with no_new_privs the mount fails, saying why.
 
 use crate::common;
 use common::user::TestUser;
@@ -197,6 +197,38 @@ fn an_ordinary_user_mounts_through_fusermount3_works_in_the_folder_with_git_and_
     }
     d.stop();
     assert!(mounted(&mnt).is_none());
+}
+
+/// Why neither unit sets `NoNewPrivileges=` (nor a seccomp option, which implies it for a
+/// service run as a user): with `no_new_privs` the setuid helper fusermount3 runs without its
+/// privileges, and an ordinary user cannot mount. The daemon says so, naming the setting;
+/// everything but the mount goes on (`packaging/no-mount.conf` is for devices that never
+/// mount).
+#[test]
+fn with_no_new_privs_an_ordinary_users_mount_fails_and_the_daemon_says_why() {
+    let t = tmp();
+    let user = TestUser::new();
+    let (mut d, mnt) = user_device(&t, &user, "laptop");
+    let mut under = user.under();
+    under.insert(under.len() - 1, "--no-new-privs".into());
+    d.under = under;
+    d.start();
+    let out = cli(&user, &d, &["mount", "work", mnt.to_str().unwrap()]);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "mounted with no_new_privs: {said}");
+    assert!(mounted(&mnt).is_none());
+    assert!(
+        said.contains("no_new_privs") && said.contains("NoNewPrivileges="),
+        "{said}"
+    );
+    // The rest goes on.
+    write(&d.path("after.txt"), b"still recorded");
+    wait_files(&d, 1, 30);
+    d.stop();
 }
 
 /// fuse.conf's `user_allow_other`, read as the mount reads it.

@@ -409,7 +409,7 @@ fn now_ns() -> i64 {
 /// Chunks shorter than this are indexed only as a file's last chunk: the chunker never cuts
 /// one shorter anywhere else (D8's smallest minimum), so only a peer's crafted chunk list has
 /// them, and copying a few bytes locally saves nothing over fetching them.
-pub const INDEXED_FROM: u32 = 16 << 10;
+pub const INDEXED_FROM: u32 = meshfs_protocol::MIN_CHUNK_LEN;
 
 /// The chunks of a live file's record that the chunk index holds, with their offsets: each
 /// distinct chunk once (its first place is enough to copy or serve it from), and of those

@@ -20,6 +20,8 @@ use crate::discovery::book::Source;
 use crate::discovery::{self, Addresses};
 use crate::folder::{Folders, Reader};
 use crate::last_error::LastError;
+use crate::outbox::{outbox, Outbox};
+use crate::resume_points::ResumePoints;
 use crate::transport::{self, LinkStats};
 use meshfs_protocol::{DeviceId, ErrorCode, FileRecord, FolderId, Message, ShortId, WireAddr};
 use meshfs_sync::reconcile::ReadError;
@@ -512,7 +514,10 @@ pub(crate) async fn run_link(net: Arc<Net>, peer: DeviceId, link: PeerLink) {
     let serial = link.serial;
     // The session's batches, in every folder's receive pipeline.
     let source = apply::Receiver::new_source();
-    let result = drive_session(&net, peer, &link, source).await;
+    let mut points = ResumePoints::new(peer);
+    let result = drive_session(&net, peer, &link, source, &mut points).await;
+    points.save(&net.folders);
+    tracing::debug!(peer = %peer.short(), writes = points.writes(), "resume points written");
     for receiver in net.all_receivers() {
         receiver.gone(source);
     }
@@ -577,6 +582,7 @@ async fn drive_session(
     peer: DeviceId,
     link: &PeerLink,
     source: apply::Source,
+    points: &mut ResumePoints,
 ) -> Result<(), String> {
     let conn = &link.conn;
     let (send, recv) = if link.dialer == net.folders.device {
@@ -643,8 +649,9 @@ async fn drive_session(
                         },
                         _ => Inline::none(),
                     };
-                    out.send((m, inline))
-                        .map_err(|_| "control stream writer stopped".to_string())?;
+                    if !out.push(m, inline) {
+                        return Err("control stream writer stopped".to_string());
+                    }
                 }
                 Action::Receive {
                     folder,
@@ -673,9 +680,18 @@ async fn drive_session(
                     }
                 }
                 Action::Learned(list) => net.learned_from(&peer, list),
-                save => save_progress(net, &peer, save),
+                Action::SaveTheirSequence {
+                    folder,
+                    index_id,
+                    sequence,
+                } => points.note(folder, index_id, sequence),
+                Action::SaveOurAcked { folder, sequence } => {
+                    save_our_acked(net, &peer, &folder, sequence)
+                }
             }
         }
+        points.save_if_due(&net.folders);
+        let save_at = points.due();
         publish_status(net, peer, link.serial, &session);
         // The folders both hellos listed are known once, when the hellos are through.
         if !exchanged_told && session.is_established() {
@@ -691,6 +707,7 @@ async fn drive_session(
                 let Some(ev) = ev else { return Err("link closed".into()) };
                 pending = on_event(net, peer, &mut session, ev)?;
             }
+            _ = tokio::time::sleep_until(save_at.unwrap_or_else(tokio::time::Instant::now)), if save_at.is_some() => {}
             Some(reply) = replies.recv() => {
                 let ev = match reply {
                     apply::Reply::Applied { folder, up_to } => {
@@ -728,7 +745,7 @@ async fn drive_session(
             }
             _ = net.shutdown.notified() => {
                 let bye = Message::Error { code: ErrorCode::Shutdown, message: "daemon stopping".into() };
-                let _ = out.send((bye, Inline::none()));
+                out.push(bye, Inline::none());
                 drop(out);
                 let _ = tokio::time::timeout(Duration::from_secs(1), writer).await;
                 return Err("shutdown".into());
@@ -768,27 +785,14 @@ fn our_scan(net: &Net, folder: &FolderId) -> Option<(bool, ScanCounts)> {
     ))
 }
 
-/// Stores the progress the session reports (an action that only saves).
-fn save_progress(net: &Net, peer: &DeviceId, action: Action) {
+/// Stores that the peer acknowledged this device's records of `folder` up to `sequence`. At
+/// most once per batch this device sent: the peer cannot acknowledge more than it was sent.
+/// (The peer's own progress here goes through [`ResumePoints`], at most once a second.)
+fn save_our_acked(net: &Net, peer: &DeviceId, folder: &FolderId, sequence: u64) {
     let Ok(mut j) = net.folders.journal_lock() else {
         return;
     };
-    let (folder, saved) = match action {
-        Action::SaveTheirSequence {
-            folder,
-            index_id,
-            sequence,
-        } => {
-            let r = j.set_their_sequence(&folder, peer, index_id, sequence);
-            (folder, r)
-        }
-        Action::SaveOurAcked { folder, sequence } => {
-            let r = j.set_our_acked(&folder, peer, sequence);
-            (folder, r)
-        }
-        _ => return,
-    };
-    if let Err(e) = saved {
+    if let Err(e) = j.set_our_acked(folder, peer, sequence) {
         tracing::error!(%folder, error = %e, "cannot save peer progress");
     }
 }
@@ -870,7 +874,7 @@ async fn serve_requests(net: Arc<Net>, peer: DeviceId, conn: quinn::Connection) 
 }
 
 /// Messages for the control stream, each with what of its records' content may ride inline.
-type Outgoing = mpsc::UnboundedSender<(Message, Inline)>;
+type Outgoing = Outbox<Inline>;
 
 /// The authors of `records` (of `folder`) other than this device whose versions the peer gets
 /// from them directly.
@@ -928,15 +932,17 @@ fn publish_exchanged(net: &Net, peer: &DeviceId, serial: u64, exchanged: BTreeSe
 }
 
 /// Starts the task that owns the control stream's send side (see `drive_session`). A write
-/// error ends the session through `events`.
+/// error ends the session through `events`. Its queue ([`crate::outbox`]) keeps one of each
+/// message that only states the latest (an acknowledgement of a folder …): a peer that reads
+/// nothing makes it hold no more than that, however many batches it sends.
 fn control_writer(
     net: Arc<Net>,
     mut send: quinn::SendStream,
     events: mpsc::UnboundedSender<LinkEvent>,
 ) -> (Outgoing, tokio::task::JoinHandle<()>) {
-    let (out, mut queue) = mpsc::unbounded_channel::<(Message, Inline)>();
+    let (out, queue) = outbox::<Inline>();
     let task = tokio::spawn(async move {
-        while let Some((mut msg, inline)) = queue.recv().await {
+        while let Some((mut msg, inline)) = queue.next().await {
             if let Message::Index(batch) = msg {
                 let net = net.clone();
                 let t0 = std::time::Instant::now();

@@ -150,6 +150,15 @@ pub enum MountError {
         /// What failed.
         source: io::Error,
     },
+    /// An ordinary user's mount failed while the process runs with `no_new_privs`: the
+    /// setuid helper fusermount3 could not mount.
+    #[error("mounting {} failed: {source}; this daemon runs with no_new_privs (systemd's NoNewPrivileges=, or a seccomp option such as SystemCallFilter= in a service run as a user, e.g. the drop-in no-mount.conf), so fusermount3, the setuid helper an ordinary user mounts with, has no privileges: remove that setting, or do not mount on this device", path.display())]
+    NoNewPrivs {
+        /// The mount point.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
     /// Unmounting failed.
     #[error("unmounting {} failed: {source}", path.display())]
     Unmount {
@@ -554,7 +563,16 @@ fn start_session(
         source,
     };
     let mut session =
-        fuser::Session::new(Passthrough::new(sh.clone()), mp, config).map_err(mount_err)?;
+        fuser::Session::new(Passthrough::new(sh.clone()), mp, config).map_err(|source| {
+            if sys::effective_ids().0 != 0 && sys::no_new_privs() {
+                MountError::NoNewPrivs {
+                    path: mp.into(),
+                    source,
+                }
+            } else {
+                mount_err(source)
+            }
+        })?;
     // FUSE_INIT is answered: what passthrough would meet is known before the first open.
     if sh.passthrough.load(Ordering::Relaxed) {
         if let Err(why) = crate::passthrough::probe(session.as_fd(), sh.root.as_fd()) {

@@ -735,6 +735,14 @@ pub(crate) fn private_zero_umask() -> bool {
     true
 }
 
+/// Whether this process runs with `no_new_privs` (systemd's `NoNewPrivileges=`, or a seccomp
+/// option of a service run as a user): then a setuid helper such as fusermount3 runs without
+/// its privileges.
+pub(crate) fn no_new_privs() -> bool {
+    // SAFETY: PR_GET_NO_NEW_PRIVS takes no pointer and only reads a flag of this thread.
+    unsafe { libc::prctl(libc::PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) == 1 }
+}
+
 /// The effective uid and gid of this process.
 pub(crate) fn effective_ids() -> (u32, u32) {
     // SAFETY: geteuid/getegid cannot fail.

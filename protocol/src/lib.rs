@@ -43,7 +43,7 @@ pub use message::{
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
 pub use record::{
     Chunk, FileKind, FileRecord, Hash, RecordError, FILE_HASH_CONTEXT, MAX_CHUNKS_PER_RECORD,
-    MAX_FILE_SIZE, MAX_KEPT_RECORD_LEN, MAX_LINK_TARGET, MODE_SYNC_MASK,
+    MAX_FILE_SIZE, MAX_KEPT_RECORD_LEN, MAX_LINK_TARGET, MIN_CHUNK_LEN, MODE_SYNC_MASK,
 };
 pub use vv::{
     spill_id, VersionVector, VvOrdering, MAX_VV_COUNTER, MAX_VV_ENTRIES, MAX_VV_ENTRIES_KEPT,

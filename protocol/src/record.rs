@@ -23,6 +23,12 @@ pub const MAX_CHUNKS_PER_RECORD: usize = MAX_FRAME_LEN / 32;
 /// [`MAX_CHUNK_LEN`]. Files chunk to about 1 MiB on average above 16 GiB, so in practice a
 /// record describes files up to about 450 GiB before its chunk list outgrows a frame.
 pub const MAX_FILE_SIZE: u64 = MAX_CHUNKS_PER_RECORD as u64 * MAX_CHUNK_LEN as u64;
+/// The shortest chunk meshfs's chunker cuts anywhere but at a file's end (16 KiB: the least of
+/// its minimum sizes, D8). A record listing a shorter chunk elsewhere was not made by it, and a
+/// receiver refuses to apply it ([`FileRecord::check_chunking`]): the work a chunk costs it
+/// (looking it up, asking for it, writing it) then stays proportional to the bytes the record
+/// declares, which it must have room for.
+pub const MIN_CHUNK_LEN: u32 = 16 << 10;
 /// Largest encoded record a device keeps: an index batch holding it alone still fits in a
 /// frame after one more local edit (its vector one entry longer, its sequence a full varint),
 /// with room to spare for the batch's own fields.
@@ -162,6 +168,10 @@ pub enum RecordError {
     /// device's next edit no peer would accept it.
     #[error("record for {0}: its version vector would have {1} entries, more than the {MAX_VV_ENTRIES_KEPT} a device keeps so that its edits stay sendable")]
     VersionTooLong(RelPath, usize),
+    /// A chunk shorter than [`MIN_CHUNK_LEN`] that is not the file's last: no meshfs chunker
+    /// cuts one, and a receiver does not apply the record.
+    #[error("record for {0}: chunk {1} of its list is {2} bytes, shorter than the {MIN_CHUNK_LEN} meshfs cuts anywhere but at a file's end; not applied here")]
+    ShortChunk(RelPath, usize, u32),
     /// A record whose encoding is longer than a device keeps ([`MAX_KEPT_RECORD_LEN`]): it
     /// could not be sent on in a frame.
     #[error("record for {0}: {1} bytes encoded, more than the {MAX_KEPT_RECORD_LEN} a device keeps so that it stays sendable")]
@@ -313,6 +323,25 @@ impl FileRecord {
             + self.version.held_bytes()
     }
 
+    /// Checks that the chunk list is one meshfs's chunker makes: no chunk shorter than
+    /// [`MIN_CHUNK_LEN`] but the last, so a file of `size` bytes lists at most
+    /// `size / MIN_CHUNK_LEN + 1` chunks. Not a wire rule (the frame stays valid, and a record
+    /// kept by an older receiver can still be relayed): a receiver checks it before applying.
+    pub fn check_chunking(&self) -> Result<(), RecordError> {
+        let last = self.chunks.len().saturating_sub(1);
+        match self.chunks[..last]
+            .iter()
+            .position(|c| c.len < MIN_CHUNK_LEN)
+        {
+            Some(i) => Err(RecordError::ShortChunk(
+                self.path.clone(),
+                i,
+                self.chunks[i].len,
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The chunks with their byte offsets.
     pub fn chunk_offsets(&self) -> impl Iterator<Item = (u64, &Chunk)> {
         let mut off = 0u64;
@@ -334,6 +363,30 @@ mod tests {
             len: data.len() as u32,
             hash: Hash::of(data),
         }
+    }
+
+    #[test]
+    fn short_chunks_are_a_files_last_or_the_record_is_not_one_meshfs_makes() {
+        let min = |n: u8| Chunk {
+            len: MIN_CHUNK_LEN,
+            hash: Hash::of(&[n]),
+        };
+        assert_eq!(file(vec![]).check_chunking(), Ok(()));
+        assert_eq!(file(vec![chunk(b"one byte")]).check_chunking(), Ok(()));
+        assert_eq!(
+            file(vec![min(1), min(2), chunk(b"tail")]).check_chunking(),
+            Ok(())
+        );
+        assert_eq!(
+            file(vec![min(1), chunk(b"x"), min(2)]).check_chunking(),
+            Err(RecordError::ShortChunk(RelPath::new("f").unwrap(), 1, 1))
+        );
+        // Half a million one-byte chunks: refused at the first.
+        let tiny = vec![chunk(b"y"); 500_000];
+        assert!(matches!(
+            file(tiny).check_chunking(),
+            Err(RecordError::ShortChunk(_, 0, 1))
+        ));
     }
 
     #[test]

@@ -23,8 +23,13 @@
 //!   and those batches have ended (applied or failed), the held records are decided again, once,
 //!   without holding. A batch waits only for batches that decided before it: no cycle.
 //! - **Bounded rounds.** A record whose target changed under it (a local edit beat the apply)
-//!   is rescanned and decided again; after [`MAX_ROUNDS`] rounds with records still changing,
-//!   the source fails (its session ends and the peer sends the batch again).
+//!   is rescanned and decided again; after [`MAX_ROUNDS`] rounds, the records still changing
+//!   are skipped ([`Action::Skip`]: not applied, shown) and the rest of the batch goes on to be
+//!   applied and acknowledged. A record can fail every round for good: something this device
+//!   does not sync is in its way (a FIFO, a directory its own rules ignore), which the rescan
+//!   never records; failing the source for it would fail the batch at every reconnect, and
+//!   every later batch with it. A local edit that really kept beating the apply is journaled
+//!   and reaches the peer, where the two versions meet as any concurrent ones do.
 //! - **Failure is the source's.** A failed step fails its batch and every later batch of the
 //!   same source ([`Action::Fail`], once); other sources go on, and those holding on the failed
 //!   batch decide again.
@@ -104,6 +109,15 @@ pub enum Action {
         /// What its peer may be told.
         up_to: Option<u64>,
     },
+    /// These records of the batch changed under every round ([`MAX_ROUNDS`]): they are not
+    /// applied (show them as skipped); the rest of the batch goes on, and the batch is
+    /// applied and acknowledged without them.
+    Skip {
+        /// The batch.
+        batch: BatchId,
+        /// The records skipped, in decision order.
+        records: Vec<FileRecord>,
+    },
     /// `source`'s batches cannot be applied now: end its session.
     Fail {
         /// The source.
@@ -119,9 +133,6 @@ pub enum Failure {
     /// A step failed (the executor said why).
     #[error("{0}")]
     Step(String),
-    /// Local edits kept beating the apply to the same paths for [`MAX_ROUNDS`] rounds.
-    #[error("local files kept changing during apply")]
-    KeptChanging,
 }
 
 /// The paths a batch will change once installed: its transfers' targets and the records it
@@ -509,8 +520,9 @@ impl Pipeline {
             if b.todo.is_empty() {
                 b.stage = Stage::Finished;
             } else if b.rounds >= MAX_ROUNDS {
-                let source = b.source;
-                self.fail_source(source, Failure::KeptChanging);
+                let records = std::mem::take(&mut b.todo);
+                b.stage = Stage::Finished;
+                self.actions.push_back(Action::Skip { batch: id, records });
             } else {
                 b.stage = Stage::Ready;
             }
@@ -1031,10 +1043,10 @@ mod tests {
     }
 
     #[test]
-    fn records_that_keep_changing_fail_their_source_after_the_last_round() {
+    fn records_that_change_under_every_round_are_skipped_and_the_rest_of_the_batch_applies() {
         let mut pl = Pipeline::new();
-        let id = pl.receive(A, vec![rec("f", 1)], Some(1));
-        let other = pl.receive(B, vec![rec("z", 1)], Some(1));
+        let id = pl.receive(A, vec![rec("f", 1), rec("g", 2)], Some(2));
+        let later = pl.receive(A, vec![rec("h", 3)], Some(3));
         for round in 0..MAX_ROUNDS {
             let acts = drain(&mut pl);
             assert!(
@@ -1042,14 +1054,23 @@ mod tests {
                     .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == id)),
                 "round {round}: {acts:?}"
             );
-            pl.decided(id, vec![p("f")], vec![], vec![]);
-            pl.fetched(id, 0);
+            // The first round installs g; f is in the way each time (its rescan finds
+            // nothing to record), and is decided alone after that.
+            if round == 0 {
+                pl.decided(id, vec![p("f"), p("g")], vec![], vec![]);
+                pl.fetched(id, 0);
+                pl.fetched(id, 1);
+            } else {
+                pl.decided(id, vec![p("f")], vec![], vec![]);
+                pl.fetched(id, 0);
+            }
             let acts = drain(&mut pl);
             if round == 0 {
+                // The source's next batch decides meanwhile (nothing to fetch), and waits.
                 assert!(acts
                     .iter()
-                    .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == other)));
-                pl.decided(other, vec![], vec![], vec![]);
+                    .any(|x| matches!(x, Action::Decide { batch, .. } if *batch == later)));
+                pl.decided(later, vec![], vec![], vec![]);
             }
             let acts: Vec<Action> = acts.into_iter().chain(drain(&mut pl)).collect();
             assert!(acts
@@ -1063,14 +1084,27 @@ mod tests {
             );
             pl.rescanned(id);
         }
-        let acts = drain(&mut pl);
-        assert!(acts.contains(&Action::Fail {
-            source: A,
-            error: Failure::KeptChanging
-        }));
-        assert!(acts.contains(&Action::Discard { batch: id }));
-        // The other source is not affected.
-        assert!(pl.batches.is_empty() || pl.batches.values().all(|b| b.source == B));
+        // f is skipped; the batch, and the source's next one, are applied and acknowledged.
+        assert_eq!(
+            drain(&mut pl),
+            [
+                Action::Skip {
+                    batch: id,
+                    records: vec![rec("f", 1)]
+                },
+                Action::Applied {
+                    batch: BatchId(0),
+                    source: A,
+                    up_to: Some(2)
+                },
+                Action::Applied {
+                    batch: BatchId(0),
+                    source: A,
+                    up_to: Some(3)
+                },
+            ]
+        );
+        assert!(pl.is_idle());
     }
 
     #[test]

@@ -28,6 +28,10 @@
 //! never a bare merged vector: see `concurrent` for the divergence the bare merge caused.
 //! Only identical states merge without a new version.
 //!
+//! A peer's file whose chunk list no meshfs chunker makes (a chunk shorter than
+//! [`meshfs_protocol::MIN_CHUNK_LEN`] before its last) is [`Outcome::Refused`] before anything
+//! else: its chunks' cost to the receiver stays proportional to the size it declares.
+//!
 //! Whatever a decision would keep must stay sendable: a step record whose vector is longer
 //! than [`MAX_VV_ENTRIES_KEPT`] (two long histories merged) or whose encoding outgrows a frame
 //! makes the whole decision [`Outcome::Refused`], with no steps. The local version stays as it
@@ -162,6 +166,9 @@ pub fn new_local_version(prev: Option<&FileRecord>, ctx: &Context) -> VersionVec
 /// only when the view cannot be read: no decision is made on a guess. A decision that would
 /// keep a record no peer could accept is [`Outcome::Refused`] instead.
 pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
+    if let Err(e) = remote.check_chunking() {
+        return Ok(none(Outcome::Refused(e)));
+    }
     let decision = decide_unchecked(view, remote)?;
     let unsendable = decision
         .steps
@@ -180,6 +187,9 @@ pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, R
 /// missing parent) hold as for any applied version; a decision that would keep an unsendable
 /// record is [`Outcome::Refused`], as in [`decide`].
 pub fn take(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
+    if let Err(e) = remote.check_chunking() {
+        return Ok(none(Outcome::Refused(e)));
+    }
     let local = view.get(&remote.path)?;
     let decision =
         Plan::new(Outcome::ApplyRemote, remote.clone(), false).finish(view, local.as_ref())?;
@@ -1369,6 +1379,32 @@ mod long_histories {
             inline: Vec::new(),
         });
         encode_frame(&batch).is_ok_and(|f| decode_frame(&f).is_ok_and(|m| m.is_some()))
+    }
+
+    #[test]
+    fn a_file_of_chunks_no_meshfs_cuts_is_refused_whatever_the_local_record() {
+        let mut remote = file(b"theirs", B, history(0, 1, 1));
+        remote.chunks = (0..1000u32)
+            .map(|i| Chunk {
+                len: 1,
+                hash: Hash::of(&i.to_le_bytes()),
+            })
+            .collect();
+        remote.size = 1000;
+        remote.hash = Hash::of_chunks(&remote.chunks);
+        let local = file(b"mine", A, history(5, 1, 1));
+        for v in [view(&[]), view(&[&local])] {
+            for d in [
+                super::decide(&v, &remote).unwrap(),
+                super::take(&v, &remote).unwrap(),
+            ] {
+                assert_eq!(
+                    d.outcome,
+                    Outcome::Refused(RecordError::ShortChunk(remote.path.clone(), 0, 1))
+                );
+                assert!(d.steps.is_empty());
+            }
+        }
     }
 
     #[test]

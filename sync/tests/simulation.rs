@@ -17,7 +17,7 @@ fn must_pass(cfg: &SimConfig) {
 fn a_thousand_seeded_runs_converge_without_losing_data() {
     let start = Instant::now();
     let (mut conflicts, mut ran_ahead) = (0, 0);
-    let (mut out_of_order, mut redecided, mut races) = (0, 0, 0);
+    let (mut out_of_order, mut redecided, mut races, mut skipped) = (0, 0, 0, 0);
     for seed in 0..1000 {
         match run(&SimConfig::new(seed)) {
             Ok(r) => {
@@ -26,6 +26,7 @@ fn a_thousand_seeded_runs_converge_without_losing_data() {
                 out_of_order += r.out_of_order;
                 redecided += r.redecided;
                 races += r.race_writes;
+                skipped += r.skipped_changing;
             }
             Err(f) => panic!("{f}"),
         }
@@ -50,7 +51,7 @@ fn a_thousand_seeded_runs_converge_without_losing_data() {
         ran_ahead > 50,
         "only {ran_ahead} records ran ahead in 1000 runs"
     );
-    eprintln!("{ran_ahead} batches ran ahead of an earlier one, {out_of_order} fetches out of order, {races} racing writes, {redecided} records decided again");
+    eprintln!("{ran_ahead} batches ran ahead of an earlier one, {out_of_order} fetches out of order, {races} racing writes, {redecided} records decided again, {skipped} skipped after the last round");
     eprintln!("1000 seeds in {:?}", start.elapsed());
 }
 

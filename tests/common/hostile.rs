@@ -140,6 +140,47 @@ impl Mallory {
         }
     }
 
+    /// Dials `victim` as `identity` with a receive window of `window` bytes on each stream
+    /// and on the connection (the daemon's own dialer has 16 and 64 MiB), greets it and says
+    /// hello for `work`: what the victim sends it backs up after `window` bytes unless
+    /// mallory reads.
+    pub async fn connect_with_window(victim: &Device, identity: &Identity, window: u32) -> Mallory {
+        let addr: std::net::SocketAddr = victim.addr.parse().unwrap();
+        let mut config = resuming_client(identity, CountingTickets::new());
+        let mut t = quinn::TransportConfig::default();
+        t.stream_receive_window(quinn::VarInt::from_u32(window))
+            .receive_window(quinn::VarInt::from_u32(window));
+        config.transport_config(std::sync::Arc::new(t));
+        let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        let conn = endpoint
+            .connect_with(config, addr, transport::SERVER_NAME)
+            .unwrap()
+            .await
+            .expect("mallory is trusted");
+        // The transport's hello (its tag and an instance nonce), then the victim's welcome.
+        let mut greeting = conn.open_uni().await.unwrap();
+        let mut hello_bytes = [0u8; 9];
+        hello_bytes[0] = transport::HELLO;
+        hello_bytes[1..].copy_from_slice(&0x6d61_6c6c_6f72_7921u64.to_be_bytes());
+        greeting.write_all(&hello_bytes).await.unwrap();
+        greeting.finish().unwrap();
+        let mut welcome = conn.accept_uni().await.expect("welcomed");
+        let _ = welcome.read_to_end(64).await;
+        let (mut ctl, ctl_recv) = conn.open_bi().await.unwrap();
+        transport::write_message(&mut ctl, &hello("work"))
+            .await
+            .unwrap();
+        Mallory {
+            identity: identity.clone(),
+            conn,
+            ctl,
+            ctl_recv,
+            seq: 0,
+            seqs: Default::default(),
+            _endpoint: endpoint,
+        }
+    }
+
     /// Sends `records` in one index batch of `folder` (not `work`: its sequences are
     /// [`Mallory::send_batch`]'s), without inline chunks.
     pub async fn send_batch_to(
@@ -270,6 +311,20 @@ impl Device {
             cpu: Duration::from_millis(ticks * 1000 / per_sec),
             disk: disk_used(&self.dir) + disk_used(&self.home),
         }
+    }
+
+    /// The write system calls the daemon made so far, and the bytes they wrote (files and
+    /// pipes: its journal, its log; not its UDP socket): `/proc/PID/io`'s `syscw`, `wchar`.
+    pub fn writes(&self) -> (u64, u64) {
+        let pid = self.pid().expect("the daemon runs");
+        let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+        let field = |key: &str| -> u64 {
+            io.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        (field("syscw:"), field("wchar:"))
     }
 
     /// Resets the daemon's peak resident memory to what it holds now, so that the next

@@ -23,12 +23,15 @@ use crate::folder::{FolderRt, Folders};
 use crate::progress::Queued;
 use crate::store::{DirCache, TempFile};
 use meshfs_protocol::{ChunkResponse, DeviceId, FileRecord, FolderId, Hash, RelPath};
-use meshfs_sync::pipeline::{Action, BatchId, Failure, Pipeline, Source};
+use meshfs_sync::pipeline::{Action, BatchId, Failure, Pipeline, Source, MAX_ROUNDS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+
+/// Why a remote version is skipped after the pipeline's last round (`status`).
+const KEPT_CHANGING: &str = "its path here changed at every try to apply it: a local edit kept beating it, or something this device does not sync is in its way (a special file, an ignored entry); not applied, until a later version of it";
 
 /// What a source hears about its batches.
 #[derive(Debug)]
@@ -156,7 +159,8 @@ struct SourceInfo {
 /// What the driver holds for one batch between its steps.
 struct BatchInfo {
     source: Source,
-    /// Chunks the peer attached to the index.
+    /// Chunks the peer attached to the index (kept until the batch ends: a record decided
+    /// again is fetched from them again).
     inline: HashMap<Hash, ChunkResponse>,
     /// The transfers of its last decision (taken by the fetch).
     transfers: Vec<Transfer>,
@@ -380,9 +384,11 @@ impl Driver {
                     .iter()
                     .flat_map(|t| t.missing.iter().map(|(h, _, _)| *h))
                     .collect();
+                // Copies: a record decided again (its target changed) is fetched again in its
+                // next round, from what the peer attached if it can.
                 let attached: HashMap<Hash, ChunkResponse> = wanted_inline
                     .into_iter()
-                    .filter_map(|h| Some((h, b.inline.remove(&h)?)))
+                    .filter_map(|h| Some((h, b.inline.get(&h)?.clone())))
                     .collect();
                 debug_assert_eq!(transfers.len(), work.len());
                 let Some(tx) = self.answer() else { return };
@@ -461,12 +467,16 @@ impl Driver {
                     let _ = s.reply.send(Reply::Applied { folder, up_to });
                 }
             }
+            Action::Skip { batch: _, records } => {
+                let Some(rt) = self.rt() else { return };
+                for r in records {
+                    if rt.skip(r.path.clone(), KEPT_CHANGING.into()) {
+                        tracing::warn!(%folder, path = %r.path, rounds = MAX_ROUNDS, "a remote version found its path changed at every try; skipped (see status)");
+                    }
+                }
+            }
             Action::Fail { source, error } => {
                 let e = self.errors.remove(&source).unwrap_or(match error {
-                    Failure::KeptChanging => {
-                        tracing::warn!(%folder, "paths kept changing during apply; they will be retried");
-                        ApplyError::KeptChanging
-                    }
                     Failure::Step(s) => ApplyError::Task(s),
                 });
                 let Some(reply) = self.sources.get(&source).map(|s| s.reply.clone()) else {

@@ -20,8 +20,8 @@
 //!
 //! A target that changed on disk since it was last scanned is not replaced: the path is
 //! rescanned (its local edit becomes a version) and the record planned again, up to
-//! [`meshfs_sync::pipeline::MAX_ROUNDS`] times; then the batch fails and the session ends (the
-//! peer sends it again).
+//! [`meshfs_sync::pipeline::MAX_ROUNDS`] times; then it is skipped (shown in `status`) and the
+//! rest of the batch is applied and acknowledged.
 //!
 //! Which batch does what when — a session's batches in order, one step under the folder's lock
 //! at a time, a record another session has in flight held back, rounds, acknowledgements — is

@@ -49,9 +49,6 @@ pub enum ApplyError {
     /// The batch before this one in the pipeline failed.
     #[error("the batch received before this one failed to apply")]
     EarlierFailed,
-    /// Local edits kept beating the apply to the same paths.
-    #[error("local files kept changing during apply")]
-    KeptChanging,
     /// A blocking task failed.
     #[error("a blocking task failed: {0}")]
     Task(String),

@@ -12,7 +12,8 @@
 //! - (g) no apply ever replaces a local change the watcher has not reported yet (in
 //!   [`Sim::write`]);
 //! - (h) a batch is acknowledged only once every record in it is in the journal (or a newer
-//!   version is), or was skipped because the sender no longer had its content.
+//!   version is), or was skipped: the sender no longer had its content, or its path changed
+//!   under every round of the pipeline.
 
 use super::replica::Pending;
 use super::{outcome_name, Event, Res, Sim};
@@ -184,6 +185,16 @@ impl Sim {
                     self.replicas[r].work.remove(&batch);
                 }
                 Action::Applied { batch, up_to, .. } => self.applied(r, batch, up_to)?,
+                Action::Skip { batch, records } => {
+                    self.report.skipped_changing += records.len() as u64;
+                    self.log(|| {
+                        let paths: Vec<&str> = records.iter().map(|x| x.path.as_str()).collect();
+                        format!("r{r} skips {paths:?}: changed under every round")
+                    });
+                    if let Some(w) = self.replicas[r].work.get_mut(&batch) {
+                        w.skipped.extend(records);
+                    }
+                }
                 Action::Fail { source, error } => {
                     self.report.pipeline_failures += 1;
                     let conn = source.0;

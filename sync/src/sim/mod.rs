@@ -26,8 +26,8 @@
 //! - (g) no apply replaces (or removes, or writes above or below) a local change the watcher
 //!   has not reported yet: it is rescanned and decided again;
 //! - (h) a batch is acknowledged only once every record in it is in the journal (or a newer
-//!   version is), or was skipped because its sender no longer had the content. Rounds are
-//!   bounded by the pipeline ([`crate::pipeline::MAX_ROUNDS`]).
+//!   version is), or was skipped because its sender no longer had the content or its path
+//!   changed under every round ([`crate::pipeline::MAX_ROUNDS`]).
 //!
 //! **Architecture invariant:** pure, like the modules it drives: no IO, no clock, no
 //! threads. Trace lines are collected and returned, not printed.
@@ -112,8 +112,11 @@ pub struct SimReport {
     /// Local writes timed to land just before an install of the same path.
     pub race_writes: u64,
     /// Sessions ended because their batches could not be applied (a peer gone mid-fetch, a
-    /// corrupt chunk, paths that kept changing); the peer sends them again.
+    /// corrupt chunk); the peer sends them again.
     pub pipeline_failures: u64,
+    /// Received records skipped because their path changed under every round of the pipeline
+    /// (the local edits reach the peer, where the versions meet).
+    pub skipped_changing: u64,
     /// Virtual time at quiescence, ms.
     pub virtual_ms: u64,
     /// Paths (records, tombstones included) on every replica at the end.
