@@ -325,12 +325,16 @@ fn three_devices_each_receive_new_content_once_though_two_peers_offer_it() {
     assert_eq!(tree(&c.dir), tree(&a.dir));
     let moved: u64 = [&a, &b, &c].iter().map(|d| sent(d)).sum::<u64>() - before;
     let content: u64 = 2 * (48 << 20);
+    eprintln!("2 × 48 MiB of new content: {moved} bytes sent once in all");
     assert!(
         moved < content + content / 5,
-        "2 × 48 MiB of new content cost {moved} bytes sent in all (A {} B {} C {})",
+        "2 × 48 MiB of new content cost {moved} bytes sent in all (A {} B {} C {})\n{}{}{}",
         sent(&a),
         sent(&b),
-        sent(&c)
+        sent(&c),
+        not_debug(&a),
+        not_debug(&b),
+        not_debug(&c)
     );
 }
 
