@@ -372,13 +372,8 @@ impl Engine {
     ) -> Result<(std::path::PathBuf, usize), crate::versions::snapshot::SnapshotError> {
         let (net, config, id) = (self.net.clone(), self.config.clone(), folder.clone());
         let peers: crate::versions::snapshot::Peers = Arc::new(move || {
-            let config = config
-                .read()
-                .map(|c| c.clone())
-                .unwrap_or_else(|p| p.into_inner().clone());
-            net.links()
+            links_sharing(&net, &config, &id)
                 .into_iter()
-                .filter(|(d, _)| config.peer(d).is_some_and(|p| p.folders.contains(&id)))
                 .map(|(_, c)| c)
                 .collect()
         });
@@ -388,11 +383,8 @@ impl Engine {
 
     /// The connections to every peer that shares `folder` with this device, now.
     pub fn peers_of(&self, folder: &FolderId) -> Vec<quinn::Connection> {
-        let config = self.config();
-        self.net
-            .links()
+        links_sharing(&self.net, &self.config, folder)
             .into_iter()
-            .filter(|(id, _)| config.peer(id).is_some_and(|p| p.folders.contains(folder)))
             .map(|(_, c)| c)
             .collect()
     }
@@ -406,14 +398,7 @@ impl Engine {
             let Some(net) = net.upgrade() else {
                 return Vec::new();
             };
-            let config = config
-                .read()
-                .map(|c| c.clone())
-                .unwrap_or_else(|p| p.into_inner().clone());
-            net.links()
-                .into_iter()
-                .filter(|(d, _)| config.peer(d).is_some_and(|p| p.folders.contains(folder)))
-                .collect()
+            links_sharing(&net, &config, folder)
         })
     }
 
@@ -1264,4 +1249,18 @@ fn unmount_folder(rt: &FolderRt) {
             Err(e) => tracing::warn!(folder = %rt.id, error = %e, "unmount failed"),
         }
     }
+}
+
+/// The live connections of the peers that share `folder` with this device, by device: the one
+/// place the configuration's sharing meets the links.
+fn links_sharing(
+    net: &Net,
+    config: &std::sync::RwLock<Config>,
+    folder: &FolderId,
+) -> Vec<(DeviceId, quinn::Connection)> {
+    let config = config.read().unwrap_or_else(|p| p.into_inner());
+    net.links()
+        .into_iter()
+        .filter(|(d, _)| config.peer(d).is_some_and(|p| p.folders.contains(folder)))
+        .collect()
 }
