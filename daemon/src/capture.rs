@@ -239,6 +239,12 @@ pub struct Coalescer {
     waiting: HashMap<RelPath, Waiting>,
     /// Paths put back once because a writer through the mount held them when they were due.
     held: std::collections::HashSet<RelPath>,
+    /// The two ends of each rename still waiting, both ways: when one end is ready the other
+    /// leaves with it, whatever came for it since. A moved directory's own event (inotify's
+    /// `IN_MOVE_SELF`, after the pair) restarts the old name's quiet time; taken alone a
+    /// quiet time before it, the new name's files were journaled as created and their
+    /// content crossed the wire again (the old name's, a pass later, as deleted).
+    partners: HashMap<RelPath, RelPath>,
     rescan: bool,
 }
 
@@ -278,6 +284,10 @@ impl Coalescer {
             CaptureMsg::Released(_) => {}
             CaptureMsg::NewDir(p) => self.add(CaptureMsg::Changed(p, Hint::Other), now),
             CaptureMsg::Renamed(from, to) => {
+                if from != to {
+                    self.partners.insert(from.clone(), to.clone());
+                    self.partners.insert(to.clone(), from.clone());
+                }
                 for p in [from, to] {
                     if let Some(e) = self.waiting.get_mut(&p) {
                         e.renaming = false;
@@ -393,6 +403,25 @@ impl Coalescer {
                 true
             }
         });
+        // A ready end takes its partner along (see `partners`).
+        let (mut i, mut pulled) = (0, false);
+        while i < ready.len() {
+            if let Some(other) = self.partners.remove(&ready[i]) {
+                self.partners.remove(&other);
+                if self.waiting.remove(&other).is_some() {
+                    ready.push(other);
+                    pulled = true;
+                }
+            }
+            i += 1;
+        }
+        if pulled {
+            next = self
+                .waiting
+                .values()
+                .map(|w| w.due(quiet, open_quiet))
+                .min();
+        }
         let rescan = std::mem::take(&mut self.rescan);
         (rescan, ready, next)
     }
@@ -559,6 +588,27 @@ mod tests {
         c.add(CaptureMsg::Changed(a.clone(), Hint::RenameEnd), t1);
         assert!(c.take_ready(t1 + 10 * q, q, open).1.is_empty());
         assert_eq!(c.take_ready(t1 + RENAME_PAIR_WAIT, q, open).1, vec![a]);
+    }
+
+    #[test]
+    fn a_renamed_directorys_own_late_event_does_not_hold_back_its_old_name() {
+        let mut c = Coalescer::default();
+        let t0 = Instant::now();
+        let q = Duration::from_millis(5);
+        let open = Duration::from_secs(1);
+        let (a, b) = (RelPath::new("src").unwrap(), RelPath::new("moved").unwrap());
+        c.add(CaptureMsg::Renamed(a.clone(), b.clone()), t0);
+        // `IN_MOVE_SELF` of the old name, handled 2 ms later by a preempted watcher thread.
+        c.add(CaptureMsg::Changed(a.clone(), Hint::Other), t0 + q / 2);
+        c.add(CaptureMsg::Changed(RelPath::new("x").unwrap(), Hint::Other), t0 + q / 2);
+        let (_, mut ready, next) = c.take_ready(t0 + q, q, open);
+        ready.sort();
+        assert_eq!(ready, vec![b, a.clone()]);
+        assert_eq!(next, Some(t0 + q / 2 + q));
+        // Once taken, the pair is forgotten: a later event of the old name is its own.
+        c.add(CaptureMsg::Changed(a.clone(), Hint::Other), t0 + 2 * q);
+        assert_eq!(c.take_ready(t0 + 3 * q, q, open).1.len(), 2);
+        assert!(c.partners.is_empty());
     }
 }
 
