@@ -202,7 +202,9 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     assert_eq!(blake(&read), blake(&big), "cat gives the right hash");
     let got = received(&od.b) - before;
     assert!(got >= big.len() as u64, "fetched: {got} bytes received");
-    assert_eq!(state(&od.mnt.join("big.bin")), "local");
+    // The last read is served once its chunk is verified; the file is installed a moment
+    // later (made durable first).
+    until_state(&od.mnt.join("big.bin"), "local");
     let md = std::fs::metadata(od.mnt.join("big.bin")).unwrap();
     assert!(
         md.blocks() * 512 >= big.len() as u64,
@@ -284,6 +286,20 @@ fn an_on_demand_device_lists_every_file_truly_fetches_nothing_for_it_and_fetches
     }
 }
 
+/// Waits until `user.meshfs.state` of `p` is `want`.
+fn until_state(p: &Path, want: &str) {
+    let t0 = Instant::now();
+    while state(p) != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{}: {} instead of {want}",
+            p.display(),
+            state(p)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Waits until `what` holds of B's `on_demand` status.
 fn until_status(b: &Device, secs: u64, what: &str, f: impl Fn(&serde_json::Value) -> bool) {
     let t0 = Instant::now();
@@ -346,7 +362,7 @@ fn the_budget_holds_while_reading_and_pinned_open_and_unacknowledged_files_stay(
         "online",
         "read first, evicted first"
     );
-    assert_eq!(state(&od.mnt.join("x/f5")), "local", "read last, kept");
+    until_state(&od.mnt.join("x/f5"), "local");
     // A pin fetches now, and a pinned tree survives what the budget does.
     let pinned: serde_json::Value =
         serde_json::from_str(&od.b.cli_ok(&["pin", "work", "keep", "--json"])).unwrap();
@@ -368,8 +384,12 @@ fn the_budget_holds_while_reading_and_pinned_open_and_unacknowledged_files_stay(
     let r = evict(&od.b, "keep");
     assert_eq!(r["evicted"].as_array().unwrap().len(), 0, "{r}");
     assert!(kept_why(&r, "keep/k0").contains("pinned"));
-    // An open file survives the budget and `evict`.
-    let held = std::fs::File::open(od.mnt.join("x/f4")).unwrap();
+    // An open file survives the budget and `evict` (read whole through the open: local).
+    let mut held = std::fs::File::open(od.mnt.join("x/f4")).unwrap();
+    let mut whole = Vec::new();
+    std::io::Read::read_to_end(&mut held, &mut whole).unwrap();
+    assert_eq!(whole, files[4].1);
+    until_state(&od.mnt.join("x/f4"), "local");
     std::fs::read(od.mnt.join("x/f3")).unwrap();
     until_status(&od.b, 10, "over the budget: pins and an open file", |d| {
         d["over_budget"].as_u64().unwrap() > 0 || d["local_bytes"].as_u64().unwrap() <= budget
@@ -483,10 +503,10 @@ fn offline_an_open_fails_within_seconds_with_ehostunreach_and_status_says_why_th
         od.b.status()["peers"][0]["connected"] == true
     });
     assert_eq!(std::fs::read(&path).unwrap(), data);
-    assert!(on_demand(&od.b)["unavailable"]
-        .as_array()
-        .unwrap()
-        .is_empty());
+    // Listed until the file is installed, a moment after its last read.
+    until_status(&od.b, 10, "no longer listed as unavailable", |d| {
+        d["unavailable"].as_array().unwrap().is_empty()
+    });
 }
 
 #[test]
@@ -619,4 +639,132 @@ fn a_folder_set_back_from_on_demand_fetches_what_is_not_local_and_is_whole_again
     // A new file from A is fetched as it arrives.
     write(&od.a.path("three.bin"), &noise(100 << 10, 72));
     wait_synced(&[&od.a, &od.b], 30);
+}
+
+/// Runs `cmd` and says whether it succeeded, with its output.
+fn run(cmd: &str, args: &[&str]) -> (bool, Vec<u8>) {
+    let out = std::process::Command::new(cmd).args(args).output().unwrap();
+    (out.status.success(), out.stdout)
+}
+
+#[test]
+fn a_reader_of_a_file_not_local_is_served_each_range_once_it_is_verified_not_the_whole_file_first()
+{
+    let t = tmp();
+    const MIB: usize = 1 << 20;
+    let big = noise(64 * MIB, 80);
+    let od = setup(&t, &[("big.bin", big.clone(), 0o644)], None);
+    let path = od.mnt.join("big.bin");
+    let p = path.to_str().unwrap();
+    // The first 4 KiB: the chunk under them, not the file. Chunks of a 64 MiB file are at most
+    // 256 KiB (`chunker::chunk_sizes`).
+    let before = received(&od.b);
+    let (ok_, head) = run("head", &["-c", "4096", p]);
+    assert!(ok_);
+    assert_eq!(head, big[..4096], "head -c 4096");
+    let got = received(&od.b) - before;
+    eprintln!("head -c 4096 of 64 MiB not local: {got} bytes received");
+    assert!(got <= 2 * (256 << 10), "head received {got} bytes");
+    // A read in the middle is served before the whole file arrives; status shows the open
+    // file being fetched, for this process.
+    let before = received(&od.b);
+    let mid = 40 * MIB + 12345;
+    {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open(&path).unwrap();
+        f.seek(SeekFrom::Start(mid as u64)).unwrap();
+        let mut buf = vec![0u8; 64 << 10];
+        f.read_exact(&mut buf).unwrap();
+        assert_eq!(buf, big[mid..mid + (64 << 10)], "the middle");
+        let d = on_demand(&od.b);
+        assert_eq!(d["fetching"][0]["path"], "big.bin", "{d:#}");
+        // SAFETY: gettid has no preconditions. FUSE names the calling thread.
+        let tid = unsafe { libc::gettid() };
+        assert_eq!(d["fetching"][0]["pid"], tid, "{d:#}");
+        assert_eq!(state(&path), "fetching");
+    }
+    let got = received(&od.b) - before;
+    eprintln!("64 KiB from the middle: {got} bytes received");
+    assert!(got < 2 * MIB as u64, "the middle received {got} bytes");
+    // Closed before it was whole: nothing is installed, and nothing more is fetched.
+    until_status(&od.b, 10, "the partial fetch dropped", |d| {
+        d["fetching"].as_array().unwrap().is_empty()
+    });
+    assert_eq!(state(&path), "online");
+    // Two processes read it at once, whole: both get the right bytes, from one fetch.
+    let before = received(&od.b);
+    let theirs = od.a.path("big.bin");
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (mine, theirs) = (path.clone(), theirs.clone());
+            std::thread::spawn(move || {
+                run("cmp", &[mine.to_str().unwrap(), theirs.to_str().unwrap()])
+            })
+        })
+        .collect();
+    for r in readers {
+        let (same, out) = r.join().unwrap();
+        assert!(same, "cmp: {}", String::from_utf8_lossy(&out));
+    }
+    let got = received(&od.b) - before;
+    assert!(
+        got < big.len() as u64 + big.len() as u64 / 4,
+        "two readers fetched it once: {got} bytes received"
+    );
+    until_state(&path, "local");
+    let before = received(&od.b);
+    assert_eq!(blake(&std::fs::read(&path).unwrap()), blake(&big), "cat");
+    assert!(
+        received(&od.b) - before < 64 << 10,
+        "local: nothing fetched"
+    );
+    assert_eq!(std::fs::read(od.b.path("big.bin")).unwrap(), big, "backing");
+    assert_eq!(on_demand(&od.b)["fetched_files"], 1);
+}
+
+#[test]
+fn a_peer_killed_mid_stream_fails_the_read_never_with_zeros_and_a_read_once_it_is_back_succeeds() {
+    use std::io::{Read, Seek, SeekFrom};
+    let t = tmp();
+    const MIB: usize = 1 << 20;
+    let big = noise(16 * MIB, 81);
+    let mut od = setup(&t, &[("big.bin", big.clone(), 0o644)], None);
+    let mut f = std::fs::File::open(od.mnt.join("big.bin")).unwrap();
+    let mut buf = vec![0u8; 4096];
+    f.read_exact(&mut buf).unwrap();
+    assert_eq!(buf, big[..4096]);
+    // Killed: its connection is not closed; the read of a range not here fails once the
+    // connection has been silent for the stall time.
+    od.a.kill();
+    let at = 10 * MIB;
+    f.seek(SeekFrom::Start(at as u64)).unwrap();
+    let mut buf = vec![0u8; 256 << 10];
+    let t0 = Instant::now();
+    let e = f.read(&mut buf).unwrap_err();
+    eprintln!(
+        "read with the peer killed failed in {:?}: {e}",
+        t0.elapsed()
+    );
+    assert_eq!(e.raw_os_error(), Some(libc::EHOSTUNREACH), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    let d = on_demand(&od.b);
+    assert_eq!(d["unavailable"][0]["path"], "big.bin", "{d:#}");
+    // Back: the same open reads the same range, right.
+    od.a.start();
+    until_status(&od.b, 30, "A connected again", |_| {
+        od.b.status()["peers"][0]["connected"] == true
+    });
+    f.seek(SeekFrom::Start(at as u64)).unwrap();
+    f.read_exact(&mut buf).unwrap();
+    assert_eq!(buf, big[at..at + buf.len()], "after the peer returned");
+    // And the rest of it, to the end.
+    let mut rest = Vec::new();
+    f.seek(SeekFrom::Start(0)).unwrap();
+    f.read_to_end(&mut rest).unwrap();
+    assert_eq!(blake(&rest), blake(&big));
+    drop(f);
+    until_state(&od.mnt.join("big.bin"), "local");
+    until_status(&od.b, 10, "no longer listed as unavailable", |d| {
+        d["unavailable"].as_array().unwrap().is_empty()
+    });
 }

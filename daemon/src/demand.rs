@@ -6,8 +6,10 @@
 //! Plain state behind short locks: it reads no clock but the callers', touches no file, socket
 //! or journal. `crate::ondemand` acts on it; the folder runtime owns one.
 
-use meshfs_protocol::RelPath;
+use crate::ondemand::assembly::Assembly;
+use meshfs_protocol::{Hash, RelPath};
 use std::collections::{BTreeMap, HashMap};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
@@ -23,7 +25,36 @@ pub struct Failure {
     pub why: String,
 }
 
-/// One fetch under way.
+/// How a flight ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum End {
+    /// The content is local: installed over the placeholder, or it was local already.
+    Local,
+    /// It could not be made local (the install found the path changed, the temp file could
+    /// not be made…).
+    Failed(Failure),
+    /// Every reader left before it was whole: what was fetched is dropped.
+    Abandoned,
+}
+
+/// What a flight knows, behind its lock.
+#[derive(Debug, Default)]
+struct Stage {
+    /// Set once the temp file exists (`None` before, and for good when it was local).
+    assembly: Option<Assembly>,
+    /// The temp file being assembled, for readers.
+    file: Option<Arc<OwnedFd>>,
+    /// Readers and whole-file waiters holding it.
+    holds: usize,
+    ended: Option<End>,
+    /// Fetches that failed so far, and the last one's failure.
+    failures: u64,
+    last: Option<Failure>,
+}
+
+/// One file being made local (docs/decisions.md, D95): its assembly, shared by the readers
+/// that wait on ranges of it (on FUSE request threads) and the driver that fetches (on the
+/// engine's runtime).
 #[derive(Debug)]
 pub struct Flight {
     /// The process whose open started it (0: a pin).
@@ -32,30 +63,230 @@ pub struct Flight {
     pub size: u64,
     /// Bytes of it fetched so far (chunks copied from local files are not counted).
     pub done: Arc<AtomicU64>,
-    outcome: Mutex<Option<Result<(), Failure>>>,
-    ended: Condvar,
+    stage: Mutex<Stage>,
+    changed: Condvar,
+    /// Wakes the driver: a reader wants more, or left.
+    pub wake: tokio::sync::Notify,
 }
 
+/// How long a waiting reader sleeps before it looks again without being woken (a safety net:
+/// every change wakes it).
+const RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Flight {
-    /// Waits for the fetch to end; its outcome.
-    pub fn wait(&self) -> Result<(), Failure> {
-        let mut o = lock(&self.outcome);
-        loop {
-            if let Some(r) = o.as_ref() {
-                return r.clone();
-            }
-            o = self.ended.wait(o).unwrap_or_else(|p| p.into_inner());
+    fn new(pid: u32, size: u64) -> Flight {
+        Flight {
+            pid,
+            size,
+            done: Arc::new(AtomicU64::new(0)),
+            stage: Mutex::new(Stage {
+                holds: 1,
+                ..Stage::default()
+            }),
+            changed: Condvar::new(),
+            wake: tokio::sync::Notify::new(),
         }
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, Stage>) -> MutexGuard<'a, Stage> {
+        self.changed
+            .wait_timeout(g, RECHECK)
+            .map(|(g, _)| g)
+            .unwrap_or_else(|p| p.into_inner().0)
+    }
+
+    /// One more holder, unless it ended.
+    fn join(&self) -> bool {
+        let mut s = lock(&self.stage);
+        if s.ended.is_some() {
+            return false;
+        }
+        s.holds += 1;
+        true
+    }
+
+    /// A holder leaves (its open closed, or its wait is over).
+    pub fn leave(&self) {
+        let mut s = lock(&self.stage);
+        s.holds = s.holds.saturating_sub(1);
+        drop(s);
+        self.wake.notify_one();
+    }
+
+    /// Waits until the temp file exists: its descriptor, or `None` when the content turned
+    /// out to be local already.
+    pub fn wait_started(&self) -> Result<Option<Arc<OwnedFd>>, Failure> {
+        let mut s = lock(&self.stage);
+        loop {
+            if let Some(f) = &s.file {
+                return Ok(Some(f.clone()));
+            }
+            match &s.ended {
+                Some(End::Local) => return Ok(None),
+                Some(End::Failed(f)) => return Err(f.clone()),
+                Some(End::Abandoned) => return Err(abandoned()),
+                None => {}
+            }
+            s = self.wait(s);
+        }
+    }
+
+    /// Waits until `[offset, offset + len)` is verified in the temp file (it is then read from
+    /// [`Flight::wait_started`]'s descriptor). `probe`: wanted, but not a read (the read-ahead
+    /// does not count it). Fails with the failure of the fetch that should have brought it.
+    pub fn ready(&self, offset: u64, len: u64, probe: bool) -> Result<(), Failure> {
+        let mut s = lock(&self.stage);
+        let seen = s.failures;
+        let mut asked = false;
+        loop {
+            let failures = s.failures;
+            if let Some(a) = s.assembly.as_mut() {
+                if !asked {
+                    asked = true;
+                    let more = if probe {
+                        !a.covered(offset, len) && a.read_probe(offset, len)
+                    } else {
+                        a.read(offset, len)
+                    };
+                    if more {
+                        self.wake.notify_one();
+                    }
+                }
+                if a.covered(offset, len) {
+                    return Ok(());
+                }
+                if failures != seen && a.stranded(offset, len) {
+                    return Err(s.last.clone().unwrap_or_else(abandoned));
+                }
+            }
+            match &s.ended {
+                Some(End::Failed(f)) => return Err(f.clone()),
+                Some(End::Abandoned) | Some(End::Local) if s.assembly.is_none() => {
+                    return Err(abandoned())
+                }
+                _ => {}
+            }
+            s = self.wait(s);
+        }
+    }
+
+    /// Wants the whole file and waits until it is installed (or cannot be).
+    pub fn whole(&self) -> Result<(), Failure> {
+        let mut s = lock(&self.stage);
+        let seen = s.failures;
+        let mut asked = false;
+        loop {
+            let failures = s.failures;
+            match &s.ended {
+                Some(End::Local) => return Ok(()),
+                Some(End::Failed(f)) => return Err(f.clone()),
+                Some(End::Abandoned) => return Err(abandoned()),
+                None => {}
+            }
+            if let Some(a) = s.assembly.as_mut() {
+                if !asked {
+                    asked = true;
+                    if a.want_all() {
+                        self.wake.notify_one();
+                    }
+                }
+                if failures != seen && a.stranded(0, a.size()) {
+                    return Err(s.last.clone().unwrap_or_else(abandoned));
+                }
+            }
+            s = self.wait(s);
+        }
+    }
+
+    /// The driver: the temp file exists, `assembly` says what it holds.
+    pub fn started(&self, assembly: Assembly, file: OwnedFd) {
+        let mut s = lock(&self.stage);
+        s.assembly = Some(assembly);
+        s.file = Some(Arc::new(file));
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// The driver: what to fetch now (pieces of (hash, length)), whether the file is whole,
+    /// and whether anyone still holds it.
+    pub fn take(&self) -> (Vec<Vec<(Hash, u32)>>, bool, bool) {
+        let mut s = lock(&self.stage);
+        let held = s.holds > 0;
+        match s.assembly.as_mut() {
+            Some(a) => (a.take(), a.complete(), held),
+            None => (Vec::new(), false, held),
+        }
+    }
+
+    /// The driver gives up a file no one holds and that is not whole: `true` if it may (no
+    /// one joined meanwhile), and from then on no one can.
+    pub fn abandon(&self) -> bool {
+        let mut s = lock(&self.stage);
+        if s.holds > 0 || s.assembly.as_ref().is_some_and(Assembly::complete) {
+            return false;
+        }
+        s.ended = Some(End::Abandoned);
+        true
+    }
+
+    /// The fetch sink: whether to write `hash` (the first verified copy only).
+    pub fn claim(&self, hash: &Hash) -> bool {
+        lock(&self.stage)
+            .assembly
+            .as_mut()
+            .is_some_and(|a| a.claim(hash))
+    }
+
+    /// The fetch sink: `hash` is written (`bytes` of it), verified.
+    pub fn arrived(&self, hash: &Hash, bytes: u64) {
+        if let Some(a) = lock(&self.stage).assembly.as_mut() {
+            a.arrived(hash);
+        }
+        self.done.fetch_add(bytes, Ordering::Relaxed);
+        self.changed.notify_all();
+    }
+
+    /// Of `asked`, the chunks not here yet.
+    pub fn not_present(&self, asked: &[(Hash, u32)]) -> Vec<(Hash, u32)> {
+        lock(&self.stage)
+            .assembly
+            .as_ref()
+            .map_or_else(|| asked.to_vec(), |a| a.not_present(asked))
+    }
+
+    /// The driver: a fetch of `asked` ended without some of them, because of `failure`; the
+    /// readers waiting for them are told.
+    pub fn failed(&self, asked: &[(Hash, u32)], failure: Failure) {
+        let mut s = lock(&self.stage);
+        if let Some(a) = s.assembly.as_mut() {
+            a.failed(asked);
+        }
+        s.failures += 1;
+        s.last = Some(failure);
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    fn finish(&self, end: End) {
+        let mut s = lock(&self.stage);
+        if s.ended.is_none() {
+            s.ended = Some(end);
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// How it ended, if it did.
+    pub fn ended(&self) -> Option<End> {
+        lock(&self.stage).ended.clone()
     }
 }
 
-/// Who fetches a path: this caller, or another one it waits for.
-#[derive(Debug)]
-pub enum Turn {
-    /// This caller fetches, then calls [`Demand::end`].
-    Lead(Arc<Flight>),
-    /// Another caller fetches: [`Flight::wait`].
-    Follow(Arc<Flight>),
+fn abandoned() -> Failure {
+    Failure {
+        errno: libc::EIO,
+        why: "the fetch was given up".into(),
+    }
 }
 
 /// A path that could not be fetched.
@@ -93,50 +324,50 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Demand {
-    /// Starts fetching `path` for `pid`, unless a fetch of it is under way already.
-    pub fn begin(&self, path: &RelPath, pid: u32, size: u64) -> Turn {
+    /// The flight of `path`, joined (`false`), or a new one this caller drives (`true`):
+    /// one per path, whoever else opens it shares it. The caller holds it until
+    /// [`Flight::leave`].
+    pub fn begin(&self, path: &RelPath, pid: u32, size: u64) -> (Arc<Flight>, bool) {
         let mut f = lock(&self.flights);
         if let Some(flight) = f.get(path) {
-            return Turn::Follow(flight.clone());
-        }
-        let flight = Arc::new(Flight {
-            pid,
-            size,
-            done: Arc::new(AtomicU64::new(0)),
-            outcome: Mutex::new(None),
-            ended: Condvar::new(),
-        });
-        f.insert(path.clone(), flight.clone());
-        Turn::Lead(flight)
-    }
-
-    /// The fetch of `path` (led by this caller) ended with `outcome`, at `now_unix`: those who
-    /// wait for it are told, and the path is listed as unavailable, or no longer.
-    pub fn end(&self, path: &RelPath, outcome: Result<(), Failure>, now_unix: u64) {
-        let flight = lock(&self.flights).remove(path);
-        {
-            let mut u = lock(&self.unavailable);
-            match &outcome {
-                Ok(()) => {
-                    u.0.remove(path);
-                }
-                Err(failure) => {
-                    let entry = Unavailable {
-                        failure: failure.clone(),
-                        at_unix: now_unix,
-                    };
-                    if u.0.len() < MAX_UNAVAILABLE || u.0.contains_key(path) {
-                        u.0.insert(path.clone(), entry);
-                    } else {
-                        u.1 += 1;
-                    }
-                }
+            if flight.join() {
+                return (flight.clone(), false);
             }
         }
-        if let Some(f) = flight {
-            *lock(&f.outcome) = Some(outcome);
-            f.ended.notify_all();
+        let flight = Arc::new(Flight::new(pid, size));
+        f.insert(path.clone(), flight.clone());
+        (flight, true)
+    }
+
+    /// A fetch of `path` failed, at `now_unix`: listed as unavailable until one succeeds.
+    pub fn note(&self, path: &RelPath, failure: &Failure, now_unix: u64) {
+        let mut u = lock(&self.unavailable);
+        let entry = Unavailable {
+            failure: failure.clone(),
+            at_unix: now_unix,
+        };
+        if u.0.len() < MAX_UNAVAILABLE || u.0.contains_key(path) {
+            u.0.insert(path.clone(), entry);
+        } else {
+            u.1 += 1;
         }
+    }
+
+    /// The flight of `path` (driven by this caller) ended with `end`, at `now_unix`: those who
+    /// wait for it are told, and the path is listed as unavailable, or no longer.
+    pub fn end(&self, path: &RelPath, flight: &Arc<Flight>, end: End, now_unix: u64) {
+        {
+            let mut f = lock(&self.flights);
+            if f.get(path).is_some_and(|x| Arc::ptr_eq(x, flight)) {
+                f.remove(path);
+            }
+        }
+        match &end {
+            End::Local => self.available(path),
+            End::Failed(failure) => self.note(path, failure, now_unix),
+            End::Abandoned => {}
+        }
+        flight.finish(end);
     }
 
     /// Whether `path` is being fetched.
@@ -233,30 +464,86 @@ mod tests {
     }
 
     #[test]
-    fn a_second_open_of_a_file_being_fetched_waits_for_the_first_fetch() {
+    fn a_second_open_of_a_file_being_fetched_shares_its_flight_and_a_failure_reaches_both() {
         let d = Arc::new(Demand::default());
-        let Turn::Lead(_) = d.begin(&p("a"), 7, 10) else {
-            panic!("first is the lead")
-        };
-        let Turn::Follow(f) = d.begin(&p("a"), 8, 10) else {
-            panic!("second follows")
-        };
+        let (first, lead) = d.begin(&p("a"), 7, 10);
+        assert!(lead);
+        let (second, lead) = d.begin(&p("a"), 8, 10);
+        assert!(!lead, "second follows");
+        assert!(Arc::ptr_eq(&first, &second));
         assert!(d.fetching(&p("a")));
         assert_eq!(d.flights()[0].1, 7);
-        let waiter = std::thread::spawn(move || f.wait());
+        let waiter = std::thread::spawn(move || second.wait_started().map(|f| f.is_some()));
         let no = Failure {
             errno: libc::EHOSTUNREACH,
             why: "offline".into(),
         };
-        d.end(&p("a"), Err(no.clone()), 100);
+        d.end(&p("a"), &first, End::Failed(no.clone()), 100);
         assert_eq!(waiter.join().unwrap(), Err(no));
         assert!(!d.fetching(&p("a")));
         assert_eq!(d.unavailable().0.len(), 1);
-        let Turn::Lead(_) = d.begin(&p("a"), 9, 10) else {
-            panic!("a new fetch after the end")
-        };
-        d.end(&p("a"), Ok(()), 101);
+        let (again, lead) = d.begin(&p("a"), 9, 10);
+        assert!(lead, "a new flight after the end");
+        d.end(&p("a"), &again, End::Local, 101);
         assert!(d.unavailable().0.is_empty(), "fetched: no longer listed");
+    }
+
+    #[test]
+    fn a_reader_waits_for_its_range_and_not_for_the_rest() {
+        use meshfs_protocol::Chunk;
+        let d = Demand::default();
+        let (f, _) = d.begin(&p("a"), 7, 3000);
+        let c: Vec<Chunk> = (0..3u8)
+            .map(|i| Chunk {
+                len: 1000,
+                hash: Hash::of(&[i]),
+            })
+            .collect();
+        let file = std::fs::File::open("/dev/null").unwrap();
+        f.started(
+            Assembly::new(&c, c.iter().map(|c| c.hash)),
+            OwnedFd::from(file),
+        );
+        let reader = {
+            let f = f.clone();
+            std::thread::spawn(move || f.ready(1500, 100, false))
+        };
+        // The driver takes what the reader wants: the middle chunk only.
+        let t0 = std::time::Instant::now();
+        let asked = loop {
+            let (pieces, complete, held) = f.take();
+            assert!(!complete && held);
+            if !pieces.is_empty() {
+                break pieces;
+            }
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        assert_eq!(asked, vec![vec![(c[1].hash, 1000)]]);
+        assert!(f.claim(&c[1].hash));
+        f.arrived(&c[1].hash, 1000);
+        assert_eq!(reader.join().unwrap(), Ok(()));
+        // A failed fetch reaches the reader waiting for it.
+        let reader = {
+            let f = f.clone();
+            std::thread::spawn(move || f.ready(0, 10, false))
+        };
+        let asked = loop {
+            let (pieces, _, _) = f.take();
+            if !pieces.is_empty() {
+                break pieces;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        let no = Failure {
+            errno: libc::EHOSTUNREACH,
+            why: "gone".into(),
+        };
+        f.failed(&asked[0], no.clone());
+        assert_eq!(reader.join().unwrap(), Err(no));
+        f.leave();
+        assert!(f.abandon(), "no one holds it, not whole");
+        assert!(!f.join(), "abandoned: a later open starts anew");
     }
 
     #[test]

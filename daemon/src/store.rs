@@ -719,6 +719,24 @@ impl Store {
         Ok(())
     }
 
+    /// A read-only descriptor of the temp file `t` (its readers', D95): the same inode, before
+    /// and after its install. Read-only: a writable one would refuse the store's read lease
+    /// (D39) to every later install at its path for as long as a reader holds it.
+    pub fn temp_descriptor(&self, t: &TempFile) -> Result<std::os::fd::OwnedFd, StoreError> {
+        use std::os::fd::AsRawFd;
+        let reopened;
+        let f = match &t.file {
+            Some(f) => f,
+            None => {
+                reopened = self.temp_handle(t, false)?;
+                &reopened
+            }
+        };
+        File::open(format!("/proc/self/fd/{}", f.as_raw_fd()))
+            .map(std::os::fd::OwnedFd::from)
+            .map_err(|e| io_err(&t.target, e))
+    }
+
     /// Copies chunks into a temp file from local files that the chunk index says hold them,
     /// each read into a private buffer and verified by blake3 before that same buffer is
     /// written. Returns the indexes of the `copies` no source had (a stale index: the file

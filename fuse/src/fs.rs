@@ -4,7 +4,8 @@
 //! one syscall on the backing directory, keep the table in step, report the change to the
 //! engine's sink. It never hashes, never reads a whole file, never blocks on the engine:
 //! a request costs its syscalls and a few map updates — but for the open (or truncate) of a
-//! placeholder, which waits for the engine to make its content local (D92).
+//! placeholder, which waits for the engine to make its content local (D92) or, for reading,
+//! for its first chunk, and a read of it, which waits for the bytes it asks (D95).
 //!
 //! How a node is reached is [`crate::backing`]'s business.
 //!
@@ -232,10 +233,13 @@ impl Passthrough {
         }
     }
 
-    /// The open of node `ino` as `fd` (`st`), with its content local: a regular file that is
-    /// a placeholder is fetched by the engine (the request waits, D92), then the file now at
-    /// the node's name is opened with `oflags` instead. Each regular file opened is reported
-    /// as used (eviction takes the least recently used first).
+    /// The open of node `ino` as `fd` (`st`), with its content local or streamed: a regular
+    /// file that is a placeholder is, for a read-only open, streamed by the engine (the open
+    /// waits for its first chunk, D95: reads then read the file being assembled, each waiting
+    /// for its range); for any other open, fetched whole (the request waits, D92), and the file
+    /// now at the node's name is opened with `oflags` instead. Each regular file opened is
+    /// reported as used (eviction takes the least recently used first).
+    #[allow(clippy::type_complexity)]
     fn local_content(
         &self,
         req: &Request,
@@ -243,25 +247,39 @@ impl Passthrough {
         fd: std::os::fd::OwnedFd,
         st: Stat,
         oflags: i32,
-    ) -> SysResult<(std::os::fd::OwnedFd, Stat)> {
+    ) -> SysResult<(
+        std::os::fd::OwnedFd,
+        Stat,
+        Option<Box<dyn crate::ContentStream>>,
+    )> {
         let Some(source) = self.sh.content.as_ref() else {
-            return Ok((fd, st));
+            return Ok((fd, st, None));
         };
         if st.kind() != libc::S_IFREG {
-            return Ok((fd, st));
+            return Ok((fd, st, None));
         }
         let path = self.sh.path_of(ino).and_then(|p| rel_path(&p));
         if !placeholder::is_placeholder(&sys::XattrAt::Fd(fd.as_fd())) {
             if let Some(p) = &path {
                 source.used(p);
             }
-            return Ok((fd, st));
+            return Ok((fd, st, None));
         }
         // Not a folder path (not UTF-8, not NFC): the engine journals no such file, so there
         // is nothing to fetch it from.
         let path = path.ok_or(libc::EIO)?;
         drop(fd);
-        source.fetch(&path, req.pid())?;
+        let reading = oflags & libc::O_ACCMODE == libc::O_RDONLY && oflags & libc::O_TRUNC == 0;
+        if reading {
+            if let crate::Opened::Stream(stream) = source.open(&path, req.pid())? {
+                let fd = sys::reopen(stream.file(), libc::O_RDONLY)?;
+                let st = sys::fstat(fd.as_fd())?;
+                source.used(&path);
+                return Ok((fd, st, Some(stream)));
+            }
+        } else {
+            source.fetch(&path, req.pid())?;
+        }
         // The fetched file replaced the placeholder under the same name: a new inode, handed
         // to the kernel under the node it opened (later lookups find the new one).
         let (dir, name) = self.sh.locate(ino)?;
@@ -273,7 +291,7 @@ impl Passthrough {
             return Err(libc::ESTALE);
         }
         source.used(&path);
-        Ok((fd, st))
+        Ok((fd, st, None))
     }
 
     /// Before a CREATE opens `name` in `dir` (the kernel sends one for a name it holds as
@@ -460,7 +478,9 @@ impl Filesystem for Passthrough {
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
         let ino = ino.0;
         let res = (|| {
-            if let Some(h) = fh.and_then(|fh| self.sh.handles.get(fh.0)) {
+            // Not a stream's file being assembled: its size is not yet the file's (D95).
+            let open = fh.and_then(|fh| self.sh.handles.get(fh.0));
+            if let Some(h) = open.filter(|h| h.stream.is_none()) {
                 return sys::fstat(h.fd());
             }
             if ino == ROOT {
@@ -509,6 +529,7 @@ impl Filesystem for Passthrough {
         let ino = ino.0;
         let open = fh
             .and_then(|fh| self.sh.handles.get(fh.0))
+            .filter(|h| h.stream.is_none())
             .map(Target::Open);
         let target = match open.map_or_else(|| self.sh.target_open_first(ino), Ok) {
             Ok(t) => t,
@@ -768,7 +789,8 @@ impl Filesystem for Passthrough {
                 }
                 Err(e) => e,
             };
-            // Unlinked or replaced, but open elsewhere: reopen that inode.
+            // Unlinked or replaced, but open elsewhere: reopen that inode (never a file being
+            // assembled: its holes would be read as content).
             let h = self.sh.handles.any_file_of(ino).ok_or(failure)?;
             let fd = sys::reopen(h.fd(), oflags)?;
             let st = sys::fstat(fd.as_fd())?;
@@ -778,12 +800,23 @@ impl Filesystem for Passthrough {
             Ok(v) => v,
             Err(e) => return reply.error(err(e)),
         };
-        // A placeholder (on demand, D92): its content is made local first, for a reader and a
-        // writer alike, and the open goes on with the file that now holds it.
-        let (fd, st) = match self.local_content(req, ino, fd, st, oflags) {
+        // A placeholder (on demand): a reader gets a stream of it, its first chunk fetched
+        // (D95); a writer waits until it is whole (D92), and the open goes on with the file that
+        // now holds it.
+        let (fd, st, stream) = match self.local_content(req, ino, fd, st, oflags) {
             Ok(v) => v,
             Err(e) => return reply.error(err(e)),
         };
+        if let Some(stream) = stream {
+            // Forwarded and past the page cache: each read reaches the mount with the caller's
+            // own range and waits for just that (no kernel read-ahead, which would make the
+            // first 4 KiB wait for 128 KiB); mmap still works (`FUSE_DIRECT_IO_ALLOW_MMAP`).
+            let (fh, _) = self
+                .sh
+                .handles
+                .add_file(ino, st.ino, fd, false, None, Some(stream));
+            return reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO);
+        }
         // A writer without CAP_FSETID (taken as: not root) clears the set-id bits. With
         // passthrough its writes never come here, so it is done when it opens.
         if writable && req.uid() != 0 {
@@ -801,6 +834,7 @@ impl Filesystem for Passthrough {
                 fd,
                 writable,
                 passthrough.then_some(&mut make as MakeBacking<'_>),
+                None,
             )
         };
         match backing {
@@ -823,6 +857,12 @@ impl Filesystem for Passthrough {
         let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
+        // A placeholder being assembled: served once every byte asked is verified (D95).
+        if let Some(s) = &h.stream {
+            if let Err(e) = s.ready(offset, size as u64) {
+                return reply.error(err(e));
+            }
+        }
         READ_BUF.with_borrow_mut(|buf| {
             match sys::pread_into(h.fd(), offset, size as usize, buf) {
                 Ok(()) => reply.data(buf),
@@ -1241,6 +1281,7 @@ impl Filesystem for Passthrough {
                 fd,
                 writable,
                 passthrough.then_some(&mut make as MakeBacking<'_>),
+                None,
             )
         };
         let attr = self.sh.attr(&st);
@@ -1319,6 +1360,18 @@ impl Filesystem for Passthrough {
         let Some(h) = self.sh.handles.get(fh.0) else {
             return reply.error(Errno::EBADF);
         };
+        // A file being assembled has holes where its content is not here yet: it is all
+        // data, as the file it becomes.
+        if let Some(s) = &h.stream {
+            let size = s.size() as i64;
+            return match whence {
+                _ if offset < 0 => reply.error(Errno::EINVAL),
+                _ if offset >= size => reply.error(Errno::ENXIO),
+                libc::SEEK_DATA => reply.offset(offset),
+                libc::SEEK_HOLE => reply.offset(size),
+                _ => reply.error(Errno::EINVAL),
+            };
+        }
         match sys::lseek(h.fd(), offset, whence) {
             Ok(off) => reply.offset(off),
             Err(e) => reply.error(err(e)),
@@ -1344,6 +1397,11 @@ impl Filesystem for Passthrough {
         };
         let (fin, fout) = (&*hin, &*hout);
         let len = len.min(u64::from(u32::MAX) & !0xfff) as usize;
+        if let Some(s) = &fin.stream {
+            if let Err(e) = s.ready(offset_in, len as u64) {
+                return reply.error(err(e));
+            }
+        }
         match sys::copy_file_range(fin.fd.as_fd(), offset_in, fout.fd.as_fd(), offset_out, len) {
             Ok(n) => {
                 fout.wrote.store(true, Ordering::Relaxed);

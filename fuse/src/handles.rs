@@ -37,6 +37,8 @@ pub(crate) struct Handle {
     pub passthrough: bool,
     /// Held so the kernel's backing file lives as long as this open.
     _backing: Option<Arc<BackingId>>,
+    /// The open of a placeholder being assembled (D95): each read waits on it first.
+    pub stream: Option<Box<dyn crate::ContentStream>>,
 }
 
 impl Handle {
@@ -86,7 +88,7 @@ impl Handles {
     }
 
     /// Registers an open file of node `ino` whose descriptor `fd` holds the backing inode
-    /// `backing_ino`. `make_backing` (when passthrough is wanted) registers `fd`
+    /// `backing_ino`. `stream`: the open reads a placeholder being assembled. `make_backing` (when passthrough is wanted) registers `fd`
     /// with the kernel; it is only called for the first open of an inode, whose mode the
     /// later opens then share. Returns the handle id and the backing id to reply with.
     pub fn add_file(
@@ -96,6 +98,7 @@ impl Handles {
         fd: OwnedFd,
         writable: bool,
         make_backing: Option<MakeBacking<'_>>,
+        stream: Option<Box<dyn crate::ContentStream>>,
     ) -> (u64, Option<Arc<BackingId>>) {
         let fh = self.next.fetch_add(1, Ordering::Relaxed);
         let backing = {
@@ -137,6 +140,7 @@ impl Handles {
                 wrote: AtomicBool::new(false),
                 passthrough: backing.is_some(),
                 _backing: backing.clone(),
+                stream,
             }),
         );
         (fh, backing)
@@ -190,10 +194,14 @@ impl Handles {
         lock(&self.backing).contains_key(&backing_ino)
     }
 
-    /// Any open file of `ino` (to reach an unlinked or replaced inode).
+    /// Any open file of `ino` (to reach an unlinked or replaced inode), but a stream's: the
+    /// descriptor of a file being assembled is not the node's (its size and holes are not the
+    /// file's, D95).
     pub fn any_file_of(&self, ino: u64) -> Option<Arc<Handle>> {
-        let fh = *lock(&self.inodes).get(&ino)?.handles.first()?;
-        self.get(fh)
+        let fhs = lock(&self.inodes).get(&ino)?.handles.clone();
+        fhs.into_iter()
+            .filter_map(|fh| self.get(fh))
+            .find(|h| h.stream.is_none())
     }
 
     /// How many handles are open.

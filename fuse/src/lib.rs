@@ -29,7 +29,8 @@
 //! - **content on demand:** in a folder that is on demand, a file whose content is not here is
 //!   a *placeholder* (true size, mode and mtime, no data, the [`PLACEHOLDER_XATTR`] attribute,
 //!   docs/decisions.md D90). An open of one asks the engine's [`ContentSource`] to make it
-//!   local first (D92); `user.meshfs.state` ([`STATE_XATTR`]) is answered from it (D94), and
+//!   local first (D92), or, for reading, gives it a stream whose reads wait for their own
+//!   verified bytes (D95); `user.meshfs.state` ([`STATE_XATTR`]) is answered from it (D94), and
 //!   meshfs's own attributes are hidden.
 //!
 //! ## What it owns and what it never does
@@ -38,7 +39,8 @@
 //! handles. It **never** touches SQLite, the network or an async runtime (its dependencies
 //! leave no way to); it never hashes or reads a file on its own behalf, and never blocks a
 //! request on the engine: the sink must not block, and invalidations are queued (the one
-//! exception: an open of a placeholder waits for [`ContentSource::fetch`]). The one
+//! exceptions: an open of a placeholder waits for [`ContentSource::fetch`] or
+//! [`ContentSource::open`], a read of one for [`ContentStream::ready`]). The one
 //! thing it reads unasked is metadata: after a listing that went to disk, one thread lists
 //! the directories it named and `statx`es their entries ahead of the caller (bounded, never
 //! for a warm listing; `prefetch`, D33).
@@ -204,6 +206,10 @@ pub trait ContentSource: Send + Sync + std::fmt::Debug {
     /// `path` holds it (a new inode), or with the errno the caller's request fails with.
     /// `pid`: the process that asked (shown by `status`).
     fn fetch(&self, path: &RelPath, pid: u32) -> Result<(), i32>;
+    /// Opens the placeholder `path` for reading (D95): returns once its first chunk is verified
+    /// (or the errno the open fails with), with the stream its reads wait on, or
+    /// [`Opened::Local`] when the file at `path` turned out to be local (it is opened by name).
+    fn open(&self, path: &RelPath, pid: u32) -> Result<Opened, i32>;
     /// The regular file `path` was opened through the mount (what was used least recently is
     /// evicted first).
     fn used(&self, path: &RelPath);
@@ -213,6 +219,28 @@ pub trait ContentSource: Send + Sync + std::fmt::Debug {
     /// Whether the folder is on demand now: new placeholders may appear under any name (a
     /// create checks the name it opens). An open checks its file whatever this says.
     fn active(&self) -> bool;
+}
+
+/// What [`ContentSource::open`] gives.
+#[derive(Debug)]
+pub enum Opened {
+    /// The file at the path is local now: open it by name.
+    Local,
+    /// Its content is being assembled: every read waits on this stream.
+    Stream(Box<dyn ContentStream>),
+}
+
+/// A file being assembled for one open (D95). Dropped when the open is released: the engine
+/// stops fetching a file no open reads (unless it is whole by then).
+pub trait ContentStream: Send + Sync + std::fmt::Debug {
+    /// The file being assembled: the same inode before and after it is installed. Only the
+    /// ranges [`ContentStream::ready`] allowed are read from it (the rest may be holes).
+    fn file(&self) -> std::os::fd::BorrowedFd<'_>;
+    /// The file's size.
+    fn size(&self) -> u64;
+    /// Waits until every byte of `[offset, offset + len)` (clamped to the size) is verified
+    /// in [`ContentStream::file`]; else the errno the read fails with.
+    fn ready(&self, offset: u64, len: u64) -> Result<(), i32>;
 }
 
 /// The registry of a folder with no mount: nothing is ever open through it.

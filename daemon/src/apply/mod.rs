@@ -33,12 +33,14 @@ mod decide;
 mod driver;
 mod fill;
 mod install;
+mod stream;
 mod transfer;
 
 pub use driver::{Receiver, Reply};
-pub use fill::{fill, FillError, Filled, STALL};
+pub use fill::{FillError, STALL};
 pub use install::recover_pending;
 pub use meshfs_sync::pipeline::Source;
+pub use stream::{drive, Conns, Streamed};
 pub use transfer::ApplyError;
 
 /// Runs a step that blocks (SQLite, the disk) on a blocking thread, off the runtime's workers.

@@ -1,6 +1,7 @@
-//! Files on demand, the engine's side (docs/decisions.md, D90–D94): making a placeholder's
-//! content local when it is opened or pinned ([`make_local`], through the same fill as a batch:
-//! `apply::fill`), the mount's [`ContentSource`](meshfs_fuse::ContentSource) ([`MountContent`]),
+//! Files on demand, the engine's side (docs/decisions.md, D90–D95): a placeholder's content
+//! streamed to the reads of an open ([`open_stream`]) or made local when it is opened for
+//! writing or pinned ([`make_local`]), both through one flight per file driven by
+//! `apply::drive` (the same steps as a batch), what of it is verified ([`assembly`]), the mount's [`ContentSource`](meshfs_fuse::ContentSource) ([`MountContent`]),
 //! the budget kept as content arrives and evictions ([`budget`]), pins ([`pins`]), and what
 //! `status` shows ([`status_of`]).
 //!
@@ -8,14 +9,15 @@
 //! an on-demand folder it installs placeholders itself, D91), or serve a byte that was not
 //! verified: a placeholder is never read as content.
 
+pub mod assembly;
 pub mod budget;
 pub mod pins;
 pub mod source;
 
 pub use source::MountContent;
 
-use crate::apply::{FillError, Filled};
-use crate::demand::{Failure, Turn};
+use crate::apply::{Conns, FillError, Streamed};
+use crate::demand::{End, Failure, Flight};
 use crate::folder::{FolderRt, Folders};
 use crate::status::{FetchingStatus, OnDemandStatus, UnavailableStatus};
 use meshfs_protocol::{DeviceId, FolderId, RelPath};
@@ -37,16 +39,17 @@ pub(crate) fn now_ns() -> i64 {
         .unwrap_or(0)
 }
 
-/// Makes the content of the placeholder at `path` local, for the process `pid` (0: a pin):
-/// one fetch per path (a second caller waits for the first), from the connected peers that share
-/// the folder, the version's source first. Content that arrived wakes the budget (D93).
-pub async fn make_local(
+/// The flight of the placeholder at `path`, joined or started for the process `pid` (0: a
+/// pin): one per path, whoever else opens it shares it. A new one's driver runs on `runtime`.
+/// The caller holds the flight until it calls [`Flight::leave`].
+fn flight_of(
     folders: &Arc<Folders>,
     rt: &Arc<FolderRt>,
     peers: &Peers,
     path: &RelPath,
     pid: u32,
-) -> Result<(), Failure> {
+    runtime: &tokio::runtime::Handle,
+) -> Result<Arc<Flight>, Failure> {
     let stored = folders
         .reader()
         .and_then(|r| Ok(r.get(&rt.id, path)?))
@@ -54,59 +57,166 @@ pub async fn make_local(
     let Some(stored) = stored.filter(|s| !s.record.deleted) else {
         return Err(failure(libc::ENOENT, format!("{path}: not in the journal")));
     };
-    let size = stored.record.size;
-    let flight = match rt.demand.begin(path, pid, size) {
-        Turn::Follow(f) => {
-            return tokio::task::spawn_blocking(move || f.wait())
-                .await
-                .unwrap_or_else(|e| Err(failure(libc::EIO, e.to_string())));
-        }
-        Turn::Lead(f) => f,
-    };
-    let mut conns = peers(&rt.id);
-    // The version's source first: it had this very version.
-    conns.sort_by_key(|(d, _)| Some(*d) != stored.source);
-    let conns: Vec<quinn::Connection> = conns.into_iter().map(|(_, c)| c).collect();
+    let (flight, lead) = rt.demand.begin(path, pid, stored.record.size);
+    if lead {
+        runtime.spawn(run(
+            folders.clone(),
+            rt.clone(),
+            peers.clone(),
+            path.clone(),
+            flight.clone(),
+            stored.source,
+        ));
+    }
+    Ok(flight)
+}
+
+/// Drives `flight` to its end (`apply::drive`): the connected peers that share the folder are
+/// asked, the version's source first (it had this very version). Content that arrived wakes
+/// the budget (D93).
+async fn run(
+    folders: Arc<Folders>,
+    rt: Arc<FolderRt>,
+    peers: Peers,
+    path: RelPath,
+    flight: Arc<Flight>,
+    source: Option<DeviceId>,
+) {
+    let id = rt.id.clone();
+    let conns: Conns = Arc::new(move || {
+        let mut conns = peers(&id);
+        conns.sort_by_key(|(d, _)| Some(*d) != source);
+        conns.into_iter().map(|(_, c)| c).collect()
+    });
     let started = std::time::Instant::now();
-    let filled = crate::apply::fill(
-        folders.clone(),
+    let (size, pid) = (flight.size, flight.pid);
+    let out = crate::apply::drive(
+        folders,
         rt.clone(),
         path.clone(),
+        flight.clone(),
         conns,
-        flight.done.clone(),
+        failure_of,
     )
     .await;
-    let outcome = match filled {
-        Ok(Filled::Local(_)) => {
+    let end = match out {
+        Ok(Streamed::Local(_)) => {
             rt.demand.fetched_bytes.fetch_add(size, Ordering::Relaxed);
             rt.demand.fetched_files.fetch_add(1, Ordering::Relaxed);
             tracing::info!(folder = %rt.id, %path, size, pid, ms = started.elapsed().as_millis() as u64, "content fetched on demand");
-            Ok(())
+            rt.demand.used(&path, now_ns());
+            rt.demand.changed();
+            rt.demand.arrived.notify_one();
+            End::Local
         }
-        Ok(Filled::Already) => Ok(()),
+        Ok(Streamed::Already) => End::Local,
+        Ok(Streamed::Abandoned) => {
+            tracing::info!(folder = %rt.id, %path, pid, fetched = flight.done.load(Ordering::Relaxed), "every reader left before the file was whole: what was fetched of it is dropped");
+            End::Abandoned
+        }
         Err(e) => {
-            let f = failure(errno_of(&e), e.to_string());
+            let f = failure_of(&e);
             tracing::warn!(folder = %rt.id, %path, pid, errno = errno_name(f.errno), error = %e, "content could not be fetched on demand");
-            Err(f)
+            End::Failed(f)
         }
     };
-    if outcome.is_ok() {
-        rt.demand.used(path, now_ns());
-        rt.demand.changed();
-        rt.demand.arrived.notify_one();
-    }
     rt.demand
-        .end(path, outcome.clone(), crate::folder::now_secs());
-    outcome
+        .end(&path, &flight, end, crate::folder::now_secs());
+}
+
+/// Makes the content of the placeholder at `path` local, for the process `pid` (0: a pin):
+/// the whole file, through the flight of the path (readers of it share it), installed before
+/// this returns.
+pub async fn make_local(
+    folders: &Arc<Folders>,
+    rt: &Arc<FolderRt>,
+    peers: &Peers,
+    path: &RelPath,
+    pid: u32,
+) -> Result<(), Failure> {
+    let runtime = tokio::runtime::Handle::current();
+    let flight = flight_of(folders, rt, peers, path, pid, &runtime)?;
+    tokio::task::spawn_blocking(move || {
+        let out = flight.whole();
+        flight.leave();
+        out
+    })
+    .await
+    .unwrap_or_else(|e| Err(failure(libc::EIO, e.to_string())))
+}
+
+/// One open's hold on a flight, released when dropped: the mount's stream of a placeholder
+/// being assembled (D95).
+#[derive(Debug)]
+pub struct Reader {
+    flight: Arc<Flight>,
+    file: Arc<std::os::fd::OwnedFd>,
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.flight.leave();
+    }
+}
+
+impl meshfs_fuse::ContentStream for Reader {
+    fn file(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.file.as_fd()
+    }
+
+    fn size(&self) -> u64 {
+        self.flight.size
+    }
+
+    fn ready(&self, offset: u64, len: u64) -> Result<(), i32> {
+        self.flight.ready(offset, len, false).map_err(|f| f.errno)
+    }
+}
+
+/// Opens the placeholder at `path` for reading by `pid`, blocking (a FUSE request thread):
+/// its flight joined or started, its first chunk verified; `None` when the file turned out to
+/// be local (it is opened by name).
+pub fn open_stream(
+    folders: &Arc<Folders>,
+    rt: &Arc<FolderRt>,
+    peers: &Peers,
+    path: &RelPath,
+    pid: u32,
+    runtime: &tokio::runtime::Handle,
+) -> Result<Option<Reader>, Failure> {
+    let flight = flight_of(folders, rt, peers, path, pid, runtime)?;
+    struct Hold(Arc<Flight>);
+    impl Drop for Hold {
+        fn drop(&mut self) {
+            self.0.leave();
+        }
+    }
+    let hold = Hold(flight);
+    let Some(file) = hold.0.wait_started()? else {
+        return Ok(None);
+    };
+    // The open answers once the first chunk is here (or cannot be: offline, the open fails
+    // as before, D92).
+    hold.0.ready(0, 1, true)?;
+    let flight = hold.0.clone();
+    std::mem::forget(hold);
+    Ok(Some(Reader { flight, file }))
 }
 
 fn failure(errno: i32, why: String) -> Failure {
     Failure { errno, why }
 }
 
+/// What a reader waiting for `e` is told.
+fn failure_of(e: &FillError) -> Failure {
+    failure(errno_of(e), e.to_string())
+}
+
 /// The errno an open fails with for `e` (D92).
 fn errno_of(e: &FillError) -> i32 {
     match e {
+        FillError::Abandoned(_) => libc::EIO,
         FillError::NoPeer => libc::EHOSTUNREACH,
         FillError::NotHeld { bad: false, .. } => libc::EHOSTUNREACH,
         FillError::NotHeld { bad: true, .. } => libc::EIO,

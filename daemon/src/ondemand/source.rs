@@ -1,11 +1,12 @@
 //! The mount's [`ContentSource`] for a folder: an open of a placeholder waits here, on the
-//! FUSE request thread, for [`super::make_local`] on the engine's runtime (D92); an open of a
+//! FUSE request thread, for its first chunk ([`super::open_stream`], D95) or, to write it, for
+//! [`super::make_local`] on the engine's runtime (D92); an open of a
 //! local file notes its use (D93); `user.meshfs.state` is answered from the folder's demand
 //! (D94).
 
-use super::{make_local, now_ns, Peers};
+use super::{make_local, now_ns, open_stream, Peers};
 use crate::folder::Folders;
-use meshfs_fuse::ContentSource;
+use meshfs_fuse::{ContentSource, Opened};
 use meshfs_protocol::{FolderId, RelPath};
 use std::sync::{Arc, Weak};
 
@@ -50,6 +51,16 @@ impl ContentSource for MountContent {
         self.runtime
             .block_on(make_local(&folders, &rt, &self.peers, path, pid))
             .map_err(|f| f.errno)
+    }
+
+    fn open(&self, path: &RelPath, pid: u32) -> Result<Opened, i32> {
+        let folders = self.folders.upgrade().ok_or(libc::EIO)?;
+        let rt = folders.running(&self.folder).map_err(|_| libc::EIO)?;
+        match open_stream(&folders, &rt, &self.peers, path, pid, &self.runtime) {
+            Ok(Some(reader)) => Ok(Opened::Stream(Box::new(reader))),
+            Ok(None) => Ok(Opened::Local),
+            Err(f) => Err(f.errno),
+        }
     }
 
     fn used(&self, path: &RelPath) {

@@ -1,0 +1,226 @@
+//! A placeholder's content streamed to its readers while it is assembled (docs/decisions.md,
+//! D95): the temp file is made as a batch makes one (`super::fill::start`, `assemble`: the
+//! chunks this device has copied and verified), handed to the flight's readers, and then
+//! filled with what they want — the chunks under each read first, a sequential reader's
+//! read-ahead after them, the whole file for a writer or a pin — fetched from the connected
+//! peers that share the folder (the version's source first; a chunk one peer lacks is asked of
+//! the next), each chunk verified by blake3 and its length before it is written and marked
+//! present. Once every chunk is present the file is finished, made durable and installed over
+//! the placeholder exactly as before (D92). When every reader left before that, what was
+//! fetched is dropped.
+//!
+//! What it never does: mark a chunk present before its verified bytes are written (a reader
+//! is served a range only once every chunk under it is present), or install a file that is
+//! not covered exactly (`Store::finish_temp` checks).
+
+use super::assemble::{assemble, discard_all, finish_all, Assembled};
+use super::fill::{install, start, watched, FillError, STALL};
+use super::on_blocking;
+use super::transfer::ApplyError;
+use crate::chunks::{self, FetchError};
+use crate::demand::{Failure, Flight};
+use crate::folder::{FolderRt, Folders};
+use crate::ondemand::assembly::Assembly;
+use crate::store::{LocalStat, StoreError, TempFile};
+use meshfs_protocol::{FolderId, Hash, RelPath};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The connections to ask, in order (asked again for each fetch: a peer that came back is
+/// used).
+pub type Conns = Arc<dyn Fn() -> Vec<quinn::Connection> + Send + Sync>;
+
+/// What [`drive`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streamed {
+    /// The content is local now, in this file.
+    Local(LocalStat),
+    /// It was local already (another fetch, or a peer's version installed meanwhile).
+    Already,
+    /// Every reader left before it was whole: nothing was installed.
+    Abandoned,
+}
+
+/// The temp file a stream fills, shared by its fetches' writers (`None` once it is taken to
+/// be installed or dropped).
+type Shared = Arc<Mutex<Option<TempFile>>>;
+
+/// Assembles the file at `path` for `flight`'s readers and installs it once whole. A fetch
+/// that fails tells the readers waiting for its chunks (`failure` says with which errno) and
+/// lists the path as unavailable; a later read asks again.
+pub async fn drive(
+    folders: Arc<Folders>,
+    rt: Arc<FolderRt>,
+    path: RelPath,
+    flight: Arc<Flight>,
+    conns: Conns,
+    failure: fn(&FillError) -> Failure,
+) -> Result<Streamed, FillError> {
+    let (f, r, p) = (folders.clone(), rt.clone(), path.clone());
+    let Some((seen, transfer, sources, dirs)) =
+        on_blocking(move || Ok(start(&f, &r, &p))).await??
+    else {
+        return Ok(Streamed::Already);
+    };
+    let chunk_list = seen.record.chunks.clone();
+    let r = rt.clone();
+    let Assembled {
+        mut temps,
+        metas,
+        missing,
+        skipped,
+        ..
+    } = on_blocking(move || assemble(&r, dirs, vec![transfer], &sources, HashMap::new())).await?;
+    let Some(Some(temp)) = temps.pop().filter(|_| skipped.is_empty()) else {
+        discard_all(&rt, temps.into_iter().flatten());
+        return Err(FillError::Apply(ApplyError::Task(format!(
+            "{path}: no temp file could be made for it"
+        ))));
+    };
+    let file = match rt.store.temp_descriptor(&temp) {
+        Ok(f) => f,
+        Err(e) => {
+            rt.store.discard_temp(temp);
+            return Err(FillError::Apply(e.into()));
+        }
+    };
+    let places: HashMap<Hash, Vec<u64>> = missing
+        .into_iter()
+        .map(|(h, (_, at))| (h, at.into_iter().map(|(_, off)| off).collect()))
+        .collect();
+    flight.started(Assembly::new(&chunk_list, places.keys().copied()), file);
+    let temp: Shared = Arc::new(Mutex::new(Some(temp)));
+    let sink = StreamSink {
+        rt: rt.clone(),
+        flight: flight.clone(),
+        temp: temp.clone(),
+        places: Arc::new(places),
+    };
+    let mut fetches = tokio::task::JoinSet::new();
+    loop {
+        let (pieces, complete, held) = flight.take();
+        if complete {
+            break;
+        }
+        if !held && flight.abandon() {
+            fetches.abort_all();
+            if let Some(t) = take(&temp) {
+                rt.store.discard_temp(t);
+            }
+            return Ok(Streamed::Abandoned);
+        }
+        for piece in pieces {
+            fetches.spawn(fetch_piece(conns(), rt.id.clone(), piece, sink.clone()));
+        }
+        tokio::select! {
+            _ = flight.wake.notified() => {}
+            Some(done) = fetches.join_next() => {
+                if let Ok(Err((asked, e))) = done {
+                    let f = failure(&e);
+                    tracing::info!(folder = %rt.id, %path, chunks = asked.len(), error = %e, "chunks of a file being read could not be fetched");
+                    rt.demand.note(&path, &f, crate::folder::now_secs());
+                    flight.failed(&asked, f);
+                }
+            }
+        }
+    }
+    // Whole: the fetches left have nothing to do (a chunk is written once).
+    fetches.abort_all();
+    while fetches.join_next().await.is_some() {}
+    let Some(temp) = take(&temp) else {
+        return Err(FillError::Changed(path));
+    };
+    let r = rt.clone();
+    let mut ready = on_blocking(move || finish_all(&r, metas, vec![Some(temp)])).await?;
+    let Some((_, _, temp)) = ready.pop() else {
+        return Err(FillError::Changed(path));
+    };
+    let (f, r, p) = (folders.clone(), rt.clone(), path.clone());
+    let local = on_blocking(move || Ok(install(&f, &r, &p, seen, temp))).await??;
+    Ok(Streamed::Local(local))
+}
+
+fn take(temp: &Shared) -> Option<TempFile> {
+    temp.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// Fetches `piece` from `conns` in turn (each asked only for what the ones before it did not
+/// give); on failure, the chunks asked and why.
+async fn fetch_piece(
+    conns: Vec<quinn::Connection>,
+    folder: FolderId,
+    piece: Vec<(Hash, u32)>,
+    sink: StreamSink,
+) -> Result<(), (Vec<(Hash, u32)>, FillError)> {
+    if conns.is_empty() {
+        return Err((piece, FillError::NoPeer));
+    }
+    let mut left = piece.clone();
+    let mut failures: Vec<String> = Vec::new();
+    let mut bad = false;
+    for conn in conns {
+        let why = match watched(
+            &conn,
+            chunks::fetch(&conn, &folder, left.clone(), sink.clone()),
+        )
+        .await
+        {
+            None => format!("its connection carried nothing for {} s", STALL.as_secs()),
+            Some((Ok(absent), _)) if absent.is_empty() => return Ok(()),
+            Some((Ok(absent), _)) => format!("it does not have {} of the chunks", absent.len()),
+            Some((Err(FetchError::Store(e)), _)) => {
+                return Err((piece, FillError::Apply(ApplyError::from(e))))
+            }
+            Some((Err(e), _)) => {
+                bad |= matches!(e, FetchError::Protocol(_));
+                e.to_string()
+            }
+        };
+        tracing::info!(%folder, peer = %conn.remote_address(), %why, "a peer could not give chunks of a file being read; asking the next");
+        failures.push(why);
+        left = sink.flight.not_present(&left);
+        if left.is_empty() {
+            return Ok(());
+        }
+    }
+    Err((
+        piece,
+        FillError::NotHeld {
+            why: failures.join("; "),
+            bad,
+        },
+    ))
+}
+
+/// Writes each verified chunk into the stream's temp file, everywhere the file holds it, once,
+/// then marks it present.
+#[derive(Clone)]
+struct StreamSink {
+    rt: Arc<FolderRt>,
+    flight: Arc<Flight>,
+    temp: Shared,
+    places: Arc<HashMap<Hash, Vec<u64>>>,
+}
+
+impl chunks::ChunkSink for StreamSink {
+    fn put(&mut self, hash: Hash, data: &[u8]) -> Result<(), StoreError> {
+        if !self.flight.claim(&hash) {
+            return Ok(());
+        }
+        let at = self.places.get(&hash).map_or(&[][..], |v| v.as_slice());
+        {
+            let mut t = self.temp.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(t) = t.as_mut() else {
+                return Err(StoreError::Io {
+                    path: self.rt.id.to_string(),
+                    source: std::io::Error::other("the stream's temp file is gone"),
+                });
+            };
+            for &off in at {
+                self.rt.store.write_temp(t, off, data)?;
+            }
+        }
+        self.flight.arrived(&hash, (at.len() * data.len()) as u64);
+        Ok(())
+    }
+}
