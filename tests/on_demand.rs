@@ -768,3 +768,52 @@ fn a_peer_killed_mid_stream_fails_the_read_never_with_zeros_and_a_read_once_it_i
         d["unavailable"].as_array().unwrap().is_empty()
     });
 }
+
+#[test]
+fn a_file_is_fetched_from_every_connected_peer_that_holds_it_at_once() {
+    let t = tmp();
+    const MIB: usize = 1 << 20;
+    let big = noise(64 * MIB, 90);
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    let mut c = Device::new(&t, "c");
+    write(&a.path("big.bin"), &big);
+    ok(&b.home, &["folder", "set", "work", "--on-demand"]);
+    pair(&a, &b);
+    pair(&a, &c);
+    pair(&b, &c);
+    Device::start_together(&mut [&mut a, &mut b, &mut c]);
+    wait_synced(&[&a, &c], 60);
+    in_sync(&b, 60);
+    until_status(&b, 30, "A and C connected to B", |_| {
+        let s = b.status();
+        s["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["connected"] == true)
+    });
+    let from = |name: &str| -> u64 {
+        b.status()["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap()["bytes_received"]
+            .as_u64()
+            .unwrap()
+    };
+    let (a0, c0) = (from("a"), from("c"));
+    // A pin wants the whole file: its pieces go to both peers at once.
+    let pinned: serde_json::Value =
+        serde_json::from_str(&b.cli_ok(&["pin", "work", "big.bin", "--json"])).unwrap();
+    assert_eq!(pinned["fetched"], 1, "{pinned}");
+    let (from_a, from_c) = (from("a") - a0, from("c") - c0);
+    eprintln!("64 MiB pinned: {from_a} bytes from A, {from_c} from C");
+    assert!(
+        from_a >= 16 * MIB as u64 && from_c >= 16 * MIB as u64,
+        "both gave part of it: {from_a} from A, {from_c} from C"
+    );
+    assert!(from_a + from_c < 80 * MIB as u64, "fetched once");
+    assert_eq!(std::fs::read(b.path("big.bin")).unwrap(), big);
+}

@@ -3,8 +3,8 @@
 //! chunks this device has copied and verified), handed to the flight's readers, and then
 //! filled with what they want — the chunks under each read first, a sequential reader's
 //! read-ahead after them, the whole file for a writer or a pin — fetched from the connected
-//! peers that share the folder (the version's source first; a chunk one peer lacks is asked of
-//! the next), each chunk verified by blake3 and its length before it is written and marked
+//! peers that share the folder, several at once (each piece begins with the next peer in turn,
+//! the version's source first; a chunk one peer lacks is asked of the next), each chunk verified by blake3 and its length before it is written and marked
 //! present. Once every chunk is present the file is finished, made durable and installed over
 //! the placeholder exactly as before (D92). When every reader left before that, what was
 //! fetched is dropped.
@@ -97,6 +97,7 @@ pub async fn drive(
         places: Arc::new(places),
     };
     let mut fetches = tokio::task::JoinSet::new();
+    let mut turn = 0usize;
     loop {
         let (pieces, complete, held) = flight.take();
         if complete {
@@ -110,7 +111,16 @@ pub async fn drive(
             return Ok(Streamed::Abandoned);
         }
         for piece in pieces {
-            fetches.spawn(fetch_piece(conns(), rt.id.clone(), piece, sink.clone()));
+            // Each piece begins with the next peer in turn: pieces in flight together (a
+            // whole file's, a reader's read-ahead after its own range) come from every
+            // connected peer at once.
+            let mut order = conns();
+            if !order.is_empty() {
+                let first = turn % order.len();
+                order.rotate_left(first);
+            }
+            turn += 1;
+            fetches.spawn(fetch_piece(order, rt.id.clone(), piece, sink.clone()));
         }
         tokio::select! {
             _ = flight.wake.notified() => {}
