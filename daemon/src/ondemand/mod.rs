@@ -186,22 +186,19 @@ pub fn open_stream(
     runtime: &tokio::runtime::Handle,
 ) -> Result<Option<Reader>, Failure> {
     let flight = flight_of(folders, rt, peers, path, pid, runtime)?;
-    struct Hold(Arc<Flight>);
-    impl Drop for Hold {
-        fn drop(&mut self) {
-            self.0.leave();
+    let file = match flight.wait_started() {
+        Ok(Some(file)) => file,
+        other => {
+            flight.leave();
+            return other.map(|_| None);
         }
-    }
-    let hold = Hold(flight);
-    let Some(file) = hold.0.wait_started()? else {
-        return Ok(None);
     };
+    // Held from here: dropped (an error below, or the open's release), it leaves the flight.
+    let reader = Reader { flight, file };
     // The open answers once the first chunk is here (or cannot be: offline, the open fails
     // as before, D92).
-    hold.0.ready(0, 1, true)?;
-    let flight = hold.0.clone();
-    std::mem::forget(hold);
-    Ok(Some(Reader { flight, file }))
+    reader.flight.ready(0, 1, true)?;
+    Ok(Some(reader))
 }
 
 fn failure(errno: i32, why: String) -> Failure {
