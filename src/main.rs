@@ -15,7 +15,7 @@ mod versions_cmd;
 
 use anyhow::{anyhow, bail, Context as _};
 use clap::{CommandFactory, Parser, Subcommand};
-use meshfs_daemon::config::{Config, FolderConfig, Home, PeerConfig, DEFAULT_LISTEN};
+use meshfs_daemon::config::{Config, FolderConfig, FreeFloor, Home, PeerConfig, DEFAULT_LISTEN};
 use meshfs_daemon::control::{self, Request};
 use meshfs_daemon::identity::Identity;
 use meshfs_daemon::readout::journal::printable;
@@ -348,10 +348,14 @@ enum FolderCmd {
         /// least recently used files are evicted beyond it.
         #[arg(long, value_parser = ondemand_cmd::parse_cache_max, requires = "on_demand")]
         cache_max: Option<u64>,
+        /// With --on-demand: keep this much of the disk free by evicting (5%, 2GiB; default
+        /// 5%; 0: no floor).
+        #[arg(long, value_parser = ondemand_cmd::parse_min_free, requires = "on_demand")]
+        min_free: Option<FreeFloor>,
     },
     /// Change a folder's options: files on demand and their budget.
     #[command(
-        after_help = "Examples:\n  meshfs folder set work --on-demand --cache-max 20GiB\n  meshfs folder set work --cache-max none\n  meshfs folder set work --no-on-demand   # every file fetched again, the folder whole\nA running daemon follows at once."
+        after_help = "Examples:\n  meshfs folder set work --on-demand --cache-max 20GiB\n  meshfs folder set work --cache-max none\n  meshfs folder set work --min-free 10%\n  meshfs folder set work --no-on-demand   # every file fetched again, the folder whole\nA running daemon follows at once."
     )]
     Set {
         /// The folder id.
@@ -366,6 +370,9 @@ enum FolderCmd {
         /// The budget: a size (64MiB, 2GiB, bytes), or `none`.
         #[arg(long, value_parser = ondemand_cmd::parse_cache_max_or_none)]
         cache_max: Option<ondemand_cmd::Budget>,
+        /// The disk's free floor: a share (5%), a size (2GiB), or `default` (5%).
+        #[arg(long, value_parser = ondemand_cmd::parse_min_free_or_default)]
+        min_free: Option<ondemand_cmd::Floor>,
     },
     /// List folders.
     #[command(
@@ -660,12 +667,13 @@ fn folder_cmd(home: &Home, cmd: FolderCmd) -> anyhow::Result<u8> {
             id,
             on_demand,
             cache_max,
+            min_free,
         } => {
             let id = match id {
                 Some(id) => id,
                 None => random_folder_id()?,
             };
-            folder_add(home, &path, &id, on_demand, cache_max)?;
+            folder_add(home, &path, &id, on_demand, cache_max, min_free)?;
             println!("{id}");
         }
         FolderCmd::Set {
@@ -673,19 +681,20 @@ fn folder_cmd(home: &Home, cmd: FolderCmd) -> anyhow::Result<u8> {
             on_demand,
             no_on_demand,
             cache_max,
+            min_free,
         } => {
             let on = match (on_demand, no_on_demand) {
                 (true, _) => Some(true),
                 (_, true) => Some(false),
                 _ => None,
             };
-            return ondemand_cmd::folder_set(home, &id, on, cache_max);
+            return ondemand_cmd::folder_set(home, &id, on, cache_max, min_free);
         }
         FolderCmd::List { json } => {
             let config = Config::load(home)?;
             if json {
                 let v: Vec<_> = config.folders.iter().map(|f| serde_json::json!({"id": f.id, "path": f.path, "watch": f.watch,
-                    "on_demand": f.on_demand, "cache_max": f.cache_max,
+                    "on_demand": f.on_demand, "cache_max": f.cache_max, "min_free": f.min_free.map(|m| m.text()),
                     "shared_with": config.peers.iter().filter(|p| p.folders.contains(&f.id)).map(|p| p.id.to_string()).collect::<Vec<_>>()})).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
@@ -1025,6 +1034,7 @@ fn folder_add(
     id: &FolderId,
     on_demand: bool,
     cache_max: Option<u64>,
+    min_free: Option<FreeFloor>,
 ) -> anyhow::Result<()> {
     let old = Config::load(home)?;
     if old.folder(id).is_some() {
@@ -1074,6 +1084,7 @@ fn folder_add(
     let mut folder = FolderConfig::new(id.clone(), real.clone());
     folder.on_demand = on_demand;
     folder.cache_max = cache_max;
+    folder.min_free = min_free;
     new.folders.push(folder);
     new.validate(home)?;
     // The directories this command creates, outermost first: removed again on a refusal.

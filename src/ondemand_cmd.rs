@@ -4,7 +4,7 @@
 
 use crate::versions_cmd::{ask, require_folder};
 use anyhow::bail;
-use meshfs_daemon::config::{format_size, parse_size, Config, Home};
+use meshfs_daemon::config::{format_size, parse_size, Config, FreeFloor, Home};
 use meshfs_daemon::control::Request;
 use meshfs_protocol::FolderId;
 
@@ -28,15 +28,34 @@ pub fn parse_cache_max_or_none(s: &str) -> Result<Budget, String> {
     parse_size(s).map(|b| Budget(Some(b)))
 }
 
-/// `meshfs folder set ID [--on-demand | --no-on-demand] [--cache-max SIZE|none]`.
+/// A `--min-free` argument: a share of the disk (`5%`) or a size.
+pub fn parse_min_free(s: &str) -> Result<FreeFloor, String> {
+    FreeFloor::parse(s)
+}
+
+/// A `folder set --min-free` value: a floor, or the default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Floor(pub Option<FreeFloor>);
+
+/// A `folder set --min-free` argument: a share, a size, or `default`.
+pub fn parse_min_free_or_default(s: &str) -> Result<Floor, String> {
+    if s.eq_ignore_ascii_case("default") {
+        return Ok(Floor(None));
+    }
+    FreeFloor::parse(s).map(|f| Floor(Some(f)))
+}
+
+/// `meshfs folder set ID [--on-demand | --no-on-demand] [--cache-max SIZE|none]
+/// [--min-free N%|SIZE|default]`.
 pub fn folder_set(
     home: &Home,
     id: &FolderId,
     on_demand: Option<bool>,
     cache_max: Option<Budget>,
+    min_free: Option<Floor>,
 ) -> anyhow::Result<u8> {
-    if on_demand.is_none() && cache_max.is_none() {
-        bail!("nothing to set: give --on-demand, --no-on-demand or --cache-max");
+    if on_demand.is_none() && cache_max.is_none() && min_free.is_none() {
+        bail!("nothing to set: give --on-demand, --no-on-demand, --cache-max or --min-free");
     }
     let old = require_folder(home, id)?;
     let mut new: Config = old.clone();
@@ -49,9 +68,12 @@ pub fn folder_set(
     if let Some(Budget(max)) = cache_max {
         f.cache_max = max;
     }
-    if f.cache_max.is_some() && !f.on_demand {
+    if let Some(Floor(floor)) = min_free {
+        f.min_free = floor;
+    }
+    if (f.cache_max.is_some() || f.min_free.is_some()) && !f.on_demand {
         eprintln!(
-            "meshfs: note: --cache-max is kept only while the folder is on demand (`--on-demand`)"
+            "meshfs: note: --cache-max and --min-free are kept only while the folder is on demand (`--on-demand`)"
         );
     }
     new.validate(home)?;

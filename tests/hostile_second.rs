@@ -39,35 +39,6 @@ fn space(p: &std::path::Path) -> (u64, u64) {
     (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
 }
 
-/// A tmpfs of `mib` MiB at `dir`, unmounted on drop.
-struct SmallDisk(std::path::PathBuf);
-
-impl SmallDisk {
-    fn mount(dir: &std::path::Path, mib: u64) -> SmallDisk {
-        std::fs::create_dir_all(dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
-            .arg(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "mounting a tmpfs (the tests run as root): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        SmallDisk(dir.to_path_buf())
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .status();
-    }
-}
-
 /// A record of `path` listing `chunk` (a 4 MiB chunk) `n` times.
 fn repeated(path: &str, chunk: &[u8], n: usize, v: VersionVector, by: ShortId) -> FileRecord {
     let mut r = file_record(path, b"", v, by);

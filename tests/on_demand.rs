@@ -817,3 +817,57 @@ fn a_file_is_fetched_from_every_connected_peer_that_holds_it_at_once() {
     assert!(from_a + from_c < 80 * MIB as u64, "fetched once");
     assert_eq!(std::fs::read(b.path("big.bin")).unwrap(), big);
 }
+
+#[test]
+fn the_disk_is_kept_above_its_free_floor_by_evicting_the_least_recently_used_files() {
+    let t = tmp();
+    const MIB: u64 = 1 << 20;
+    let disk = t.path().join("small-disk");
+    let _small = SmallDisk::mount(&disk, 64);
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::with_replica(&t, "b", disk.join("replica"));
+    let files: Vec<(String, Vec<u8>)> = (0..4)
+        .map(|i| (format!("f{i}"), noise(12 << 20, 100 + i)))
+        .collect();
+    for (p, d) in &files {
+        write(&a.path(p), d);
+    }
+    ok(
+        &b.home,
+        &[
+            "folder",
+            "set",
+            "work",
+            "--on-demand",
+            "--min-free",
+            "32MiB",
+        ],
+    );
+    pair(&a, &b);
+    Device::start_together(&mut [&mut a, &mut b]);
+    let mnt = t.path().join("mnt-b");
+    std::fs::create_dir_all(&mnt).unwrap();
+    ok(&b.home, &["mount", "work", mnt.to_str().unwrap()]);
+    in_sync(&b, 60);
+    let d = on_demand(&b);
+    assert_eq!(d["min_free_bytes"], 32 * MIB, "{d:#}");
+    assert_eq!(d["min_free"], "32MiB", "{d:#}");
+    // 48 MiB read one after another on a 64 MiB disk that keeps 32 MiB free: the least
+    // recently read files leave as the next ones arrive.
+    for (p, want) in &files {
+        assert_eq!(&std::fs::read(mnt.join(p)).unwrap(), want, "{p}");
+        until_state(&mnt.join(p), "local");
+        until_status(&b, 20, "the disk above its free floor", |d| {
+            d["disk_free_bytes"].as_u64().unwrap() >= d["min_free_bytes"].as_u64().unwrap()
+        });
+    }
+    assert_eq!(
+        state(&mnt.join("f0")),
+        "online",
+        "read first, evicted first"
+    );
+    assert_eq!(state(&mnt.join("f3")), "local", "read last, kept");
+    assert!(on_demand(&b)["evicted_files"].as_u64().unwrap() >= 2);
+    // Evicted, it comes back whole when read again.
+    assert_eq!(std::fs::read(mnt.join("f0")).unwrap(), files[0].1);
+}

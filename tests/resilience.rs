@@ -46,35 +46,6 @@ fn a_peer_killed_and_restarted_is_back_in_sync_within_two_seconds_in_both_id_ord
     }
 }
 
-/// A tmpfs of `mib` MiB at `dir`, unmounted on drop.
-struct SmallDisk(std::path::PathBuf);
-
-impl SmallDisk {
-    fn mount(dir: &std::path::Path, mib: u64) -> SmallDisk {
-        std::fs::create_dir_all(dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
-            .arg(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "mounting a tmpfs (the tests run as root): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        SmallDisk(dir.to_path_buf())
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .status();
-    }
-}
-
 fn temp_names(root: &std::path::Path) -> Vec<String> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];

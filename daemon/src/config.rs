@@ -351,6 +351,81 @@ pub struct FolderConfig {
     /// files are evicted beyond it (never a pinned, open or last copy). Unset: no budget.
     #[serde(default, with = "size_text", skip_serializing_if = "Option::is_none")]
     pub cache_max: Option<u64>,
+    /// How much of the disk holding an on-demand folder is kept free by evicting its least
+    /// recently used files (docs/decisions.md, D97): a share (`"5%"`) or a size (`"2GiB"`).
+    /// Unset: [`DEFAULT_MIN_FREE`].
+    #[serde(default, with = "floor_text", skip_serializing_if = "Option::is_none")]
+    pub min_free: Option<FreeFloor>,
+}
+
+/// How much of a disk is kept free (an on-demand folder's `min_free`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeFloor {
+    /// This share of the filesystem's size, in percent (0–90).
+    Percent(u8),
+    /// These many bytes.
+    Bytes(u64),
+}
+
+/// The free floor of an on-demand folder that sets none: 5 % of its disk.
+pub const DEFAULT_MIN_FREE: FreeFloor = FreeFloor::Percent(5);
+
+impl FreeFloor {
+    /// `N%` (0 to 90) or a size (`2GiB`, bytes; `0`: no floor).
+    pub fn parse(text: &str) -> Result<FreeFloor, String> {
+        let t = text.trim();
+        if let Some(n) = t.strip_suffix('%') {
+            return match n.trim().parse::<u8>() {
+                Ok(p) if p <= 90 => Ok(FreeFloor::Percent(p)),
+                _ => Err(format!(
+                    "{text:?}: a share of the disk from 0% to 90%, or a size (2GiB)"
+                )),
+            };
+        }
+        parse_size(t).map(FreeFloor::Bytes)
+    }
+
+    /// As the user writes it.
+    pub fn text(&self) -> String {
+        match self {
+            FreeFloor::Percent(p) => format!("{p}%"),
+            FreeFloor::Bytes(b) => format_size(*b),
+        }
+    }
+
+    /// The bytes to keep free on a filesystem of `total` bytes.
+    pub fn bytes(&self, total: u64) -> u64 {
+        match self {
+            FreeFloor::Percent(p) => total / 100 * u64::from(*p),
+            FreeFloor::Bytes(b) => *b,
+        }
+    }
+}
+
+mod floor_text {
+    use super::FreeFloor;
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<FreeFloor>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(f) => s.serialize_str(&f.text()),
+            None => s.serialize_none(),
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        Bytes(u64),
+        Words(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<FreeFloor>, D::Error> {
+        match Text::deserialize(d)? {
+            Text::Bytes(b) => Ok(Some(FreeFloor::Bytes(b))),
+            Text::Words(w) => FreeFloor::parse(&w).map(Some).map_err(D::Error::custom),
+        }
+    }
 }
 
 /// A size as the user writes it: bytes (`65536`), or a number with a unit of 1024s (`64KiB`,
@@ -460,6 +535,7 @@ impl FolderConfig {
             versions_max_mib: None,
             on_demand: false,
             cache_max: None,
+            min_free: None,
         }
     }
 }
@@ -888,6 +964,28 @@ mod tests {
         std::fs::write(home.config_file(), "[device]\nname='a'\nlisten='nope'\n").unwrap();
         let err = Config::load(&home).unwrap_err().to_string();
         assert!(err.contains("device.listen"), "{err}");
+    }
+
+    #[test]
+    fn a_free_floor_is_a_share_of_the_disk_or_a_size_and_round_trips() {
+        assert_eq!(FreeFloor::parse("5%"), Ok(FreeFloor::Percent(5)));
+        assert_eq!(FreeFloor::parse("2GiB"), Ok(FreeFloor::Bytes(2 << 30)));
+        assert_eq!(FreeFloor::parse("0"), Ok(FreeFloor::Bytes(0)));
+        assert!(FreeFloor::parse("95%").is_err());
+        assert!(FreeFloor::parse("lots").is_err());
+        assert_eq!(FreeFloor::Percent(10).bytes(1000), 100);
+        assert_eq!(FreeFloor::Bytes(7).bytes(1000), 7);
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        let mut f = FolderConfig::new(FolderId::new("work").unwrap(), "/tmp/w".into());
+        f.on_demand = true;
+        f.min_free = Some(FreeFloor::Percent(12));
+        c.folders.push(f);
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(text.contains("min_free = \"12%\""), "{text}");
+        assert_eq!(Config::load(&home).unwrap(), c);
     }
 
     #[test]

@@ -317,6 +317,9 @@ pub struct Demand {
     /// and bytes), and when: `status` is polled every 10–25 ms by `--wait-synced`, and reading
     /// it is a pass over the folder's records.
     residency: Mutex<Option<(std::time::Instant, [u64; 4])>>,
+    /// Bytes evicted, and when: their old files may still take the disk for the store's grace
+    /// (the free floor counts them as freed meanwhile, D97).
+    freeing: Mutex<Vec<(std::time::Instant, u64)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -432,6 +435,20 @@ impl Demand {
     /// residency again.
     pub fn changed(&self) {
         *lock(&self.residency) = None;
+    }
+
+    /// `bytes` were evicted at `now`.
+    pub fn freed(&self, now: std::time::Instant, bytes: u64) {
+        if bytes > 0 {
+            lock(&self.freeing).push((now, bytes));
+        }
+    }
+
+    /// The bytes evicted within `window` before `now`.
+    pub fn freeing(&self, now: std::time::Instant, window: std::time::Duration) -> u64 {
+        let mut f = lock(&self.freeing);
+        f.retain(|(at, _)| now.saturating_duration_since(*at) < window);
+        f.iter().map(|(_, b)| b).sum()
     }
 
     /// The pins now.

@@ -170,6 +170,8 @@ pub struct FolderPolicy {
     pub on_demand: bool,
     /// The most bytes of content it keeps here, on demand.
     pub cache_max: Option<u64>,
+    /// How much of its disk it keeps free, on demand (D97).
+    pub min_free: crate::config::FreeFloor,
 }
 
 impl FolderPolicy {
@@ -184,6 +186,7 @@ impl FolderPolicy {
             alone: !config.peers.iter().any(|p| p.folders.contains(&f.id)),
             on_demand: f.on_demand,
             cache_max: f.cache_max,
+            min_free: f.min_free.unwrap_or(crate::config::DEFAULT_MIN_FREE),
         }
     }
 }
@@ -199,6 +202,7 @@ impl Default for FolderPolicy {
             alone: false,
             on_demand: false,
             cache_max: None,
+            min_free: crate::config::DEFAULT_MIN_FREE,
         }
     }
 }

@@ -126,6 +126,12 @@ pub struct OnDemandStatus {
     /// How far `local_bytes` is over `cache_max` (what eviction could not free: pinned, open
     /// or last copies).
     pub over_budget: u64,
+    /// The free floor of its disk (D97), in bytes, and as configured (`"5%"`, `"2GiB"`).
+    pub min_free_bytes: u64,
+    /// See `min_free_bytes`.
+    pub min_free: String,
+    /// Bytes free on its disk now (for unprivileged writers); null when it cannot be read.
+    pub disk_free_bytes: Option<u64>,
     /// The pinned paths.
     pub pins: Vec<String>,
     /// Fetches under way.

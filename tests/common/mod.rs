@@ -554,3 +554,33 @@ pub fn noise(len: usize, seed: u64) -> Vec<u8> {
     out.truncate(len);
     out
 }
+
+/// A tmpfs of `mib` MiB at `dir`, unmounted on drop.
+pub struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    /// Mounts it (the tests run as root).
+    pub fn mount(dir: &std::path::Path, mib: u64) -> SmallDisk {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "mounting a tmpfs (the tests run as root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallDisk(dir.to_path_buf())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}

@@ -41,6 +41,9 @@ pub enum Streamed {
     Abandoned,
 }
 
+/// Bytes written into a stream's temp file between two checks of its disk's free floor (D97).
+const FLOOR_CHECK: u64 = 64 << 20;
+
 /// The temp file a stream fills, shared by its fetches' writers (`None` once it is taken to
 /// be installed or dropped).
 type Shared = Arc<Mutex<Option<TempFile>>>;
@@ -230,7 +233,13 @@ impl chunks::ChunkSink for StreamSink {
                 self.rt.store.write_temp(t, off, data)?;
             }
         }
-        self.flight.arrived(&hash, (at.len() * data.len()) as u64);
+        let bytes = (at.len() * data.len()) as u64;
+        let before = self.flight.done.load(std::sync::atomic::Ordering::Relaxed);
+        self.flight.arrived(&hash, bytes);
+        // The disk's free floor is checked as the temp file grows, not only at its install.
+        if (before + bytes) / FLOOR_CHECK != before / FLOOR_CHECK {
+            self.rt.demand.arrived.notify_one();
+        }
         Ok(())
     }
 }

@@ -1,5 +1,5 @@
 //! An on-demand folder's budget, kept as content arrives, and evictions (docs/decisions.md,
-//! D93): beyond `cache_max`, local files leave in least recently used order, each replaced by
+//! D93, D97): beyond `cache_max`, or while its disk has less free than `min_free`, local files leave in least recently used order, each replaced by
 //! a placeholder through the store's checks; never a pinned file, an open one, or content no
 //! connected peer is known to hold (a last copy, or a local change not acknowledged yet).
 
@@ -169,33 +169,58 @@ fn by_last_use(rt: &FolderRt, mut files: Vec<Resident>) -> Vec<Resident> {
     files
 }
 
-/// Evicts least recently used files of `rt` until it is under its budget (nothing when it has
-/// none, or is not on demand).
+/// How long an evicted file's bytes may still take the disk (the store keeps the old file
+/// aside for its grace, `store::GRACE`, before it drops it): the free floor counts them as
+/// freed meanwhile, and is looked at again once they are gone.
+const FREEING: Duration = Duration::from_secs(6);
+
+/// Evicts least recently used files of `rt` until it is under its budget and its disk has its
+/// free floor (D97); nothing when the folder is not on demand.
 pub fn keep_budget(
     folders: &Folders,
     rt: &FolderRt,
     connected: &[DeviceId],
 ) -> Result<EvictReport, FolderError> {
     let policy = rt.policy();
-    let (true, Some(max)) = (policy.on_demand, policy.cache_max) else {
+    if !policy.on_demand {
         return Ok(EvictReport::default());
-    };
+    }
+    let (short, _) = floor_short(rt, &policy);
     let (local, files) = {
         let reader = folders.reader()?;
         let local = reader.residency(&rt.id)?.local_bytes;
-        if local <= max {
+        let over = policy.cache_max.map_or(0, |max| local.saturating_sub(max));
+        if over == 0 && short == 0 {
             return Ok(EvictReport {
                 local_bytes: local,
-                cache_max: Some(max),
+                cache_max: policy.cache_max,
                 ..Default::default()
             });
         }
         (local, reader.residents(&rt.id)?)
     };
-    let over = local - max;
-    evict_files(folders, rt, by_last_use(rt, files), connected, |freed| {
-        freed < over
-    })
+    let over = policy.cache_max.map_or(0, |max| local.saturating_sub(max));
+    let need = over.max(short);
+    if short > over {
+        tracing::info!(folder = %rt.id, short, floor = %policy.min_free.text(), "the disk is under the folder's free floor: evicting");
+    }
+    let report = evict_files(folders, rt, by_last_use(rt, files), connected, |freed| {
+        freed < need
+    })?;
+    rt.demand.freed(Instant::now(), report.freed_bytes);
+    Ok(report)
+}
+
+/// How many bytes the disk holding `rt` lacks of its free floor (0: none, or it cannot be
+/// read), counting what was evicted within [`FREEING`] as free already; and whether it lacks
+/// some without counting those (then it is looked at again once they are gone).
+pub fn floor_short(rt: &FolderRt, policy: &crate::folder::FolderPolicy) -> (u64, bool) {
+    let Some((free, total)) = crate::store::space(rt.store.root()) else {
+        return (0, false);
+    };
+    let raw = policy.min_free.bytes(total).saturating_sub(free);
+    let freeing = rt.demand.freeing(Instant::now(), FREEING);
+    (raw.saturating_sub(freeing), raw > 0 && freeing > 0)
 }
 
 /// `meshfs evict FOLDER PATH`: evicts what is local at or below `scope` now, by the same rules.
@@ -241,6 +266,7 @@ pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected)
             pruned = Instant::now();
         }
         let ids = connected(&folder);
+        let rt_after = rt.clone();
         let done = tokio::task::spawn_blocking(move || {
             if prune {
                 f.journal()?.prune_absent(&rt.id)?;
@@ -250,7 +276,9 @@ pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected)
         .await;
         if let Ok(Ok(r)) = &done {
             let busy = r.kept.iter().any(|k| k.why == OPEN || k.why == FETCHING);
-            if busy && r.cache_max.is_some_and(|max| r.local_bytes > max) {
+            let (short, freeing) = floor_short(&rt_after, &rt_after.policy());
+            if freeing || busy && (short > 0 || r.cache_max.is_some_and(|max| r.local_bytes > max))
+            {
                 wait = BUSY_RETRY;
             }
         }

@@ -253,7 +253,11 @@ pub fn status_of(journal: &crate::journal::Journal, rt: &FolderRt) -> Option<OnD
                 [r.local_files, r.local_bytes, r.online_files, r.online_bytes]
             });
     let (unavailable, unlisted) = rt.demand.unavailable();
+    let space = crate::store::space(rt.store.root());
     Some(OnDemandStatus {
+        min_free_bytes: space.map_or(0, |(_, total)| policy.min_free.bytes(total)),
+        min_free: policy.min_free.text(),
+        disk_free_bytes: space.map(|(free, _)| free),
         cache_max: policy.cache_max,
         local_files,
         local_bytes,
