@@ -67,8 +67,9 @@ pub async fn make_local(
     // The version's source first: it had this very version.
     conns.sort_by_key(|(d, _)| Some(*d) != stored.source);
     let conns: Vec<quinn::Connection> = conns.into_iter().map(|(_, c)| c).collect();
+    let mut asked: Vec<usize> = conns.iter().map(|c| c.stable_id()).collect();
     let started = std::time::Instant::now();
-    let filled = crate::apply::fill(
+    let mut filled = crate::apply::fill(
         folders.clone(),
         rt.clone(),
         path.clone(),
@@ -76,6 +77,32 @@ pub async fn make_local(
         flight.done.clone(),
     )
     .await;
+    // The peers' links may have changed meanwhile: a peer that came back dials while it is
+    // dialed, and the connection of the two that loses is closed, maybe under this fetch.
+    // The links that came up since are asked once more before the open fails.
+    while matches!(
+        filled,
+        Err(FillError::NoPeer | FillError::NotHeld { bad: false, .. })
+    ) {
+        let fresh: Vec<quinn::Connection> = peers(&rt.id)
+            .into_iter()
+            .map(|(_, c)| c)
+            .filter(|c| !asked.contains(&c.stable_id()))
+            .collect();
+        if fresh.is_empty() {
+            break;
+        }
+        asked.extend(fresh.iter().map(|c| c.stable_id()));
+        tracing::info!(folder = %rt.id, %path, links = fresh.len(), "asking the links that came up during the fetch");
+        filled = crate::apply::fill(
+            folders.clone(),
+            rt.clone(),
+            path.clone(),
+            fresh,
+            flight.done.clone(),
+        )
+        .await;
+    }
     let outcome = match filled {
         Ok(Filled::Local(_)) => {
             rt.demand.fetched_bytes.fetch_add(size, Ordering::Relaxed);
