@@ -502,7 +502,14 @@ fn offline_an_open_fails_within_seconds_with_ehostunreach_and_status_says_why_th
     until_status(&od.b, 30, "A connected again", |_| {
         od.b.status()["peers"][0]["connected"] == true
     });
-    assert_eq!(std::fs::read(&path).unwrap(), data);
+    match std::fs::read(&path) {
+        Ok(got) => assert!(got == data, "far.bin read back wrong"),
+        Err(e) => panic!(
+            "A back, the open failed: {e}\nB:\n{}\nA:\n{}",
+            od.b.log(),
+            od.a.log()
+        ),
+    }
     // Listed until the file is installed, a moment after its last read.
     until_status(&od.b, 10, "no longer listed as unavailable", |d| {
         d["unavailable"].as_array().unwrap().is_empty()

@@ -600,7 +600,10 @@ mod tests {
         c.add(CaptureMsg::Renamed(a.clone(), b.clone()), t0);
         // `IN_MOVE_SELF` of the old name, handled 2 ms later by a preempted watcher thread.
         c.add(CaptureMsg::Changed(a.clone(), Hint::Other), t0 + q / 2);
-        c.add(CaptureMsg::Changed(RelPath::new("x").unwrap(), Hint::Other), t0 + q / 2);
+        c.add(
+            CaptureMsg::Changed(RelPath::new("x").unwrap(), Hint::Other),
+            t0 + q / 2,
+        );
         let (_, mut ready, next) = c.take_ready(t0 + q, q, open);
         ready.sort();
         assert_eq!(ready, vec![b, a.clone()]);

@@ -123,7 +123,13 @@ pub async fn drive(
                 order.rotate_left(first);
             }
             turn += 1;
-            fetches.spawn(fetch_piece(order, rt.id.clone(), piece, sink.clone()));
+            fetches.spawn(fetch_piece(
+                order,
+                conns.clone(),
+                rt.id.clone(),
+                piece,
+                sink.clone(),
+            ));
         }
         tokio::select! {
             _ = flight.wake.notified() => {}
@@ -157,44 +163,64 @@ fn take(temp: &Shared) -> Option<TempFile> {
     temp.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
-/// Fetches `piece` from `conns` in turn (each asked only for what the ones before it did not
-/// give); on failure, the chunks asked and why.
+/// Fetches `piece` from `order` in turn (each asked only for what the ones before it did not
+/// give), then from the links that came up meanwhile (`conns` asked again: a peer that came
+/// back dials while it is dialed, and the connection of the two that loses is closed, maybe
+/// under this fetch); on failure, the chunks asked and why.
 async fn fetch_piece(
-    conns: Vec<quinn::Connection>,
+    order: Vec<quinn::Connection>,
+    conns: Conns,
     folder: FolderId,
     piece: Vec<(Hash, u32)>,
     sink: StreamSink,
 ) -> Result<(), (Vec<(Hash, u32)>, FillError)> {
-    if conns.is_empty() {
-        return Err((piece, FillError::NoPeer));
-    }
+    let mut asked: Vec<usize> = order.iter().map(|c| c.stable_id()).collect();
+    let mut next = order;
     let mut left = piece.clone();
     let mut failures: Vec<String> = Vec::new();
     let mut bad = false;
-    for conn in conns {
-        let why = match watched(
-            &conn,
-            chunks::fetch(&conn, &folder, left.clone(), sink.clone()),
-        )
-        .await
-        {
-            None => format!("its connection carried nothing for {} s", STALL.as_secs()),
-            Some((Ok(absent), _)) if absent.is_empty() => return Ok(()),
-            Some((Ok(absent), _)) => format!("it does not have {} of the chunks", absent.len()),
-            Some((Err(FetchError::Store(e)), _)) => {
-                return Err((piece, FillError::Apply(ApplyError::from(e))))
+    loop {
+        for conn in next {
+            let why = match watched(
+                &conn,
+                chunks::fetch(&conn, &folder, left.clone(), sink.clone()),
+            )
+            .await
+            {
+                None => format!("its connection carried nothing for {} s", STALL.as_secs()),
+                Some((Ok(absent), _)) if absent.is_empty() => return Ok(()),
+                Some((Ok(absent), _)) => format!("it does not have {} of the chunks", absent.len()),
+                Some((Err(FetchError::Store(e)), _)) => {
+                    return Err((piece, FillError::Apply(ApplyError::from(e))))
+                }
+                Some((Err(e), _)) => {
+                    bad |= matches!(e, FetchError::Protocol(_));
+                    e.to_string()
+                }
+            };
+            tracing::info!(%folder, peer = %conn.remote_address(), %why, "a peer could not give chunks of a file being read; asking the next");
+            failures.push(why);
+            left = sink.flight.not_present(&left);
+            if left.is_empty() {
+                return Ok(());
             }
-            Some((Err(e), _)) => {
-                bad |= matches!(e, FetchError::Protocol(_));
-                e.to_string()
-            }
-        };
-        tracing::info!(%folder, peer = %conn.remote_address(), %why, "a peer could not give chunks of a file being read; asking the next");
-        failures.push(why);
-        left = sink.flight.not_present(&left);
-        if left.is_empty() {
-            return Ok(());
         }
+        if bad {
+            break;
+        }
+        let fresh: Vec<quinn::Connection> = conns()
+            .into_iter()
+            .filter(|c| !asked.contains(&c.stable_id()))
+            .collect();
+        if fresh.is_empty() {
+            break;
+        }
+        asked.extend(fresh.iter().map(|c| c.stable_id()));
+        tracing::info!(%folder, links = fresh.len(), "asking the links that came up during the fetch");
+        next = fresh;
+    }
+    if failures.is_empty() {
+        return Err((piece, FillError::NoPeer));
     }
     Err((
         piece,
