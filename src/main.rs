@@ -694,7 +694,7 @@ fn folder_cmd(home: &Home, cmd: FolderCmd) -> anyhow::Result<u8> {
             let config = Config::load(home)?;
             if json {
                 let v: Vec<_> = config.folders.iter().map(|f| serde_json::json!({"id": f.id, "path": f.path, "watch": f.watch,
-                    "on_demand": f.on_demand, "cache_max": f.cache_max, "min_free": f.min_free.map(|m| m.text()),
+                    "on_demand": f.on_demand, "cache_max": f.cache_max,
                     "shared_with": config.peers.iter().filter(|p| p.folders.contains(&f.id)).map(|p| p.id.to_string()).collect::<Vec<_>>()})).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {

@@ -6,7 +6,7 @@
 //! Plain state behind short locks: it reads no clock but the callers', touches no file, socket
 //! or journal. `crate::ondemand` acts on it; the folder runtime owns one.
 
-use crate::ondemand::assembly::Assembly;
+use crate::assembly::Assembly;
 use meshfs_protocol::{Hash, RelPath};
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;

@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod apply;
+pub mod assembly;
 pub mod capture;
 pub mod chunker;
 pub mod chunks;

@@ -1,7 +1,7 @@
 //! Files on demand, the engine's side (docs/decisions.md, D90–D95): a placeholder's content
 //! streamed to the reads of an open ([`open_stream`]) or made local when it is opened for
 //! writing or pinned ([`make_local`]), both through one flight per file driven by
-//! `apply::drive` (the same steps as a batch), what of it is verified ([`assembly`]), the mount's [`ContentSource`](meshfs_fuse::ContentSource) ([`MountContent`]),
+//! `apply::drive` (the same steps as a batch), what of it is verified (`crate::assembly`), the mount's [`ContentSource`](meshfs_fuse::ContentSource) ([`MountContent`]),
 //! the budget kept as content arrives and evictions ([`budget`]), pins ([`pins`]), and what
 //! `status` shows ([`status_of`]).
 //!
@@ -9,7 +9,6 @@
 //! an on-demand folder it installs placeholders itself, D91), or serve a byte that was not
 //! verified: a placeholder is never read as content.
 
-pub mod assembly;
 pub mod budget;
 pub mod pins;
 pub mod source;
