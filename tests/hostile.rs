@@ -347,7 +347,7 @@ fn a_removed_peer_is_refused_even_after_a_session_it_could_resume() {
     });
     ok(&a.home, &["peer", "remove", &m_id]);
     // Under TLS 1.3 the dialer's side of the handshake completes before the listener has
-    // checked its certificate (transport.rs, step 5): a connection is in only once the
+    // checked its certificate (`transport`, step 5): a connection is in only once the
     // listener welcomes it on its first unidirectional stream; a refused one is closed with a
     // certificate alert.
     let again = rt.block_on(async {
