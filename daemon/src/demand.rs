@@ -275,11 +275,6 @@ impl Flight {
         drop(s);
         self.changed.notify_all();
     }
-
-    /// How it ended, if it did.
-    pub fn ended(&self) -> Option<End> {
-        lock(&self.stage).ended.clone()
-    }
 }
 
 fn abandoned() -> Failure {

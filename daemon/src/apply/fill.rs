@@ -24,9 +24,6 @@ pub const STALL: Duration = Duration::from_secs(3);
 /// Why a placeholder's content could not be made local.
 #[derive(Debug, thiserror::Error)]
 pub enum FillError {
-    /// Every reader left before the file was whole (what was fetched is dropped).
-    #[error("{0}: every reader left before it was whole")]
-    Abandoned(RelPath),
     /// No connected peer shares the folder, and this device lacks some of the chunks.
     #[error("no connected peer shares the folder, and the content is not on this device")]
     NoPeer,

@@ -212,7 +212,6 @@ fn failure_of(e: &FillError) -> Failure {
 /// The errno an open fails with for `e` (D92).
 fn errno_of(e: &FillError) -> i32 {
     match e {
-        FillError::Abandoned(_) => libc::EIO,
         FillError::NoPeer => libc::EHOSTUNREACH,
         FillError::NotHeld { bad: false, .. } => libc::EHOSTUNREACH,
         FillError::NotHeld { bad: true, .. } => libc::EIO,
