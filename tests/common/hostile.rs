@@ -612,7 +612,7 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
 }
 
 /// A QUIC client config for `identity` that keeps and offers TLS resumption tickets in
-/// `tickets` (the daemon's own dialer never resumes: `transport::client_config`).
+/// `tickets` (the daemon's own dialer never resumes: `transport::handshake::client_config`).
 pub fn resuming_client(
     identity: &Identity,
     tickets: std::sync::Arc<CountingTickets>,
