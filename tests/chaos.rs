@@ -11,9 +11,20 @@
 //! step, is the machine's. A failing seed keeps its directory (daemon logs, the plan, the
 //! trace of what each step did, each device's journal and status) and prints it.
 //!
-//! Environment (the default, for CI: seeds 0 and 1 on 3 devices and seed 2 on 5, 40 steps):
+//! With one device on demand (issue #48: `MESHFS_CHAOS_ON_DEMAND=1`; the last device, e.g. r2 of
+//! three), that device's folder is on demand with a small budget and mounted, and the script
+//! works on it through its mount only: writes, renames, deletes, reads of files not local (which
+//! fetch), `meshfs evict`, held files, as well as SIGKILLs and partitions like the others. Its
+//! replica is compared by what its placeholders stand for, and once in sync `chaos/ondemand.rs`
+//! checks its mount: every path there with the right size and mode, every file reading back
+//! exactly what the others hold (never a zero-filled range, nor during the script), and no
+//! content evicted that no other device held (the last-copy rule).
+//!
+//! Environment (the default, for CI: seeds 0 and 1 on 3 devices, seed 2 on 5, and seed 3 on 3
+//! with r2 on demand, 40 steps):
 //! - `MESHFS_CHAOS_SEEDS`: seeds, e.g. `0-199` or `3,7,10-12`;
 //! - `MESHFS_CHAOS_DEVICES`: device counts, e.g. `3,5,8` (every seed runs on each);
+//! - `MESHFS_CHAOS_ON_DEMAND`: `1`: the last device of every run is on demand;
 //! - `MESHFS_CHAOS_OPS`: steps per run (default 100 when seeds are given);
 //! - `MESHFS_CHAOS_CONVERGE_SECS`: how long to wait for "in sync" at the end (default 300);
 //! - `MESHFS_BIN`: the daemon to run, e.g. `target/release/meshfs` (default: this build's).
@@ -23,6 +34,8 @@
 use crate::common;
 #[path = "chaos/mesh.rs"]
 mod mesh;
+#[path = "chaos/ondemand.rs"]
+mod ondemand;
 #[path = "chaos/plan.rs"]
 mod plan;
 #[path = "chaos/run.rs"]
@@ -66,21 +79,28 @@ fn parse_list(s: &str) -> Vec<u64> {
     out
 }
 
-/// The (devices, seed) runs and the steps of each, from the environment.
-fn runs() -> (Vec<(usize, u64)>, usize) {
+/// One run: how many devices, whether the last is on demand, the seed.
+type Spec = (usize, bool, u64);
+
+/// The runs and the steps of each, from the environment.
+fn runs() -> (Vec<Spec>, usize) {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     let (seeds, devices) = (var("MESHFS_CHAOS_SEEDS"), var("MESHFS_CHAOS_DEVICES"));
+    let on_demand = var("MESHFS_CHAOS_ON_DEMAND").is_some_and(|v| v.trim() == "1");
     let ops =
         var("MESHFS_CHAOS_OPS").map(|o| o.trim().parse().expect("MESHFS_CHAOS_OPS: a number"));
-    if seeds.is_none() && devices.is_none() {
-        return (vec![(3, 0), (3, 1), (5, 2)], ops.unwrap_or(40));
+    if seeds.is_none() && devices.is_none() && !on_demand {
+        return (
+            vec![(3, false, 0), (3, false, 1), (5, false, 2), (3, true, 3)],
+            ops.unwrap_or(40),
+        );
     }
     let seeds = parse_list(seeds.as_deref().unwrap_or("0-1"));
     let devices = parse_list(devices.as_deref().unwrap_or("3"));
     let mut out = Vec::new();
     for &n in &devices {
         for &s in &seeds {
-            out.push((n as usize, s));
+            out.push((n as usize, on_demand, s));
         }
     }
     (out, ops.unwrap_or(100))
@@ -115,7 +135,7 @@ fn converge(run: &Run, within: Duration) -> Result<Duration, String> {
                 .status
                 .success()
         });
-        let trees: Vec<_> = run.devs.iter().map(|d| tree(&d.dir)).collect();
+        let trees: Vec<_> = (0..run.devs.len()).map(|d| run.tree(d)).collect();
         if synced && trees.iter().all(|t| t == &trees[0]) {
             return Ok(start.elapsed());
         }
@@ -151,17 +171,37 @@ fn keep_state(run: &Run, dir: &Path) {
         let _ = std::fs::write(dir.join(format!("journal-{}.jsonl", d.name)), &j.stdout);
         let s = meshfs(&d.home, &["status", "--json"]);
         let _ = std::fs::write(dir.join(format!("status-{}.json", d.name)), &s.stdout);
+    }
+    for d in 0..run.devs.len() {
         let _ = std::fs::write(
-            dir.join(format!("tree-{}.txt", d.name)),
-            format!("{:#?}", tree(&d.dir)),
+            dir.join(format!("tree-{}.txt", run.devs[d].name)),
+            format!("{:#?}", run.tree(d)),
+        );
+    }
+    if let Some((o, mnt)) = &run.od {
+        let _ = std::fs::write(
+            dir.join(format!("tree-{}-mount.txt", run.devs[*o].name)),
+            format!("{:#?}", tree(mnt)),
+        );
+        let _ = std::fs::write(
+            dir.join(format!("watch-{}.txt", run.devs[*o].name)),
+            format!("{:#?}", run.watch),
         );
     }
 }
 
-/// Checks the invariants; `phase` names the moment for the message.
-fn verdict(run: &Run, phase: &str) -> Result<usize, String> {
+/// Checks the invariants; `phase` names the moment for the message. `mount`: the on-demand
+/// device's mount is checked too (it reads every file through it), with its figures.
+fn verdict(
+    run: &Run,
+    phase: &str,
+    mount: Option<&mut ondemand::MountCheck>,
+) -> Result<usize, String> {
     let journals = verdict::journals(run);
-    let bad = verdict::check(run, &journals);
+    let mut bad = verdict::check(run, &journals);
+    if let (Some(figures), Some((o, _))) = (mount, &run.od) {
+        bad.extend(ondemand::check(run, *o, &run.watch, &journals, figures));
+    }
     if bad.is_empty() {
         Ok(journals.iter().map(Vec::len).sum())
     } else {
@@ -169,14 +209,31 @@ fn verdict(run: &Run, phase: &str) -> Result<usize, String> {
     }
 }
 
+/// The on-demand device's figures from its status: (bytes received, files fetched, files
+/// evicted, bytes local).
+fn od_figures(run: &Run) -> Option<(u64, u64, u64, u64)> {
+    let (o, _) = run.od.as_ref()?;
+    let s = run.devs[*o].status();
+    let d = &s["folders"][0]["on_demand"];
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    Some((
+        n(&s["bytes_received"]),
+        n(&d["fetched_files"]),
+        n(&d["evicted_files"]),
+        n(&d["local_bytes"]),
+    ))
+}
+
 /// One seed from start to verdict; the summary line.
 fn one_run(
     seed: u64,
     n: usize,
+    on_demand: bool,
     ops: usize,
     base: &Arc<tempfile::TempDir>,
 ) -> Result<String, String> {
-    let steps = plan::plan(seed, n, ops);
+    let od = on_demand.then_some(n - 1);
+    let steps = plan::plan(seed, n, ops, od);
     let listing: Vec<String> = steps
         .iter()
         .enumerate()
@@ -184,7 +241,7 @@ fn one_run(
         .collect();
     std::fs::write(base.path().join("plan.txt"), listing.join("\n")).expect("plan file");
 
-    let mut run = Run::new(seed, n, base);
+    let mut run = Run::new(seed, n, od, base);
     let result = (|| {
         converge(&run, converge_limit()).map_err(|e| format!("at start: {e}"))?;
         let began = Instant::now();
@@ -195,19 +252,40 @@ fn one_run(
         run.settle(steps.len());
         let first = converge(&run, converge_limit()).map_err(|e| {
             // What the invariants say of the state it got stuck in.
-            let more = verdict(&run, "meanwhile").err().unwrap_or_default();
+            let more = verdict(&run, "meanwhile", None).err().unwrap_or_default();
             format!("after the script: {e}\n{more}")
         })?;
         run.note(steps.len(), format!("in sync after {first:?}"));
-        verdict(&run, "once in sync")?;
+        let script_figures = od_figures(&run);
+        let mut mount = ondemand::MountCheck::default();
+        verdict(&run, "once in sync", Some(&mut mount))?;
+        let od_line = match (script_figures, od_figures(&run)) {
+            (Some((rx, fetched, evicted, _)), Some((rx2, fetched2, evicted2, local))) => format!(
+                "; on demand r{}: script and sync received {rx} bytes, {fetched} files fetched, {evicted} evicted (`evict` run {} times, keeping {} files), {} reads through the mount ({} bytes, {} failed offline), {} evictions seen; the check read {} files ({} bytes) through the mount, fetching {} more files ({} bytes), {} more evicted, {local} bytes local (budget {})",
+                n - 1,
+                run.watch.evict_calls,
+                run.watch.evict_kept,
+                run.watch.reads,
+                run.watch.read_bytes,
+                run.watch.read_failures,
+                run.watch.evicted.len(),
+                mount.files,
+                mount.bytes,
+                fetched2 - fetched,
+                rx2 - rx,
+                evicted2 - evicted,
+                run::CACHE_MAX,
+            ),
+            _ => String::new(),
+        };
 
         // Every daemon restarted: its start-up scan sees anything its watcher missed, and
         // nothing may change.
-        let before: Vec<_> = run.devs.iter().map(|d| tree(&d.dir)).collect();
+        let before: Vec<_> = (0..run.devs.len()).map(|d| run.tree(d)).collect();
         run.restart_all();
         let second =
             converge(&run, converge_limit()).map_err(|e| format!("after restarting all: {e}"))?;
-        let after: Vec<_> = run.devs.iter().map(|d| tree(&d.dir)).collect();
+        let after: Vec<_> = (0..run.devs.len()).map(|d| run.tree(d)).collect();
         if after != before {
             let both: Vec<_> = before.iter().chain(after.iter().take(1)).cloned().collect();
             return Err(format!(
@@ -215,10 +293,12 @@ fn one_run(
                 tree_differences(&both).join("\n  ")
             ));
         }
-        let rows = verdict(&run, "after restarting every daemon")?;
+        let mut again = ondemand::MountCheck::default();
+        let rows = verdict(&run, "after restarting every daemon", Some(&mut again))?;
         let c = &run.counts;
         Ok(format!(
-            "chaos seed {seed:>4} devices {n} steps {ops}: writes {} (offline {}), kills {}, partitions {}, races {} ({} overwrites), held files {}; script {:.1} s, in sync {:.1} s after, again {:.1} s after restarting all; {rows} journal rows",
+            "chaos seed {seed:>4} devices {n}{} steps {ops}: writes {} (offline {}), kills {}, partitions {}, races {} ({} overwrites), held files {}; script {:.1} s, in sync {:.1} s after, again {:.1} s after restarting all; {rows} journal rows{od_line}",
+            if on_demand { " (one on demand)" } else { "" },
             c.writes,
             c.offline_writes,
             c.kills,
@@ -240,17 +320,18 @@ fn one_run(
 #[test]
 fn randomized_runs_with_partitions_kills_and_racing_writes_lose_no_version_and_end_identical() {
     let (runs, ops) = runs();
-    let mut per_size: BTreeMap<usize, (usize, Vec<u64>)> = BTreeMap::new();
+    let mut per_size: BTreeMap<(usize, bool), (usize, Vec<u64>)> = BTreeMap::new();
     let mut failures = Vec::new();
     let all = Instant::now();
-    for (n, seed) in runs {
+    for (n, on_demand, seed) in runs {
+        let od_tag = if on_demand { "od" } else { "" };
         let base = Arc::new(
             tempfile::Builder::new()
-                .prefix(&format!("meshfs-chaos-s{seed}-n{n}-"))
+                .prefix(&format!("meshfs-chaos-s{seed}-n{n}{od_tag}-"))
                 .tempdir()
                 .expect("tempdir"),
         );
-        let outcome = catch_unwind(AssertUnwindSafe(|| one_run(seed, n, ops, &base)))
+        let outcome = catch_unwind(AssertUnwindSafe(|| one_run(seed, n, on_demand, ops, &base)))
             .unwrap_or_else(|p| {
                 let msg = p
                     .downcast_ref::<String>()
@@ -259,7 +340,7 @@ fn randomized_runs_with_partitions_kills_and_racing_writes_lose_no_version_and_e
                     .unwrap_or_default();
                 Err(format!("panicked: {msg}"))
             });
-        let entry = per_size.entry(n).or_default();
+        let entry = per_size.entry((n, on_demand)).or_default();
         entry.0 += 1;
         match outcome {
             Ok(line) => eprintln!("{line}"),
@@ -268,7 +349,9 @@ fn randomized_runs_with_partitions_kills_and_racing_writes_lose_no_version_and_e
                     .map(|t| t.keep().display().to_string())
                     .unwrap_or_else(|_| "(not kept)".into());
                 let msg = format!(
-                    "chaos seed {seed} devices {n} steps {ops} FAILED ({kept}; replay: MESHFS_CHAOS_SEEDS={seed} MESHFS_CHAOS_DEVICES={n} MESHFS_CHAOS_OPS={ops} cargo test --test it chaos:: -- --nocapture): {why}"
+                    "chaos seed {seed} devices {n}{} steps {ops} FAILED ({kept}; replay: MESHFS_CHAOS_SEEDS={seed} MESHFS_CHAOS_DEVICES={n}{} MESHFS_CHAOS_OPS={ops} cargo test --test it chaos:: -- --nocapture): {why}",
+                    if on_demand { " (one on demand)" } else { "" },
+                    if on_demand { " MESHFS_CHAOS_ON_DEMAND=1" } else { "" },
                 );
                 eprintln!("{msg}");
                 entry.1.push(seed);
@@ -276,9 +359,10 @@ fn randomized_runs_with_partitions_kills_and_racing_writes_lose_no_version_and_e
             }
         }
     }
-    for (n, (count, failed)) in &per_size {
+    for ((n, on_demand), (count, failed)) in &per_size {
+        let od = if *on_demand { " (one on demand)" } else { "" };
         eprintln!(
-            "chaos summary: {n} devices: {count} seeds, {} passed, failed: {failed:?}",
+            "chaos summary: {n} devices{od}: {count} seeds, {} passed, failed: {failed:?}",
             count - failed.len()
         );
     }

@@ -4,6 +4,11 @@
 //! file was still there to delete, depend on timing and are traced by the runner).
 //!
 //! The path space is small (eight files in three directories) so that edits collide.
+//!
+//! With an on-demand device (`od`), the script also reads files through its mount (which
+//! fetches what is not local) and runs `meshfs evict` on it; its writes are never made while
+//! its daemon is down (its mount is gone then, and its backing directory is not for writing,
+//! D90). Without one, the script of a seed is the same as before this option existed.
 
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -69,6 +74,10 @@ pub enum Op {
     Kill { dev: usize },
     /// Starts a killed device's daemon again.
     Restart { dev: usize },
+    /// Reads `path` whole through the on-demand device's mount (fetching what is not local).
+    Read { dev: usize, path: &'static str },
+    /// `meshfs evict work PATH` on the on-demand device (`path`: a file, a directory or `.`).
+    Evict { dev: usize, path: &'static str },
 }
 
 /// An operation and the pause after it.
@@ -139,8 +148,8 @@ fn pause(rng: &mut StdRng) -> u64 {
     }
 }
 
-/// The script of `steps` steps for `n` devices from `seed`.
-pub fn plan(seed: u64, n: usize, steps: usize) -> Vec<Step> {
+/// The script of `steps` steps for `n` devices from `seed`; `od`: the on-demand device.
+pub fn plan(seed: u64, n: usize, steps: usize, od: Option<usize>) -> Vec<Step> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut m = Model {
         n,
@@ -165,11 +174,12 @@ pub fn plan(seed: u64, n: usize, steps: usize) -> Vec<Step> {
         let running = m.running();
         let dev = *running.choose(&mut rng).expect("a device runs");
         let path = *FILES.choose(&mut rng).expect("files");
-        let op = match rng.gen_range(0..95) {
+        let range = if od.is_some() { 0..111 } else { 0..95 };
+        let op = match rng.gen_range(range) {
             // Most writes on a running device; some on a stopped one.
             0..=27 => {
                 let dev = match m.stopped().choose(&mut rng) {
-                    Some(&s) if rng.gen_bool(0.15) => s,
+                    Some(&s) if rng.gen_bool(0.15) && Some(s) != od => s,
                     _ => dev,
                 };
                 let atomic = rng.gen_bool(0.3);
@@ -253,6 +263,18 @@ pub fn plan(seed: u64, n: usize, steps: usize) -> Vec<Step> {
                     }
                 }
                 Op::Heal
+            }),
+            // Reads through the on-demand device's mount, and evictions.
+            95..=104 => od
+                .filter(|&o| m.running[o])
+                .map(|dev| Op::Read { dev, path }),
+            105..=107 => od.filter(|&o| m.running[o]).map(|dev| {
+                let path = match rng.gen_range(0..4) {
+                    0 => ".",
+                    1 => *DIRS.choose(&mut rng).expect("dirs"),
+                    _ => path,
+                };
+                Op::Evict { dev, path }
             }),
             _ => (m.stopped().len() < max_down && running.len() > 1).then(|| {
                 m.running[dev] = false;

@@ -3,18 +3,55 @@
 //! "touches" that decide which write was a device's last one at a path), in the order the
 //! harness did them. A step whose file was not there (a delete of a file a peer already
 //! removed) changes nothing and is traced as such.
+//!
+//! An on-demand device (`od`) is worked on through its mount only (`mount =` in its folder's
+//! config, so every start of its daemon mounts it again); its daemon runs in the network
+//! namespace of its device but in this process's mount namespace (`nsenter --net`, where the
+//! others use `ip netns exec`, which makes a mount namespace of its own), so that the mount is
+//! visible here. Its folder's budget is small, so the budget evicts while the script runs.
 
 use super::mesh::{Mesh, PORT};
+use super::ondemand::Watch;
 use super::plan::{Op, Step, FILES};
 use crate::common::{ok, Device};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// How long a race waits for the first device's content to show on the second.
 const RACE_DEADLINE: Duration = Duration::from_secs(20);
+
+/// The on-demand device's budget (`--cache-max`): less than the larger files the script writes
+/// on such a run, so that the budget evicts as they are read and written.
+pub const CACHE_MAX: &str = "192KiB";
+
+/// Lazily detaches a mount point left mounted (its daemon SIGKILLed and never started again,
+/// a panic): dropped after the devices, whose drop stops their daemons (which unmounts).
+struct Detach(Option<PathBuf>);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        if let Some(m) = &self.0 {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(m)
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Whether `p` is a live mount point (listed in this process's mount table and answering).
+fn mounted(p: &Path) -> bool {
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let target = p.to_string_lossy();
+    table
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(target.as_ref()))
+        && fs::read_dir(p).is_ok()
+}
 
 /// A write that happened: `content` is exactly what `dev`'s file at `path` held once it
 /// was done.
@@ -57,6 +94,10 @@ pub struct Run {
     pub touches: Vec<Touch>,
     pub trace: Vec<String>,
     pub counts: Counts,
+    /// The on-demand device, if any, and its mount point.
+    pub od: Option<(usize, PathBuf)>,
+    /// What was seen of the on-demand device as the script ran.
+    pub watch: Watch,
     held: BTreeMap<(usize, String), File>,
     tick: u64,
     /// Daemon starts so far (numbers the logs kept).
@@ -64,6 +105,8 @@ pub struct Run {
     started: Instant,
     /// `trace.txt` in the run's directory: the trace as it happens, kept if the run fails.
     log: File,
+    /// Declared after `devs`: dropped after them.
+    _detach: Detach,
 }
 
 /// Writes `data` to `p`, creating its directories; `tmp`: through that temporary file renamed
@@ -90,8 +133,14 @@ fn put(p: &Path, data: &[u8], tmp: Option<&Path>) -> io::Result<()> {
 }
 
 impl Run {
-    /// `n` devices `r0`… in a full mesh, all started and in sync with each other.
-    pub fn new(seed: u64, n: usize, tmp: &std::sync::Arc<tempfile::TempDir>) -> Run {
+    /// `n` devices `r0`… in a full mesh, all started and in sync with each other; `od`: the
+    /// one on demand.
+    pub fn new(
+        seed: u64,
+        n: usize,
+        od: Option<usize>,
+        tmp: &std::sync::Arc<tempfile::TempDir>,
+    ) -> Run {
         let mesh = Mesh::new(n);
         let mut devs: Vec<Device> = (0..n)
             .map(|i| {
@@ -117,8 +166,46 @@ impl Run {
                 }
             }
         }
+        let od = od.map(|o| {
+            let d = &mut devs[o];
+            let mnt = tmp.path().join(&d.name).join("mnt");
+            fs::create_dir_all(&mnt).expect("mount point");
+            ok(
+                &d.home,
+                &[
+                    "folder",
+                    "set",
+                    "work",
+                    "--on-demand",
+                    "--cache-max",
+                    CACHE_MAX,
+                    "--min-free",
+                    "0",
+                ],
+            );
+            let cfg = d.home.join("config.toml");
+            let text = fs::read_to_string(&cfg).expect("config");
+            assert!(text.contains("watch = true"), "{text}");
+            fs::write(
+                &cfg,
+                text.replacen(
+                    "watch = true",
+                    &format!("watch = true\nmount = {:?}", mnt.to_string_lossy()),
+                    1,
+                ),
+            )
+            .expect("config");
+            let ns = d.netns.take().expect("a namespace");
+            d.under = vec![
+                "nsenter".into(),
+                format!("--net=/run/netns/{ns}"),
+                "--".into(),
+            ];
+            (o, mnt)
+        });
+        let detach = Detach(od.as_ref().map(|(_, m)| m.clone()));
         Device::start_together(&mut devs.iter_mut().collect::<Vec<_>>());
-        Run {
+        let run = Run {
             seed,
             devs,
             mesh,
@@ -126,11 +213,68 @@ impl Run {
             touches: Vec::new(),
             trace: Vec::new(),
             counts: Counts::default(),
+            od,
+            watch: Watch::default(),
             held: BTreeMap::new(),
             tick: 0,
             restarts: 0,
             started: Instant::now(),
             log: File::create(tmp.path().join("trace.txt")).expect("trace file"),
+            _detach: detach,
+        };
+        run.wait_mount();
+        run
+    }
+
+    /// Where the harness works on `dev`'s copy of `rel`: its replica, or for the on-demand
+    /// device its mount.
+    pub fn at(&self, dev: usize, rel: &str) -> PathBuf {
+        match &self.od {
+            Some((o, mnt)) if *o == dev => mnt.join(rel),
+            _ => self.devs[dev].path(rel),
+        }
+    }
+
+    /// The on-demand device's mount point (`dev` must be it).
+    pub fn mount_of(&self, dev: usize) -> PathBuf {
+        match &self.od {
+            Some((o, mnt)) if *o == dev => mnt.clone(),
+            _ => panic!("r{dev} is not on demand"),
+        }
+    }
+
+    /// `dev`'s replica as `common::tree` sees it but with meshfs's content hashes; for the on-demand
+    /// device, its backing with each placeholder taken for the content it stands for (nothing
+    /// fetched).
+    pub fn tree(&self, dev: usize) -> BTreeMap<String, String> {
+        super::ondemand::backing_tree(&self.devs[dev].dir)
+    }
+
+    /// Waits until the on-demand device's daemon, if it runs, serves its mount (a start mounts
+    /// it after the control socket answers).
+    fn wait_mount(&self) {
+        let Some((o, mnt)) = &self.od else {
+            return;
+        };
+        if self.devs[*o].pid().is_none() {
+            return;
+        }
+        let t0 = Instant::now();
+        while !mounted(mnt) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "r{o}'s mount never came up:\n{}",
+                self.devs[*o].log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Looks at the on-demand device's backing after step `step` (evictions since the last).
+    pub fn look(&mut self, step: usize) {
+        if let Some((o, _)) = &self.od {
+            let backing = self.devs[*o].dir.clone();
+            self.watch.look(step, &backing);
         }
     }
 
@@ -150,15 +294,31 @@ impl Run {
         });
     }
 
+    /// What `dev` writes to `path` at `step`: one line of text; on a run with an on-demand
+    /// device, one write in two is 16–400 KiB of numbered lines (several chunks: a read
+    /// through the mount is served chunk by chunk). Never a NUL byte.
     fn content(&self, step: usize, dev: usize, path: &str, how: &str) -> Vec<u8> {
         let n = self.devs.len();
-        format!("seed {} n {n} step {step} r{dev} {path} {how}\n", self.seed).into_bytes()
+        let line = format!("seed {} n {n} step {step} r{dev} {path} {how}\n", self.seed);
+        let h = blake3::hash(line.as_bytes());
+        let b = h.as_bytes();
+        if self.od.is_none() || b[0] % 2 != 0 {
+            return line.into_bytes();
+        }
+        let size = (16 << 10) + (u32::from_le_bytes([b[1], b[2], b[3], 0]) as usize % (384 << 10));
+        let mut out = Vec::with_capacity(size + 128);
+        let mut k = 0u64;
+        while out.len() < size {
+            out.extend_from_slice(format!("{k:08} {line}").as_bytes());
+            k += 1;
+        }
+        out
     }
 
     /// Writes a new content to `path` on `dev`; whether it happened.
     fn write(&mut self, step: usize, dev: usize, path: &str, atomic: bool, how: &str) -> bool {
         let data = self.content(step, dev, path, how);
-        let p = self.devs[dev].path(path);
+        let p = self.at(dev, path);
         let tmp = atomic.then(|| {
             let name = Path::new(path).file_name().unwrap().to_string_lossy();
             p.with_file_name(format!(".{name}.{step}.tmp"))
@@ -197,7 +357,7 @@ impl Run {
                 let how = if *atomic { "atomic" } else { "in place" };
                 self.write(i, *dev, path, *atomic, how);
             }
-            Op::Delete { dev, path } => match fs::remove_file(self.devs[*dev].path(path)) {
+            Op::Delete { dev, path } => match fs::remove_file(self.at(*dev, path)) {
                 Ok(()) => {
                     self.touch(*dev, path);
                     self.note(i, format!("r{dev} deleted {path}"));
@@ -211,7 +371,7 @@ impl Run {
                 }
             },
             Op::RemoveDir { dev, dir } => {
-                let p = self.devs[*dev].path(dir);
+                let p = self.at(*dev, dir);
                 if fs::symlink_metadata(&p).is_err() {
                     self.note(i, format!("r{dev} remove {dir}/: not there"));
                 } else {
@@ -230,7 +390,7 @@ impl Run {
                 }
             }
             Op::Rename { dev, from, to } => {
-                let (a, b) = (self.devs[*dev].path(from), self.devs[*dev].path(to));
+                let (a, b) = (self.at(*dev, from), self.at(*dev, to));
                 if let Some(parent) = b.parent() {
                     let _ = fs::create_dir_all(parent);
                 }
@@ -286,8 +446,56 @@ impl Run {
                 self.start(*dev);
                 self.note(i, format!("restarted r{dev}"));
             }
+            Op::Read { dev, path } => match fs::read(self.at(*dev, path)) {
+                Ok(data) => {
+                    self.watch.read(i, path, &data);
+                    self.note(i, format!("r{dev} read {path}: {} bytes", data.len()));
+                }
+                Err(e) => {
+                    if e.kind() != io::ErrorKind::NotFound {
+                        self.watch.read_failures += 1;
+                    }
+                    self.note(i, format!("r{dev} read {path}: {e}"));
+                }
+            },
+            Op::Evict { dev, path } => self.evict(i, *dev, path),
         }
         std::thread::sleep(Duration::from_millis(step.pause_ms));
+        self.look(i);
+    }
+
+    /// `meshfs evict work PATH --json` on the on-demand device.
+    fn evict(&mut self, i: usize, dev: usize, path: &str) {
+        let out = self.devs[dev].cli(&["evict", "work", path, "--json"]);
+        if !out.status.success() {
+            let why = String::from_utf8_lossy(&out.stderr).trim().to_string();
+            self.note(i, format!("r{dev} evict {path}: {why}"));
+            return;
+        }
+        self.watch.evict_calls += 1;
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let list = |k: &str| r[k].as_array().map(Vec::len).unwrap_or(0);
+        self.watch.evict_kept += list("kept");
+        let kept: Vec<String> = r["kept"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|k| {
+                format!(
+                    "{} ({})",
+                    k["path"].as_str().unwrap_or(""),
+                    k["why"].as_str().unwrap_or("")
+                )
+            })
+            .collect();
+        self.note(
+            i,
+            format!(
+                "r{dev} evict {path}: evicted {} {}, kept {kept:?}",
+                list("evicted"),
+                r["evicted"]
+            ),
+        );
     }
 
     /// `from` writes each path; `to` overwrites each the moment `from`'s bytes are readable
@@ -304,7 +512,7 @@ impl Run {
         while !waiting.is_empty() && Instant::now() < deadline {
             let mut arrived = Vec::new();
             waiting.retain(|(p, want)| {
-                let here = fs::read(self.devs[to].path(p)).unwrap_or_default();
+                let here = fs::read(self.at(to, p)).unwrap_or_default();
                 if &here == want {
                     arrived.push(*p);
                     false
@@ -325,7 +533,7 @@ impl Run {
     }
 
     fn hold(&mut self, i: usize, dev: usize, path: &str) {
-        let p = self.devs[dev].path(path);
+        let p = self.at(dev, path);
         let line = self.content(i, dev, path, "held open");
         let mut r = Err(io::Error::other("no attempt"));
         for _ in 0..5 {
@@ -385,6 +593,7 @@ impl Run {
     fn start(&mut self, dev: usize) {
         self.keep_log(dev);
         self.devs[dev].start();
+        self.wait_mount();
     }
 
     fn keep_log(&mut self, dev: usize) {
@@ -403,6 +612,7 @@ impl Run {
             self.keep_log(d);
         }
         Device::start_together(&mut self.devs.iter_mut().collect::<Vec<_>>());
+        self.wait_mount();
     }
 
     /// Closes every held file, brings every link up and every daemon back.

@@ -23,7 +23,6 @@
 //!     to it or becomes a sibling, never hides it.
 
 use super::run::Run;
-use crate::common::tree;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One history row, as `meshfs journal --json` prints it.
@@ -99,8 +98,19 @@ pub fn is_or_sibling(candidate: &str, path: &str) -> bool {
     candidate.starts_with(&prefix) && !candidate[prefix.len()..].contains('/')
 }
 
+/// A written content for a message: its first line, and its size when it has more.
+fn shown(content: &[u8]) -> String {
+    let text = String::from_utf8_lossy(content);
+    let first = text.lines().next().unwrap_or_default();
+    if first.len() + 1 >= content.len() {
+        first.to_string()
+    } else {
+        format!("{first} … ({} bytes)", content.len())
+    }
+}
+
 fn hex(data: &[u8]) -> String {
-    blake3::hash(data).to_hex().to_string()
+    super::ondemand::content_hash(data)
 }
 
 /// Each device's history rows, ascending by sequence.
@@ -125,7 +135,7 @@ pub fn check(run: &Run, journals: &[Vec<Row>]) -> Vec<String> {
     let mut bad = Vec::new();
     let name = |d: usize| run.devs[d].name.clone();
     let currents: Vec<BTreeMap<&str, &Row>> = journals.iter().map(|j| current(j)).collect();
-    let trees: Vec<BTreeMap<String, String>> = run.devs.iter().map(|d| tree(&d.dir)).collect();
+    let trees: Vec<BTreeMap<String, String>> = (0..run.devs.len()).map(|d| run.tree(d)).collect();
 
     // (2) each device's last write at each path was captured.
     let mut last_touch: BTreeMap<(usize, &str), u64> = BTreeMap::new();
@@ -143,11 +153,11 @@ pub fn check(run: &Run, journals: &[Vec<Row>]) -> Vec<String> {
         });
         if !found {
             bad.push(format!(
-                "(2) write never captured: {}'s last write to {} (step {}, {:?}, blake3 {}) has no local row in its journal",
+                "(2) write never captured: {}'s last write to {} (step {}, {:?}, hash {}) has no local row in its journal",
                 name(w.dev),
                 w.path,
                 w.step,
-                String::from_utf8_lossy(&w.content).trim_end(),
+                shown(&w.content),
                 &h[..16]
             ));
         }
@@ -281,7 +291,7 @@ pub fn check(run: &Run, journals: &[Vec<Row>]) -> Vec<String> {
                     w.path,
                     name(w.dev),
                     w.step,
-                    String::from_utf8_lossy(&w.content).trim_end(),
+                    shown(&w.content),
                     name(d)
                 ));
             }
