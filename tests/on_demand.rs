@@ -878,3 +878,41 @@ fn the_disk_is_kept_above_its_free_floor_by_evicting_the_least_recently_used_fil
     // Evicted, it comes back whole when read again.
     assert_eq!(std::fs::read(mnt.join("f0")).unwrap(), files[0].1);
 }
+
+#[test]
+fn a_file_not_local_renamed_over_another_through_the_mount_is_a_rename_on_every_device() {
+    let t = tmp();
+    let (x, y) = (noise(300 << 10, 110), noise(200 << 10, 111));
+    let od = setup(
+        &t,
+        &[("x.bin", x.clone(), 0o644), ("y.bin", y.clone(), 0o644)],
+        None,
+    );
+    assert_eq!(state(&od.mnt.join("x.bin")), "online");
+    assert_eq!(state(&od.mnt.join("y.bin")), "online");
+    // On B, x.bin (not local) replaces y.bin (not local either), as an editor's save does.
+    std::fs::rename(od.mnt.join("x.bin"), od.mnt.join("y.bin")).unwrap();
+    let t0 = Instant::now();
+    while std::fs::read(od.a.path("y.bin")).ok().as_deref() != Some(x.as_slice())
+        || od.a.path("x.bin").exists()
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the rename never reached A: {:#?}\n{}",
+            tree(&od.a.dir),
+            od.b.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    in_sync(&od.b, 30);
+    in_sync(&od.a, 30);
+    // B's journal has it, and the mount reads it.
+    let rows = od.b.journal(&["--path", "y.bin"]);
+    let last = rows.last().unwrap();
+    assert_eq!(
+        last["source"],
+        serde_json::Value::Null,
+        "B's own change: {last}"
+    );
+    assert_eq!(std::fs::read(od.mnt.join("y.bin")).unwrap(), x);
+}

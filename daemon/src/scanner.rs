@@ -428,6 +428,7 @@ fn diff(
         creates: Vec::new(),
         jobs: Vec::new(),
         new_files: Vec::new(),
+        vanished: Vec::new(),
         report,
     };
     for s in seen {
@@ -441,6 +442,11 @@ fn diff(
     // Whatever the journal knows as live but the disk no longer has: deleted (or renamed).
     let mut vanished: Vec<Known> = known.into_values().filter(|k| !k.s.deleted).collect();
     d.renames(&vanished);
+    d.vanished = vanished
+        .iter()
+        .filter(|k| k.s.kind == FileKind::File)
+        .cloned()
+        .collect();
     // Hash what must be hashed, on every core. Streamed, a slice at a time after what needs no
     // reading, and one slice ahead: the next slice is read while this one is journaled and
     // handed over.
@@ -484,6 +490,9 @@ struct Diff<'a> {
     /// New files, with the tombstone at their path if there is one: a version made there must
     /// dominate it, or peers that hold the tombstone take the new file for an older version.
     new_files: Vec<(RelPath, LocalStat, Option<Known>)>,
+    /// The files that vanished in this scan: where a placeholder renamed over another file
+    /// came from ([`placeholder_content`]).
+    vanished: Vec<Known>,
     report: ScanReport,
 }
 
@@ -650,6 +659,7 @@ impl Diff<'_> {
             &self.ctx,
             self.t.store,
             hashed,
+            &self.vanished,
             &mut self.creates,
             &mut self.report,
         );
@@ -690,6 +700,7 @@ impl Diff<'_> {
                     &self.ctx,
                     store,
                     hashed,
+                    &self.vanished,
                     &mut self.creates,
                     &mut self.report,
                 );
@@ -726,12 +737,14 @@ impl Diff<'_> {
     }
 }
 
-/// Adds the versions that hashed files make to `creates`.
+/// Adds the versions that hashed files make to `creates`; `vanished`: the files that vanished
+/// in this scan.
 fn add_hashed(
     lk: &Lookup<'_>,
     ctx: &Context,
     store: &Store,
     hashed: Vec<(HashJob, Option<Read>)>,
+    vanished: &[Known],
     creates: &mut Vec<Change>,
     report: &mut ScanReport,
 ) {
@@ -744,7 +757,7 @@ fn add_hashed(
                 Some(c)
             }
             Some(Read::Placeholder(hash)) => {
-                let c = placeholder_content(lk, &job, hash);
+                let c = placeholder_content(lk, &job, hash, vanished);
                 match &c {
                     Some(_) => report.placeholders.push(job.local.inode),
                     None => {
@@ -799,13 +812,28 @@ fn add_hashed(
 
 /// The content a placeholder at `job.path` stands for: the journal's live file there, when the
 /// mark names its hash and the placeholder has its size (a chmod or `touch` of a placeholder, a
-/// new inode after an interrupted eviction). Anything else is not known content (D90).
-fn placeholder_content(lk: &Lookup<'_>, job: &HashJob, hash: Hash) -> Option<chunker::Content> {
-    let prev = job
-        .prev
-        .as_ref()
-        .filter(|k| !k.s.deleted && k.s.kind == FileKind::File && k.s.hash == hash)?;
-    let full = lk.full(prev)?;
+/// new inode after an interrupted eviction); else a file with that hash and size that vanished
+/// in the same scan (a placeholder renamed over another file). Anything else is not known
+/// content (D90).
+fn placeholder_content(
+    lk: &Lookup<'_>,
+    job: &HashJob,
+    hash: Hash,
+    vanished: &[Known],
+) -> Option<chunker::Content> {
+    // The record at its path, or else a file that vanished in this scan with that content: a
+    // placeholder renamed over another file (an editor's save through the mount) is no new
+    // file, so rename detection never sees it; its content is the vanished file's, and the
+    // vanished file's deletion goes with it, as for a local file renamed over another.
+    let stands_for = |k: &&Known| !k.s.deleted && k.s.kind == FileKind::File && k.s.hash == hash;
+    let full = match job.prev.as_ref().filter(stands_for) {
+        Some(prev) => lk.full(prev)?,
+        None => vanished
+            .iter()
+            .filter(stands_for)
+            .filter_map(|k| lk.full(k))
+            .find(|r| r.size == job.local.size)?,
+    };
     (full.size == job.local.size).then_some(chunker::Content {
         hash: full.hash,
         size: full.size,
