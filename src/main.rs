@@ -38,6 +38,32 @@ const EXIT_NOT_SHARED: u8 = 5;
 /// Log levels `--log-level` accepts (a typo would otherwise silence every log line).
 const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
 
+/// `meshfs daemon --help` and its man page: what it sends on the LAN, exactly (the same
+/// text as docs/protocol.md, "Local discovery").
+const DAEMON_HELP: &str = "Example: meshfs daemon
+Logs to stderr (info level by default). Exits 1 if another daemon runs on the same home or the
+listen address is in use. As a service: `systemctl --user enable --now meshfs`.
+
+Local discovery ([discovery] local = true, the default; `init --no-discovery` or
+`local = false` turns it off): unless its QUIC endpoint is bound to a loopback address, the
+daemon sends one UDP datagram to port 21788 ([discovery] port) at start, 2 s later, every 30 s
+and at once when one of its addresses changes: to the IPv4 broadcast address of each
+interface that is up and broadcasts (loopback excluded) and, when the endpoint takes IPv6, to
+the link-local multicast group ff12::6d65:7368 on each interface that multicasts. It listens
+on the same port. The datagram, big-endian, nothing after the last address:
+  offset 0   4 bytes   magic \"MFSA\" (4d 46 53 41)
+  offset 4   1 byte    layout version, 1
+  offset 5   32 bytes  device id (its 32 bytes, not the text form)
+  offset 37  8 bytes   instance nonce (new after a restart or an address change)
+  offset 45  2 bytes   UDP port of its QUIC endpoint (not 0)
+  offset 47  1 byte    n, the number of addresses, 0-16
+  offset 48  n times:  4 then an IPv4 address (4 bytes), or 6 then an IPv6 address (16 bytes)
+At most 320 bytes. An announcement is a hint, not signed: a dial accepts only the pinned key
+of the device it expects, so a forged one costs at most a failed dial. Addresses are kept
+only for trusted devices whose address is dynamic, expire 90 s after the last announcement,
+and are read at most 4 in a burst and 1 every 2 s per source, 64 in a burst and 32 a second
+from all.";
+
 #[derive(Parser)]
 #[command(name = "meshfs", version, about = "Continuously synchronized folders across your devices", long_about = None,
     after_help = "Quick start on two devices:\n  A$ meshfs init --name laptop && meshfs id\n  B$ meshfs init --name server && meshfs id\n  A$ meshfs folder add ~/work --id work\n  A$ meshfs peer add <B-ID> --share work\n  B$ meshfs folder add ~/work --id work\n  B$ meshfs peer add <A-ID> --share work\n  A$ meshfs daemon    B$ meshfs daemon\n  A$ meshfs status --wait-synced\nOn one LAN the devices find each other; elsewhere give a device with a fixed name\nits address (`--addr server.example.org:7788`) and the others learn where the rest\nare from it.")]
@@ -105,7 +131,8 @@ enum Command {
     Config(ConfigCmd),
     /// Run the engine in the foreground until SIGINT/SIGTERM.
     #[command(
-        after_help = "Example: meshfs daemon\nLogs to stderr (info level by default), e.g.\n  INFO meshfs_daemon::engine: folder scanned folder=work path=/home/u/work changes=1 ms=1\n  INFO meshfs_daemon::engine: meshfs daemon running device=SPBYD5N-L35BW72-NR64EQN-7PSGRHE-WPY7EXS-6WJFN6O-LT5UFPA-L7BYXQX listen=0.0.0.0:7788\nExits 1 if another daemon runs on the same home or the listen address is in use.\nAs a service: `systemctl --user enable --now meshfs` (the unit the package installs)."
+        after_help = "Example: meshfs daemon\nLogs to stderr (info level by default), e.g.\n  INFO meshfs_daemon::engine: folder scanned folder=work path=/home/u/work changes=1 ms=1\n  INFO meshfs_daemon::engine: meshfs daemon running device=SPBYD5N-L35BW72-NR64EQN-7PSGRHE-WPY7EXS-6WJFN6O-LT5UFPA-L7BYXQX listen=0.0.0.0:7788\nExits 1 if another daemon runs on the same home or the listen address is in use.\nAs a service: `systemctl --user enable --now meshfs` (the unit the package installs).",
+        after_long_help = DAEMON_HELP
     )]
     Daemon,
     /// Mount a folder through the running daemon (an empty directory; the replica stays where it is).

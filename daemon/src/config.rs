@@ -349,12 +349,12 @@ pub struct FolderConfig {
     pub on_demand: bool,
     /// The most bytes of file content an on-demand folder keeps here; the least recently used
     /// files are evicted beyond it (never a pinned, open or last copy). Unset: no budget.
-    #[serde(default, with = "size_text", skip_serializing_if = "Option::is_none")]
+    #[serde(default, with = "worded", skip_serializing_if = "Option::is_none")]
     pub cache_max: Option<u64>,
     /// How much of the disk holding an on-demand folder is kept free by evicting its least
     /// recently used files (docs/decisions.md, D97): a share (`"5%"`) or a size (`"2GiB"`).
     /// Unset: [`DEFAULT_MIN_FREE`].
-    #[serde(default, with = "floor_text", skip_serializing_if = "Option::is_none")]
+    #[serde(default, with = "worded", skip_serializing_if = "Option::is_none")]
     pub min_free: Option<FreeFloor>,
 }
 
@@ -402,13 +402,46 @@ impl FreeFloor {
     }
 }
 
-mod floor_text {
-    use super::FreeFloor;
+/// A config value written as bytes (`65536`) or in words (`64MiB`, `5%`): the cache budget
+/// (a size) and the free floor.
+trait Worded: Sized {
+    fn from_bytes(b: u64) -> Self;
+    fn parse_words(text: &str) -> Result<Self, String>;
+    fn words(&self) -> String;
+}
+
+impl Worded for u64 {
+    fn from_bytes(b: u64) -> Self {
+        b
+    }
+    fn parse_words(text: &str) -> Result<Self, String> {
+        parse_size(text)
+    }
+    fn words(&self) -> String {
+        format_size(*self)
+    }
+}
+
+impl Worded for FreeFloor {
+    fn from_bytes(b: u64) -> Self {
+        FreeFloor::Bytes(b)
+    }
+    fn parse_words(text: &str) -> Result<Self, String> {
+        FreeFloor::parse(text)
+    }
+    fn words(&self) -> String {
+        self.text()
+    }
+}
+
+/// Serde for an optional [`Worded`] value: written in words, read from either.
+mod worded {
+    use super::Worded;
     use serde::{de::Error, Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(v: &Option<FreeFloor>, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<T: Worded, S: Serializer>(v: &Option<T>, s: S) -> Result<S::Ok, S::Error> {
         match v {
-            Some(f) => s.serialize_str(&f.text()),
+            Some(v) => s.serialize_str(&v.words()),
             None => s.serialize_none(),
         }
     }
@@ -420,10 +453,12 @@ mod floor_text {
         Words(String),
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<FreeFloor>, D::Error> {
+    pub fn deserialize<'de, T: Worded, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<T>, D::Error> {
         match Text::deserialize(d)? {
-            Text::Bytes(b) => Ok(Some(FreeFloor::Bytes(b))),
-            Text::Words(w) => FreeFloor::parse(&w).map(Some).map_err(D::Error::custom),
+            Text::Bytes(b) => Ok(Some(T::from_bytes(b))),
+            Text::Words(w) => T::parse_words(&w).map(Some).map_err(D::Error::custom),
         }
     }
 }
@@ -467,31 +502,6 @@ pub fn format_size(bytes: u64) -> String {
         }
     }
     bytes.to_string()
-}
-
-mod size_text {
-    use serde::{de::Error, Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
-        match v {
-            Some(b) => s.serialize_str(&super::format_size(*b)),
-            None => s.serialize_none(),
-        }
-    }
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Text {
-        Bytes(u64),
-        Words(String),
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-        match Text::deserialize(d)? {
-            Text::Bytes(b) => Ok(Some(b)),
-            Text::Words(w) => super::parse_size(&w).map(Some).map_err(D::Error::custom),
-        }
-    }
 }
 
 /// Days past versions are kept unless a folder says otherwise.

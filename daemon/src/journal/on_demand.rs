@@ -3,7 +3,7 @@
 //! budget. The journal decides nothing: `crate::ondemand` does.
 
 use super::rows::{to_i64, to_u64};
-use super::{ensure_folder, lookup_folder, set_local, Change, Commit, Journal, Result};
+use super::{ensure_folder, lookup_folder, set_local, Change, Journal, Result};
 use crate::store::LocalStat;
 use meshfs_protocol::{DeviceId, FolderId, Hash, RelPath};
 use rusqlite::{params, Connection};
@@ -48,6 +48,18 @@ pub struct Resident {
 const IS_ABSENT: &str =
     "EXISTS (SELECT 1 FROM absent a WHERE a.folder = r.folder AND a.inode = r.local_inode)";
 
+/// The paths in the first column of `rows` (a row that is not a path is skipped).
+fn paths(mut rows: rusqlite::Rows<'_>) -> Result<Vec<RelPath>> {
+    let mut out = Vec::new();
+    while let Some(r) = rows.next()? {
+        let p: String = r.get(0)?;
+        if let Ok(p) = RelPath::new(&p) {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
 fn mark(tx: &Connection, key: i64, inodes: &[u64]) -> Result<()> {
     let mut st =
         tx.prepare_cached("INSERT OR IGNORE INTO absent (folder, inode) VALUES (?1, ?2)")?;
@@ -68,15 +80,9 @@ impl Journal {
     ) -> Result<Vec<u64>> {
         let time_ns = super::now_ns();
         self.write(|tx| {
-            let (key, state) = ensure_folder(tx, folder)?;
-            let mut commit = Commit::prepare(tx, folder, key, state.max_sequence, time_ns)?;
-            let mut out = Vec::with_capacity(changes.len());
-            for change in &changes {
-                out.push(commit.change(change)?);
-            }
-            commit.finish()?;
+            let (key, seqs) = super::commit_in(tx, folder, &changes, time_ns)?;
             mark(tx, key, absent)?;
-            Ok(out)
+            Ok(seqs)
         })
     }
 
@@ -244,15 +250,8 @@ impl Journal {
                  AND ((r.path >= ?2 AND r.path < ?3) OR r.path = ?4) ORDER BY r.path"
             );
             let mut st = c.prepare_cached(&sql)?;
-            let mut rows = st.query(params![key, lo, hi, exact])?;
-            let mut out = Vec::new();
-            while let Some(r) = rows.next()? {
-                let p: String = r.get(0)?;
-                if let Ok(p) = RelPath::new(&p) {
-                    out.push(p);
-                }
-            }
-            Ok(out)
+            let rows = st.query(params![key, lo, hi, exact])?;
+            paths(rows)
         })
     }
 
@@ -264,15 +263,8 @@ impl Journal {
             };
             let mut st =
                 c.prepare_cached("SELECT path FROM pins WHERE folder = ?1 ORDER BY path")?;
-            let mut rows = st.query([key])?;
-            let mut out = Vec::new();
-            while let Some(r) = rows.next()? {
-                let p: String = r.get(0)?;
-                if let Ok(p) = RelPath::new(&p) {
-                    out.push(p);
-                }
-            }
-            Ok(out)
+            let rows = st.query([key])?;
+            paths(rows)
         })
     }
 
