@@ -27,6 +27,20 @@ fn setup(
     files: &[(&str, Vec<u8>, u32)],
     budget: Option<&str>,
 ) -> OnDemand {
+    let mut set = vec!["--on-demand"];
+    if let Some(max) = budget {
+        set.extend(["--cache-max", max]);
+    }
+    setup_as(t, files, &set)
+}
+
+/// A with `files`, B on demand as `meshfs folder set work SET...` says, both started, B
+/// mounted and caught up with A.
+fn setup_as(
+    t: &std::sync::Arc<tempfile::TempDir>,
+    files: &[(&str, Vec<u8>, u32)],
+    set_args: &[&str],
+) -> OnDemand {
     let mut a = Device::new(t, "a");
     let mut b = Device::new(t, "b");
     for (path, data, mode) in files {
@@ -34,10 +48,8 @@ fn setup(
         write(&p, data);
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode)).unwrap();
     }
-    let mut set = vec!["folder", "set", "work", "--on-demand"];
-    if let Some(max) = budget {
-        set.extend(["--cache-max", max]);
-    }
+    let mut set = vec!["folder", "set", "work"];
+    set.extend(set_args);
     ok(&b.home, &set);
     pair(&a, &b);
     Device::start_together(&mut [&mut a, &mut b]);
@@ -911,4 +923,89 @@ fn a_file_not_local_whose_chunks_this_device_holds_elsewhere_fetches_only_what_i
     assert!(got < 2 * MIB as u64, "{got} bytes received for 64 KiB changed");
     until_state(&path, "local");
     assert_eq!(std::fs::read(od.b.path("edited.bin")).unwrap(), edited);
+}
+
+/// Waits until B's backing file `path` holds `want`, as a plain local file.
+fn until_local(od: &OnDemand, path: &str, want: &[u8]) {
+    let t0 = Instant::now();
+    let p = od.b.path(path);
+    while is_placeholder(&p) || std::fs::read(&p).ok().as_deref() != Some(want) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{path} not local on B\n{}",
+            od.b.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn only_a_subtree_on_demand_leaves_placeholders_there_and_keeps_everything_else_local() {
+    let t = tmp();
+    let files = vec![
+        ("big/a.bin", noise(400 << 10, 90), 0o644),
+        ("big/deep/b.bin", noise(300 << 10, 91), 0o644),
+        ("small/c.txt", noise(200 << 10, 92), 0o644),
+        ("top.bin", noise(100 << 10, 93), 0o644),
+    ];
+    let mut od = setup_as(&t, &files, &["--on-demand-under", "./big/"]);
+    // Inside big/: placeholders. Outside: the content, in B's backing directory.
+    for (path, data, _) in &files {
+        if path.starts_with("big/") {
+            assert!(is_placeholder(&od.b.path(path)), "{path}: a placeholder");
+        } else {
+            until_local(&od, path, data);
+        }
+    }
+    let d = on_demand(&od.b);
+    assert_eq!(d["under"], serde_json::json!(["big"]), "{d:#}");
+    assert_eq!(d["online_files"], 2, "{d:#}");
+    let text = od.b.cli_ok(&["status"]);
+    assert!(
+        text.contains("on demand only under: big (the rest is kept here)"),
+        "{text}"
+    );
+    // Listing the mount fetches nothing; reading inside big/ fetches that file.
+    let before = received(&od.b);
+    assert_eq!(listing(&od.mnt), listing(&od.a.dir));
+    assert!(received(&od.b) - before < 64 << 10, "listing fetched content");
+    assert_eq!(state(&od.mnt.join("big/deep/b.bin")), "online");
+    assert_eq!(std::fs::read(od.mnt.join("big/a.bin")).unwrap(), files[0].1);
+    // Eviction never touches what lies outside; inside it does.
+    let r = evict(&od.b, "small");
+    assert_eq!(r["evicted"], serde_json::json!([]), "{r}");
+    assert!(kept_why(&r, "small/c.txt").contains("outside"), "{r}");
+    let r = evict(&od.b, "big/a.bin");
+    assert_eq!(r["evicted"], serde_json::json!(["big/a.bin"]), "{r}");
+    // New versions from A: outside, fetched as they arrive; inside, placeholders.
+    let fresh = noise(150 << 10, 94);
+    write(&od.a.path("new/n.bin"), &fresh);
+    write(&od.a.path("big/n2.bin"), &noise(120 << 10, 95));
+    until_local(&od, "new/n.bin", &fresh);
+    let t0 = Instant::now();
+    while !od.b.path("big/n2.bin").exists() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "big/n2.bin never came");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(is_placeholder(&od.b.path("big/n2.bin")));
+    // The subtree narrowed later: what moved outside it is fetched now.
+    od.b.cli_ok(&["folder", "set", "work", "--on-demand-under", "big/deep"]);
+    until_local(&od, "big/a.bin", &files[0].1);
+    until_local(&od, "big/n2.bin", &noise(120 << 10, 95));
+    assert!(is_placeholder(&od.b.path("big/deep/b.bin")));
+    assert_eq!(on_demand(&od.b)["under"], serde_json::json!(["big/deep"]));
+    // And the whole folder on demand again: nothing is fetched, the list is gone.
+    od.b.cli_ok(&["folder", "set", "work", "--on-demand"]);
+    until_status(&od.b, 10, "the whole folder on demand", |d| {
+        d["under"] == serde_json::json!([])
+    });
+    assert!(is_placeholder(&od.b.path("big/deep/b.bin")));
+    // Changed while B was stopped: what is outside is fetched once B is back with its peer.
+    od.b.stop();
+    ok(
+        &od.b.home,
+        &["folder", "set", "work", "--on-demand-under", "big/a.bin"],
+    );
+    od.b.start();
+    until_local(&od, "big/deep/b.bin", &files[1].1);
 }

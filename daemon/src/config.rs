@@ -356,6 +356,11 @@ pub struct FolderConfig {
     /// Unset: [`DEFAULT_MIN_FREE`].
     #[serde(default, with = "worded", skip_serializing_if = "Option::is_none")]
     pub min_free: Option<FreeFloor>,
+    /// With `on_demand`: only these subtrees (paths relative to the folder) are on demand;
+    /// everything outside them is kept here as a pinned path is (docs/decisions.md, D77).
+    /// Empty: the whole folder.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub on_demand_under: Vec<String>,
 }
 
 /// How much of a disk is kept free (an on-demand folder's `min_free`).
@@ -546,8 +551,30 @@ impl FolderConfig {
             on_demand: false,
             cache_max: None,
             min_free: None,
+            on_demand_under: Vec::new(),
         }
     }
+
+    /// The subtrees on demand (`on_demand_under`), checked; those that do not parse are left
+    /// out (`Config::validate` refuses them).
+    pub fn on_demand_subtrees(&self) -> Vec<meshfs_protocol::RelPath> {
+        self.on_demand_under
+            .iter()
+            .filter_map(|t| subtree(t).ok())
+            .collect()
+    }
+}
+
+/// A subtree of a folder as the user writes it (`photos`, `./archive/2019/`): a path relative
+/// to the folder, not the folder itself.
+pub fn subtree(text: &str) -> Result<meshfs_protocol::RelPath, String> {
+    let t = text.trim_start_matches("./").trim_end_matches('/');
+    if t.is_empty() || t == "." {
+        return Err(format!(
+            "{text:?} is the whole folder: leave on_demand_under empty (`--on-demand`) to have all of it on demand"
+        ));
+    }
+    meshfs_protocol::RelPath::normalized(t).map_err(|e| format!("{text:?}: {e}"))
 }
 
 /// A role in the config is its name (`send-only`); another word fails the parse, naming it.
@@ -820,6 +847,17 @@ impl Config {
                     ),
                 ));
             }
+            for (j, t) in f.on_demand_under.iter().enumerate() {
+                if let Err(e) = subtree(t) {
+                    return Err(invalid(format!("folder[{i}].on_demand_under[{j}]"), e));
+                }
+            }
+            if !f.on_demand_under.is_empty() && !f.on_demand {
+                return Err(invalid(
+                    format!("folder[{i}].on_demand_under"),
+                    "is set but on_demand is not: set on_demand = true too, or remove it".into(),
+                ));
+            }
             if f.versions_space_percent > 90 {
                 return Err(invalid(
                     format!("folder[{i}].versions_space_percent"),
@@ -996,6 +1034,34 @@ mod tests {
         let text = std::fs::read_to_string(home.config_file()).unwrap();
         assert!(text.contains("min_free = \"12%\""), "{text}");
         assert_eq!(Config::load(&home).unwrap(), c);
+    }
+
+    #[test]
+    fn on_demand_subtrees_round_trip_and_a_bad_one_or_one_without_on_demand_is_refused() {
+        assert_eq!(subtree("./photos/").unwrap().as_str(), "photos");
+        assert!(subtree(".").is_err());
+        assert!(subtree("../x").is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        let mut f = FolderConfig::new(FolderId::new("work").unwrap(), "/tmp/w".into());
+        f.on_demand = true;
+        f.on_demand_under = vec!["big".into(), "archive/2019".into()];
+        c.folders.push(f);
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(
+            text.contains("on_demand_under = [\"big\", \"archive/2019\"]"),
+            "{text}"
+        );
+        assert_eq!(Config::load(&home).unwrap(), c);
+        assert_eq!(c.folders[0].on_demand_subtrees().len(), 2);
+        std::fs::write(home.config_file(), text.replace("\"big\"", "\"../up\"")).unwrap();
+        let err = Config::load(&home).unwrap_err().to_string();
+        assert!(err.contains("on_demand_under[0]"), "{err}");
+        std::fs::write(home.config_file(), text.replace("on_demand = true", "")).unwrap();
+        let err = Config::load(&home).unwrap_err().to_string();
+        assert!(err.contains("on_demand = true"), "{err}");
     }
 
     #[test]

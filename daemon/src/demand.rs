@@ -322,6 +322,8 @@ pub struct Demand {
     unavailable: Mutex<(BTreeMap<RelPath, Unavailable>, u64)>,
     used: Mutex<HashMap<RelPath, i64>>,
     pins: RwLock<Vec<RelPath>>,
+    /// The subtrees on demand (`on_demand_under`, D77); empty: the whole folder.
+    under: RwLock<Vec<RelPath>>,
     /// Content arrived: the budget is to be checked.
     pub arrived: tokio::sync::Notify,
     /// Bytes of content made local since the daemon started (copied or fetched).
@@ -487,6 +489,33 @@ impl Demand {
             .map(|p| p.iter().any(|pin| path == pin || path.is_within(pin)))
             .unwrap_or(false)
     }
+
+    /// The subtrees on demand now (empty: the whole folder).
+    pub fn under(&self) -> Vec<RelPath> {
+        self.under.read().map(|u| u.clone()).unwrap_or_default()
+    }
+
+    /// Takes `under` as the subtrees on demand from now on (empty: the whole folder).
+    pub fn set_under(&self, under: Vec<RelPath>) {
+        if let Ok(mut u) = self.under.write() {
+            *u = under;
+        }
+    }
+
+    /// Whether `path` lies outside the subtrees on demand (never, when the whole folder is):
+    /// it is kept as a pinned path is (D77).
+    pub fn outside(&self, path: &RelPath) -> bool {
+        self.under
+            .read()
+            .map(|u| !u.is_empty() && !u.iter().any(|d| path == d || path.is_within(d)))
+            .unwrap_or(false)
+    }
+
+    /// Whether `path` is always local: pinned, or outside the subtrees on demand. Its new
+    /// versions are fetched as they arrive, never left as placeholders, never evicted.
+    pub fn kept(&self, path: &RelPath) -> bool {
+        self.pinned(path) || self.outside(path)
+    }
 }
 
 #[cfg(test)]
@@ -588,5 +617,22 @@ mod tests {
         assert!(d.pinned(&p("photos/2024/a.jpg")));
         assert!(!d.pinned(&p("photosx")));
         assert!(!d.pinned(&p("docs/a")));
+    }
+
+    #[test]
+    fn only_what_lies_outside_the_on_demand_subtrees_is_kept_local() {
+        let d = Demand::default();
+        assert!(!d.kept(&p("a")), "the whole folder on demand");
+        d.set_under(vec![p("big"), p("archive/2019")]);
+        assert!(!d.kept(&p("big")));
+        assert!(!d.kept(&p("big/x/y")));
+        assert!(!d.kept(&p("archive/2019/a")));
+        assert!(d.kept(&p("archive/2020/a")));
+        assert!(d.kept(&p("archive")), "a directory above a subtree is outside it");
+        assert!(d.kept(&p("bigger/a")));
+        assert!(d.kept(&p("small.txt")));
+        d.set_pins(vec![p("big/keep")]);
+        assert!(d.kept(&p("big/keep/a")), "a pin inside a subtree still keeps");
+        assert!(!d.outside(&p("big/keep/a")));
     }
 }

@@ -504,6 +504,7 @@ impl Engine {
                 tracing::info!(folder = %id, done, "completed applies interrupted by a crash");
             }
             rt.demand.set_pins(j.pins(&id)?);
+            rt.demand.set_under(f.on_demand_subtrees());
             j.prune_absent(&id)?;
         }
         if f.watch {
@@ -603,6 +604,11 @@ impl Engine {
                 ));
             }
         }
+        tokio::spawn(crate::ondemand::pins::keep_outside(
+            Arc::downgrade(&self.folders),
+            rt.id.clone(),
+            self.ondemand_peers(),
+        ));
         let peers = self.ondemand_peers();
         let connected: crate::ondemand::budget::Connected =
             Arc::new(move |folder: &FolderId| peers(folder).into_iter().map(|(d, _)| d).collect());
@@ -717,14 +723,20 @@ impl Engine {
                 self.start_folder(f).await?;
             } else if let Some(rt) = self.folders.get(&f.id) {
                 let was = rt.policy().on_demand;
+                let (old_under, under) = (rt.demand.under(), f.on_demand_subtrees());
                 rt.set_policy(crate::folder::FolderPolicy::new(f, &new));
-                if was && !f.on_demand {
+                rt.demand.set_under(under.clone());
+                // Placeholders that are to be local now: all of them, or those the subtrees
+                // on demand no longer cover (D77).
+                let shrank = was && f.on_demand && !under.is_empty() && under != old_under;
+                if was && !f.on_demand || shrank {
                     tokio::spawn(crate::ondemand::pins::make_whole(
                         self.folders.clone(),
                         rt.clone(),
                         self.ondemand_peers(),
                     ));
-                } else if f.on_demand {
+                }
+                if f.on_demand {
                     // A new budget is kept at once.
                     rt.demand.arrived.notify_one();
                 }

@@ -24,6 +24,8 @@ pub const BUSY_RETRY: Duration = Duration::from_secs(1);
 const OPEN: &str = "open through the mount";
 /// Why a file being fetched is kept.
 const FETCHING: &str = "being fetched";
+/// Why a file outside the subtrees on demand is kept (D77).
+const OUTSIDE: &str = "outside the folder's on-demand subtrees (`on_demand_under`)";
 
 /// The connected peers that share a folder now.
 pub type Connected = Arc<dyn Fn(&FolderId) -> Vec<DeviceId> + Send + Sync>;
@@ -52,11 +54,14 @@ pub struct KeptFile {
     pub why: String,
 }
 
-/// Why `res` must stay local, if it must: pinned, open, being fetched, or held by no connected
+/// Why `res` must stay local, if it must: pinned, outside the subtrees on demand, open, being fetched, or held by no connected
 /// peer (`acked`: what each connected peer acknowledged of this device's index).
 fn keeps(res: &Resident, rt: &FolderRt, acked: &HashMap<DeviceId, u64>) -> Option<&'static str> {
     if rt.demand.pinned(&res.path) {
         return Some("pinned (`meshfs unpin` lets it go)");
+    }
+    if rt.demand.outside(&res.path) {
+        return Some(OUTSIDE);
     }
     if rt.writers.holds_inode(res.local.inode) {
         return Some(OPEN);
@@ -197,7 +202,10 @@ pub fn keep_budget(
                 ..Default::default()
             });
         }
-        (local, reader.residents(&rt.id)?)
+        // What lies outside the subtrees on demand is never evicted: not even weighed.
+        let mut files = reader.residents(&rt.id)?;
+        files.retain(|r| !rt.demand.outside(&r.path));
+        (local, files)
     };
     let over = policy.cache_max.map_or(0, |max| local.saturating_sub(max));
     let need = over.max(short);

@@ -264,6 +264,12 @@ pub fn status_of(journal: &crate::journal::Journal, rt: &FolderRt) -> Option<OnD
         over_budget: policy
             .cache_max
             .map_or(0, |max| local_bytes.saturating_sub(max)),
+        under: rt
+            .demand
+            .under()
+            .iter()
+            .map(|p| p.as_str().to_string())
+            .collect(),
         pins: rt
             .demand
             .pins()

@@ -53,8 +53,21 @@ pub fn on_demand_lines(f: &Value) -> Vec<String> {
     let over = u(d, "over_budget");
     if over > 0 {
         out.push(format!(
-            "over its budget by {}: the rest is pinned, open, or held by no connected peer",
+            "over its budget by {}: the rest is pinned, open, outside its on-demand subtrees, or held by no connected peer",
             size_words(over)
+        ));
+    }
+    let under: Vec<String> = d["under"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .map(printable)
+        .collect();
+    if !under.is_empty() {
+        out.push(format!(
+            "on demand only under: {} (the rest is kept here)",
+            under.join(", ")
         ));
     }
     let pins: Vec<String> = d["pins"]
@@ -123,5 +136,11 @@ mod tests {
             "could not fetch b.bin (EHOSTUNREACH): no connected peer"
         );
         assert!(on_demand_lines(&serde_json::json!({"on_demand": null})).is_empty());
+        let f = serde_json::json!({"on_demand": {"local_files": 1, "local_bytes": 1,
+            "online_files": 0, "online_bytes": 0, "under": ["big", "archive/2019"], "pins": []}});
+        assert_eq!(
+            on_demand_lines(&f)[1],
+            "on demand only under: big, archive/2019 (the rest is kept here)"
+        );
     }
 }
