@@ -908,7 +908,79 @@ fn a_file_not_local_whose_chunks_this_device_holds_elsewhere_fetches_only_what_i
     eprintln!("16 MiB, 64 KiB of it new: {got} bytes received");
     // The changed chunks, and at most the two asked before the lookup of local copies ended
     // (chunks of a 16 MiB file are at most 256 KiB): not the file.
-    assert!(got < 2 * MIB as u64, "{got} bytes received for 64 KiB changed");
+    assert!(
+        got < 2 * MIB as u64,
+        "{got} bytes received for 64 KiB changed"
+    );
     until_state(&path, "local");
     assert_eq!(std::fs::read(od.b.path("edited.bin")).unwrap(), edited);
+}
+
+#[test]
+fn a_change_only_another_on_demand_device_has_acknowledged_is_not_evicted_and_gets_no_inline_content(
+) {
+    let t = tmp();
+    // 200 small files: content a batch would attach to its records (≤ 64 KiB a file).
+    let files: Vec<(String, Vec<u8>)> = (0..200)
+        .map(|i| (format!("s/f{i:03}"), noise(8 << 10, 1000 + i)))
+        .collect();
+    let listed: Vec<(&str, Vec<u8>, u32)> = files
+        .iter()
+        .map(|(p, d)| (p.as_str(), d.clone(), 0o644))
+        .collect();
+    let mut od = setup(&t, &listed, None);
+    // C: a second on-demand device, sharing with A and B.
+    let mut c = Device::new(&t, "c");
+    ok(&c.home, &["folder", "set", "work", "--on-demand"]);
+    pair(&od.a, &c);
+    pair(&od.b, &c);
+    // A restarts to take C (its config changed); C starts.
+    od.a.stop();
+    od.a.start();
+    c.start();
+    in_sync(&c, 60);
+    // The small files reached C without their content attached: C's hello said it keeps only
+    // part of the folder (D99), so their 1.6 MB would only be dropped for placeholders.
+    let got = received(&c);
+    eprintln!("C, on demand, received {got} bytes for 200 records of 8 KiB files");
+    assert!(got < 800 << 10, "C received {got} bytes: content attached");
+    let m = std::fs::metadata(c.path("s/f000")).unwrap();
+    assert_eq!((m.len(), m.blocks()), (8 << 10, 0), "a placeholder on C");
+    // A goes away; B writes a file. C (on demand) acknowledges it, holding no content.
+    od.a.stop();
+    let mine = noise(300 << 10, 84);
+    write(&od.mnt.join("mine.bin"), &mine);
+    let t0 = Instant::now();
+    let r = loop {
+        in_sync(&od.b, 30);
+        in_sync(&c, 30);
+        let r = evict(&od.b, "mine.bin");
+        if r["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["path"] == "mine.bin")
+            || r["evicted"] == serde_json::json!(["mine.bin"])
+        {
+            break r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "mine.bin never journaled: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        kept_why(&r, "mine.bin").contains("acknowledged"),
+        "C's acknowledgement counted as a copy: {r}"
+    );
+    assert_eq!(state(&od.mnt.join("mine.bin")), "local");
+    // A back: A holds it, so it may go, and it comes back whole.
+    od.a.start();
+    in_sync(&od.b, 30);
+    in_sync(&od.a, 30);
+    let r = evict(&od.b, "mine.bin");
+    assert_eq!(r["evicted"], serde_json::json!(["mine.bin"]), "{r}");
+    assert_eq!(std::fs::read(od.mnt.join("mine.bin")).unwrap(), mine);
+    c.stop();
 }

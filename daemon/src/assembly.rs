@@ -423,9 +423,17 @@ mod tests {
         let mut a = Assembly::new(&c, c.iter().map(|c| c.hash)).looking();
         a.read_probe(0, 1);
         a.want_all();
-        assert_eq!(asked(&mut a), vec![c[0].hash], "the open's probe, not the whole file");
+        assert_eq!(
+            asked(&mut a),
+            vec![c[0].hash],
+            "the open's probe, not the whole file"
+        );
         a.read(65536 + 10, 100);
-        assert_eq!(asked(&mut a), vec![c[1].hash], "a read does not wait for the lookup");
+        assert_eq!(
+            asked(&mut a),
+            vec![c[1].hash],
+            "a read does not wait for the lookup"
+        );
         assert!(asked(&mut a).is_empty(), "the rest waits for it");
         assert!(!a.stranded(0, 64 * 65536), "held back is not stranded");
         // Chunks 1 (asked already) and 5..10 are local; chunk 7's copy turns out stale.
@@ -444,7 +452,11 @@ mod tests {
         }
         a.not_local(&c[7].hash);
         let rest = asked(&mut a);
-        assert_eq!(rest.len(), 64 - 6, "all but 0, 1 (asked) and 5, 6, 8, 9 (copied)");
+        assert_eq!(
+            rest.len(),
+            64 - 6,
+            "all but 0, 1 (asked) and 5, 6, 8, 9 (copied)"
+        );
         assert!(rest.contains(&c[7].hash) && !rest.contains(&c[5].hash));
         for h in rest {
             assert!(a.claim(&h));
