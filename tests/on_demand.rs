@@ -984,3 +984,39 @@ fn a_change_only_another_on_demand_device_has_acknowledged_is_not_evicted_and_ge
     assert_eq!(std::fs::read(od.mnt.join("mine.bin")).unwrap(), mine);
     c.stop();
 }
+
+#[test]
+fn the_least_recently_used_order_survives_a_restart() {
+    let t = tmp();
+    let files: Vec<(String, Vec<u8>)> = (0..4)
+        .map(|i| (format!("x/f{i}"), noise(1 << 20, 90 + i)))
+        .collect();
+    let listed: Vec<(&str, Vec<u8>, u32)> = files
+        .iter()
+        .map(|(p, d)| (p.as_str(), d.clone(), 0o644))
+        .collect();
+    let mut od = setup(&t, &listed, Some("3MiB"));
+    // Used in the order f2, f0, f1: f2 is the least recently used, though its version was
+    // journaled after f0's and f1's.
+    for i in [2, 0, 1] {
+        assert_eq!(
+            std::fs::read(od.mnt.join(format!("x/f{i}"))).unwrap(),
+            files[i].1
+        );
+        until_state(&od.mnt.join(format!("x/f{i}")), "local");
+    }
+    // The uses are written at the budget's next round (after each fetch); then B restarts.
+    std::thread::sleep(Duration::from_millis(500));
+    ok(&od.b.home, &["unmount", "work"]);
+    od.b.stop();
+    od.b.start();
+    in_sync(&od.b, 30);
+    ok(&od.b.home, &["mount", "work", od.mnt.to_str().unwrap()]);
+    // A fourth file read: the budget (3 MiB) lets one go, the least recently used.
+    assert_eq!(std::fs::read(od.mnt.join("x/f3")).unwrap(), files[3].1);
+    until_state(&od.mnt.join("x/f3"), "local");
+    until_state(&od.mnt.join("x/f2"), "online");
+    for i in [0, 1, 3] {
+        assert_eq!(state(&od.mnt.join(format!("x/f{i}"))), "local", "x/f{i}");
+    }
+}

@@ -321,6 +321,8 @@ pub struct Demand {
     flights: Mutex<HashMap<RelPath, Arc<Flight>>>,
     unavailable: Mutex<(BTreeMap<RelPath, Unavailable>, u64)>,
     used: Mutex<HashMap<RelPath, i64>>,
+    /// The uses not written to the journal yet (`Journal::save_used`).
+    unsaved: Mutex<HashMap<RelPath, i64>>,
     pins: RwLock<Vec<RelPath>>,
     /// Content arrived: the budget is to be checked.
     pub arrived: tokio::sync::Notify,
@@ -422,9 +424,24 @@ impl Demand {
     /// `path` was used at `now_ns`.
     pub fn used(&self, path: &RelPath, now_ns: i64) {
         lock(&self.used).insert(path.clone(), now_ns);
+        lock(&self.unsaved).insert(path.clone(), now_ns);
     }
 
-    /// When `path` was last used, if it was since the daemon started.
+    /// Takes the uses noted since the last call, to be written to the journal.
+    pub fn take_unsaved(&self) -> Vec<(RelPath, i64)> {
+        lock(&self.unsaved).drain().collect()
+    }
+
+    /// The uses the journal kept from before this start (a later use stays).
+    pub fn load_used(&self, uses: Vec<(RelPath, i64)>) {
+        let mut u = lock(&self.used);
+        for (path, at) in uses {
+            let e = u.entry(path).or_insert(at);
+            *e = (*e).max(at);
+        }
+    }
+
+    /// When `path` was last used (since the daemon started, or as the journal kept it).
     pub fn last_used(&self, path: &RelPath) -> Option<i64> {
         lock(&self.used).get(path).copied()
     }
