@@ -840,8 +840,9 @@ impl Session {
         } else {
             f.their_scan = None;
             // Its journal now lists what its disk holds: as after a Hello from a device that
-            // scanned its own copy, what we journal from now on is new to it.
-            if f.inline_after == u64::MAX {
+            // scanned its own copy, what we journal from now on is new to it (unless it keeps
+            // only part of the folder: it would drop the content).
+            if f.inline_after == u64::MAX && !f.their_partial {
                 f.our_max = f.our_max.max(src.max_sequence(&scan.folder));
                 f.inline_after = f.our_max;
             }
@@ -1827,6 +1828,38 @@ mod tests {
         assert_eq!(e.session.inline_after(&fid("f")), u64::MAX);
         assert_eq!(g.session.inline_after(&fid("f")), 0, "e is not scanning");
         assert_eq!(g.received.len(), 1, "records still flow");
+    }
+
+    #[test]
+    fn a_peer_that_keeps_part_of_a_folder_gets_no_content_attached_and_is_not_a_holder() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(
+            2,
+            1,
+            vec![SessionFolder {
+                partial: true,
+                scanning: true,
+                ..folder("f", 22)
+            }],
+        );
+        a.journal.add("x", 1);
+        connect(&mut a, &mut b);
+        assert_eq!(a.session.inline_after(&fid("f")), u64::MAX);
+        assert_eq!(b.received.len(), 1, "records flow");
+        assert_eq!(a.session.partial_folders(), BTreeSet::from([fid("f")]));
+        assert!(b.session.partial_folders().is_empty(), "a keeps all of it");
+        // Its first scan ends: still nothing attached.
+        let acts = b
+            .session
+            .scan_progress(&fid("f"), false, counts(1, 0), &mut b.journal);
+        run(
+            &mut b,
+            &mut a,
+            VecDeque::new(),
+            VecDeque::new(),
+            [acts, vec![]],
+        );
+        assert_eq!(a.session.inline_after(&fid("f")), u64::MAX);
     }
 
     #[test]
