@@ -1020,3 +1020,41 @@ fn the_least_recently_used_order_survives_a_restart() {
         assert_eq!(state(&od.mnt.join(format!("x/f{i}"))), "local", "x/f{i}");
     }
 }
+
+#[test]
+fn a_file_closed_before_it_was_whole_keeps_what_was_fetched_for_a_reader_that_comes_back() {
+    let t = tmp();
+    const MIB: usize = 1 << 20;
+    let big = noise(32 * MIB, 85);
+    let od = setup(&t, &[("big.bin", big.clone(), 0o644)], None);
+    let path = od.mnt.join("big.bin");
+    let p = path.to_str().unwrap();
+    let head = |what: &str| {
+        let before = received(&od.b);
+        let (ok_, out) = run("head", &["-c", "65536", p]);
+        assert!(ok_);
+        assert_eq!(out, big[..65536], "{what}");
+        received(&od.b) - before
+    };
+    let first = head("first");
+    // Closed: nothing is fetched for it, nothing is listed, and a reopen finds what was here.
+    until_status(&od.b, 10, "no fetch listed", |d| {
+        d["fetching"].as_array().unwrap().is_empty()
+    });
+    assert_eq!(state(&path), "online");
+    let again = head("again");
+    eprintln!("head -c 65536 of 32 MiB not local: {first} bytes received, reopened: {again}");
+    assert!(first >= 65536, "{first}");
+    // The chunks under the first 64 KiB are here: only read-ahead goes out again.
+    assert!(
+        again + 65536 <= first,
+        "a reopen fetched {again} bytes again, of {first}"
+    );
+    // Left alone past the linger, what was fetched is dropped: a reopen fetches again.
+    let t0 = Instant::now();
+    while !od.b.log().contains("what was fetched of it is dropped") {
+        assert!(t0.elapsed() < Duration::from_secs(30), "never dropped");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(head("after the linger") >= 65536);
+}

@@ -315,6 +315,20 @@ impl Assembly {
         }
     }
 
+    /// Every reader left (the driver stopped its fetches): what was wanted or asked and is not
+    /// written is absent again, and a reader that comes back starts without a read-ahead.
+    /// Chunks present stay present.
+    pub fn paused(&mut self) {
+        for m in &mut self.missing {
+            if matches!(m.state, State::Wanted | State::Asked) {
+                m.state = State::Absent;
+            }
+        }
+        self.wants.clear();
+        self.next_read = None;
+        self.ahead = 0;
+    }
+
     /// A fetch of `asked` ended without some of them: those not present are absent again
     /// (a later read asks again).
     pub fn failed(&mut self, asked: &[(Hash, u32)]) {
@@ -396,6 +410,26 @@ mod tests {
         a.read(200 << 20, 4096);
         assert_eq!(a.ahead, 0);
         assert_eq!(asked(&mut a).len(), 1);
+    }
+
+    #[test]
+    fn a_pause_keeps_what_arrived_and_a_returning_reader_asks_only_for_the_rest() {
+        let c = chunks(&[65536; 16]);
+        let mut a = Assembly::new(&c, c.iter().map(|c| c.hash));
+        a.read(0, 65536);
+        a.read(65536, 65536);
+        let first = asked(&mut a);
+        assert!(first.len() > 2, "its own chunks and read-ahead");
+        assert!(a.claim(&c[0].hash));
+        a.arrived(&c[0].hash);
+        a.want_all();
+        a.paused();
+        assert!(a.take().is_empty(), "nothing goes out while no one reads");
+        assert!(a.stranded(65536, 1), "asked and not arrived: absent again");
+        // Back: the first chunk is here; the second is asked again, without read-ahead.
+        assert!(a.covered(0, 65536));
+        a.read(0, 2 * 65536);
+        assert_eq!(asked(&mut a), vec![c[1].hash]);
     }
 
     #[test]
