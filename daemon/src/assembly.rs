@@ -315,6 +315,20 @@ impl Assembly {
         }
     }
 
+    /// Every reader left (the driver stopped its fetches): what was wanted or asked and is not
+    /// written is absent again, and a reader that comes back starts without a read-ahead.
+    /// Chunks present stay present.
+    pub fn paused(&mut self) {
+        for m in &mut self.missing {
+            if matches!(m.state, State::Wanted | State::Asked) {
+                m.state = State::Absent;
+            }
+        }
+        self.wants.clear();
+        self.next_read = None;
+        self.ahead = 0;
+    }
+
     /// A fetch of `asked` ended without some of them: those not present are absent again
     /// (a later read asks again).
     pub fn failed(&mut self, asked: &[(Hash, u32)]) {
@@ -399,6 +413,26 @@ mod tests {
     }
 
     #[test]
+    fn a_pause_keeps_what_arrived_and_a_returning_reader_asks_only_for_the_rest() {
+        let c = chunks(&[65536; 16]);
+        let mut a = Assembly::new(&c, c.iter().map(|c| c.hash));
+        a.read(0, 65536);
+        a.read(65536, 65536);
+        let first = asked(&mut a);
+        assert!(first.len() > 2, "its own chunks and read-ahead");
+        assert!(a.claim(&c[0].hash));
+        a.arrived(&c[0].hash);
+        a.want_all();
+        a.paused();
+        assert!(a.take().is_empty(), "nothing goes out while no one reads");
+        assert!(a.stranded(65536, 1), "asked and not arrived: absent again");
+        // Back: the first chunk is here; the second is asked again, without read-ahead.
+        assert!(a.covered(0, 65536));
+        a.read(0, 2 * 65536);
+        assert_eq!(asked(&mut a), vec![c[1].hash]);
+    }
+
+    #[test]
     fn a_failed_fetch_strands_its_readers_and_a_later_read_asks_again() {
         let c = chunks(&[1000, 2000, 3000]);
         let mut a = Assembly::new(&c, [c[1].hash]);
@@ -423,9 +457,17 @@ mod tests {
         let mut a = Assembly::new(&c, c.iter().map(|c| c.hash)).looking();
         a.read_probe(0, 1);
         a.want_all();
-        assert_eq!(asked(&mut a), vec![c[0].hash], "the open's probe, not the whole file");
+        assert_eq!(
+            asked(&mut a),
+            vec![c[0].hash],
+            "the open's probe, not the whole file"
+        );
         a.read(65536 + 10, 100);
-        assert_eq!(asked(&mut a), vec![c[1].hash], "a read does not wait for the lookup");
+        assert_eq!(
+            asked(&mut a),
+            vec![c[1].hash],
+            "a read does not wait for the lookup"
+        );
         assert!(asked(&mut a).is_empty(), "the rest waits for it");
         assert!(!a.stranded(0, 64 * 65536), "held back is not stranded");
         // Chunks 1 (asked already) and 5..10 are local; chunk 7's copy turns out stale.
@@ -444,7 +486,11 @@ mod tests {
         }
         a.not_local(&c[7].hash);
         let rest = asked(&mut a);
-        assert_eq!(rest.len(), 64 - 6, "all but 0, 1 (asked) and 5, 6, 8, 9 (copied)");
+        assert_eq!(
+            rest.len(),
+            64 - 6,
+            "all but 0, 1 (asked) and 5, 6, 8, 9 (copied)"
+        );
         assert!(rest.contains(&c[7].hash) && !rest.contains(&c[5].hash));
         for h in rest {
             assert!(a.claim(&h));

@@ -458,9 +458,7 @@ mod worded {
         Words(String),
     }
 
-    pub fn deserialize<'de, T: Worded, D: Deserializer<'de>>(
-        d: D,
-    ) -> Result<Option<T>, D::Error> {
+    pub fn deserialize<'de, T: Worded, D: Deserializer<'de>>(d: D) -> Result<Option<T>, D::Error> {
         match Text::deserialize(d)? {
             Text::Bytes(b) => Ok(Some(T::from_bytes(b))),
             Text::Words(w) => T::parse_words(&w).map(Some).map_err(D::Error::custom),

@@ -10,7 +10,7 @@ use crate::assembly::Assembly;
 use meshfs_protocol::{Hash, RelPath};
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 /// Paths listed as not fetched, at most (the rest are counted).
@@ -57,8 +57,8 @@ struct Stage {
 /// engine's runtime).
 #[derive(Debug)]
 pub struct Flight {
-    /// The process whose open started it (0: a pin).
-    pub pid: u32,
+    /// The process whose open started it, or last joined it (0: a pin).
+    pub pid: AtomicU32,
     /// The file's size.
     pub size: u64,
     /// Bytes of it fetched so far (chunks copied from local files are not counted).
@@ -76,7 +76,7 @@ const RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 impl Flight {
     fn new(pid: u32, size: u64) -> Flight {
         Flight {
-            pid,
+            pid: AtomicU32::new(pid),
             size,
             done: Arc::new(AtomicU64::new(0)),
             stage: Mutex::new(Stage {
@@ -95,13 +95,36 @@ impl Flight {
             .unwrap_or_else(|p| p.into_inner().0)
     }
 
-    /// One more holder, unless it ended.
-    fn join(&self) -> bool {
+    /// One more holder (`pid`'s open), unless it ended.
+    fn join(&self, pid: u32) -> bool {
         let mut s = lock(&self.stage);
         if s.ended.is_some() {
             return false;
         }
+        if s.holds == 0 {
+            // Back to a flight that lingered with no holder: it is this process's now.
+            self.pid.store(pid, Ordering::Relaxed);
+        }
         s.holds += 1;
+        true
+    }
+
+    /// Whether anyone holds it (an open, a pin, a writer's wait).
+    pub fn held(&self) -> bool {
+        lock(&self.stage).holds > 0
+    }
+
+    /// The driver: every holder left and its fetches are stopped; what they had asked for is
+    /// absent again (D100). Nothing, when a holder came back meanwhile (what it wants stays
+    /// wanted): `false`.
+    pub fn pause(&self) -> bool {
+        let mut s = lock(&self.stage);
+        if s.holds > 0 {
+            return false;
+        }
+        if let Some(a) = s.assembly.as_mut() {
+            a.paused();
+        }
         true
     }
 
@@ -321,6 +344,8 @@ pub struct Demand {
     flights: Mutex<HashMap<RelPath, Arc<Flight>>>,
     unavailable: Mutex<(BTreeMap<RelPath, Unavailable>, u64)>,
     used: Mutex<HashMap<RelPath, i64>>,
+    /// The uses not written to the journal yet (`Journal::save_used`).
+    unsaved: Mutex<HashMap<RelPath, i64>>,
     pins: RwLock<Vec<RelPath>>,
     /// The subtrees on demand (`on_demand_under`, D77); empty: the whole folder.
     under: RwLock<Vec<RelPath>>,
@@ -352,7 +377,7 @@ impl Demand {
     pub fn begin(&self, path: &RelPath, pid: u32, size: u64) -> (Arc<Flight>, bool) {
         let mut f = lock(&self.flights);
         if let Some(flight) = f.get(path) {
-            if flight.join() {
+            if flight.join(pid) {
                 return (flight.clone(), false);
             }
         }
@@ -392,16 +417,21 @@ impl Demand {
         flight.finish(end);
     }
 
-    /// Whether `path` is being fetched.
+    /// Whether `path` is being fetched for someone (a fetch that lingers with no holder is
+    /// not: nothing is asked for it).
     pub fn fetching(&self, path: &RelPath) -> bool {
-        lock(&self.flights).contains_key(path)
+        lock(&self.flights).get(path).is_some_and(|f| f.held())
     }
 
-    /// The fetches under way: (path, pid, size, bytes done), by path.
+    /// The fetches under way for someone: (path, pid, size, bytes done), by path.
     pub fn flights(&self) -> Vec<(RelPath, u32, u64, u64)> {
         let mut v: Vec<_> = lock(&self.flights)
             .iter()
-            .map(|(p, f)| (p.clone(), f.pid, f.size, f.done.load(Ordering::Relaxed)))
+            .filter(|(_, f)| f.held())
+            .map(|(p, f)| {
+                let pid = f.pid.load(Ordering::Relaxed);
+                (p.clone(), pid, f.size, f.done.load(Ordering::Relaxed))
+            })
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
@@ -424,9 +454,24 @@ impl Demand {
     /// `path` was used at `now_ns`.
     pub fn used(&self, path: &RelPath, now_ns: i64) {
         lock(&self.used).insert(path.clone(), now_ns);
+        lock(&self.unsaved).insert(path.clone(), now_ns);
     }
 
-    /// When `path` was last used, if it was since the daemon started.
+    /// Takes the uses noted since the last call, to be written to the journal.
+    pub fn take_unsaved(&self) -> Vec<(RelPath, i64)> {
+        lock(&self.unsaved).drain().collect()
+    }
+
+    /// The uses the journal kept from before this start (a later use stays).
+    pub fn load_used(&self, uses: Vec<(RelPath, i64)>) {
+        let mut u = lock(&self.used);
+        for (path, at) in uses {
+            let e = u.entry(path).or_insert(at);
+            *e = (*e).max(at);
+        }
+    }
+
+    /// When `path` was last used (since the daemon started, or as the journal kept it).
     pub fn last_used(&self, path: &RelPath) -> Option<i64> {
         lock(&self.used).get(path).copied()
     }
@@ -606,7 +651,7 @@ mod tests {
         assert_eq!(reader.join().unwrap(), Err(no));
         f.leave();
         assert!(f.abandon(), "no one holds it, not whole");
-        assert!(!f.join(), "abandoned: a later open starts anew");
+        assert!(!f.join(9), "abandoned: a later open starts anew");
     }
 
     #[test]

@@ -149,7 +149,49 @@ impl Journal {
                      AND local_inode IS NOT NULL)",
                 )?
                 .execute([key])?;
+            tx.prepare_cached(
+                "DELETE FROM used WHERE folder = ?1 AND path NOT IN (SELECT path FROM records \
+                 WHERE folder = ?1 AND deleted = 0)",
+            )?
+            .execute([key])?;
             Ok(n as u64)
+        })
+    }
+
+    /// Notes when each of `items`' paths was last used (ns since the Unix epoch).
+    pub fn save_used(&mut self, folder: &FolderId, items: &[(RelPath, i64)]) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        self.write(|tx| {
+            let (key, _) = ensure_folder(tx, folder)?;
+            let mut st = tx.prepare_cached(
+                "INSERT INTO used (folder, path, at_ns) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT (folder, path) DO UPDATE SET at_ns = max(at_ns, excluded.at_ns)",
+            )?;
+            for (path, at) in items {
+                st.execute(params![key, path.as_str(), at])?;
+            }
+            Ok(())
+        })
+    }
+
+    /// When each path of the folder was last used, as [`Journal::save_used`] noted it.
+    pub fn used(&self, folder: &FolderId) -> Result<Vec<(RelPath, i64)>> {
+        self.read(|c| {
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached("SELECT path, at_ns FROM used WHERE folder = ?1")?;
+            let mut rows = st.query([key])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let p: String = r.get(0)?;
+                if let Ok(p) = RelPath::new(&p) {
+                    out.push((p, r.get(1)?));
+                }
+            }
+            Ok(out)
         })
     }
 

@@ -249,10 +249,29 @@ pub fn evict(
 
 /// Keeps `folder` under its budget while it runs: at once when content arrived
 /// (`Demand::arrived`), and every [`BUDGET_TICK`]; stale placeholder rows are dropped at each
-/// tick. Ends when the folder stops.
+/// tick. The files' last uses are read from the journal at the start and written to it at each
+/// round, so the eviction order survives a restart. Ends when the folder stops.
 pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected) {
     let mut pruned = Instant::now() - BUDGET_TICK;
     let mut wait = BUDGET_TICK;
+    if let Some(f) = folders.upgrade() {
+        let folder = folder.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let rt = f.get(&folder)?;
+            match f
+                .reader()
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.used(&folder).map_err(|e| e.to_string()))
+            {
+                Ok(uses) => rt.demand.load_used(uses),
+                Err(e) => {
+                    tracing::warn!(%folder, error = %e, "cannot read when files were last used")
+                }
+            }
+            Some(())
+        })
+        .await;
+    }
     loop {
         let Some(rt) = folders.upgrade().and_then(|f| f.get(&folder)) else {
             return;
@@ -276,8 +295,13 @@ pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected)
         let ids = connected(&folder);
         let rt_after = rt.clone();
         let done = tokio::task::spawn_blocking(move || {
-            if prune {
-                f.journal()?.prune_absent(&rt.id)?;
+            let uses = rt.demand.take_unsaved();
+            if prune || !uses.is_empty() {
+                let mut j = f.journal()?;
+                j.save_used(&rt.id, &uses)?;
+                if prune {
+                    j.prune_absent(&rt.id)?;
+                }
             }
             keep_budget(&f, &rt, &ids)
         })

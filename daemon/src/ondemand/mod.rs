@@ -88,7 +88,7 @@ async fn run(
         conns.into_iter().map(|(_, c)| c).collect()
     });
     let started = std::time::Instant::now();
-    let (size, pid) = (flight.size, flight.pid);
+    let (size, pid) = (flight.size, flight.pid.load(Ordering::Relaxed));
     let out = crate::apply::drive(
         folders,
         rt.clone(),

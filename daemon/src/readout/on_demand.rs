@@ -128,7 +128,10 @@ mod tests {
             lines[0],
             "on demand: 3MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
         );
-        assert_eq!(lines[1], "disk: 40GiB free, kept above 5GiB (5%) by evicting");
+        assert_eq!(
+            lines[1],
+            "disk: 40GiB free, kept above 5GiB (5%) by evicting"
+        );
         assert_eq!(lines[2], "pinned: photos");
         assert_eq!(lines[3], "fetching a.bin for pid 42: 50 bytes of 100 bytes");
         assert_eq!(
