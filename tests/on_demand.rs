@@ -1114,7 +1114,10 @@ fn only_a_subtree_on_demand_leaves_placeholders_there_and_keeps_everything_else_
     // Listing the mount fetches nothing; reading inside big/ fetches that file.
     let before = received(&od.b);
     assert_eq!(listing(&od.mnt), listing(&od.a.dir));
-    assert!(received(&od.b) - before < 64 << 10, "listing fetched content");
+    assert!(
+        received(&od.b) - before < 64 << 10,
+        "listing fetched content"
+    );
     assert_eq!(state(&od.mnt.join("big/deep/b.bin")), "online");
     assert_eq!(std::fs::read(od.mnt.join("big/a.bin")).unwrap(), files[0].1);
     // Eviction never touches what lies outside; inside it does.
@@ -1130,7 +1133,10 @@ fn only_a_subtree_on_demand_leaves_placeholders_there_and_keeps_everything_else_
     until_local(&od, "new/n.bin", &fresh);
     let t0 = Instant::now();
     while !od.b.path("big/n2.bin").exists() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "big/n2.bin never came");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "big/n2.bin never came"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(is_placeholder(&od.b.path("big/n2.bin")));

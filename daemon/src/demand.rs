@@ -673,11 +673,17 @@ mod tests {
         assert!(!d.kept(&p("big/x/y")));
         assert!(!d.kept(&p("archive/2019/a")));
         assert!(d.kept(&p("archive/2020/a")));
-        assert!(d.kept(&p("archive")), "a directory above a subtree is outside it");
+        assert!(
+            d.kept(&p("archive")),
+            "a directory above a subtree is outside it"
+        );
         assert!(d.kept(&p("bigger/a")));
         assert!(d.kept(&p("small.txt")));
         d.set_pins(vec![p("big/keep")]);
-        assert!(d.kept(&p("big/keep/a")), "a pin inside a subtree still keeps");
+        assert!(
+            d.kept(&p("big/keep/a")),
+            "a pin inside a subtree still keeps"
+        );
         assert!(!d.outside(&p("big/keep/a")));
     }
 }

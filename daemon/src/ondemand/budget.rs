@@ -54,8 +54,9 @@ pub struct KeptFile {
     pub why: String,
 }
 
-/// Why `res` must stay local, if it must: pinned, outside the subtrees on demand, open, being fetched, or held by no connected
-/// peer (`acked`: what each connected peer acknowledged of this device's index).
+/// Why `res` must stay local, if it must: pinned, outside the subtrees on demand, open,
+/// being fetched, or held by no connected peer (`acked`: what each connected peer
+/// acknowledged of this device's index).
 fn keeps(res: &Resident, rt: &FolderRt, acked: &HashMap<DeviceId, u64>) -> Option<&'static str> {
     if rt.demand.pinned(&res.path) {
         return Some("pinned (`meshfs unpin` lets it go)");
