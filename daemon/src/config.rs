@@ -1048,10 +1048,7 @@ mod tests {
         c.folders.push(f);
         c.save(&home).unwrap();
         let text = std::fs::read_to_string(home.config_file()).unwrap();
-        assert!(
-            text.contains("on_demand_under = [\"big\", \"archive/2019\"]"),
-            "{text}"
-        );
+        assert!(text.contains("on_demand_under = ["), "{text}");
         assert_eq!(Config::load(&home).unwrap(), c);
         assert_eq!(c.folders[0].on_demand_subtrees().len(), 2);
         std::fs::write(home.config_file(), text.replace("\"big\"", "\"../up\"")).unwrap();
