@@ -577,9 +577,17 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     assert_eq!(
         folders,
         serde_json::json!([{"id": "work", "path": a.dir.to_str().unwrap(), "watch": true,
-                            "on_demand": false, "cache_max": null,
+                            "on_demand": false, "on_demand_under": [], "cache_max": null,
                             "shared_with": [b.id.as_str()]}])
     );
+    // A subtree on demand is a path in the folder, never outside it nor the folder itself.
+    for bad in ["../up", "."] {
+        let (code, err) = fails(
+            &a.home,
+            &["folder", "set", "work", "--on-demand-under", bad],
+        );
+        assert_eq!(code, 2, "{bad}: {err}");
+    }
     assert_eq!(
         words(&ok(&a.home, &["folder", "list"])),
         [
