@@ -7,6 +7,7 @@ use crate::folder::{FolderError, FolderRt, Folders};
 use meshfs_protocol::RelPath;
 use serde::Serialize;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Why a pin or an unpin was refused.
 #[derive(Debug, thiserror::Error)]
@@ -107,22 +108,36 @@ pub async fn fetch_all(
     (fetched, failed)
 }
 
-/// A folder that stopped being on demand: everything not local is fetched now (in the
-/// background; what cannot be is fetched when opened, as before).
+/// A folder that stopped being on demand: everything not local is fetched now, in the
+/// background. What cannot be is tried again after 1, 2, 4 … 32 s (the change closes the
+/// links that share the folder, so that their next hello says it, D99: the first try may find
+/// no peer), then fetched when opened, as before.
 pub async fn make_whole(folders: Arc<Folders>, rt: Arc<FolderRt>, peers: Peers) {
-    let (f, r) = (folders.clone(), rt.clone());
-    let online =
-        tokio::task::spawn_blocking(move || f.reader().and_then(|j| Ok(j.online(&r.id, None)?)))
-            .await;
-    let Ok(Ok(online)) = online else {
-        return;
-    };
-    if online.is_empty() {
-        return;
+    let mut wait = Duration::from_secs(1);
+    loop {
+        if rt.policy().on_demand {
+            return;
+        }
+        let (f, r) = (folders.clone(), rt.clone());
+        let online = tokio::task::spawn_blocking(move || {
+            f.reader().and_then(|j| Ok(j.online(&r.id, None)?))
+        })
+        .await;
+        let Ok(Ok(online)) = online else {
+            return;
+        };
+        if online.is_empty() {
+            return;
+        }
+        tracing::info!(folder = %rt.id, files = online.len(), "no longer on demand: fetching what is not here");
+        let (fetched, failed) = fetch_all(&folders, &rt, &peers, online).await;
+        tracing::info!(folder = %rt.id, fetched, failed = failed.len(), "no longer on demand: fetched");
+        if failed.is_empty() || wait > Duration::from_secs(32) {
+            return;
+        }
+        tokio::time::sleep(wait).await;
+        wait *= 2;
     }
-    tracing::info!(folder = %rt.id, files = online.len(), "no longer on demand: fetching what is not here");
-    let (fetched, failed) = fetch_all(&folders, &rt, &peers, online).await;
-    tracing::info!(folder = %rt.id, fetched, failed = failed.len(), "no longer on demand: fetched");
 }
 
 /// Drops the pin of `path` (its files stay local until the budget needs the room); whether
