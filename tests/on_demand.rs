@@ -62,6 +62,19 @@ fn setup_as(
     od
 }
 
+/// `n` files made by `file(i)`: (path, content).
+fn numbered(n: u64, file: impl Fn(u64) -> (String, Vec<u8>)) -> Vec<(String, Vec<u8>)> {
+    (0..n).map(file).collect()
+}
+
+/// `files` as [`setup`] takes them, mode 0644.
+fn listed(files: &[(String, Vec<u8>)]) -> Vec<(&str, Vec<u8>, u32)> {
+    files
+        .iter()
+        .map(|(p, d)| (p.as_str(), d.clone(), 0o644))
+        .collect()
+}
+
 /// Waits until `d` says it is in sync with its connected peers (its tree is not compared: an
 /// on-demand device's backing differs from its peers' by design).
 fn in_sync(d: &Device, secs: u64) {
@@ -933,14 +946,8 @@ fn a_change_only_another_on_demand_device_has_acknowledged_is_not_evicted_and_ge
 ) {
     let t = tmp();
     // 200 small files: content a batch would attach to its records (≤ 64 KiB a file).
-    let files: Vec<(String, Vec<u8>)> = (0..200)
-        .map(|i| (format!("s/f{i:03}"), noise(8 << 10, 1000 + i)))
-        .collect();
-    let listed: Vec<(&str, Vec<u8>, u32)> = files
-        .iter()
-        .map(|(p, d)| (p.as_str(), d.clone(), 0o644))
-        .collect();
-    let mut od = setup(&t, &listed, None);
+    let files = numbered(200, |i| (format!("s/f{i:03}"), noise(8 << 10, 1000 + i)));
+    let mut od = setup(&t, &listed(&files), None);
     // C: a second on-demand device, sharing with A and B.
     let mut c = Device::new(&t, "c");
     ok(&c.home, &["folder", "set", "work", "--on-demand"]);
@@ -1000,14 +1007,8 @@ fn a_change_only_another_on_demand_device_has_acknowledged_is_not_evicted_and_ge
 #[test]
 fn the_least_recently_used_order_survives_a_restart() {
     let t = tmp();
-    let files: Vec<(String, Vec<u8>)> = (0..4)
-        .map(|i| (format!("x/f{i}"), noise(1 << 20, 90 + i)))
-        .collect();
-    let listed: Vec<(&str, Vec<u8>, u32)> = files
-        .iter()
-        .map(|(p, d)| (p.as_str(), d.clone(), 0o644))
-        .collect();
-    let mut od = setup(&t, &listed, Some("3MiB"));
+    let files = numbered(4, |i| (format!("x/f{i}"), noise(1 << 20, 90 + i)));
+    let mut od = setup(&t, &listed(&files), Some("3MiB"));
     // Used in the order f2, f0, f1: f2 is the least recently used, though its version was
     // journaled after f0's and f1's.
     for i in [2, 0, 1] {

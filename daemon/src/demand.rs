@@ -61,6 +61,8 @@ pub struct Flight {
     pub pid: AtomicU32,
     /// The file's size.
     pub size: u64,
+    /// The content it assembles (the version's hash): a later version is another flight.
+    pub hash: Hash,
     /// Bytes of it fetched so far (chunks copied from local files are not counted).
     pub done: Arc<AtomicU64>,
     stage: Mutex<Stage>,
@@ -74,10 +76,11 @@ pub struct Flight {
 const RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Flight {
-    fn new(pid: u32, size: u64) -> Flight {
+    fn new(pid: u32, size: u64, hash: Hash) -> Flight {
         Flight {
             pid: AtomicU32::new(pid),
             size,
+            hash,
             done: Arc::new(AtomicU64::new(0)),
             stage: Mutex::new(Stage {
                 holds: 1,
@@ -371,17 +374,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Demand {
-    /// The flight of `path`, joined (`false`), or a new one this caller drives (`true`):
-    /// one per path, whoever else opens it shares it. The caller holds it until
-    /// [`Flight::leave`].
-    pub fn begin(&self, path: &RelPath, pid: u32, size: u64) -> (Arc<Flight>, bool) {
+    /// The flight of `path`'s content `hash`, joined (`false`), or a new one this caller
+    /// drives (`true`): one per path, whoever else opens the same version shares it (an open
+    /// of a newer version starts its own; the older one's install then finds the placeholder
+    /// changed). The caller holds it until [`Flight::leave`].
+    pub fn begin(&self, path: &RelPath, pid: u32, size: u64, hash: Hash) -> (Arc<Flight>, bool) {
         let mut f = lock(&self.flights);
-        if let Some(flight) = f.get(path) {
+        if let Some(flight) = f.get(path).filter(|x| x.hash == hash) {
             if flight.join(pid) {
                 return (flight.clone(), false);
             }
         }
-        let flight = Arc::new(Flight::new(pid, size));
+        let flight = Arc::new(Flight::new(pid, size, hash));
         f.insert(path.clone(), flight.clone());
         (flight, true)
     }
@@ -574,9 +578,9 @@ mod tests {
     #[test]
     fn a_second_open_of_a_file_being_fetched_shares_its_flight_and_a_failure_reaches_both() {
         let d = Arc::new(Demand::default());
-        let (first, lead) = d.begin(&p("a"), 7, 10);
+        let (first, lead) = d.begin(&p("a"), 7, 10, Hash::ZERO);
         assert!(lead);
-        let (second, lead) = d.begin(&p("a"), 8, 10);
+        let (second, lead) = d.begin(&p("a"), 8, 10, Hash::ZERO);
         assert!(!lead, "second follows");
         assert!(Arc::ptr_eq(&first, &second));
         assert!(d.fetching(&p("a")));
@@ -590,17 +594,24 @@ mod tests {
         assert_eq!(waiter.join().unwrap(), Err(no));
         assert!(!d.fetching(&p("a")));
         assert_eq!(d.unavailable().0.len(), 1);
-        let (again, lead) = d.begin(&p("a"), 9, 10);
+        let (again, lead) = d.begin(&p("a"), 9, 10, Hash::ZERO);
         assert!(lead, "a new flight after the end");
         d.end(&p("a"), &again, End::Local, 101);
         assert!(d.unavailable().0.is_empty(), "fetched: no longer listed");
+        // An open of a newer version does not join the older one's flight (a lingering one
+        // would serve the old content).
+        let (old, _) = d.begin(&p("a"), 10, 10, Hash::ZERO);
+        old.leave();
+        let (newer, lead) = d.begin(&p("a"), 11, 10, Hash::of(b"v2"));
+        assert!(lead && !Arc::ptr_eq(&old, &newer));
+        assert_eq!(d.flights()[0].1, 11);
     }
 
     #[test]
     fn a_reader_waits_for_its_range_and_not_for_the_rest() {
         use meshfs_protocol::Chunk;
         let d = Demand::default();
-        let (f, _) = d.begin(&p("a"), 7, 3000);
+        let (f, _) = d.begin(&p("a"), 7, 3000, Hash::ZERO);
         let c: Vec<Chunk> = (0..3u8)
             .map(|i| Chunk {
                 len: 1000,

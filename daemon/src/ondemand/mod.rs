@@ -56,7 +56,9 @@ fn flight_of(
     let Some(stored) = stored.filter(|s| !s.record.deleted) else {
         return Err(failure(libc::ENOENT, format!("{path}: not in the journal")));
     };
-    let (flight, lead) = rt.demand.begin(path, pid, stored.record.size);
+    let (flight, lead) = rt
+        .demand
+        .begin(path, pid, stored.record.size, stored.record.hash);
     if lead {
         runtime.spawn(run(
             folders.clone(),
