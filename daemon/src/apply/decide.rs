@@ -2,7 +2,7 @@
 //! content (metadata, directories, symlinks, deletions, copies of local losers), journaling
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
-use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Sources, Transfer};
+use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Look, Meta, Sources, Transfer};
 use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::ignore::{IgnoreRules, IGNORE_FILE};
@@ -416,13 +416,15 @@ impl Deciding<'_> {
             meta,
             &mut self.sources,
             &mut self.dirs,
+            Look::Now,
         )?;
         self.transfers.push(t);
         Ok(Some(self.transfers.len() - 1))
     }
 
     /// Whether the content of `record` stays online (a placeholder is installed, D91): the
-    /// folder is on demand, the file is not empty, its path is not pinned, it does not hold a
+    /// folder is on demand, the file is not empty, its path is not kept (pinned, or outside
+    /// the subtrees on demand, D77), it does not hold a
     /// local file now (a file that is local stays local: the budget decides later), and some
     /// of its content is not here (a file a peer renamed or copied is made from local chunks,
     /// as anywhere).
@@ -434,7 +436,7 @@ impl Deciding<'_> {
         if !self.rt.policy().on_demand
             || record.kind != FileKind::File
             || record.size == 0
-            || self.rt.demand.pinned(&record.path)
+            || self.rt.demand.kept(&record.path)
         {
             return Ok(false);
         }

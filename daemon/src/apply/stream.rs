@@ -1,13 +1,15 @@
 //! A placeholder's content streamed to its readers while it is assembled (docs/decisions.md,
-//! D95): the temp file is made as a batch makes one (`super::fill::start`, `assemble`: the
-//! chunks this device has copied and verified), handed to the flight's readers, and then
+//! D95): the temp file is made as a batch makes one (`super::fill::start`, `assemble`), the
+//! chunks this device holds elsewhere copied into it once the first request is out (D98),
+//! handed to the flight's readers, and then
 //! filled with what they want — the chunks under each read first, a sequential reader's
 //! read-ahead after them, the whole file for a writer or a pin — fetched from the connected
 //! peers that share the folder, several at once (each piece begins with the next peer in turn,
 //! the version's source first; a chunk one peer lacks is asked of the next), each chunk verified by blake3 and its length before it is written and marked
 //! present. Once every chunk is present the file is finished, made durable and installed over
-//! the placeholder exactly as before (D92). When every reader left before that, what was
-//! fetched is dropped.
+//! the placeholder exactly as before (D92). When every reader left before that, the fetches
+//! stop and what was fetched is kept for [`LINGER`] for a reader that comes back, then
+//! dropped (D100).
 //!
 //! What it never does: mark a chunk present before its verified bytes are written (a reader
 //! is served a range only once every chunk under it is present), or install a file that is
@@ -16,14 +18,14 @@
 use super::assemble::{assemble, discard_all, finish_all, Assembled};
 use super::fill::{install, start, watched, FillError, STALL};
 use super::on_blocking;
-use super::transfer::ApplyError;
+use super::transfer::{local_copies, ApplyError, Sources};
 use crate::assembly::Assembly;
 use crate::chunks::{self, FetchError};
 use crate::demand::{Failure, Flight};
 use crate::folder::{FolderRt, Folders};
-use crate::store::{LocalStat, StoreError, TempFile};
+use crate::store::{DirCache, LocalCopy, LocalStat, StoreError, TempFile};
 use meshfs_protocol::{FolderId, Hash, RelPath};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 /// The connections to ask, in order (asked again for each fetch: a peer that came back is
@@ -40,6 +42,11 @@ pub enum Streamed {
     /// Every reader left before it was whole: nothing was installed.
     Abandoned,
 }
+
+/// How long a stream whose every reader left keeps what it fetched, fetching nothing, for a
+/// reader that comes back (an opener that probes a file and closes it, then opens it again);
+/// then it is dropped (D100).
+pub const LINGER: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Bytes written into a stream's temp file between two checks of its disk's free floor (D97).
 const FLOOR_CHECK: u64 = 64 << 20;
@@ -91,7 +98,10 @@ pub async fn drive(
         .into_iter()
         .map(|(h, (_, at))| (h, at.into_iter().map(|(_, off)| off).collect()))
         .collect();
-    flight.started(Assembly::new(&chunk_list, places.keys().copied()), file);
+    flight.started(
+        Assembly::new(&chunk_list, places.keys().copied()).looking(),
+        file,
+    );
     let temp: Shared = Arc::new(Mutex::new(Some(temp)));
     let sink = StreamSink {
         rt: rt.clone(),
@@ -99,19 +109,45 @@ pub async fn drive(
         temp: temp.clone(),
         places: Arc::new(places),
     };
+    // The first request goes out first; then what this device holds elsewhere is found and
+    // copied (for a GiB, 16,384 lookups: tens of milliseconds the first read does not wait).
+    let copier = {
+        let (f, r, fl, t) = (folders.clone(), rt.clone(), flight.clone(), temp.clone());
+        let record = seen.record.clone();
+        tokio::task::spawn_blocking(move || copy_local(&f, &r, &record, &fl, &t))
+    };
     let mut fetches = tokio::task::JoinSet::new();
     let mut turn = 0usize;
+    // Since when no one holds the file (its fetches stopped, what they fetched kept).
+    let mut idle: Option<tokio::time::Instant> = None;
     loop {
         let (pieces, complete, held) = flight.take();
         if complete {
             break;
         }
-        if !held && flight.abandon() {
-            fetches.abort_all();
-            if let Some(t) = take(&temp) {
-                rt.store.discard_temp(t);
+        if held {
+            idle = None;
+        } else {
+            // Every holder left: what was asked for (and what was taken just now) is absent
+            // again and the fetches stop, unless a holder came back meanwhile. (A chunk a fetch
+            // brings between the two is verified and kept.)
+            if !flight.pause() {
+                continue;
             }
-            return Ok(Streamed::Abandoned);
+            fetches.abort_all();
+            let since = *idle.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= LINGER && flight.abandon() {
+                if let Some(t) = take(&temp) {
+                    rt.store.discard_temp(t);
+                }
+                return Ok(Streamed::Abandoned);
+            }
+            tokio::select! {
+                _ = flight.wake.notified() => {}
+                _ = tokio::time::sleep_until(since + LINGER) => {}
+                Some(_) = fetches.join_next() => {}
+            }
+            continue;
         }
         for piece in pieces {
             // Each piece begins with the next peer in turn: pieces in flight together (a
@@ -146,6 +182,7 @@ pub async fn drive(
     // Whole: the fetches left have nothing to do (a chunk is written once).
     fetches.abort_all();
     while fetches.join_next().await.is_some() {}
+    let _ = copier.await;
     let Some(temp) = take(&temp) else {
         return Err(FillError::Changed(path));
     };
@@ -161,6 +198,67 @@ pub async fn drive(
 
 fn take(temp: &Shared) -> Option<TempFile> {
     temp.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// The chunks of `record` this device holds in other files of the folder, looked up once
+/// the stream's first request is out and copied into its temp file (each verified by
+/// `Store::copy_chunks_in`); a chunk whose copy turns out stale is asked of a peer instead.
+/// Until this ends the flight hands the network only the first read's chunks (D98).
+fn copy_local(
+    folders: &Folders,
+    rt: &FolderRt,
+    record: &meshfs_protocol::FileRecord,
+    flight: &Flight,
+    temp: &Shared,
+) {
+    let mut sources = Sources::default();
+    let mut dirs = DirCache::default();
+    let copies = match folders.reader() {
+        Ok(mut reader) => {
+            // One read transaction for every lookup: the WAL's locks are taken once.
+            reader.begin_reads();
+            local_copies(&reader, rt, record, &mut sources, &mut dirs).0
+        }
+        Err(e) => {
+            tracing::info!(folder = %rt.id, path = %record.path, error = %e, "cannot look up local copies of a file being read; fetching all of it");
+            Vec::new()
+        }
+    };
+    let claimed: HashSet<Hash> = flight
+        .looked(copies.iter().map(|c| c.hash))
+        .into_iter()
+        .collect();
+    let copies: Vec<LocalCopy> = copies
+        .into_iter()
+        .filter(|c| claimed.contains(&c.hash))
+        .collect();
+    if copies.is_empty() {
+        return;
+    }
+    let copied = {
+        let mut t = temp.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(t) = t.as_mut() else { return };
+        rt.store
+            .copy_chunks_in(&mut dirs, t, &copies, &sources.held)
+    };
+    let stale: HashSet<Hash> = match copied {
+        Ok(stale) => stale.into_iter().map(|i| copies[i].hash).collect(),
+        Err(e) => {
+            tracing::info!(folder = %rt.id, path = %record.path, error = %e, "cannot copy local chunks of a file being read; fetching them");
+            claimed.clone()
+        }
+    };
+    let mut bytes: HashMap<Hash, u64> = HashMap::new();
+    for c in &copies {
+        *bytes.entry(c.hash).or_default() += c.len as u64;
+    }
+    for h in &claimed {
+        if stale.contains(h) {
+            flight.not_local(h);
+        } else {
+            flight.arrived(h, bytes.get(h).copied().unwrap_or(0));
+        }
+    }
 }
 
 /// Fetches `piece` from `order` in turn (each asked only for what the ones before it did not

@@ -1,5 +1,5 @@
 //! An on-demand folder's lines of `meshfs status`, from its `on_demand` object (D90–D94): what
-//! is local against the budget, what is being fetched and for which process, and what could
+//! is local against the budget and the disk's free floor (D97), what is being fetched and for which process, and what could
 //! not be fetched.
 
 use super::journal::printable;
@@ -39,11 +39,35 @@ pub fn on_demand_lines(f: &Value) -> Vec<String> {
         size_words(u(d, "online_bytes")),
         plural(u(d, "online_files"), "file", "files"),
     ));
+    if let Some(floor) = d["min_free_bytes"].as_u64().filter(|&b| b > 0) {
+        let free = match d["disk_free_bytes"].as_u64() {
+            Some(f) => format!("{} free", size_words(f)),
+            None => "free space unknown".into(),
+        };
+        out.push(format!(
+            "disk: {free}, kept above {} ({}) by evicting",
+            size_words(floor),
+            s(d, "min_free")
+        ));
+    }
     let over = u(d, "over_budget");
     if over > 0 {
         out.push(format!(
-            "over its budget by {}: the rest is pinned, open, or held by no connected peer",
+            "over its budget by {}: the rest is pinned, open, outside its on-demand subtrees, or held by no connected peer",
             size_words(over)
+        ));
+    }
+    let under: Vec<String> = d["under"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .map(printable)
+        .collect();
+    if !under.is_empty() {
+        out.push(format!(
+            "on demand only under: {} (the rest is kept here)",
+            under.join(", ")
         ));
     }
     let pins: Vec<String> = d["pins"]
@@ -97,18 +121,29 @@ mod tests {
             "online_files": 10, "online_bytes": 1u64 << 30, "over_budget": 0,
             "pins": ["photos"], "fetching": [{"path": "a.bin", "pid": 42, "size": 100, "done": 50}],
             "unavailable": [{"path": "b.bin", "error": "no connected peer", "errno": "EHOSTUNREACH", "at_unix": 1}],
-            "unavailable_unlisted": 0}});
+            "unavailable_unlisted": 0, "min_free_bytes": 5u64 << 30, "min_free": "5%",
+            "disk_free_bytes": 40u64 << 30}});
         let lines = on_demand_lines(&f);
         assert_eq!(
             lines[0],
             "on demand: 3MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
         );
-        assert_eq!(lines[1], "pinned: photos");
-        assert_eq!(lines[2], "fetching a.bin for pid 42: 50 bytes of 100 bytes");
         assert_eq!(
-            lines[3],
+            lines[1],
+            "disk: 40GiB free, kept above 5GiB (5%) by evicting"
+        );
+        assert_eq!(lines[2], "pinned: photos");
+        assert_eq!(lines[3], "fetching a.bin for pid 42: 50 bytes of 100 bytes");
+        assert_eq!(
+            lines[4],
             "could not fetch b.bin (EHOSTUNREACH): no connected peer"
         );
         assert!(on_demand_lines(&serde_json::json!({"on_demand": null})).is_empty());
+        let f = serde_json::json!({"on_demand": {"local_files": 1, "local_bytes": 1,
+            "online_files": 0, "online_bytes": 0, "under": ["big", "archive/2019"], "pins": []}});
+        assert_eq!(
+            on_demand_lines(&f)[1],
+            "on demand only under: big, archive/2019 (the rest is kept here)"
+        );
     }
 }
