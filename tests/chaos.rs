@@ -261,7 +261,7 @@ fn one_run(
         verdict(&run, "once in sync", Some(&mut mount))?;
         let od_line = match (script_figures, od_figures(&run)) {
             (Some((rx, fetched, evicted, _)), Some((rx2, fetched2, evicted2, local))) => format!(
-                "; on demand r{}: script and sync received {rx} bytes, {fetched} files fetched, {evicted} evicted (`evict` run {} times, keeping {} files), {} reads through the mount ({} bytes, {} failed offline), {} evictions seen; the check read {} files ({} bytes) through the mount, fetching {} more files ({} bytes), {} more evicted, {local} bytes local (budget {})",
+                "; on demand r{}: since its last start received {rx} bytes, {fetched} files fetched, {evicted} evicted; in the script `evict` run {} times (keeping {} files), {} reads through the mount ({} bytes, {} failed offline), {} evictions seen; the check read {} files ({} bytes) through the mount, fetching {} more files ({} bytes), {} more evicted, {local} bytes local (budget {})",
                 n - 1,
                 run.watch.evict_calls,
                 run.watch.evict_kept,

@@ -302,7 +302,7 @@ impl Run {
         let line = format!("seed {} n {n} step {step} r{dev} {path} {how}\n", self.seed);
         let h = blake3::hash(line.as_bytes());
         let b = h.as_bytes();
-        if self.od.is_none() || b[0] % 2 != 0 {
+        if self.od.is_none() || !b[0].is_multiple_of(2) {
             return line.into_bytes();
         }
         let size = (16 << 10) + (u32::from_le_bytes([b[1], b[2], b[3], 0]) as usize % (384 << 10));
