@@ -27,25 +27,49 @@ pub fn on_demand_lines(f: &Value) -> Vec<String> {
     if !d.is_object() {
         return Vec::new();
     }
-    let mut out = Vec::new();
+    let mut out = vec![summary_line(d)];
+    out.extend(over_budget_line(d));
+    out.extend(pins_line(d));
+    out.extend(
+        d["fetching"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(fetching_line),
+    );
+    out.extend(unavailable_lines(d));
+    out
+}
+
+/// `on demand: 12MiB local in 3 files, 1GiB online only in 10 files (budget 64MiB)`, of an
+/// `on_demand` object.
+pub fn summary_line(d: &Value) -> String {
     let budget = match d["cache_max"].as_u64() {
         Some(max) => format!(" (budget {})", size_words(max)),
         None => " (no budget)".into(),
     };
-    out.push(format!(
+    format!(
         "on demand: {} local in {}, {} online only in {}{budget}",
         size_words(u(d, "local_bytes")),
         plural(u(d, "local_files"), "file", "files"),
         size_words(u(d, "online_bytes")),
         plural(u(d, "online_files"), "file", "files"),
-    ));
+    )
+}
+
+/// How far it is over its budget, when it is.
+pub fn over_budget_line(d: &Value) -> Option<String> {
     let over = u(d, "over_budget");
-    if over > 0 {
-        out.push(format!(
+    (over > 0).then(|| {
+        format!(
             "over its budget by {}: the rest is pinned, open, or held by no connected peer",
             size_words(over)
-        ));
-    }
+        )
+    })
+}
+
+/// `pinned: photos, docs/a.pdf`, when anything is.
+pub fn pins_line(d: &Value) -> Option<String> {
     let pins: Vec<String> = d["pins"]
         .as_array()
         .into_iter()
@@ -53,37 +77,84 @@ pub fn on_demand_lines(f: &Value) -> Vec<String> {
         .filter_map(Value::as_str)
         .map(printable)
         .collect();
-    if !pins.is_empty() {
-        out.push(format!("pinned: {}", pins.join(", ")));
-    }
-    for x in d["fetching"].as_array().into_iter().flatten() {
-        let pid = u(x, "pid");
-        let who = if pid == 0 {
-            "for a pin".to_string()
-        } else {
-            format!("for pid {pid}")
-        };
-        out.push(format!(
-            "fetching {} {who}: {} of {}",
-            printable(s(x, "path")),
-            size_words(u(x, "done")),
-            size_words(u(x, "size"))
-        ));
-    }
-    for x in d["unavailable"].as_array().into_iter().flatten().take(5) {
-        out.push(format!(
-            "could not fetch {} ({}): {}",
-            printable(s(x, "path")),
-            s(x, "errno"),
-            printable(s(x, "error"))
-        ));
-    }
+    (!pins.is_empty()).then(|| format!("pinned: {}", pins.join(", ")))
+}
+
+/// `fetching a.bin for pid 42: 1MiB of 8MiB`, of one of `on_demand.fetching`.
+pub fn fetching_line(x: &Value) -> String {
+    let pid = u(x, "pid");
+    let who = if pid == 0 {
+        "for a pin".to_string()
+    } else {
+        format!("for pid {pid}")
+    };
+    format!(
+        "fetching {} {who}: {} of {}",
+        printable(s(x, "path")),
+        size_words(u(x, "done")),
+        size_words(u(x, "size"))
+    )
+}
+
+/// What could not be fetched: the first five, then how many more.
+pub fn unavailable_lines(d: &Value) -> Vec<String> {
+    let mut out: Vec<String> = d["unavailable"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .take(5)
+        .map(|x| {
+            format!(
+                "could not fetch {} ({}): {}",
+                printable(s(x, "path")),
+                s(x, "errno"),
+                printable(s(x, "error"))
+            )
+        })
+        .collect();
     let listed = d["unavailable"].as_array().map_or(0, |a| a.len() as u64);
     let more = listed.saturating_sub(5) + u(d, "unavailable_unlisted");
     if more > 0 {
         out.push(format!("and {more} more that could not be fetched"));
     }
     out
+}
+
+/// `budget: 12MiB of 64MiB used (18%)`, when it has one.
+pub fn budget_line(d: &Value) -> Option<String> {
+    let max = d["cache_max"].as_u64()?;
+    let local = u(d, "local_bytes");
+    Some(format!(
+        "budget: {} of {} used ({}%)",
+        size_words(local),
+        size_words(max),
+        (local as u128 * 100)
+            .checked_div(max as u128)
+            .unwrap_or(100)
+    ))
+}
+
+/// The disk's free floor (D97) against what is free now: `disk: 20GiB free, kept above 5GiB
+/// (min_free 5%)`; `below its floor` when it is (eviction frees what it may).
+pub fn floor_line(d: &Value) -> String {
+    let floor = u(d, "min_free_bytes");
+    let free = d["disk_free_bytes"].as_u64();
+    let free_words = match free {
+        Some(b) => format!("{} free", size_words(b)),
+        None => "free space unknown".into(),
+    };
+    if floor == 0 {
+        return format!("disk: {free_words}; no free floor (min_free 0)");
+    }
+    let how = match free {
+        Some(b) if b < floor => "below its floor of",
+        _ => "kept above",
+    };
+    format!(
+        "disk: {free_words}, {how} {} (min_free {})",
+        size_words(floor),
+        printable(s(d, "min_free"))
+    )
 }
 
 #[cfg(test)]
@@ -110,5 +181,33 @@ mod tests {
             "could not fetch b.bin (EHOSTUNREACH): no connected peer"
         );
         assert!(on_demand_lines(&serde_json::json!({"on_demand": null})).is_empty());
+    }
+
+    #[test]
+    fn the_budget_and_the_free_floor_read_as_used_of_max_and_free_against_the_floor() {
+        let d = serde_json::json!({"cache_max": 64u64 << 20, "local_bytes": 16u64 << 20,
+            "min_free": "5%", "min_free_bytes": 5u64 << 30, "disk_free_bytes": 20u64 << 30});
+        assert_eq!(
+            budget_line(&d).unwrap(),
+            "budget: 16MiB of 64MiB used (25%)"
+        );
+        assert_eq!(
+            floor_line(&d),
+            "disk: 20GiB free, kept above 5GiB (min_free 5%)"
+        );
+        let low = serde_json::json!({"cache_max": null, "local_bytes": 1,
+            "min_free": "2GiB", "min_free_bytes": 2u64 << 30, "disk_free_bytes": 1u64 << 30});
+        assert!(budget_line(&low).is_none());
+        assert_eq!(
+            floor_line(&low),
+            "disk: 1GiB free, below its floor of 2GiB (min_free 2GiB)"
+        );
+        let none = serde_json::json!({"min_free": "0", "min_free_bytes": 0, "disk_free_bytes": null});
+        assert_eq!(
+            floor_line(&none),
+            "disk: free space unknown; no free floor (min_free 0)"
+        );
+        let zero = serde_json::json!({"cache_max": 0, "local_bytes": 0});
+        assert_eq!(budget_line(&zero).unwrap(), "budget: 0 bytes of 0 bytes used (100%)");
     }
 }
