@@ -510,20 +510,48 @@ fn a_kept_version_and_a_deleted_file_are_restored_from_their_journal_rows_on_the
                 SHOW,
             );
             web.screenshot("restore-2-done.png");
+            wait_synced(&[&a, &b], 30);
             // On A, where it was deleted: the creation's row has the button, the deletion's
-            // row none.
+            // row none. Its content is not kept on A: with B stopped, no one has it, and the
+            // page says so; nothing is written.
+            b.stop();
+            web.go(&page_url(&a));
+            web.wait_for(
+                "B gone from A's page",
+                20,
+                "return !!document.querySelector('#peers') && !document.querySelector('#peers .badge.ok')",
+                SHOW,
+            );
+            if created["content"] == "not_here" {
+                web.click(&format!("{plan_row} form button"));
+                web.wait_for(
+                    "why the deleted file could not come back",
+                    30,
+                    "const n = document.querySelector('#not-restored');
+                        return !!n && n.textContent.startsWith('not restored: plan.txt: ')
+                            && n.textContent.endsWith('is kept neither here nor by a connected peer')",
+                    SHOW,
+                );
+                web.screenshot("restore-3-unavailable.png");
+                assert!(!a.path("plan.txt").exists());
+            } else {
+                eprintln!("note: A kept the deleted file's content; the no-peer case is not shown");
+            }
+            b.start();
+            wait_synced(&[&a, &b], 30);
             web.go(&page_url(&a));
             web.wait_for(
                 "the deleted file's row with its restore button, the deletion's without",
                 20,
                 &format!(
-                    "return !!document.querySelector('{plan_row} form button')
+                    "return !!document.querySelector('#peers .badge.ok')
+                        && !!document.querySelector('{plan_row} form button')
                         && !!document.querySelector('#rows tr[data-seq=\"{plan_deleted}\"]')
                         && !document.querySelector('#rows tr[data-seq=\"{plan_deleted}\"] form')"
                 ),
                 SHOW,
             );
-            web.screenshot("restore-3-deleted.png");
+            web.screenshot("restore-4-deleted.png");
             web.click(&format!("{plan_row} form button"));
             web.wait_for(
                 "the deleted file back, and its row current with no button",
@@ -536,7 +564,7 @@ fn a_kept_version_and_a_deleted_file_are_restored_from_their_journal_rows_on_the
                 ),
                 SHOW,
             );
-            web.screenshot("restore-4-deleted-back.png");
+            web.screenshot("restore-5-deleted-back.png");
         }
         None => {
             let done = restore(seq, &host, &cookie, &ours);
