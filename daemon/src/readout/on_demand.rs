@@ -27,7 +27,7 @@ pub fn on_demand_lines(f: &Value) -> Vec<String> {
     if !d.is_object() {
         return Vec::new();
     }
-    let mut out = vec![summary_line(d)];
+    let mut out = vec![summary_line(d), floor_line(d)];
     out.extend(over_budget_line(d));
     out.extend(pins_line(d));
     out.extend(
@@ -168,16 +168,21 @@ mod tests {
             "online_files": 10, "online_bytes": 1u64 << 30, "over_budget": 0,
             "pins": ["photos"], "fetching": [{"path": "a.bin", "pid": 42, "size": 100, "done": 50}],
             "unavailable": [{"path": "b.bin", "error": "no connected peer", "errno": "EHOSTUNREACH", "at_unix": 1}],
-            "unavailable_unlisted": 0}});
+            "unavailable_unlisted": 0, "min_free": "5%", "min_free_bytes": 5u64 << 30,
+            "disk_free_bytes": 20u64 << 30}});
         let lines = on_demand_lines(&f);
         assert_eq!(
             lines[0],
             "on demand: 3MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
         );
-        assert_eq!(lines[1], "pinned: photos");
-        assert_eq!(lines[2], "fetching a.bin for pid 42: 50 bytes of 100 bytes");
         assert_eq!(
-            lines[3],
+            lines[1],
+            "disk: 20GiB free, kept above 5GiB (min_free 5%)"
+        );
+        assert_eq!(lines[2], "pinned: photos");
+        assert_eq!(lines[3], "fetching a.bin for pid 42: 50 bytes of 100 bytes");
+        assert_eq!(
+            lines[4],
             "could not fetch b.bin (EHOSTUNREACH): no connected peer"
         );
         assert!(on_demand_lines(&serde_json::json!({"on_demand": null})).is_empty());
