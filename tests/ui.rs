@@ -669,7 +669,6 @@ fn an_on_demand_folder_shows_its_budget_what_is_local_the_free_floor_and_a_file_
         ),
         SHOW,
     );
-    let _ = ok(&b.home, &["unmount", "work"]);
 }
 
 /// A local user made for one test, removed when it ends.
