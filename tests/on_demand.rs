@@ -878,3 +878,37 @@ fn the_disk_is_kept_above_its_free_floor_by_evicting_the_least_recently_used_fil
     // Evicted, it comes back whole when read again.
     assert_eq!(std::fs::read(mnt.join("f0")).unwrap(), files[0].1);
 }
+
+#[test]
+fn a_file_not_local_whose_chunks_this_device_holds_elsewhere_fetches_only_what_it_lacks() {
+    let t = tmp();
+    const MIB: usize = 1 << 20;
+    let big = noise(16 * MIB, 81);
+    let od = setup(&t, &[("big.bin", big.clone(), 0o644)], None);
+    // B makes big.bin local; then A writes a copy of it with 64 KiB changed in the middle.
+    let (same, _) = run(
+        "cmp",
+        &[
+            od.mnt.join("big.bin").to_str().unwrap(),
+            od.a.path("big.bin").to_str().unwrap(),
+        ],
+    );
+    assert!(same);
+    until_state(&od.mnt.join("big.bin"), "local");
+    let mut edited = big.clone();
+    edited[8 * MIB..8 * MIB + (64 << 10)].copy_from_slice(&noise(64 << 10, 82));
+    write(&od.a.path("edited.bin"), &edited);
+    in_sync(&od.a, 60);
+    in_sync(&od.b, 60);
+    let path = od.mnt.join("edited.bin");
+    assert_eq!(state(&path), "online");
+    let before = received(&od.b);
+    assert_eq!(blake(&std::fs::read(&path).unwrap()), blake(&edited), "cat");
+    let got = received(&od.b) - before;
+    eprintln!("16 MiB, 64 KiB of it new: {got} bytes received");
+    // The changed chunks, and at most the two asked before the lookup of local copies ended
+    // (chunks of a 16 MiB file are at most 256 KiB): not the file.
+    assert!(got < 2 * MIB as u64, "{got} bytes received for 64 KiB changed");
+    until_state(&path, "local");
+    assert_eq!(std::fs::read(od.b.path("edited.bin")).unwrap(), edited);
+}

@@ -21,11 +21,18 @@ pub const MAX_AHEAD: u64 = 64 << 20;
 /// into pieces of this size, so a reader's own range is not queued behind all of it).
 pub const PIECE: u64 = 32 << 20;
 
+/// Most chunks handed to the network while the lookup of local copies runs (D98): the ones
+/// under an open's first read; the rest wait the few milliseconds until the lookup says which
+/// of them this device can copy instead.
+pub const BEFORE_LOOKUP: usize = 2;
+
 /// Where a chunk the temp file lacks stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
-    /// Not asked of any peer.
+    /// Not asked of any peer, and no reader wants it.
     Absent,
+    /// A reader wants it; not asked yet (queued in `wants`).
+    Wanted,
     /// Asked of a peer, not written yet.
     Asked,
     /// A verified copy is being written into the temp file.
@@ -61,6 +68,11 @@ pub struct Assembly {
     ahead: u64,
     /// The last chunk read ahead so far.
     ahead_to: usize,
+    /// Whether the lookup of local copies is still running: until it ends, at most
+    /// [`BEFORE_LOOKUP`] chunks are handed to the network.
+    looking: bool,
+    /// Chunks handed to the network while `looking`.
+    taken_looking: usize,
 }
 
 impl Assembly {
@@ -107,6 +119,34 @@ impl Assembly {
             next_read: None,
             ahead: 0,
             ahead_to: 0,
+            looking: false,
+            taken_looking: 0,
+        }
+    }
+
+    /// The same assembly, whose absent chunks may still turn out to be on this device: the
+    /// network gets at most [`BEFORE_LOOKUP`] of them until [`Assembly::looked`].
+    pub fn looking(mut self) -> Assembly {
+        self.looking = true;
+        self
+    }
+
+    /// The lookup of local copies ended: of `local`, the chunks this file still lacks and no
+    /// one writes are claimed for the caller, who copies each and calls [`Assembly::arrived`]
+    /// (or [`Assembly::not_local`]); the network gets the rest of what readers want.
+    pub fn looked(&mut self, local: impl IntoIterator<Item = Hash>) -> Vec<Hash> {
+        self.looking = false;
+        local.into_iter().filter(|h| self.claim(h)).collect()
+    }
+
+    /// `hash`, claimed by [`Assembly::looked`], could not be copied here after all: it is
+    /// asked of a peer now (a reader may be waiting for it).
+    pub fn not_local(&mut self, hash: &Hash) {
+        if let Some(&m) = self.by_hash.get(hash) {
+            if self.missing[m].state == State::Writing {
+                self.missing[m].state = State::Wanted;
+                self.wants.push(m);
+            }
         }
     }
 
@@ -156,6 +196,7 @@ impl Assembly {
         for c in first..=last.min(self.starts.len().saturating_sub(1)) {
             if let Some(m) = self.of_chunk[c] {
                 if self.missing[m].state == State::Absent {
+                    self.missing[m].state = State::Wanted;
                     self.wants.push(m);
                 }
             }
@@ -222,13 +263,23 @@ impl Assembly {
 
     /// What to ask a peer for now: the wanted chunks that are neither here nor asked yet, in
     /// the order wanted, cut into pieces of at most [`PIECE`] bytes; they count as asked.
+    /// While the lookup of local copies runs, only the first [`BEFORE_LOOKUP`] are given.
     pub fn take(&mut self) -> Vec<Vec<(Hash, u32)>> {
         let mut pieces: Vec<Vec<(Hash, u32)>> = Vec::new();
         let mut bytes = 0u64;
-        for m in std::mem::take(&mut self.wants) {
+        let wants = std::mem::take(&mut self.wants);
+        let mut held = Vec::new();
+        for m in wants {
             let e = &mut self.missing[m];
-            if e.state != State::Absent {
+            if e.state != State::Wanted {
                 continue;
+            }
+            if self.looking {
+                if self.taken_looking >= BEFORE_LOOKUP {
+                    held.push(m);
+                    continue;
+                }
+                self.taken_looking += 1;
             }
             e.state = State::Asked;
             if pieces.is_empty() || bytes + e.len as u64 > PIECE {
@@ -240,6 +291,7 @@ impl Assembly {
                 p.push((e.hash, e.len));
             }
         }
+        self.wants = held;
         pieces
     }
 
@@ -248,7 +300,7 @@ impl Assembly {
     /// written already, or not part of this file.
     pub fn claim(&mut self, hash: &Hash) -> bool {
         match self.by_hash.get(hash).map(|&m| &mut self.missing[m]) {
-            Some(e) if matches!(e.state, State::Absent | State::Asked) => {
+            Some(e) if matches!(e.state, State::Absent | State::Wanted | State::Asked) => {
                 e.state = State::Writing;
                 true
             }
@@ -366,6 +418,46 @@ mod tests {
         a.arrived(&c[1].hash);
         assert!(a.complete());
         assert!(a.covered(0, 6000));
+    }
+
+    #[test]
+    fn while_local_copies_are_looked_up_the_network_gets_only_the_first_read() {
+        let c = chunks(&[65536; 64]);
+        let mut a = Assembly::new(&c, c.iter().map(|c| c.hash)).looking();
+        a.read_probe(0, 1);
+        a.want_all();
+        assert_eq!(
+            asked(&mut a),
+            vec![c[0].hash, c[1].hash],
+            "two before the lookup"
+        );
+        assert!(asked(&mut a).is_empty(), "the rest waits for it");
+        assert!(!a.stranded(0, 64 * 65536), "held back is not stranded");
+        // Chunks 1 (asked already) and 5..10 are local; chunk 7's copy turns out stale.
+        let local: Vec<Hash> = [1, 5, 6, 7, 8, 9].iter().map(|&i| c[i].hash).collect();
+        let claimed = a.looked(local.clone());
+        assert_eq!(
+            claimed, local,
+            "asked is not written yet: the copy may claim it"
+        );
+        assert!(
+            !a.claim(&c[1].hash),
+            "the peer's copy of chunk 1 is not written twice"
+        );
+        for &i in &[1, 5, 6, 8, 9] {
+            a.arrived(&c[i].hash);
+        }
+        a.not_local(&c[7].hash);
+        let rest = asked(&mut a);
+        assert_eq!(rest.len(), 64 - 6, "all but 0, 1 (asked) and 5, 6, 8, 9 (copied)");
+        assert!(rest.contains(&c[7].hash) && !rest.contains(&c[5].hash));
+        for h in rest {
+            assert!(a.claim(&h));
+            a.arrived(&h);
+        }
+        assert!(a.claim(&c[0].hash));
+        a.arrived(&c[0].hash);
+        assert!(a.complete());
     }
 
     proptest! {

@@ -246,6 +246,28 @@ impl Flight {
         self.changed.notify_all();
     }
 
+    /// The driver: the lookup of local copies ended; of `local`, the chunks the caller is to
+    /// copy (claimed: it writes each, then [`Flight::arrived`] or [`Flight::not_local`]). What
+    /// readers wanted meanwhile goes to the network now.
+    pub fn looked(&self, local: impl IntoIterator<Item = Hash>) -> Vec<Hash> {
+        let claimed = lock(&self.stage)
+            .assembly
+            .as_mut()
+            .map(|a| a.looked(local))
+            .unwrap_or_default();
+        self.wake.notify_one();
+        claimed
+    }
+
+    /// The driver: `hash`, claimed by [`Flight::looked`], could not be copied here; it is
+    /// asked of a peer instead.
+    pub fn not_local(&self, hash: &Hash) {
+        if let Some(a) = lock(&self.stage).assembly.as_mut() {
+            a.not_local(hash);
+        }
+        self.wake.notify_one();
+    }
+
     /// Of `asked`, the chunks not here yet.
     pub fn not_present(&self, asked: &[(Hash, u32)]) -> Vec<(Hash, u32)> {
         lock(&self.stage)

@@ -2,7 +2,7 @@
 //! content (metadata, directories, symlinks, deletions, copies of local losers), journaling
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
-use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Meta, Sources, Transfer};
+use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Look, Meta, Sources, Transfer};
 use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::ignore::{IgnoreRules, IGNORE_FILE};
@@ -416,6 +416,7 @@ impl Deciding<'_> {
             meta,
             &mut self.sources,
             &mut self.dirs,
+            Look::Now,
         )?;
         self.transfers.push(t);
         Ok(Some(self.transfers.len() - 1))

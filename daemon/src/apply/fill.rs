@@ -9,7 +9,7 @@
 //! What it never does: change a version, or install over anything but the placeholder of the
 //! very record it built.
 
-use super::transfer::{prepare, ApplyError, Meta, Sources, Transfer};
+use super::transfer::{prepare, ApplyError, Look, Meta, Sources, Transfer};
 use crate::folder::{FolderError, FolderRt, Folders};
 use crate::journal::Op;
 use crate::store::{DirCache, Expect, LocalStat, StoreError, TempFile};
@@ -77,11 +77,7 @@ pub(super) fn start(
     rt: &FolderRt,
     path: &RelPath,
 ) -> Result<Option<(Seen, Transfer, Sources, DirCache)>, FillError> {
-    let mut reader = folders.reader()?;
-    // One read transaction for the record and the chunk index's lookup of each of its chunks
-    // (16,384 for a GiB): the WAL's locks are taken once, not once per lookup, and the first
-    // read of a large file waits that much less (D95).
-    reader.begin_reads();
+    let reader = folders.reader()?;
     let stored = reader
         .get(&rt.id, path)?
         .filter(|s| !s.record.deleted && s.record.kind == FileKind::File)
@@ -110,7 +106,16 @@ pub(super) fn start(
         placeholder: false,
     };
     let mut sources = Sources::default();
-    let t = prepare(&reader, folders, rt, meta, &mut sources, &mut dirs)?;
+    // The chunks this device holds elsewhere are looked up once the first request is out (D98).
+    let t = prepare(
+        &reader,
+        folders,
+        rt,
+        meta,
+        &mut sources,
+        &mut dirs,
+        Look::Later,
+    )?;
     Ok(Some((Seen { record, local }, t, sources, dirs)))
 }
 

@@ -16,14 +16,14 @@
 use super::assemble::{assemble, discard_all, finish_all, Assembled};
 use super::fill::{install, start, watched, FillError, STALL};
 use super::on_blocking;
-use super::transfer::ApplyError;
+use super::transfer::{local_copies, ApplyError, Sources};
 use crate::assembly::Assembly;
 use crate::chunks::{self, FetchError};
 use crate::demand::{Failure, Flight};
 use crate::folder::{FolderRt, Folders};
-use crate::store::{LocalStat, StoreError, TempFile};
+use crate::store::{DirCache, LocalCopy, LocalStat, StoreError, TempFile};
 use meshfs_protocol::{FolderId, Hash, RelPath};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 /// The connections to ask, in order (asked again for each fetch: a peer that came back is
@@ -91,13 +91,23 @@ pub async fn drive(
         .into_iter()
         .map(|(h, (_, at))| (h, at.into_iter().map(|(_, off)| off).collect()))
         .collect();
-    flight.started(Assembly::new(&chunk_list, places.keys().copied()), file);
+    flight.started(
+        Assembly::new(&chunk_list, places.keys().copied()).looking(),
+        file,
+    );
     let temp: Shared = Arc::new(Mutex::new(Some(temp)));
     let sink = StreamSink {
         rt: rt.clone(),
         flight: flight.clone(),
         temp: temp.clone(),
         places: Arc::new(places),
+    };
+    // The first request goes out first; then what this device holds elsewhere is found and
+    // copied (for a GiB, 16,384 lookups: tens of milliseconds the first read does not wait).
+    let copier = {
+        let (f, r, fl, t) = (folders.clone(), rt.clone(), flight.clone(), temp.clone());
+        let record = seen.record.clone();
+        tokio::task::spawn_blocking(move || copy_local(&f, &r, &record, &fl, &t))
     };
     let mut fetches = tokio::task::JoinSet::new();
     let mut turn = 0usize;
@@ -146,6 +156,7 @@ pub async fn drive(
     // Whole: the fetches left have nothing to do (a chunk is written once).
     fetches.abort_all();
     while fetches.join_next().await.is_some() {}
+    let _ = copier.await;
     let Some(temp) = take(&temp) else {
         return Err(FillError::Changed(path));
     };
@@ -161,6 +172,67 @@ pub async fn drive(
 
 fn take(temp: &Shared) -> Option<TempFile> {
     temp.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// The chunks of `record` this device holds in other files of the folder, looked up once
+/// the stream's first request is out and copied into its temp file (each verified by
+/// `Store::copy_chunks_in`); a chunk whose copy turns out stale is asked of a peer instead.
+/// Until this ends the flight hands the network only the first read's chunks (D98).
+fn copy_local(
+    folders: &Folders,
+    rt: &FolderRt,
+    record: &meshfs_protocol::FileRecord,
+    flight: &Flight,
+    temp: &Shared,
+) {
+    let mut sources = Sources::default();
+    let mut dirs = DirCache::default();
+    let copies = match folders.reader() {
+        Ok(mut reader) => {
+            // One read transaction for every lookup: the WAL's locks are taken once.
+            reader.begin_reads();
+            local_copies(&reader, rt, record, &mut sources, &mut dirs).0
+        }
+        Err(e) => {
+            tracing::info!(folder = %rt.id, path = %record.path, error = %e, "cannot look up local copies of a file being read; fetching all of it");
+            Vec::new()
+        }
+    };
+    let claimed: HashSet<Hash> = flight
+        .looked(copies.iter().map(|c| c.hash))
+        .into_iter()
+        .collect();
+    let copies: Vec<LocalCopy> = copies
+        .into_iter()
+        .filter(|c| claimed.contains(&c.hash))
+        .collect();
+    if copies.is_empty() {
+        return;
+    }
+    let copied = {
+        let mut t = temp.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(t) = t.as_mut() else { return };
+        rt.store
+            .copy_chunks_in(&mut dirs, t, &copies, &sources.held)
+    };
+    let stale: HashSet<Hash> = match copied {
+        Ok(stale) => stale.into_iter().map(|i| copies[i].hash).collect(),
+        Err(e) => {
+            tracing::info!(folder = %rt.id, path = %record.path, error = %e, "cannot copy local chunks of a file being read; fetching them");
+            claimed.clone()
+        }
+    };
+    let mut bytes: HashMap<Hash, u64> = HashMap::new();
+    for c in &copies {
+        *bytes.entry(c.hash).or_default() += c.len as u64;
+    }
+    for h in &claimed {
+        if stale.contains(h) {
+            flight.not_local(h);
+        } else {
+            flight.arrived(h, bytes.get(h).copied().unwrap_or(0));
+        }
+    }
 }
 
 /// Fetches `piece` from `order` in turn (each asked only for what the ones before it did not

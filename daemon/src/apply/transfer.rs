@@ -121,12 +121,21 @@ pub(super) fn journal_growth(record: &FileRecord) -> u64 {
     2 * (4096 + 4 * record.path.as_str().len() as u64 + 40 * listed + 100 * indexed)
 }
 
+/// When [`prepare`] finds the chunks this device holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Look {
+    /// Now: the transfer's copies are listed.
+    Now,
+    /// Later, by the caller: every chunk is listed as missing.
+    Later,
+}
+
 /// Starts a transfer, under the folder lock. First it claims the disk room its content and
 /// journal rows need ([`crate::room`]: against every version in flight on the same
 /// filesystem, keeping the reserve), so nothing is read or written for a version that does
-/// not fit. Then it finds which chunks this device has (any file of the folder, through the
-/// chunk index: each distinct chunk the index can hold looked up once, [`indexed_chunks`]) and
-/// opens their files; the copying itself is left to the assembly, outside the lock. A record
+/// not fit. Then, with [`Look::Now`], it finds which chunks this device has ([`local_copies`]); the
+/// copying itself is left to the assembly, outside the lock (a placeholder's stream looks
+/// later, after its first request is out: D98). A record
 /// that lists a chunk this device has half a million times costs one lookup here and its
 /// copies there, within its claimed room.
 pub(super) fn prepare(
@@ -136,6 +145,7 @@ pub(super) fn prepare(
     mut meta: Meta,
     sources: &mut Sources,
     dirs: &mut DirCache,
+    look: Look,
 ) -> Result<Transfer, ApplyError> {
     let record = &meta.record;
     // A placeholder takes no room for content (D91): it has no data blocks.
@@ -166,8 +176,38 @@ pub(super) fn prepare(
             missing: Vec::new(),
         });
     }
+    if look == Look::Later {
+        let missing = meta
+            .record
+            .chunk_offsets()
+            .map(|(offset, c)| (c.hash, c.len, offset))
+            .collect();
+        return Ok(Transfer {
+            meta,
+            copies: Vec::new(),
+            missing,
+        });
+    }
+    let (copies, missing) = local_copies(journal, rt, &meta.record, sources, dirs);
+    Ok(Transfer {
+        meta,
+        copies,
+        missing,
+    })
+}
+
+/// Where this device holds each chunk of `record` (any file of the folder, through the chunk
+/// index: each distinct chunk the index can hold looked up once, [`indexed_chunks`]), opening
+/// the files that do into `sources`: the copies to make, and the chunks (hash, length,
+/// offset) to fetch.
+pub(super) fn local_copies(
+    journal: &Journal,
+    rt: &FolderRt,
+    record: &FileRecord,
+    sources: &mut Sources,
+    dirs: &mut DirCache,
+) -> (Vec<LocalCopy>, Vec<(Hash, u32, u64)>) {
     let folder = &rt.id;
-    let record = &meta.record;
     // Where each distinct chunk the index can hold lives here.
     let mut found: HashMap<Hash, Arc<Vec<(RelPath, u64)>>> = HashMap::new();
     let mut files: HashSet<RelPath> = HashSet::new();
@@ -208,11 +248,7 @@ pub(super) fn prepare(
             None => missing.push((c.hash, c.len, offset)),
         }
     }
-    Ok(Transfer {
-        meta,
-        copies,
-        missing,
-    })
+    (copies, missing)
 }
 
 /// A transfer's record and bookkeeping: what its install checks and journals.
