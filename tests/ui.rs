@@ -463,7 +463,13 @@ fn a_kept_version_and_a_deleted_file_are_restored_from_their_journal_rows_on_the
         403
     );
     assert_eq!(
-        restore_on_a(plan_seq, &a_host, &a_cookie, "Origin: http://evil.example\r\n").status,
+        restore_on_a(
+            plan_seq,
+            &a_host,
+            &a_cookie,
+            "Origin: http://evil.example\r\n"
+        )
+        .status,
         403
     );
     // What cannot be restored says why, and changes nothing.
@@ -482,7 +488,10 @@ fn a_kept_version_and_a_deleted_file_are_restored_from_their_journal_rows_on_the
             std::fs::read(d.path("report.txt")).unwrap(),
             b"second draft, a mistake"
         );
-        assert!(!d.path("plan.txt").exists(), "restored by a refused request");
+        assert!(
+            !d.path("plan.txt").exists(),
+            "restored by a refused request"
+        );
     }
 
     // The page's own buttons, in a real browser where there is one (else the same requests).
@@ -610,7 +619,14 @@ fn an_on_demand_folder_shows_its_budget_what_is_local_the_free_floor_and_a_file_
     write(&a.path("notes.txt"), b"read once, local since");
     ok(
         &b.home,
-        &["folder", "set", "work", "--on-demand", "--cache-max", "64MiB"],
+        &[
+            "folder",
+            "set",
+            "work",
+            "--on-demand",
+            "--cache-max",
+            "64MiB",
+        ],
     );
     pair(&a, &b);
     Device::start_together(&mut [&mut a, &mut b]);

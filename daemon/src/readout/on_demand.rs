@@ -175,10 +175,7 @@ mod tests {
             lines[0],
             "on demand: 3MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
         );
-        assert_eq!(
-            lines[1],
-            "disk: 20GiB free, kept above 5GiB (min_free 5%)"
-        );
+        assert_eq!(lines[1], "disk: 20GiB free, kept above 5GiB (min_free 5%)");
         assert_eq!(lines[2], "pinned: photos");
         assert_eq!(lines[3], "fetching a.bin for pid 42: 50 bytes of 100 bytes");
         assert_eq!(
@@ -207,12 +204,16 @@ mod tests {
             floor_line(&low),
             "disk: 1GiB free, below its floor of 2GiB (min_free 2GiB)"
         );
-        let none = serde_json::json!({"min_free": "0", "min_free_bytes": 0, "disk_free_bytes": null});
+        let none =
+            serde_json::json!({"min_free": "0", "min_free_bytes": 0, "disk_free_bytes": null});
         assert_eq!(
             floor_line(&none),
             "disk: free space unknown; no free floor (min_free 0)"
         );
         let zero = serde_json::json!({"cache_max": 0, "local_bytes": 0});
-        assert_eq!(budget_line(&zero).unwrap(), "budget: 0 bytes of 0 bytes used (100%)");
+        assert_eq!(
+            budget_line(&zero).unwrap(),
+            "budget: 0 bytes of 0 bytes used (100%)"
+        );
     }
 }

@@ -667,9 +667,12 @@ mod tests {
             "unavailable": [{"path": "c.bin", "error": "no connected peer holds it",
                              "errno": "EHOSTUNREACH", "at_unix": 1}]});
         let html = folders(&st, &h, UtcOffset::UTC);
-        assert!(html.contains(
-            "on demand: 16MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
-        ), "{html}");
+        assert!(
+            html.contains(
+                "on demand: 16MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
+            ),
+            "{html}"
+        );
         assert!(html.contains("<meter min=\"0\" max=\"67108864\" value=\"16777216\""));
         assert!(html.contains("budget: 16MiB of 64MiB used (25%)"));
         assert!(html.contains(
