@@ -38,6 +38,32 @@ const EXIT_NOT_SHARED: u8 = 5;
 /// Log levels `--log-level` accepts (a typo would otherwise silence every log line).
 const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
 
+/// `meshfs daemon --help` and its man page: what it sends on the LAN, exactly (the same
+/// text as docs/protocol.md, "Local discovery").
+const DAEMON_HELP: &str = "Example: meshfs daemon
+Logs to stderr (info level by default). Exits 1 if another daemon runs on the same home or the
+listen address is in use. As a service: `systemctl --user enable --now meshfs`.
+
+Local discovery ([discovery] local = true, the default; `init --no-discovery` or
+`local = false` turns it off): unless its QUIC endpoint is bound to a loopback address, the
+daemon sends one UDP datagram to port 21788 ([discovery] port) at start, 2 s later, every 30 s
+and at once when one of its addresses changes: to the IPv4 broadcast address of each
+interface that is up and broadcasts (loopback excluded) and, when the endpoint takes IPv6, to
+the link-local multicast group ff12::6d65:7368 on each interface that multicasts. It listens
+on the same port. The datagram, big-endian, nothing after the last address:
+  offset 0   4 bytes   magic \"MFSA\" (4d 46 53 41)
+  offset 4   1 byte    layout version, 1
+  offset 5   32 bytes  device id (its 32 bytes, not the text form)
+  offset 37  8 bytes   instance nonce (new after a restart or an address change)
+  offset 45  2 bytes   UDP port of its QUIC endpoint (not 0)
+  offset 47  1 byte    n, the number of addresses, 0-16
+  offset 48  n times:  4 then an IPv4 address (4 bytes), or 6 then an IPv6 address (16 bytes)
+At most 320 bytes. An announcement is a hint, not signed: a dial accepts only the pinned key
+of the device it expects, so a forged one costs at most a failed dial. Addresses are kept
+only for trusted devices whose address is dynamic, expire 90 s after the last announcement,
+and are read at most 4 in a burst and 1 every 2 s per source, 64 in a burst and 32 a second
+from all.";
+
 #[derive(Parser)]
 #[command(name = "meshfs", version, about = "Continuously synchronized folders across your devices", long_about = None,
     after_help = "Quick start on two devices:\n  A$ meshfs init --name laptop && meshfs id\n  B$ meshfs init --name server && meshfs id\n  A$ meshfs folder add ~/work --id work\n  A$ meshfs peer add <B-ID> --share work\n  B$ meshfs folder add ~/work --id work\n  B$ meshfs peer add <A-ID> --share work\n  A$ meshfs daemon    B$ meshfs daemon\n  A$ meshfs status --wait-synced\nOn one LAN the devices find each other; elsewhere give a device with a fixed name\nits address (`--addr server.example.org:7788`) and the others learn where the rest\nare from it.")]
@@ -105,7 +131,8 @@ enum Command {
     Config(ConfigCmd),
     /// Run the engine in the foreground until SIGINT/SIGTERM.
     #[command(
-        after_help = "Example: meshfs daemon\nLogs to stderr (info level by default), e.g.\n  INFO meshfs_daemon::engine: folder scanned folder=work path=/home/u/work changes=1 ms=1\n  INFO meshfs_daemon::engine: meshfs daemon running device=SPBYD5N-L35BW72-NR64EQN-7PSGRHE-WPY7EXS-6WJFN6O-LT5UFPA-L7BYXQX listen=0.0.0.0:7788\nExits 1 if another daemon runs on the same home or the listen address is in use.\nAs a service: `systemctl --user enable --now meshfs` (the unit the package installs)."
+        after_help = "Example: meshfs daemon\nLogs to stderr (info level by default), e.g.\n  INFO meshfs_daemon::engine: folder scanned folder=work path=/home/u/work changes=1 ms=1\n  INFO meshfs_daemon::engine: meshfs daemon running device=SPBYD5N-L35BW72-NR64EQN-7PSGRHE-WPY7EXS-6WJFN6O-LT5UFPA-L7BYXQX listen=0.0.0.0:7788\nExits 1 if another daemon runs on the same home or the listen address is in use.\nAs a service: `systemctl --user enable --now meshfs` (the unit the package installs).",
+        after_long_help = DAEMON_HELP
     )]
     Daemon,
     /// Mount a folder through the running daemon (an empty directory; the replica stays where it is).
@@ -332,7 +359,8 @@ enum ConfigCmd {
 enum FolderCmd {
     /// Replicate the directory PATH (created if missing).
     #[command(
-        after_help = "Example: meshfs folder add ~/work --id work   # prints the folder id\nRefused (and nothing is created) when PATH is a file, overlaps another folder, or\ncontains or lies inside meshfs's own config or state directory."
+        after_help = "Example: meshfs folder add ~/work --id work   # prints the folder id\n  meshfs folder add ~/work --id work --on-demand-under videos --on-demand-under archive\nRefused (and nothing is created) when PATH is a file, overlaps another folder, or\ncontains or lies inside meshfs's own config or state directory.",
+        group(clap::ArgGroup::new("demand").args(["on_demand", "on_demand_under"]).multiple(true))
     )]
     Add {
         /// The directory.
@@ -344,26 +372,35 @@ enum FolderCmd {
         /// fetched from a peer when it is opened (use the folder through its mount).
         #[arg(long)]
         on_demand: bool,
+        /// Only this subtree (a path in the folder) on demand; everything else is kept here
+        /// as a pinned path is. Repeatable; implies --on-demand.
+        #[arg(long, value_name = "PATH", value_parser = ondemand_cmd::parse_subtree)]
+        on_demand_under: Vec<String>,
         /// With --on-demand: keep at most this much content here (64MiB, 2GiB, bytes); the
         /// least recently used files are evicted beyond it.
-        #[arg(long, value_parser = ondemand_cmd::parse_cache_max, requires = "on_demand")]
+        #[arg(long, value_parser = ondemand_cmd::parse_cache_max, requires = "demand")]
         cache_max: Option<u64>,
         /// With --on-demand: keep this much of the disk free by evicting (5%, 2GiB; default
         /// 5%; 0: no floor).
-        #[arg(long, value_parser = ondemand_cmd::parse_min_free, requires = "on_demand")]
+        #[arg(long, value_parser = ondemand_cmd::parse_min_free, requires = "demand")]
         min_free: Option<FreeFloor>,
     },
     /// Change a folder's options: files on demand and their budget.
     #[command(
-        after_help = "Examples:\n  meshfs folder set work --on-demand --cache-max 20GiB\n  meshfs folder set work --cache-max none\n  meshfs folder set work --min-free 10%\n  meshfs folder set work --no-on-demand   # every file fetched again, the folder whole\nA running daemon follows at once."
+        after_help = "Examples:\n  meshfs folder set work --on-demand --cache-max 20GiB\n  meshfs folder set work --on-demand-under videos   # only videos/ on demand, the rest fetched\n  meshfs folder set work --on-demand                # the whole folder on demand again\n  meshfs folder set work --cache-max none\n  meshfs folder set work --min-free 10%\n  meshfs folder set work --no-on-demand   # every file fetched again, the folder whole\nA running daemon follows at once."
     )]
     Set {
         /// The folder id.
         #[arg(value_parser = parse_folder_id)]
         id: FolderId,
-        /// Files on demand from now on (new versions from peers are not fetched until opened).
+        /// Files on demand from now on (new versions from peers are not fetched until opened):
+        /// the whole folder, unless --on-demand-under is given.
         #[arg(long, conflicts_with = "no_on_demand")]
         on_demand: bool,
+        /// Only this subtree on demand (repeatable; replaces the list; implies --on-demand):
+        /// what is not local outside the subtrees is fetched now, and kept.
+        #[arg(long, value_name = "PATH", value_parser = ondemand_cmd::parse_subtree, conflicts_with = "no_on_demand")]
+        on_demand_under: Vec<String>,
         /// Not on demand: what is not local is fetched now, and every new version.
         #[arg(long)]
         no_on_demand: bool,
@@ -666,6 +703,7 @@ fn folder_cmd(home: &Home, cmd: FolderCmd) -> anyhow::Result<u8> {
             path,
             id,
             on_demand,
+            on_demand_under,
             cache_max,
             min_free,
         } => {
@@ -673,28 +711,35 @@ fn folder_cmd(home: &Home, cmd: FolderCmd) -> anyhow::Result<u8> {
                 Some(id) => id,
                 None => random_folder_id()?,
             };
-            folder_add(home, &path, &id, on_demand, cache_max, min_free)?;
+            let demand = ondemand_cmd::Demand {
+                on: on_demand || !on_demand_under.is_empty(),
+                under: on_demand_under,
+                cache_max,
+                min_free,
+            };
+            folder_add(home, &path, &id, demand)?;
             println!("{id}");
         }
         FolderCmd::Set {
             id,
             on_demand,
+            on_demand_under,
             no_on_demand,
             cache_max,
             min_free,
         } => {
-            let on = match (on_demand, no_on_demand) {
+            let on = match (on_demand || !on_demand_under.is_empty(), no_on_demand) {
                 (true, _) => Some(true),
                 (_, true) => Some(false),
                 _ => None,
             };
-            return ondemand_cmd::folder_set(home, &id, on, cache_max, min_free);
+            return ondemand_cmd::folder_set(home, &id, on, on_demand_under, cache_max, min_free);
         }
         FolderCmd::List { json } => {
             let config = Config::load(home)?;
             if json {
                 let v: Vec<_> = config.folders.iter().map(|f| serde_json::json!({"id": f.id, "path": f.path, "watch": f.watch,
-                    "on_demand": f.on_demand, "cache_max": f.cache_max,
+                    "on_demand": f.on_demand, "on_demand_under": f.on_demand_under, "cache_max": f.cache_max,
                     "shared_with": config.peers.iter().filter(|p| p.folders.contains(&f.id)).map(|p| p.id.to_string()).collect::<Vec<_>>()})).collect();
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
@@ -1032,9 +1077,7 @@ fn folder_add(
     home: &Home,
     path: &std::path::Path,
     id: &FolderId,
-    on_demand: bool,
-    cache_max: Option<u64>,
-    min_free: Option<FreeFloor>,
+    demand: ondemand_cmd::Demand,
 ) -> anyhow::Result<()> {
     let old = Config::load(home)?;
     if old.folder(id).is_some() {
@@ -1082,9 +1125,10 @@ fn folder_add(
     }
     let mut new = old.clone();
     let mut folder = FolderConfig::new(id.clone(), real.clone());
-    folder.on_demand = on_demand;
-    folder.cache_max = cache_max;
-    folder.min_free = min_free;
+    folder.on_demand = demand.on;
+    folder.on_demand_under = demand.under;
+    folder.cache_max = demand.cache_max;
+    folder.min_free = demand.min_free;
     new.folders.push(folder);
     new.validate(home)?;
     // The directories this command creates, outermost first: removed again on a refusal.

@@ -11,6 +11,24 @@ use meshfs_protocol::FolderId;
 /// Exit code: no daemon (as in main).
 const EXIT_NO_DAEMON: u8 = 3;
 
+/// A `--on-demand-under` argument: a path in the folder, written back normalized.
+pub fn parse_subtree(s: &str) -> Result<String, String> {
+    meshfs_daemon::config::subtree(s).map(|p| p.as_str().to_string())
+}
+
+/// What `folder add` asks of files on demand.
+#[derive(Clone, Debug, Default)]
+pub struct Demand {
+    /// On demand.
+    pub on: bool,
+    /// Only these subtrees (empty: the whole folder).
+    pub under: Vec<String>,
+    /// The budget.
+    pub cache_max: Option<u64>,
+    /// The free floor.
+    pub min_free: Option<FreeFloor>,
+}
+
 /// A `--cache-max` argument: a size (`64MiB`, `2GiB`, bytes).
 pub fn parse_cache_max(s: &str) -> Result<u64, String> {
     parse_size(s)
@@ -45,17 +63,19 @@ pub fn parse_min_free_or_default(s: &str) -> Result<Floor, String> {
     FreeFloor::parse(s).map(|f| Floor(Some(f)))
 }
 
-/// `meshfs folder set ID [--on-demand | --no-on-demand] [--cache-max SIZE|none]
-/// [--min-free N%|SIZE|default]`.
+/// `meshfs folder set ID [--on-demand | --on-demand-under PATH... | --no-on-demand]
+/// [--cache-max SIZE|none] [--min-free N%|SIZE|default]`. Turning on demand on or off sets
+/// the subtrees too: `under` (empty: the whole folder).
 pub fn folder_set(
     home: &Home,
     id: &FolderId,
     on_demand: Option<bool>,
+    under: Vec<String>,
     cache_max: Option<Budget>,
     min_free: Option<Floor>,
 ) -> anyhow::Result<u8> {
     if on_demand.is_none() && cache_max.is_none() && min_free.is_none() {
-        bail!("nothing to set: give --on-demand, --no-on-demand, --cache-max or --min-free");
+        bail!("nothing to set: give --on-demand, --on-demand-under, --no-on-demand, --cache-max or --min-free");
     }
     let old = require_folder(home, id)?;
     let mut new: Config = old.clone();
@@ -64,6 +84,7 @@ pub fn folder_set(
     };
     if let Some(on) = on_demand {
         f.on_demand = on;
+        f.on_demand_under = under;
     }
     if let Some(Budget(max)) = cache_max {
         f.cache_max = max;

@@ -577,9 +577,17 @@ fn peer_list_json_gives_each_field_and_peer_remove_forgets_the_peer_for_a_runnin
     assert_eq!(
         folders,
         serde_json::json!([{"id": "work", "path": a.dir.to_str().unwrap(), "watch": true,
-                            "on_demand": false, "cache_max": null,
+                            "on_demand": false, "on_demand_under": [], "cache_max": null,
                             "shared_with": [b.id.as_str()]}])
     );
+    // A subtree on demand is a path in the folder, never outside it nor the folder itself.
+    for bad in ["../up", "."] {
+        let (code, err) = fails(
+            &a.home,
+            &["folder", "set", "work", "--on-demand-under", bad],
+        );
+        assert_eq!(code, 2, "{bad}: {err}");
+    }
     assert_eq!(
         words(&ok(&a.home, &["folder", "list"])),
         [
@@ -775,4 +783,75 @@ fn a_peer_that_removed_the_folder_is_shown_as_not_sharing_it_not_as_syncing() {
     assert_eq!(std::fs::read(b.path("x.txt")).unwrap(), b"from a");
     a.stop();
     b.stop();
+}
+
+#[test]
+fn folder_add_with_on_demand_under_sets_on_demand_for_those_subtrees_and_folder_set_changes_them() {
+    let t = tmp();
+    let home = t.path().join("home");
+    ok(
+        &home,
+        &["init", "--name", "x", "--listen", "127.0.0.1:7788"],
+    );
+    let work = t.path().join("work");
+    let list = |home: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&ok(home, &["folder", "list", "--json"])).unwrap()
+    };
+    // --cache-max needs on demand, whole or a subtree.
+    let (code, err) = fails(
+        &home,
+        &[
+            "folder",
+            "add",
+            work.to_str().unwrap(),
+            "--cache-max",
+            "1GiB",
+        ],
+    );
+    assert_eq!(code, 2, "{err}");
+    ok(
+        &home,
+        &[
+            "folder",
+            "add",
+            work.to_str().unwrap(),
+            "--id",
+            "work",
+            "--on-demand-under",
+            "./videos/",
+            "--on-demand-under",
+            "archive/2019",
+            "--cache-max",
+            "1GiB",
+        ],
+    );
+    let l = list(&home);
+    assert_eq!(l[0]["on_demand"], true, "{l}");
+    assert_eq!(
+        l[0]["on_demand_under"],
+        serde_json::json!(["videos", "archive/2019"]),
+        "{l}"
+    );
+    ok(
+        &home,
+        &["folder", "set", "work", "--on-demand-under", "videos"],
+    );
+    assert_eq!(
+        list(&home)[0]["on_demand_under"],
+        serde_json::json!(["videos"])
+    );
+    ok(&home, &["folder", "set", "work", "--on-demand"]);
+    assert_eq!(list(&home)[0]["on_demand_under"], serde_json::json!([]));
+    assert_eq!(list(&home)[0]["on_demand"], true);
+    ok(&home, &["folder", "set", "work", "--on-demand-under", "x"]);
+    ok(&home, &["folder", "set", "work", "--no-on-demand"]);
+    let l = list(&home);
+    assert_eq!(l[0]["on_demand"], false, "{l}");
+    assert_eq!(l[0]["on_demand_under"], serde_json::json!([]), "{l}");
+    // A config that names subtrees without on demand is refused, naming the field.
+    let config = home.join("config.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text + "on_demand_under = [\"videos\"]\n").unwrap();
+    let (_, err) = fails(&home, &["config", "check"]);
+    assert!(err.contains("on_demand_under"), "{err}");
 }

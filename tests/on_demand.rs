@@ -27,6 +27,20 @@ fn setup(
     files: &[(&str, Vec<u8>, u32)],
     budget: Option<&str>,
 ) -> OnDemand {
+    let mut set = vec!["--on-demand"];
+    if let Some(max) = budget {
+        set.extend(["--cache-max", max]);
+    }
+    setup_as(t, files, &set)
+}
+
+/// A with `files`, B on demand as `meshfs folder set work SET...` says, both started, B
+/// mounted and caught up with A.
+fn setup_as(
+    t: &std::sync::Arc<tempfile::TempDir>,
+    files: &[(&str, Vec<u8>, u32)],
+    set_args: &[&str],
+) -> OnDemand {
     let mut a = Device::new(t, "a");
     let mut b = Device::new(t, "b");
     for (path, data, mode) in files {
@@ -34,10 +48,8 @@ fn setup(
         write(&p, data);
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode)).unwrap();
     }
-    let mut set = vec!["folder", "set", "work", "--on-demand"];
-    if let Some(max) = budget {
-        set.extend(["--cache-max", max]);
-    }
+    let mut set = vec!["folder", "set", "work"];
+    set.extend(set_args);
     ok(&b.home, &set);
     pair(&a, &b);
     Device::start_together(&mut [&mut a, &mut b]);
@@ -48,6 +60,19 @@ fn setup(
     in_sync(&od.b, 60);
     in_sync(&od.a, 60);
     od
+}
+
+/// `n` files made by `file(i)`: (path, content).
+fn numbered(n: u64, file: impl Fn(u64) -> (String, Vec<u8>)) -> Vec<(String, Vec<u8>)> {
+    (0..n).map(file).collect()
+}
+
+/// `files` as [`setup`] takes them, mode 0644.
+fn listed(files: &[(String, Vec<u8>)]) -> Vec<(&str, Vec<u8>, u32)> {
+    files
+        .iter()
+        .map(|(p, d)| (p.as_str(), d.clone(), 0o644))
+        .collect()
 }
 
 /// Waits until `d` says it is in sync with its connected peers (its tree is not compared: an
@@ -908,7 +933,232 @@ fn a_file_not_local_whose_chunks_this_device_holds_elsewhere_fetches_only_what_i
     eprintln!("16 MiB, 64 KiB of it new: {got} bytes received");
     // The changed chunks, and at most the two asked before the lookup of local copies ended
     // (chunks of a 16 MiB file are at most 256 KiB): not the file.
-    assert!(got < 2 * MIB as u64, "{got} bytes received for 64 KiB changed");
+    assert!(
+        got < 2 * MIB as u64,
+        "{got} bytes received for 64 KiB changed"
+    );
     until_state(&path, "local");
     assert_eq!(std::fs::read(od.b.path("edited.bin")).unwrap(), edited);
+}
+
+#[test]
+fn a_change_only_another_on_demand_device_has_acknowledged_is_not_evicted_and_gets_no_inline_content(
+) {
+    let t = tmp();
+    // 200 small files: content a batch would attach to its records (≤ 64 KiB a file).
+    let files = numbered(200, |i| (format!("s/f{i:03}"), noise(8 << 10, 1000 + i)));
+    let mut od = setup(&t, &listed(&files), None);
+    // C: a second on-demand device, sharing with A and B.
+    let mut c = Device::new(&t, "c");
+    ok(&c.home, &["folder", "set", "work", "--on-demand"]);
+    pair(&od.a, &c);
+    pair(&od.b, &c);
+    // A restarts to take C (its config changed); C starts.
+    od.a.stop();
+    od.a.start();
+    c.start();
+    in_sync(&c, 60);
+    // The small files reached C without their content attached: C's hello said it keeps only
+    // part of the folder (D99), so their 1.6 MB would only be dropped for placeholders.
+    let got = received(&c);
+    eprintln!("C, on demand, received {got} bytes for 200 records of 8 KiB files");
+    assert!(got < 800 << 10, "C received {got} bytes: content attached");
+    let m = std::fs::metadata(c.path("s/f000")).unwrap();
+    assert_eq!((m.len(), m.blocks()), (8 << 10, 0), "a placeholder on C");
+    // A goes away; B writes a file. C (on demand) acknowledges it, holding no content.
+    od.a.stop();
+    let mine = noise(300 << 10, 84);
+    write(&od.mnt.join("mine.bin"), &mine);
+    let t0 = Instant::now();
+    let r = loop {
+        in_sync(&od.b, 30);
+        in_sync(&c, 30);
+        let r = evict(&od.b, "mine.bin");
+        if r["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["path"] == "mine.bin")
+            || r["evicted"] == serde_json::json!(["mine.bin"])
+        {
+            break r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "mine.bin never journaled: {r}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        kept_why(&r, "mine.bin").contains("acknowledged"),
+        "C's acknowledgement counted as a copy: {r}"
+    );
+    assert_eq!(state(&od.mnt.join("mine.bin")), "local");
+    // A back: A holds it, so it may go, and it comes back whole.
+    od.a.start();
+    in_sync(&od.b, 30);
+    in_sync(&od.a, 30);
+    let r = evict(&od.b, "mine.bin");
+    assert_eq!(r["evicted"], serde_json::json!(["mine.bin"]), "{r}");
+    assert_eq!(std::fs::read(od.mnt.join("mine.bin")).unwrap(), mine);
+    c.stop();
+}
+
+#[test]
+fn the_least_recently_used_order_survives_a_restart() {
+    let t = tmp();
+    let files = numbered(4, |i| (format!("x/f{i}"), noise(1 << 20, 90 + i)));
+    let mut od = setup(&t, &listed(&files), Some("3MiB"));
+    // Used in the order f2, f0, f1: f2 is the least recently used, though its version was
+    // journaled after f0's and f1's.
+    for i in [2, 0, 1] {
+        assert_eq!(
+            std::fs::read(od.mnt.join(format!("x/f{i}"))).unwrap(),
+            files[i].1
+        );
+        until_state(&od.mnt.join(format!("x/f{i}")), "local");
+    }
+    // The uses are written at the budget's next round (after each fetch); then B restarts.
+    std::thread::sleep(Duration::from_millis(500));
+    ok(&od.b.home, &["unmount", "work"]);
+    od.b.stop();
+    od.b.start();
+    in_sync(&od.b, 30);
+    ok(&od.b.home, &["mount", "work", od.mnt.to_str().unwrap()]);
+    // A fourth file read: the budget (3 MiB) lets one go, the least recently used.
+    assert_eq!(std::fs::read(od.mnt.join("x/f3")).unwrap(), files[3].1);
+    until_state(&od.mnt.join("x/f3"), "local");
+    until_state(&od.mnt.join("x/f2"), "online");
+    for i in [0, 1, 3] {
+        assert_eq!(state(&od.mnt.join(format!("x/f{i}"))), "local", "x/f{i}");
+    }
+}
+
+#[test]
+fn a_file_closed_before_it_was_whole_keeps_what_was_fetched_for_a_reader_that_comes_back() {
+    let t = tmp();
+    const MIB: usize = 1 << 20;
+    let big = noise(32 * MIB, 85);
+    let od = setup(&t, &[("big.bin", big.clone(), 0o644)], None);
+    let path = od.mnt.join("big.bin");
+    let p = path.to_str().unwrap();
+    let head = |what: &str| {
+        let before = received(&od.b);
+        let (ok_, out) = run("head", &["-c", "65536", p]);
+        assert!(ok_);
+        assert_eq!(out, big[..65536], "{what}");
+        received(&od.b) - before
+    };
+    let first = head("first");
+    // Closed: nothing is fetched for it, nothing is listed, and a reopen finds what was here.
+    until_status(&od.b, 10, "no fetch listed", |d| {
+        d["fetching"].as_array().unwrap().is_empty()
+    });
+    assert_eq!(state(&path), "online");
+    let again = head("again");
+    eprintln!("head -c 65536 of 32 MiB not local: {first} bytes received, reopened: {again}");
+    assert!(first >= 65536, "{first}");
+    // The chunks under the first 64 KiB are here: only read-ahead goes out again.
+    assert!(
+        again + 65536 <= first,
+        "a reopen fetched {again} bytes again, of {first}"
+    );
+    // Left alone past the linger, what was fetched is dropped: a reopen fetches again.
+    let t0 = Instant::now();
+    while !od.b.log().contains("what was fetched of it is dropped") {
+        assert!(t0.elapsed() < Duration::from_secs(30), "never dropped");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(head("after the linger") >= 65536);
+}
+
+/// Waits until B's backing file `path` holds `want`, as a plain local file.
+fn until_local(od: &OnDemand, path: &str, want: &[u8]) {
+    let t0 = Instant::now();
+    let p = od.b.path(path);
+    while is_placeholder(&p) || std::fs::read(&p).ok().as_deref() != Some(want) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{path} not local on B\n{}",
+            od.b.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn only_a_subtree_on_demand_leaves_placeholders_there_and_keeps_everything_else_local() {
+    let t = tmp();
+    let files = vec![
+        ("big/a.bin", noise(400 << 10, 90), 0o644),
+        ("big/deep/b.bin", noise(300 << 10, 91), 0o644),
+        ("small/c.txt", noise(200 << 10, 92), 0o644),
+        ("top.bin", noise(100 << 10, 93), 0o644),
+    ];
+    let mut od = setup_as(&t, &files, &["--on-demand-under", "./big/"]);
+    // Inside big/: placeholders. Outside: the content, in B's backing directory.
+    for (path, data, _) in &files {
+        if path.starts_with("big/") {
+            assert!(is_placeholder(&od.b.path(path)), "{path}: a placeholder");
+        } else {
+            until_local(&od, path, data);
+        }
+    }
+    let d = on_demand(&od.b);
+    assert_eq!(d["under"], serde_json::json!(["big"]), "{d:#}");
+    assert_eq!(d["online_files"], 2, "{d:#}");
+    let text = od.b.cli_ok(&["status"]);
+    assert!(
+        text.contains("on demand only under: big (the rest is kept here)"),
+        "{text}"
+    );
+    // Listing the mount fetches nothing; reading inside big/ fetches that file.
+    let before = received(&od.b);
+    assert_eq!(listing(&od.mnt), listing(&od.a.dir));
+    assert!(
+        received(&od.b) - before < 64 << 10,
+        "listing fetched content"
+    );
+    assert_eq!(state(&od.mnt.join("big/deep/b.bin")), "online");
+    assert_eq!(std::fs::read(od.mnt.join("big/a.bin")).unwrap(), files[0].1);
+    // Eviction never touches what lies outside; inside it does.
+    let r = evict(&od.b, "small");
+    assert_eq!(r["evicted"], serde_json::json!([]), "{r}");
+    assert!(kept_why(&r, "small/c.txt").contains("outside"), "{r}");
+    let r = evict(&od.b, "big/a.bin");
+    assert_eq!(r["evicted"], serde_json::json!(["big/a.bin"]), "{r}");
+    // New versions from A: outside, fetched as they arrive; inside, placeholders.
+    let fresh = noise(150 << 10, 94);
+    write(&od.a.path("new/n.bin"), &fresh);
+    write(&od.a.path("big/n2.bin"), &noise(120 << 10, 95));
+    until_local(&od, "new/n.bin", &fresh);
+    let t0 = Instant::now();
+    while !od.b.path("big/n2.bin").exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "big/n2.bin never came"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(is_placeholder(&od.b.path("big/n2.bin")));
+    // The subtree narrowed later: what moved outside it is fetched now.
+    od.b.cli_ok(&["folder", "set", "work", "--on-demand-under", "big/deep"]);
+    until_local(&od, "big/a.bin", &files[0].1);
+    until_local(&od, "big/n2.bin", &noise(120 << 10, 95));
+    assert!(is_placeholder(&od.b.path("big/deep/b.bin")));
+    assert_eq!(on_demand(&od.b)["under"], serde_json::json!(["big/deep"]));
+    // And the whole folder on demand again: nothing is fetched, the list is gone.
+    od.b.cli_ok(&["folder", "set", "work", "--on-demand"]);
+    until_status(&od.b, 10, "the whole folder on demand", |d| {
+        d["under"] == serde_json::json!([])
+    });
+    assert!(is_placeholder(&od.b.path("big/deep/b.bin")));
+    // Changed while B was stopped: what is outside is fetched once B is back with its peer.
+    od.b.stop();
+    ok(
+        &od.b.home,
+        &["folder", "set", "work", "--on-demand-under", "big/a.bin"],
+    );
+    od.b.start();
+    until_local(&od, "big/deep/b.bin", &files[1].1);
 }

@@ -36,6 +36,17 @@ fn package_assets_are_a_man_page_per_subcommand_and_bash_zsh_fish_completions() 
         assert!(text.starts_with(".ie") || text.contains(".TH"), "{page}");
         assert!(listed.contains(page), "{listed}");
     }
+    // The daemon's page says what it sends on the LAN, exactly (docs/protocol.md).
+    let daemon = std::fs::read_to_string(out.join("man/meshfs-daemon.1")).unwrap();
+    for needle in [
+        "21788",
+        "ff12::6d65:7368",
+        "MFSA",
+        "instance nonce",
+        "At most 320 bytes",
+    ] {
+        assert!(daemon.contains(needle), "meshfs-daemon.1 lacks {needle}");
+    }
     let status = std::fs::read_to_string(out.join("man/meshfs-status.1")).unwrap();
     assert!(status.contains("wait\\-synced"), "{status}");
     // The hidden packager's command documents nothing.

@@ -241,14 +241,14 @@ fn a_log_started_again_after_a_checkpoint_and_killed_before_its_note_is_still_ou
 fn a_journal_from_before_the_mark_killed_right_after_its_upgrade_starts_again() {
     let t = tmp();
     let mut d = journaled_device(&t, "a", 3, false);
-    // As meshfs left it before the mark: schema 4 (without the mark, 5, and the past
-    // versions' tables, 6), a note of 8 bytes (salts alone), the log checkpointed and deleted
-    // at the last close (python's connection closes last here).
+    // As meshfs left it before the mark: schema 4 (without the mark, 5, the past
+    // versions' tables, 6, and on demand's, 7 and 8), a note of 8 bytes (salts alone), the log
+    // checkpointed and deleted at the last close (python's connection closes last here).
     let status = python(
         "import sqlite3, sys\n\
          c = sqlite3.connect(sys.argv[1])\n\
          c.executescript('DROP TABLE wal_mark; DROP TABLE versions; DROP TABLE pruned; \
-         DROP TABLE held; DROP TABLE local_only; DROP TABLE absent; DROP TABLE pins; \
+         DROP TABLE held; DROP TABLE local_only; DROP TABLE absent; DROP TABLE pins; DROP TABLE used; \
          PRAGMA user_version = 4;')\n\
          c.close()\n",
         &[journal(&d).to_str().unwrap()],

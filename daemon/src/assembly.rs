@@ -21,17 +21,12 @@ pub const MAX_AHEAD: u64 = 64 << 20;
 /// into pieces of this size, so a reader's own range is not queued behind all of it).
 pub const PIECE: u64 = 32 << 20;
 
-/// Most chunks handed to the network while the lookup of local copies runs (D98): the ones
-/// under an open's first read; the rest wait the few milliseconds until the lookup says which
-/// of them this device can copy instead.
-pub const BEFORE_LOOKUP: usize = 2;
-
 /// Where a chunk the temp file lacks stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     /// Not asked of any peer, and no reader wants it.
     Absent,
-    /// A reader wants it; not asked yet (queued in `wants`).
+    /// Wanted; not asked yet (queued in `wants`).
     Wanted,
     /// Asked of a peer, not written yet.
     Asked,
@@ -60,19 +55,19 @@ pub struct Assembly {
     by_hash: HashMap<Hash, usize>,
     /// Entries of `missing` not present yet.
     left: usize,
-    /// Entries of `missing` readers asked for, in the order asked (may repeat).
-    wants: Vec<usize>,
+    /// Entries of `missing` wanted, in the order wanted, each with whether a read waits for
+    /// it (`false`: read-ahead, or the whole file wanted).
+    wants: Vec<(usize, bool)>,
     /// Where the last read ended (a read starting there is sequential).
     next_read: Option<u64>,
     /// The read-ahead window, in bytes (0: none).
     ahead: u64,
     /// The last chunk read ahead so far.
     ahead_to: usize,
-    /// Whether the lookup of local copies is still running: until it ends, at most
-    /// [`BEFORE_LOOKUP`] chunks are handed to the network.
+    /// Whether the lookup of local copies is still running (D98): until it ends, only the
+    /// chunks a read waits for are handed to the network; the rest wait the few milliseconds
+    /// until the lookup says which of them this device can copy instead.
     looking: bool,
-    /// Chunks handed to the network while `looking`.
-    taken_looking: usize,
 }
 
 impl Assembly {
@@ -120,12 +115,11 @@ impl Assembly {
             ahead: 0,
             ahead_to: 0,
             looking: false,
-            taken_looking: 0,
         }
     }
 
-    /// The same assembly, whose absent chunks may still turn out to be on this device: the
-    /// network gets at most [`BEFORE_LOOKUP`] of them until [`Assembly::looked`].
+    /// The same assembly, whose absent chunks may still turn out to be on this device: until
+    /// [`Assembly::looked`], the network gets only the chunks a read waits for.
     pub fn looking(mut self) -> Assembly {
         self.looking = true;
         self
@@ -145,7 +139,7 @@ impl Assembly {
         if let Some(&m) = self.by_hash.get(hash) {
             if self.missing[m].state == State::Writing {
                 self.missing[m].state = State::Wanted;
-                self.wants.push(m);
+                self.wants.push((m, true));
             }
         }
     }
@@ -192,12 +186,18 @@ impl Assembly {
         (a..=b).any(|c| self.of_chunk[c].is_some_and(|m| self.missing[m].state == State::Absent))
     }
 
-    fn want(&mut self, first: usize, last: usize) {
+    /// Chunks `first..=last` are wanted; `urgent`: a read waits for them.
+    fn want(&mut self, first: usize, last: usize, urgent: bool) {
         for c in first..=last.min(self.starts.len().saturating_sub(1)) {
             if let Some(m) = self.of_chunk[c] {
-                if self.missing[m].state == State::Absent {
-                    self.missing[m].state = State::Wanted;
-                    self.wants.push(m);
+                match self.missing[m].state {
+                    State::Absent => {
+                        self.missing[m].state = State::Wanted;
+                        self.wants.push((m, urgent));
+                    }
+                    // Held back as read-ahead while the lookup runs, and now read.
+                    State::Wanted if urgent && self.looking => self.wants.push((m, true)),
+                    _ => {}
                 }
             }
         }
@@ -212,7 +212,7 @@ impl Assembly {
         let Some((a, b)) = self.span(offset, len) else {
             return false;
         };
-        self.want(a, b);
+        self.want(a, b, true);
         let end = offset.saturating_add(len).min(self.size);
         let sequential = self.next_read == Some(offset);
         self.next_read = Some(end);
@@ -236,7 +236,7 @@ impl Assembly {
             };
             let from = self.ahead_to.max(b) + 1;
             if to >= from {
-                self.want(from, to);
+                self.want(from, to, false);
             }
             self.ahead_to = to.max(b);
             self.ahead = (self.ahead * 2).min(MAX_AHEAD);
@@ -249,7 +249,7 @@ impl Assembly {
     pub fn read_probe(&mut self, offset: u64, len: u64) -> bool {
         let before = self.wants.len();
         if let Some((a, b)) = self.span(offset, len) {
-            self.want(a, b);
+            self.want(a, b, true);
         }
         self.wants.len() > before
     }
@@ -257,29 +257,26 @@ impl Assembly {
     /// Every chunk not here is wanted (an open for writing, a pin: the whole file).
     pub fn want_all(&mut self) -> bool {
         let before = self.wants.len();
-        self.want(0, self.starts.len().saturating_sub(1));
+        self.want(0, self.starts.len().saturating_sub(1), false);
         self.wants.len() > before
     }
 
     /// What to ask a peer for now: the wanted chunks that are neither here nor asked yet, in
     /// the order wanted, cut into pieces of at most [`PIECE`] bytes; they count as asked.
-    /// While the lookup of local copies runs, only the first [`BEFORE_LOOKUP`] are given.
+    /// While the lookup of local copies runs, only those a read waits for are given.
     pub fn take(&mut self) -> Vec<Vec<(Hash, u32)>> {
         let mut pieces: Vec<Vec<(Hash, u32)>> = Vec::new();
         let mut bytes = 0u64;
         let wants = std::mem::take(&mut self.wants);
         let mut held = Vec::new();
-        for m in wants {
+        for (m, urgent) in wants {
             let e = &mut self.missing[m];
             if e.state != State::Wanted {
                 continue;
             }
-            if self.looking {
-                if self.taken_looking >= BEFORE_LOOKUP {
-                    held.push(m);
-                    continue;
-                }
-                self.taken_looking += 1;
+            if self.looking && !urgent {
+                held.push((m, urgent));
+                continue;
             }
             e.state = State::Asked;
             if pieces.is_empty() || bytes + e.len as u64 > PIECE {
@@ -316,6 +313,20 @@ impl Assembly {
                 self.left -= 1;
             }
         }
+    }
+
+    /// Every reader left (the driver stopped its fetches): what was wanted or asked and is not
+    /// written is absent again, and a reader that comes back starts without a read-ahead.
+    /// Chunks present stay present.
+    pub fn paused(&mut self) {
+        for m in &mut self.missing {
+            if matches!(m.state, State::Wanted | State::Asked) {
+                m.state = State::Absent;
+            }
+        }
+        self.wants.clear();
+        self.next_read = None;
+        self.ahead = 0;
     }
 
     /// A fetch of `asked` ended without some of them: those not present are absent again
@@ -402,6 +413,26 @@ mod tests {
     }
 
     #[test]
+    fn a_pause_keeps_what_arrived_and_a_returning_reader_asks_only_for_the_rest() {
+        let c = chunks(&[65536; 16]);
+        let mut a = Assembly::new(&c, c.iter().map(|c| c.hash));
+        a.read(0, 65536);
+        a.read(65536, 65536);
+        let first = asked(&mut a);
+        assert!(first.len() > 2, "its own chunks and read-ahead");
+        assert!(a.claim(&c[0].hash));
+        a.arrived(&c[0].hash);
+        a.want_all();
+        a.paused();
+        assert!(a.take().is_empty(), "nothing goes out while no one reads");
+        assert!(a.stranded(65536, 1), "asked and not arrived: absent again");
+        // Back: the first chunk is here; the second is asked again, without read-ahead.
+        assert!(a.covered(0, 65536));
+        a.read(0, 2 * 65536);
+        assert_eq!(asked(&mut a), vec![c[1].hash]);
+    }
+
+    #[test]
     fn a_failed_fetch_strands_its_readers_and_a_later_read_asks_again() {
         let c = chunks(&[1000, 2000, 3000]);
         let mut a = Assembly::new(&c, [c[1].hash]);
@@ -421,15 +452,21 @@ mod tests {
     }
 
     #[test]
-    fn while_local_copies_are_looked_up_the_network_gets_only_the_first_read() {
+    fn while_local_copies_are_looked_up_the_network_gets_only_what_reads_wait_for() {
         let c = chunks(&[65536; 64]);
         let mut a = Assembly::new(&c, c.iter().map(|c| c.hash)).looking();
         a.read_probe(0, 1);
         a.want_all();
         assert_eq!(
             asked(&mut a),
-            vec![c[0].hash, c[1].hash],
-            "two before the lookup"
+            vec![c[0].hash],
+            "the open's probe, not the whole file"
+        );
+        a.read(65536 + 10, 100);
+        assert_eq!(
+            asked(&mut a),
+            vec![c[1].hash],
+            "a read does not wait for the lookup"
         );
         assert!(asked(&mut a).is_empty(), "the rest waits for it");
         assert!(!a.stranded(0, 64 * 65536), "held back is not stranded");
@@ -449,7 +486,11 @@ mod tests {
         }
         a.not_local(&c[7].hash);
         let rest = asked(&mut a);
-        assert_eq!(rest.len(), 64 - 6, "all but 0, 1 (asked) and 5, 6, 8, 9 (copied)");
+        assert_eq!(
+            rest.len(),
+            64 - 6,
+            "all but 0, 1 (asked) and 5, 6, 8, 9 (copied)"
+        );
         assert!(rest.contains(&c[7].hash) && !rest.contains(&c[5].hash));
         for h in rest {
             assert!(a.claim(&h));

@@ -349,13 +349,18 @@ pub struct FolderConfig {
     pub on_demand: bool,
     /// The most bytes of file content an on-demand folder keeps here; the least recently used
     /// files are evicted beyond it (never a pinned, open or last copy). Unset: no budget.
-    #[serde(default, with = "size_text", skip_serializing_if = "Option::is_none")]
+    #[serde(default, with = "worded", skip_serializing_if = "Option::is_none")]
     pub cache_max: Option<u64>,
     /// How much of the disk holding an on-demand folder is kept free by evicting its least
     /// recently used files (docs/decisions.md, D97): a share (`"5%"`) or a size (`"2GiB"`).
     /// Unset: [`DEFAULT_MIN_FREE`].
-    #[serde(default, with = "floor_text", skip_serializing_if = "Option::is_none")]
+    #[serde(default, with = "worded", skip_serializing_if = "Option::is_none")]
     pub min_free: Option<FreeFloor>,
+    /// With `on_demand`: only these subtrees (paths relative to the folder) are on demand;
+    /// everything outside them is kept here as a pinned path is (docs/decisions.md, D77).
+    /// Empty: the whole folder.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub on_demand_under: Vec<String>,
 }
 
 /// How much of a disk is kept free (an on-demand folder's `min_free`).
@@ -402,13 +407,46 @@ impl FreeFloor {
     }
 }
 
-mod floor_text {
-    use super::FreeFloor;
+/// A config value written as bytes (`65536`) or in words (`64MiB`, `5%`): the cache budget
+/// (a size) and the free floor.
+trait Worded: Sized {
+    fn from_bytes(b: u64) -> Self;
+    fn parse_words(text: &str) -> Result<Self, String>;
+    fn words(&self) -> String;
+}
+
+impl Worded for u64 {
+    fn from_bytes(b: u64) -> Self {
+        b
+    }
+    fn parse_words(text: &str) -> Result<Self, String> {
+        parse_size(text)
+    }
+    fn words(&self) -> String {
+        format_size(*self)
+    }
+}
+
+impl Worded for FreeFloor {
+    fn from_bytes(b: u64) -> Self {
+        FreeFloor::Bytes(b)
+    }
+    fn parse_words(text: &str) -> Result<Self, String> {
+        FreeFloor::parse(text)
+    }
+    fn words(&self) -> String {
+        self.text()
+    }
+}
+
+/// Serde for an optional [`Worded`] value: written in words, read from either.
+mod worded {
+    use super::Worded;
     use serde::{de::Error, Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(v: &Option<FreeFloor>, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<T: Worded, S: Serializer>(v: &Option<T>, s: S) -> Result<S::Ok, S::Error> {
         match v {
-            Some(f) => s.serialize_str(&f.text()),
+            Some(v) => s.serialize_str(&v.words()),
             None => s.serialize_none(),
         }
     }
@@ -420,10 +458,10 @@ mod floor_text {
         Words(String),
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<FreeFloor>, D::Error> {
+    pub fn deserialize<'de, T: Worded, D: Deserializer<'de>>(d: D) -> Result<Option<T>, D::Error> {
         match Text::deserialize(d)? {
-            Text::Bytes(b) => Ok(Some(FreeFloor::Bytes(b))),
-            Text::Words(w) => FreeFloor::parse(&w).map(Some).map_err(D::Error::custom),
+            Text::Bytes(b) => Ok(Some(T::from_bytes(b))),
+            Text::Words(w) => T::parse_words(&w).map(Some).map_err(D::Error::custom),
         }
     }
 }
@@ -469,31 +507,6 @@ pub fn format_size(bytes: u64) -> String {
     bytes.to_string()
 }
 
-mod size_text {
-    use serde::{de::Error, Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
-        match v {
-            Some(b) => s.serialize_str(&super::format_size(*b)),
-            None => s.serialize_none(),
-        }
-    }
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Text {
-        Bytes(u64),
-        Words(String),
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-        match Text::deserialize(d)? {
-            Text::Bytes(b) => Ok(Some(b)),
-            Text::Words(w) => super::parse_size(&w).map(Some).map_err(D::Error::custom),
-        }
-    }
-}
-
 /// Days past versions are kept unless a folder says otherwise.
 pub const VERSIONS_DAYS: u64 = 30;
 /// The share of free space past versions may take unless a folder says otherwise, in percent.
@@ -536,8 +549,30 @@ impl FolderConfig {
             on_demand: false,
             cache_max: None,
             min_free: None,
+            on_demand_under: Vec::new(),
         }
     }
+
+    /// The subtrees on demand (`on_demand_under`), checked; those that do not parse are left
+    /// out (`Config::validate` refuses them).
+    pub fn on_demand_subtrees(&self) -> Vec<meshfs_protocol::RelPath> {
+        self.on_demand_under
+            .iter()
+            .filter_map(|t| subtree(t).ok())
+            .collect()
+    }
+}
+
+/// A subtree of a folder as the user writes it (`photos`, `./archive/2019/`): a path relative
+/// to the folder, not the folder itself.
+pub fn subtree(text: &str) -> Result<meshfs_protocol::RelPath, String> {
+    let t = text.trim_start_matches("./").trim_end_matches('/');
+    if t.is_empty() || t == "." {
+        return Err(format!(
+            "{text:?} is the whole folder: leave on_demand_under empty (`--on-demand`) to have all of it on demand"
+        ));
+    }
+    meshfs_protocol::RelPath::normalized(t).map_err(|e| format!("{text:?}: {e}"))
 }
 
 /// A role in the config is its name (`send-only`); another word fails the parse, naming it.
@@ -810,6 +845,17 @@ impl Config {
                     ),
                 ));
             }
+            for (j, t) in f.on_demand_under.iter().enumerate() {
+                if let Err(e) = subtree(t) {
+                    return Err(invalid(format!("folder[{i}].on_demand_under[{j}]"), e));
+                }
+            }
+            if !f.on_demand_under.is_empty() && !f.on_demand {
+                return Err(invalid(
+                    format!("folder[{i}].on_demand_under"),
+                    "is set but on_demand is not: set on_demand = true too, or remove it".into(),
+                ));
+            }
             if f.versions_space_percent > 90 {
                 return Err(invalid(
                     format!("folder[{i}].versions_space_percent"),
@@ -986,6 +1032,31 @@ mod tests {
         let text = std::fs::read_to_string(home.config_file()).unwrap();
         assert!(text.contains("min_free = \"12%\""), "{text}");
         assert_eq!(Config::load(&home).unwrap(), c);
+    }
+
+    #[test]
+    fn on_demand_subtrees_round_trip_and_a_bad_one_or_one_without_on_demand_is_refused() {
+        assert_eq!(subtree("./photos/").unwrap().as_str(), "photos");
+        assert!(subtree(".").is_err());
+        assert!(subtree("../x").is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let home = Home::resolve(Some(dir.path()));
+        let mut c = Config::new("a", "127.0.0.1:7788");
+        let mut f = FolderConfig::new(FolderId::new("work").unwrap(), "/tmp/w".into());
+        f.on_demand = true;
+        f.on_demand_under = vec!["big".into(), "archive/2019".into()];
+        c.folders.push(f);
+        c.save(&home).unwrap();
+        let text = std::fs::read_to_string(home.config_file()).unwrap();
+        assert!(text.contains("on_demand_under = ["), "{text}");
+        assert_eq!(Config::load(&home).unwrap(), c);
+        assert_eq!(c.folders[0].on_demand_subtrees().len(), 2);
+        std::fs::write(home.config_file(), text.replace("\"big\"", "\"../up\"")).unwrap();
+        let err = Config::load(&home).unwrap_err().to_string();
+        assert!(err.contains("on_demand_under[0]"), "{err}");
+        std::fs::write(home.config_file(), text.replace("on_demand = true", "")).unwrap();
+        let err = Config::load(&home).unwrap_err().to_string();
+        assert!(err.contains("on_demand = true"), "{err}");
     }
 
     #[test]

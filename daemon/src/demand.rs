@@ -10,7 +10,7 @@ use crate::assembly::Assembly;
 use meshfs_protocol::{Hash, RelPath};
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 
 /// Paths listed as not fetched, at most (the rest are counted).
@@ -57,10 +57,12 @@ struct Stage {
 /// engine's runtime).
 #[derive(Debug)]
 pub struct Flight {
-    /// The process whose open started it (0: a pin).
-    pub pid: u32,
+    /// The process whose open started it, or last joined it (0: a pin).
+    pub pid: AtomicU32,
     /// The file's size.
     pub size: u64,
+    /// The content it assembles (the version's hash): a later version is another flight.
+    pub hash: Hash,
     /// Bytes of it fetched so far (chunks copied from local files are not counted).
     pub done: Arc<AtomicU64>,
     stage: Mutex<Stage>,
@@ -74,10 +76,11 @@ pub struct Flight {
 const RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Flight {
-    fn new(pid: u32, size: u64) -> Flight {
+    fn new(pid: u32, size: u64, hash: Hash) -> Flight {
         Flight {
-            pid,
+            pid: AtomicU32::new(pid),
             size,
+            hash,
             done: Arc::new(AtomicU64::new(0)),
             stage: Mutex::new(Stage {
                 holds: 1,
@@ -95,13 +98,36 @@ impl Flight {
             .unwrap_or_else(|p| p.into_inner().0)
     }
 
-    /// One more holder, unless it ended.
-    fn join(&self) -> bool {
+    /// One more holder (`pid`'s open), unless it ended.
+    fn join(&self, pid: u32) -> bool {
         let mut s = lock(&self.stage);
         if s.ended.is_some() {
             return false;
         }
+        if s.holds == 0 {
+            // Back to a flight that lingered with no holder: it is this process's now.
+            self.pid.store(pid, Ordering::Relaxed);
+        }
         s.holds += 1;
+        true
+    }
+
+    /// Whether anyone holds it (an open, a pin, a writer's wait).
+    pub fn held(&self) -> bool {
+        lock(&self.stage).holds > 0
+    }
+
+    /// The driver: every holder left and its fetches are stopped; what they had asked for is
+    /// absent again (D100). Nothing, when a holder came back meanwhile (what it wants stays
+    /// wanted): `false`.
+    pub fn pause(&self) -> bool {
+        let mut s = lock(&self.stage);
+        if s.holds > 0 {
+            return false;
+        }
+        if let Some(a) = s.assembly.as_mut() {
+            a.paused();
+        }
         true
     }
 
@@ -321,7 +347,11 @@ pub struct Demand {
     flights: Mutex<HashMap<RelPath, Arc<Flight>>>,
     unavailable: Mutex<(BTreeMap<RelPath, Unavailable>, u64)>,
     used: Mutex<HashMap<RelPath, i64>>,
+    /// The uses not written to the journal yet (`Journal::save_used`).
+    unsaved: Mutex<HashMap<RelPath, i64>>,
     pins: RwLock<Vec<RelPath>>,
+    /// The subtrees on demand (`on_demand_under`, D77); empty: the whole folder.
+    under: RwLock<Vec<RelPath>>,
     /// Content arrived: the budget is to be checked.
     pub arrived: tokio::sync::Notify,
     /// Bytes of content made local since the daemon started (copied or fetched).
@@ -344,17 +374,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Demand {
-    /// The flight of `path`, joined (`false`), or a new one this caller drives (`true`):
-    /// one per path, whoever else opens it shares it. The caller holds it until
-    /// [`Flight::leave`].
-    pub fn begin(&self, path: &RelPath, pid: u32, size: u64) -> (Arc<Flight>, bool) {
+    /// The flight of `path`'s content `hash`, joined (`false`), or a new one this caller
+    /// drives (`true`): one per path, whoever else opens the same version shares it (an open
+    /// of a newer version starts its own; the older one's install then finds the placeholder
+    /// changed). The caller holds it until [`Flight::leave`].
+    pub fn begin(&self, path: &RelPath, pid: u32, size: u64, hash: Hash) -> (Arc<Flight>, bool) {
         let mut f = lock(&self.flights);
-        if let Some(flight) = f.get(path) {
-            if flight.join() {
+        if let Some(flight) = f.get(path).filter(|x| x.hash == hash) {
+            if flight.join(pid) {
                 return (flight.clone(), false);
             }
         }
-        let flight = Arc::new(Flight::new(pid, size));
+        let flight = Arc::new(Flight::new(pid, size, hash));
         f.insert(path.clone(), flight.clone());
         (flight, true)
     }
@@ -390,16 +421,21 @@ impl Demand {
         flight.finish(end);
     }
 
-    /// Whether `path` is being fetched.
+    /// Whether `path` is being fetched for someone (a fetch that lingers with no holder is
+    /// not: nothing is asked for it).
     pub fn fetching(&self, path: &RelPath) -> bool {
-        lock(&self.flights).contains_key(path)
+        lock(&self.flights).get(path).is_some_and(|f| f.held())
     }
 
-    /// The fetches under way: (path, pid, size, bytes done), by path.
+    /// The fetches under way for someone: (path, pid, size, bytes done), by path.
     pub fn flights(&self) -> Vec<(RelPath, u32, u64, u64)> {
         let mut v: Vec<_> = lock(&self.flights)
             .iter()
-            .map(|(p, f)| (p.clone(), f.pid, f.size, f.done.load(Ordering::Relaxed)))
+            .filter(|(_, f)| f.held())
+            .map(|(p, f)| {
+                let pid = f.pid.load(Ordering::Relaxed);
+                (p.clone(), pid, f.size, f.done.load(Ordering::Relaxed))
+            })
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
@@ -422,9 +458,24 @@ impl Demand {
     /// `path` was used at `now_ns`.
     pub fn used(&self, path: &RelPath, now_ns: i64) {
         lock(&self.used).insert(path.clone(), now_ns);
+        lock(&self.unsaved).insert(path.clone(), now_ns);
     }
 
-    /// When `path` was last used, if it was since the daemon started.
+    /// Takes the uses noted since the last call, to be written to the journal.
+    pub fn take_unsaved(&self) -> Vec<(RelPath, i64)> {
+        lock(&self.unsaved).drain().collect()
+    }
+
+    /// The uses the journal kept from before this start (a later use stays).
+    pub fn load_used(&self, uses: Vec<(RelPath, i64)>) {
+        let mut u = lock(&self.used);
+        for (path, at) in uses {
+            let e = u.entry(path).or_insert(at);
+            *e = (*e).max(at);
+        }
+    }
+
+    /// When `path` was last used (since the daemon started, or as the journal kept it).
     pub fn last_used(&self, path: &RelPath) -> Option<i64> {
         lock(&self.used).get(path).copied()
     }
@@ -487,6 +538,33 @@ impl Demand {
             .map(|p| p.iter().any(|pin| path == pin || path.is_within(pin)))
             .unwrap_or(false)
     }
+
+    /// The subtrees on demand now (empty: the whole folder).
+    pub fn under(&self) -> Vec<RelPath> {
+        self.under.read().map(|u| u.clone()).unwrap_or_default()
+    }
+
+    /// Takes `under` as the subtrees on demand from now on (empty: the whole folder).
+    pub fn set_under(&self, under: Vec<RelPath>) {
+        if let Ok(mut u) = self.under.write() {
+            *u = under;
+        }
+    }
+
+    /// Whether `path` lies outside the subtrees on demand (never, when the whole folder is):
+    /// it is kept as a pinned path is (D77).
+    pub fn outside(&self, path: &RelPath) -> bool {
+        self.under
+            .read()
+            .map(|u| !u.is_empty() && !u.iter().any(|d| path == d || path.is_within(d)))
+            .unwrap_or(false)
+    }
+
+    /// Whether `path` is always local: pinned, or outside the subtrees on demand. Its new
+    /// versions are fetched as they arrive, never left as placeholders, never evicted.
+    pub fn kept(&self, path: &RelPath) -> bool {
+        self.pinned(path) || self.outside(path)
+    }
 }
 
 #[cfg(test)]
@@ -500,9 +578,9 @@ mod tests {
     #[test]
     fn a_second_open_of_a_file_being_fetched_shares_its_flight_and_a_failure_reaches_both() {
         let d = Arc::new(Demand::default());
-        let (first, lead) = d.begin(&p("a"), 7, 10);
+        let (first, lead) = d.begin(&p("a"), 7, 10, Hash::ZERO);
         assert!(lead);
-        let (second, lead) = d.begin(&p("a"), 8, 10);
+        let (second, lead) = d.begin(&p("a"), 8, 10, Hash::ZERO);
         assert!(!lead, "second follows");
         assert!(Arc::ptr_eq(&first, &second));
         assert!(d.fetching(&p("a")));
@@ -516,17 +594,24 @@ mod tests {
         assert_eq!(waiter.join().unwrap(), Err(no));
         assert!(!d.fetching(&p("a")));
         assert_eq!(d.unavailable().0.len(), 1);
-        let (again, lead) = d.begin(&p("a"), 9, 10);
+        let (again, lead) = d.begin(&p("a"), 9, 10, Hash::ZERO);
         assert!(lead, "a new flight after the end");
         d.end(&p("a"), &again, End::Local, 101);
         assert!(d.unavailable().0.is_empty(), "fetched: no longer listed");
+        // An open of a newer version does not join the older one's flight (a lingering one
+        // would serve the old content).
+        let (old, _) = d.begin(&p("a"), 10, 10, Hash::ZERO);
+        old.leave();
+        let (newer, lead) = d.begin(&p("a"), 11, 10, Hash::of(b"v2"));
+        assert!(lead && !Arc::ptr_eq(&old, &newer));
+        assert_eq!(d.flights()[0].1, 11);
     }
 
     #[test]
     fn a_reader_waits_for_its_range_and_not_for_the_rest() {
         use meshfs_protocol::Chunk;
         let d = Demand::default();
-        let (f, _) = d.begin(&p("a"), 7, 3000);
+        let (f, _) = d.begin(&p("a"), 7, 3000, Hash::ZERO);
         let c: Vec<Chunk> = (0..3u8)
             .map(|i| Chunk {
                 len: 1000,
@@ -577,7 +662,7 @@ mod tests {
         assert_eq!(reader.join().unwrap(), Err(no));
         f.leave();
         assert!(f.abandon(), "no one holds it, not whole");
-        assert!(!f.join(), "abandoned: a later open starts anew");
+        assert!(!f.join(9), "abandoned: a later open starts anew");
     }
 
     #[test]
@@ -588,5 +673,28 @@ mod tests {
         assert!(d.pinned(&p("photos/2024/a.jpg")));
         assert!(!d.pinned(&p("photosx")));
         assert!(!d.pinned(&p("docs/a")));
+    }
+
+    #[test]
+    fn only_what_lies_outside_the_on_demand_subtrees_is_kept_local() {
+        let d = Demand::default();
+        assert!(!d.kept(&p("a")), "the whole folder on demand");
+        d.set_under(vec![p("big"), p("archive/2019")]);
+        assert!(!d.kept(&p("big")));
+        assert!(!d.kept(&p("big/x/y")));
+        assert!(!d.kept(&p("archive/2019/a")));
+        assert!(d.kept(&p("archive/2020/a")));
+        assert!(
+            d.kept(&p("archive")),
+            "a directory above a subtree is outside it"
+        );
+        assert!(d.kept(&p("bigger/a")));
+        assert!(d.kept(&p("small.txt")));
+        d.set_pins(vec![p("big/keep")]);
+        assert!(
+            d.kept(&p("big/keep/a")),
+            "a pin inside a subtree still keeps"
+        );
+        assert!(!d.outside(&p("big/keep/a")));
     }
 }

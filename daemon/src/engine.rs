@@ -402,6 +402,24 @@ impl Engine {
         })
     }
 
+    /// The connected peers that may be counted as holding a folder's content, asked at each
+    /// use: sharing it and keeping all of it (a peer on demand acknowledges versions it does
+    /// not hold, D99).
+    fn holders(&self) -> crate::ondemand::budget::Connected {
+        let peers = self.ondemand_peers();
+        let net = Arc::downgrade(&self.net);
+        Arc::new(move |folder: &FolderId| {
+            let Some(net) = net.upgrade() else {
+                return Vec::new();
+            };
+            peers(folder)
+                .into_iter()
+                .map(|(d, _)| d)
+                .filter(|d| !net.keeps_part(d, folder))
+                .collect()
+        })
+    }
+
     /// `meshfs pin FOLDER PATH` (D94).
     pub async fn pin(
         &self,
@@ -437,10 +455,7 @@ impl Engine {
             return Err(FolderError::NotOnDemand(folder.clone()));
         }
         let folders = self.folders.clone();
-        let connected: Vec<DeviceId> = self.ondemand_peers()(folder)
-            .into_iter()
-            .map(|(d, _)| d)
-            .collect();
+        let connected = self.holders()(folder);
         tokio::task::spawn_blocking(move || {
             crate::ondemand::budget::evict(&folders, &rt, &path, &connected)
         })
@@ -504,6 +519,7 @@ impl Engine {
                 tracing::info!(folder = %id, done, "completed applies interrupted by a crash");
             }
             rt.demand.set_pins(j.pins(&id)?);
+            rt.demand.set_under(f.on_demand_subtrees());
             j.prune_absent(&id)?;
         }
         if f.watch {
@@ -603,13 +619,15 @@ impl Engine {
                 ));
             }
         }
-        let peers = self.ondemand_peers();
-        let connected: crate::ondemand::budget::Connected =
-            Arc::new(move |folder: &FolderId| peers(folder).into_iter().map(|(d, _)| d).collect());
+        tokio::spawn(crate::ondemand::pins::keep_outside(
+            Arc::downgrade(&self.folders),
+            rt.id.clone(),
+            self.ondemand_peers(),
+        ));
         tokio::spawn(crate::ondemand::budget::run(
             Arc::downgrade(&self.folders),
             rt.id.clone(),
-            connected,
+            self.holders(),
         ));
     }
 
@@ -717,14 +735,20 @@ impl Engine {
                 self.start_folder(f).await?;
             } else if let Some(rt) = self.folders.get(&f.id) {
                 let was = rt.policy().on_demand;
+                let (old_under, under) = (rt.demand.under(), f.on_demand_subtrees());
                 rt.set_policy(crate::folder::FolderPolicy::new(f, &new));
-                if was && !f.on_demand {
+                rt.demand.set_under(under.clone());
+                // Placeholders that are to be local now: all of them, or those the subtrees
+                // on demand no longer cover (D77).
+                let shrank = was && f.on_demand && !under.is_empty() && under != old_under;
+                if was && !f.on_demand || shrank {
                     tokio::spawn(crate::ondemand::pins::make_whole(
                         self.folders.clone(),
                         rt.clone(),
                         self.ondemand_peers(),
                     ));
-                } else if f.on_demand {
+                }
+                if f.on_demand {
                     // A new budget is kept at once.
                     rt.demand.arrived.notify_one();
                 }
@@ -745,7 +769,13 @@ impl Engine {
         for (id, conn) in links {
             let before = old.peer(&id).map(|p| p.folders.clone());
             let after = new.peer(&id).map(|p| p.folders.clone());
-            if before != after {
+            // A folder on demand from now on (or no longer) is said in a new hello (D99).
+            let flipped = after.as_ref().is_some_and(|shared| {
+                shared.iter().any(|f| {
+                    old.folder(f).map(|x| x.on_demand) != new.folder(f).map(|x| x.on_demand)
+                })
+            });
+            if before != after || flipped {
                 conn.close(2u32.into(), b"configuration changed");
             }
         }

@@ -526,6 +526,24 @@ fn ensure_folder(conn: &Connection, folder: &FolderId) -> Result<(i64, FolderSta
     ))
 }
 
+/// Journals `changes` in `tx` (see the module's commit order), timestamping history with
+/// `time_ns`: the folder's key and the assigned sequences, in order.
+fn commit_in(
+    tx: &Connection,
+    folder: &FolderId,
+    changes: &[Change],
+    time_ns: i64,
+) -> Result<(i64, Vec<u64>)> {
+    let (key, state) = ensure_folder(tx, folder)?;
+    let mut commit = Commit::prepare(tx, folder, key, state.max_sequence, time_ns)?;
+    let mut out = Vec::with_capacity(changes.len());
+    for change in changes {
+        out.push(commit.change(change)?);
+    }
+    commit.finish()?;
+    Ok((key, out))
+}
+
 impl Journal {
     /// Opens the journal at `path` as the daemon's own, creating it if missing and migrating
     /// it to the current schema. A file that is not a meshfs journal, is damaged, or was
@@ -1107,16 +1125,7 @@ impl Journal {
         changes: Vec<Change>,
         time_ns: i64,
     ) -> Result<Vec<u64>> {
-        self.write(|tx| {
-            let (key, state) = ensure_folder(tx, folder)?;
-            let mut commit = Commit::prepare(tx, folder, key, state.max_sequence, time_ns)?;
-            let mut out = Vec::with_capacity(changes.len());
-            for change in &changes {
-                out.push(commit.change(change)?);
-            }
-            commit.finish()?;
-            Ok(out)
-        })
+        self.write(|tx| commit_in(tx, folder, &changes, time_ns).map(|(_, seqs)| seqs))
     }
 
     /// Records what the scanner saw on disk for an existing record: no new version, no

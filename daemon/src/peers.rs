@@ -254,6 +254,14 @@ impl Net {
             })
             .unwrap_or_default()
     }
+
+    /// Whether `peer`'s hello said it keeps only part of `folder`'s content (on demand there):
+    /// it is not counted as holding what it acknowledged (D99). `false` before its hello.
+    pub fn keeps_part(&self, peer: &DeviceId, folder: &FolderId) -> bool {
+        self.peers
+            .lock()
+            .is_ok_and(|p| p.partial.get(peer).is_some_and(|f| f.contains(folder)))
+    }
 }
 
 /// A live connection to a peer.
@@ -283,6 +291,9 @@ pub struct Peers {
     links: HashMap<DeviceId, PeerLink>,
     /// The folders each connected peer's session exchanges, once its hellos are through.
     exchanged: HashMap<DeviceId, BTreeSet<FolderId>>,
+    /// Of those, the folders whose content the peer keeps only in part (on demand there: its
+    /// acknowledgements do not say it holds content).
+    partial: HashMap<DeviceId, BTreeSet<FolderId>>,
     /// Per (peer, folder) sync status, as the session last reported it.
     pub sync: HashMap<(DeviceId, FolderId), FolderSyncStatus>,
     /// When each peer was last connected.
@@ -401,6 +412,7 @@ fn unregister(net: &Net, peer: &DeviceId, serial: u64) {
             peers.links.remove(peer);
             peers.sync.retain(|(p, _), _| p != peer);
             peers.exchanged.remove(peer);
+            peers.partial.remove(peer);
             peers.last_seen.insert(*peer, std::time::SystemTime::now());
             publish_links(net, &peers);
             net.link_addrs
@@ -561,10 +573,11 @@ fn session_folders(net: &Net, peer: &DeviceId) -> Vec<SessionFolder> {
         .filter_map(|folder| {
             let st = j.folder(&folder).ok()?;
             let pr = j.peer_progress(&folder, peer).ok()?;
-            let scanning = net
-                .folders
-                .get(&folder)
+            let rt = net.folders.get(&folder);
+            let scanning = rt
+                .as_ref()
                 .is_some_and(|rt| rt.scanning.load(std::sync::atomic::Ordering::Relaxed));
+            let partial = rt.as_ref().is_some_and(|rt| rt.policy().on_demand);
             Some(SessionFolder {
                 folder,
                 index_id: st.index_id,
@@ -572,6 +585,7 @@ fn session_folders(net: &Net, peer: &DeviceId) -> Vec<SessionFolder> {
                 their_sequence: pr.their_sequence,
                 our_acked: pr.our_acked,
                 scanning,
+                partial,
             })
         })
         .collect()
@@ -695,7 +709,13 @@ async fn drive_session(
         publish_status(net, peer, link.serial, &session);
         // The folders both hellos listed are known once, when the hellos are through.
         if !exchanged_told && session.is_established() {
-            publish_exchanged(net, &peer, link.serial, session.shared_folders());
+            publish_exchanged(
+                net,
+                &peer,
+                link.serial,
+                session.shared_folders(),
+                session.partial_folders(),
+            );
             exchanged_told = true;
         }
         tokio::select! {
@@ -919,12 +939,23 @@ fn others_by_folder(
 }
 
 /// Records the folders `peer`'s session exchanges (once its hellos are through), for the other
-/// sessions' `Peers` lists; a no-op if they are unchanged or the link is gone.
-fn publish_exchanged(net: &Net, peer: &DeviceId, serial: u64, exchanged: BTreeSet<FolderId>) {
+/// sessions' `Peers` lists, and those it keeps only in part; a no-op if they are unchanged or
+/// the link is gone.
+fn publish_exchanged(
+    net: &Net,
+    peer: &DeviceId,
+    serial: u64,
+    exchanged: BTreeSet<FolderId>,
+    partial: BTreeSet<FolderId>,
+) {
     let Ok(mut peers) = net.peers.lock() else {
         return;
     };
-    if !is_current(&peers, peer, serial) || peers.exchanged.get(peer) == Some(&exchanged) {
+    if !is_current(&peers, peer, serial) {
+        return;
+    }
+    peers.partial.insert(*peer, partial);
+    if peers.exchanged.get(peer) == Some(&exchanged) {
         return;
     }
     peers.exchanged.insert(*peer, exchanged);

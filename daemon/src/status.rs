@@ -124,7 +124,7 @@ pub struct OnDemandStatus {
     /// See `online_files`.
     pub online_bytes: u64,
     /// How far `local_bytes` is over `cache_max` (what eviction could not free: pinned, open
-    /// or last copies).
+    /// or last copies, files outside the subtrees on demand).
     pub over_budget: u64,
     /// The free floor of its disk (D97), in bytes, and as configured (`"5%"`, `"2GiB"`).
     pub min_free_bytes: u64,
@@ -132,6 +132,9 @@ pub struct OnDemandStatus {
     pub min_free: String,
     /// Bytes free on its disk now (for unprivileged writers); null when it cannot be read.
     pub disk_free_bytes: Option<u64>,
+    /// The subtrees on demand (`on_demand_under`, D77); empty: the whole folder. What lies
+    /// outside them is kept local as a pinned path is.
+    pub under: Vec<String>,
     /// The pinned paths.
     pub pins: Vec<String>,
     /// Fetches under way.

@@ -315,6 +315,7 @@ mod tests {
                                     your_sequence,
                                     max_sequence,
                                     scanning: max_sequence % 2 == 1,
+                                    partial: false,
                                 }
                             }
                         )

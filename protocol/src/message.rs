@@ -17,7 +17,7 @@ use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
 pub const MAX_RECORDS_PER_BATCH: usize = 1000;
@@ -192,6 +192,11 @@ pub struct HelloFolder {
     /// in its journal yet, so its `max_sequence` says nothing about what content it has. While
     /// it is true the sender reports the scan's progress and its end in [`Message::Scan`].
     pub scanning: bool,
+    /// The sender keeps only part of this folder's content (its files are on demand there):
+    /// its records and acknowledgements say which versions it knows, not that it holds their
+    /// content. The receiver attaches no content to the index it sends, and never counts the
+    /// sender as a holder of content it would otherwise drop as held elsewhere.
+    pub partial: bool,
 }
 
 /// The sender's first scan of a folder, after a [`Hello`] that said it was scanning: still
@@ -504,6 +509,7 @@ mod limits {
                     your_sequence: 0,
                     max_sequence: 0,
                     scanning: false,
+                    partial: false,
                 })
                 .collect(),
         })

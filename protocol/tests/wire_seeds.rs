@@ -107,6 +107,7 @@ fn messages() -> Vec<(&'static str, Message)> {
                         your_sequence: 1000,
                         max_sequence: 1234,
                         scanning: false,
+                        partial: false,
                     },
                     HelloFolder {
                         folder: FolderId::new("work.2026").unwrap(),
@@ -115,6 +116,7 @@ fn messages() -> Vec<(&'static str, Message)> {
                         your_sequence: 0,
                         max_sequence: 0,
                         scanning: true,
+                        partial: true,
                     },
                 ],
             }),

@@ -140,6 +140,9 @@ pub struct SessionFolder {
     /// Our first scan of this folder is still running (told to the peer in the Hello; its
     /// progress and end follow through [`Session::scan_progress`]).
     pub scanning: bool,
+    /// This device keeps only part of the folder's content (on demand): told to the peer in
+    /// the Hello (`HelloFolder::partial`).
+    pub partial: bool,
 }
 
 /// How far a folder's first scan got.
@@ -235,6 +238,8 @@ pub struct FolderSyncStatus {
 #[derive(Debug)]
 struct FolderState {
     cfg: SessionFolder,
+    /// The peer's hello said it keeps only part of the folder's content.
+    their_partial: bool,
     /// The peer's hello listed it too: records flow both ways.
     shared: bool,
     /// Our highest sequence, as last read from the source.
@@ -376,6 +381,7 @@ impl Session {
                     your_sequence: f.their_applied,
                     max_sequence: f.our_max,
                     scanning: f.our_scan.is_some(),
+                    partial: f.cfg.partial,
                 }
             })
             .collect();
@@ -672,6 +678,16 @@ impl Session {
             .collect()
     }
 
+    /// The shared folders whose content the peer keeps only in part (its hello said so): its
+    /// acknowledgements there do not say it holds content.
+    pub fn partial_folders(&self) -> BTreeSet<FolderId> {
+        self.folders
+            .iter()
+            .filter(|(_, f)| f.shared && f.their_partial)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// Both hellos exchanged and the session not ended.
     pub fn is_established(&self) -> bool {
         self.hello_sent && self.peer_name.is_some() && !self.closed
@@ -778,8 +794,10 @@ impl Session {
             // or it has seen our index before (what follows is new to it); after a fresh start
             // against a non-empty peer (which may hold the same files), only what is journaled
             // from now on; nothing while the peer is still in its first scan (its disk may
-            // hold any of our files, its journal does not say yet).
-            f.inline_after = if hf.scanning {
+            // hold any of our files, its journal does not say yet), nor to a peer that keeps
+            // only part of the folder (it would drop the content for a placeholder).
+            f.their_partial = hf.partial;
+            f.inline_after = if hf.scanning || hf.partial {
                 u64::MAX
             } else if hf.max_sequence == 0 || resume > 0 {
                 0
@@ -822,8 +840,9 @@ impl Session {
         } else {
             f.their_scan = None;
             // Its journal now lists what its disk holds: as after a Hello from a device that
-            // scanned its own copy, what we journal from now on is new to it.
-            if f.inline_after == u64::MAX {
+            // scanned its own copy, what we journal from now on is new to it (unless it keeps
+            // only part of the folder: it would drop the content).
+            if f.inline_after == u64::MAX && !f.their_partial {
                 f.our_max = f.our_max.max(src.max_sequence(&scan.folder));
                 f.inline_after = f.our_max;
             }
@@ -949,6 +968,7 @@ impl FolderState {
             our_scan_end: ScanCounts::default(),
             told_scan: None,
             their_scan: None,
+            their_partial: false,
             cfg,
         }
     }
@@ -1153,6 +1173,7 @@ mod tests {
             their_sequence: 0,
             our_acked: 0,
             scanning: false,
+            partial: false,
         }
     }
 
@@ -1302,6 +1323,7 @@ mod tests {
             their_sequence: their.1,
             our_acked: st.our_acked,
             scanning: false,
+            partial: false,
         };
         s.session = Session::new(format!("dev{}", s.id.as_bytes()[0]), dev(peer), vec![f]);
         s.received.clear();
@@ -1463,6 +1485,7 @@ mod tests {
                 your_sequence: 0,
                 max_sequence: 0,
                 scanning: true,
+                partial: false,
             }],
         });
         b.session.handle(hello, &mut b.journal);
@@ -1504,6 +1527,7 @@ mod tests {
                     your_sequence: 0,
                     max_sequence: 0,
                     scanning,
+                    partial: false,
                 }],
             })
         };
@@ -1807,6 +1831,38 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_that_keeps_part_of_a_folder_gets_no_content_attached_and_is_not_a_holder() {
+        let mut a = Side::new(1, 2, vec![folder("f", 11)]);
+        let mut b = Side::new(
+            2,
+            1,
+            vec![SessionFolder {
+                partial: true,
+                scanning: true,
+                ..folder("f", 22)
+            }],
+        );
+        a.journal.add("x", 1);
+        connect(&mut a, &mut b);
+        assert_eq!(a.session.inline_after(&fid("f")), u64::MAX);
+        assert_eq!(b.received.len(), 1, "records flow");
+        assert_eq!(a.session.partial_folders(), BTreeSet::from([fid("f")]));
+        assert!(b.session.partial_folders().is_empty(), "a keeps all of it");
+        // Its first scan ends: still nothing attached.
+        let acts = b
+            .session
+            .scan_progress(&fid("f"), false, counts(1, 0), &mut b.journal);
+        run(
+            &mut b,
+            &mut a,
+            VecDeque::new(),
+            VecDeque::new(),
+            [acts, vec![]],
+        );
+        assert_eq!(a.session.inline_after(&fid("f")), u64::MAX);
+    }
+
+    #[test]
     fn reset_index_id_resends_everything() {
         let mut a = Side::new(1, 2, vec![folder("f", 11)]);
         let mut b = Side::new(2, 1, vec![folder("f", 22)]);
@@ -1957,6 +2013,7 @@ mod tests {
                 your_sequence: 0,
                 max_sequence,
                 scanning: false,
+                partial: false,
             }],
         });
         a.session.handle(hello, &mut a.journal);
@@ -2085,6 +2142,7 @@ mod tests {
                 your_sequence: 0,
                 max_sequence: 100,
                 scanning: false,
+                partial: false,
             }],
         });
         a.session.handle(hello, &mut a.journal);

@@ -27,6 +27,7 @@ pub fn hello_sharing(folders: &[&str]) -> Message {
                 your_sequence: 0,
                 max_sequence: 0,
                 scanning: false,
+                partial: false,
             })
             .collect(),
     })

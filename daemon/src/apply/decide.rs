@@ -423,7 +423,8 @@ impl Deciding<'_> {
     }
 
     /// Whether the content of `record` stays online (a placeholder is installed, D91): the
-    /// folder is on demand, the file is not empty, its path is not pinned, it does not hold a
+    /// folder is on demand, the file is not empty, its path is not kept (pinned, or outside
+    /// the subtrees on demand, D77), it does not hold a
     /// local file now (a file that is local stays local: the budget decides later), and some
     /// of its content is not here (a file a peer renamed or copied is made from local chunks,
     /// as anywhere).
@@ -435,7 +436,7 @@ impl Deciding<'_> {
         if !self.rt.policy().on_demand
             || record.kind != FileKind::File
             || record.size == 0
-            || self.rt.demand.pinned(&record.path)
+            || self.rt.demand.kept(&record.path)
         {
             return Ok(false);
         }

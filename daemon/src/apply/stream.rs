@@ -1,13 +1,15 @@
 //! A placeholder's content streamed to its readers while it is assembled (docs/decisions.md,
-//! D95): the temp file is made as a batch makes one (`super::fill::start`, `assemble`: the
-//! chunks this device has copied and verified), handed to the flight's readers, and then
+//! D95): the temp file is made as a batch makes one (`super::fill::start`, `assemble`), the
+//! chunks this device holds elsewhere copied into it once the first request is out (D98),
+//! handed to the flight's readers, and then
 //! filled with what they want — the chunks under each read first, a sequential reader's
 //! read-ahead after them, the whole file for a writer or a pin — fetched from the connected
 //! peers that share the folder, several at once (each piece begins with the next peer in turn,
 //! the version's source first; a chunk one peer lacks is asked of the next), each chunk verified by blake3 and its length before it is written and marked
 //! present. Once every chunk is present the file is finished, made durable and installed over
-//! the placeholder exactly as before (D92). When every reader left before that, what was
-//! fetched is dropped.
+//! the placeholder exactly as before (D92). When every reader left before that, the fetches
+//! stop and what was fetched is kept for [`LINGER`] for a reader that comes back, then
+//! dropped (D100).
 //!
 //! What it never does: mark a chunk present before its verified bytes are written (a reader
 //! is served a range only once every chunk under it is present), or install a file that is
@@ -40,6 +42,11 @@ pub enum Streamed {
     /// Every reader left before it was whole: nothing was installed.
     Abandoned,
 }
+
+/// How long a stream whose every reader left keeps what it fetched, fetching nothing, for a
+/// reader that comes back (an opener that probes a file and closes it, then opens it again);
+/// then it is dropped (D100).
+pub const LINGER: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Bytes written into a stream's temp file between two checks of its disk's free floor (D97).
 const FLOOR_CHECK: u64 = 64 << 20;
@@ -111,17 +118,36 @@ pub async fn drive(
     };
     let mut fetches = tokio::task::JoinSet::new();
     let mut turn = 0usize;
+    // Since when no one holds the file (its fetches stopped, what they fetched kept).
+    let mut idle: Option<tokio::time::Instant> = None;
     loop {
         let (pieces, complete, held) = flight.take();
         if complete {
             break;
         }
-        if !held && flight.abandon() {
-            fetches.abort_all();
-            if let Some(t) = take(&temp) {
-                rt.store.discard_temp(t);
+        if held {
+            idle = None;
+        } else {
+            // Every holder left: what was asked for (and what was taken just now) is absent
+            // again and the fetches stop, unless a holder came back meanwhile. (A chunk a fetch
+            // brings between the two is verified and kept.)
+            if !flight.pause() {
+                continue;
             }
-            return Ok(Streamed::Abandoned);
+            fetches.abort_all();
+            let since = *idle.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= LINGER && flight.abandon() {
+                if let Some(t) = take(&temp) {
+                    rt.store.discard_temp(t);
+                }
+                return Ok(Streamed::Abandoned);
+            }
+            tokio::select! {
+                _ = flight.wake.notified() => {}
+                _ = tokio::time::sleep_until(since + LINGER) => {}
+                Some(_) = fetches.join_next() => {}
+            }
+            continue;
         }
         for piece in pieces {
             // Each piece begins with the next peer in turn: pieces in flight together (a

@@ -3,7 +3,7 @@
 //! budget. The journal decides nothing: `crate::ondemand` does.
 
 use super::rows::{to_i64, to_u64};
-use super::{ensure_folder, lookup_folder, set_local, Change, Commit, Journal, Result};
+use super::{ensure_folder, lookup_folder, set_local, Change, Journal, Result};
 use crate::store::LocalStat;
 use meshfs_protocol::{DeviceId, FolderId, Hash, RelPath};
 use rusqlite::{params, Connection};
@@ -48,6 +48,18 @@ pub struct Resident {
 const IS_ABSENT: &str =
     "EXISTS (SELECT 1 FROM absent a WHERE a.folder = r.folder AND a.inode = r.local_inode)";
 
+/// The paths in the first column of `rows` (a row that is not a path is skipped).
+fn paths(mut rows: rusqlite::Rows<'_>) -> Result<Vec<RelPath>> {
+    let mut out = Vec::new();
+    while let Some(r) = rows.next()? {
+        let p: String = r.get(0)?;
+        if let Ok(p) = RelPath::new(&p) {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
 fn mark(tx: &Connection, key: i64, inodes: &[u64]) -> Result<()> {
     let mut st =
         tx.prepare_cached("INSERT OR IGNORE INTO absent (folder, inode) VALUES (?1, ?2)")?;
@@ -68,15 +80,9 @@ impl Journal {
     ) -> Result<Vec<u64>> {
         let time_ns = super::now_ns();
         self.write(|tx| {
-            let (key, state) = ensure_folder(tx, folder)?;
-            let mut commit = Commit::prepare(tx, folder, key, state.max_sequence, time_ns)?;
-            let mut out = Vec::with_capacity(changes.len());
-            for change in &changes {
-                out.push(commit.change(change)?);
-            }
-            commit.finish()?;
+            let (key, seqs) = super::commit_in(tx, folder, &changes, time_ns)?;
             mark(tx, key, absent)?;
-            Ok(out)
+            Ok(seqs)
         })
     }
 
@@ -143,7 +149,49 @@ impl Journal {
                      AND local_inode IS NOT NULL)",
                 )?
                 .execute([key])?;
+            tx.prepare_cached(
+                "DELETE FROM used WHERE folder = ?1 AND path NOT IN (SELECT path FROM records \
+                 WHERE folder = ?1 AND deleted = 0)",
+            )?
+            .execute([key])?;
             Ok(n as u64)
+        })
+    }
+
+    /// Notes when each of `items`' paths was last used (ns since the Unix epoch).
+    pub fn save_used(&mut self, folder: &FolderId, items: &[(RelPath, i64)]) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        self.write(|tx| {
+            let (key, _) = ensure_folder(tx, folder)?;
+            let mut st = tx.prepare_cached(
+                "INSERT INTO used (folder, path, at_ns) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT (folder, path) DO UPDATE SET at_ns = max(at_ns, excluded.at_ns)",
+            )?;
+            for (path, at) in items {
+                st.execute(params![key, path.as_str(), at])?;
+            }
+            Ok(())
+        })
+    }
+
+    /// When each path of the folder was last used, as [`Journal::save_used`] noted it.
+    pub fn used(&self, folder: &FolderId) -> Result<Vec<(RelPath, i64)>> {
+        self.read(|c| {
+            let Some(key) = self.key(c, folder)? else {
+                return Ok(Vec::new());
+            };
+            let mut st = c.prepare_cached("SELECT path, at_ns FROM used WHERE folder = ?1")?;
+            let mut rows = st.query([key])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let p: String = r.get(0)?;
+                if let Ok(p) = RelPath::new(&p) {
+                    out.push((p, r.get(1)?));
+                }
+            }
+            Ok(out)
         })
     }
 
@@ -244,15 +292,8 @@ impl Journal {
                  AND ((r.path >= ?2 AND r.path < ?3) OR r.path = ?4) ORDER BY r.path"
             );
             let mut st = c.prepare_cached(&sql)?;
-            let mut rows = st.query(params![key, lo, hi, exact])?;
-            let mut out = Vec::new();
-            while let Some(r) = rows.next()? {
-                let p: String = r.get(0)?;
-                if let Ok(p) = RelPath::new(&p) {
-                    out.push(p);
-                }
-            }
-            Ok(out)
+            let rows = st.query(params![key, lo, hi, exact])?;
+            paths(rows)
         })
     }
 
@@ -264,15 +305,8 @@ impl Journal {
             };
             let mut st =
                 c.prepare_cached("SELECT path FROM pins WHERE folder = ?1 ORDER BY path")?;
-            let mut rows = st.query([key])?;
-            let mut out = Vec::new();
-            while let Some(r) = rows.next()? {
-                let p: String = r.get(0)?;
-                if let Ok(p) = RelPath::new(&p) {
-                    out.push(p);
-                }
-            }
-            Ok(out)
+            let rows = st.query([key])?;
+            paths(rows)
         })
     }
 

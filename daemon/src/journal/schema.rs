@@ -32,6 +32,7 @@ const MIGRATIONS: &[Migration] = &[
     Migration::Sql(WAL_MARK_5),
     Migration::Sql(VERSIONS_6),
     Migration::Sql(ON_DEMAND_7),
+    Migration::Sql(USED_8),
 ];
 
 const SCHEMA_1: &str =
@@ -295,6 +296,19 @@ const ON_DEMAND_7: &str = r#"
     CREATE TABLE pins (
         folder INTEGER NOT NULL,
         path   TEXT NOT NULL,
+        PRIMARY KEY (folder, path)
+    ) STRICT, WITHOUT ROWID;
+    "#;
+
+// 8: when each file of an on-demand folder was last used here (opened through the mount or
+//    fetched), so its eviction order survives a restart (docs/decisions.md, D93). Written in
+//    batches by the budget's loop, not at each open; a row whose path has no live record is
+//    dropped with the stale placeholder rows.
+const USED_8: &str = r#"
+    CREATE TABLE used (
+        folder INTEGER NOT NULL,
+        path   TEXT NOT NULL,
+        at_ns  INTEGER NOT NULL,
         PRIMARY KEY (folder, path)
     ) STRICT, WITHOUT ROWID;
     "#;

@@ -24,6 +24,8 @@ pub const BUSY_RETRY: Duration = Duration::from_secs(1);
 const OPEN: &str = "open through the mount";
 /// Why a file being fetched is kept.
 const FETCHING: &str = "being fetched";
+/// Why a file outside the subtrees on demand is kept (D77).
+const OUTSIDE: &str = "outside the folder's on-demand subtrees (`on_demand_under`)";
 
 /// The connected peers that share a folder now.
 pub type Connected = Arc<dyn Fn(&FolderId) -> Vec<DeviceId> + Send + Sync>;
@@ -52,11 +54,15 @@ pub struct KeptFile {
     pub why: String,
 }
 
-/// Why `res` must stay local, if it must: pinned, open, being fetched, or held by no connected
-/// peer (`acked`: what each connected peer acknowledged of this device's index).
+/// Why `res` must stay local, if it must: pinned, outside the subtrees on demand, open,
+/// being fetched, or held by no connected peer (`acked`: what each connected peer
+/// acknowledged of this device's index).
 fn keeps(res: &Resident, rt: &FolderRt, acked: &HashMap<DeviceId, u64>) -> Option<&'static str> {
     if rt.demand.pinned(&res.path) {
         return Some("pinned (`meshfs unpin` lets it go)");
+    }
+    if rt.demand.outside(&res.path) {
+        return Some(OUTSIDE);
     }
     if rt.writers.holds_inode(res.local.inode) {
         return Some(OPEN);
@@ -197,7 +203,10 @@ pub fn keep_budget(
                 ..Default::default()
             });
         }
-        (local, reader.residents(&rt.id)?)
+        // What lies outside the subtrees on demand is never evicted: not even weighed.
+        let mut files = reader.residents(&rt.id)?;
+        files.retain(|r| !rt.demand.outside(&r.path));
+        (local, files)
     };
     let over = policy.cache_max.map_or(0, |max| local.saturating_sub(max));
     let need = over.max(short);
@@ -241,10 +250,29 @@ pub fn evict(
 
 /// Keeps `folder` under its budget while it runs: at once when content arrived
 /// (`Demand::arrived`), and every [`BUDGET_TICK`]; stale placeholder rows are dropped at each
-/// tick. Ends when the folder stops.
+/// tick. The files' last uses are read from the journal at the start and written to it at each
+/// round, so the eviction order survives a restart. Ends when the folder stops.
 pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected) {
     let mut pruned = Instant::now() - BUDGET_TICK;
     let mut wait = BUDGET_TICK;
+    if let Some(f) = folders.upgrade() {
+        let folder = folder.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let rt = f.get(&folder)?;
+            match f
+                .reader()
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.used(&folder).map_err(|e| e.to_string()))
+            {
+                Ok(uses) => rt.demand.load_used(uses),
+                Err(e) => {
+                    tracing::warn!(%folder, error = %e, "cannot read when files were last used")
+                }
+            }
+            Some(())
+        })
+        .await;
+    }
     loop {
         let Some(rt) = folders.upgrade().and_then(|f| f.get(&folder)) else {
             return;
@@ -268,8 +296,13 @@ pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected)
         let ids = connected(&folder);
         let rt_after = rt.clone();
         let done = tokio::task::spawn_blocking(move || {
-            if prune {
-                f.journal()?.prune_absent(&rt.id)?;
+            let uses = rt.demand.take_unsaved();
+            if prune || !uses.is_empty() {
+                let mut j = f.journal()?;
+                j.save_used(&rt.id, &uses)?;
+                if prune {
+                    j.prune_absent(&rt.id)?;
+                }
             }
             keep_budget(&f, &rt, &ids)
         })

@@ -56,7 +56,9 @@ fn flight_of(
     let Some(stored) = stored.filter(|s| !s.record.deleted) else {
         return Err(failure(libc::ENOENT, format!("{path}: not in the journal")));
     };
-    let (flight, lead) = rt.demand.begin(path, pid, stored.record.size);
+    let (flight, lead) = rt
+        .demand
+        .begin(path, pid, stored.record.size, stored.record.hash);
     if lead {
         runtime.spawn(run(
             folders.clone(),
@@ -88,7 +90,7 @@ async fn run(
         conns.into_iter().map(|(_, c)| c).collect()
     });
     let started = std::time::Instant::now();
-    let (size, pid) = (flight.size, flight.pid);
+    let (size, pid) = (flight.size, flight.pid.load(Ordering::Relaxed));
     let out = crate::apply::drive(
         folders,
         rt.clone(),
@@ -264,6 +266,12 @@ pub fn status_of(journal: &crate::journal::Journal, rt: &FolderRt) -> Option<OnD
         over_budget: policy
             .cache_max
             .map_or(0, |max| local_bytes.saturating_sub(max)),
+        under: rt
+            .demand
+            .under()
+            .iter()
+            .map(|p| p.as_str().to_string())
+            .collect(),
         pins: rt
             .demand
             .pins()

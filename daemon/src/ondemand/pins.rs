@@ -1,12 +1,15 @@
 //! Pins (docs/decisions.md, D94): a path kept local, recorded in the journal, and what is not
 //! local below it fetched now. The decide step and eviction read the pins from the folder's
-//! demand, which follows the journal here.
+//! demand, which follows the journal here. What lies outside a folder's subtrees on demand
+//! (D77) is kept the same way: its placeholders are fetched here too ([`make_whole`],
+//! [`keep_outside`]).
 
 use super::{errno_name, make_local, Peers};
 use crate::folder::{FolderError, FolderRt, Folders};
 use meshfs_protocol::RelPath;
 use serde::Serialize;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Why a pin or an unpin was refused.
 #[derive(Debug, thiserror::Error)]
@@ -107,22 +110,83 @@ pub async fn fetch_all(
     (fetched, failed)
 }
 
-/// A folder that stopped being on demand: everything not local is fetched now (in the
-/// background; what cannot be is fetched when opened, as before).
+/// A folder that stopped being on demand, or whose subtrees on demand shrank (D77): every
+/// placeholder that is to be local now (all of them, or those outside the subtrees) is
+/// fetched, in the background. What cannot be is tried again after 1, 2, 4 … 32 s (turning
+/// on demand off closes the links that share the folder, so that their next hello says it,
+/// D99: the first try may find no peer), then fetched when opened, as with a pin.
 pub async fn make_whole(folders: Arc<Folders>, rt: Arc<FolderRt>, peers: Peers) {
-    let (f, r) = (folders.clone(), rt.clone());
-    let online =
-        tokio::task::spawn_blocking(move || f.reader().and_then(|j| Ok(j.online(&r.id, None)?)))
-            .await;
-    let Ok(Ok(online)) = online else {
-        return;
-    };
-    if online.is_empty() {
-        return;
+    let mut wait = Duration::from_secs(1);
+    loop {
+        let whole = !rt.policy().on_demand;
+        if !whole && rt.demand.under().is_empty() {
+            // The whole folder is on demand (again): nothing is to be fetched.
+            return;
+        }
+        let (f, r) = (folders.clone(), rt.clone());
+        let online = tokio::task::spawn_blocking(move || {
+            f.reader().and_then(|j| Ok(j.online(&r.id, None)?))
+        })
+        .await;
+        let Ok(Ok(mut online)) = online else {
+            return;
+        };
+        if !whole {
+            online.retain(|p| rt.demand.outside(p));
+        }
+        if online.is_empty() {
+            return;
+        }
+        let why = if whole {
+            "no longer on demand"
+        } else {
+            "outside the on-demand subtrees"
+        };
+        tracing::info!(folder = %rt.id, files = online.len(), "{why}: fetching what is not here");
+        let (fetched, failed) = fetch_all(&folders, &rt, &peers, online).await;
+        tracing::info!(folder = %rt.id, fetched, failed = failed.len(), "{why}: fetched");
+        if failed.is_empty() || wait > Duration::from_secs(32) {
+            return;
+        }
+        tokio::time::sleep(wait).await;
+        wait *= 2;
     }
-    tracing::info!(folder = %rt.id, files = online.len(), "no longer on demand: fetching what is not here");
-    let (fetched, failed) = fetch_all(&folders, &rt, &peers, online).await;
-    tracing::info!(folder = %rt.id, fetched, failed = failed.len(), "no longer on demand: fetched");
+}
+
+/// How often [`keep_outside`] looks for placeholders outside the subtrees on demand before a
+/// pass found a connected peer, and after.
+const OUTSIDE_SOON: Duration = Duration::from_secs(2);
+const OUTSIDE_TICK: Duration = super::budget::BUDGET_TICK;
+
+/// While `folder` runs with subtrees on demand (D77): what lies outside them and is still a
+/// placeholder (the subtrees changed while the daemon was stopped, or its fetch failed) is
+/// fetched once a peer that shares the folder is connected, and again every
+/// [`OUTSIDE_TICK`]. Ends when the folder stops.
+pub async fn keep_outside(
+    folders: std::sync::Weak<Folders>,
+    folder: meshfs_protocol::FolderId,
+    peers: Peers,
+) {
+    let mut wait = OUTSIDE_SOON;
+    loop {
+        tokio::time::sleep(wait).await;
+        let Some(f) = folders.upgrade() else {
+            return;
+        };
+        let Some(rt) = f.get(&folder) else {
+            return;
+        };
+        if !rt.policy().on_demand || rt.demand.under().is_empty() {
+            wait = OUTSIDE_TICK;
+            continue;
+        }
+        if peers(&folder).is_empty() {
+            wait = OUTSIDE_SOON;
+            continue;
+        }
+        make_whole(f, rt, peers.clone()).await;
+        wait = OUTSIDE_TICK;
+    }
 }
 
 /// Drops the pin of `path` (its files stay local until the budget needs the room); whether

@@ -1,5 +1,5 @@
 //! An on-demand folder's lines of `meshfs status`, from its `on_demand` object (D90–D94): what
-//! is local against the budget, what is being fetched and for which process, and what could
+//! is local against the budget and the disk's free floor (D97), what is being fetched and for which process, and what could
 //! not be fetched.
 
 use super::journal::printable;
@@ -27,8 +27,10 @@ pub fn on_demand_lines(f: &Value) -> Vec<String> {
     if !d.is_object() {
         return Vec::new();
     }
-    let mut out = vec![summary_line(d), floor_line(d)];
+    let mut out = vec![summary_line(d)];
+    out.extend(floor_line(d));
     out.extend(over_budget_line(d));
+    out.extend(under_line(d));
     out.extend(pins_line(d));
     out.extend(
         d["fetching"]
@@ -57,13 +59,52 @@ pub fn summary_line(d: &Value) -> String {
     )
 }
 
+/// The disk's free floor (D97) and what is free now: `disk: 40GiB free, kept above 5GiB (5%)
+/// by evicting`; none when the floor is 0.
+pub fn floor_line(d: &Value) -> Option<String> {
+    let floor = d["min_free_bytes"].as_u64().filter(|&b| b > 0)?;
+    let free = match d["disk_free_bytes"].as_u64() {
+        Some(f) => format!("{} free", size_words(f)),
+        None => "free space unknown".into(),
+    };
+    Some(format!(
+        "disk: {free}, kept above {} ({}) by evicting",
+        size_words(floor),
+        s(d, "min_free")
+    ))
+}
+
+/// Whether the disk's free space is below its floor now.
+pub fn below_floor(d: &Value) -> bool {
+    let floor = u(d, "min_free_bytes");
+    d["disk_free_bytes"].as_u64().is_some_and(|b| b < floor)
+}
+
 /// How far it is over its budget, when it is.
 pub fn over_budget_line(d: &Value) -> Option<String> {
     let over = u(d, "over_budget");
     (over > 0).then(|| {
         format!(
-            "over its budget by {}: the rest is pinned, open, or held by no connected peer",
+            "over its budget by {}: the rest is pinned, open, outside its on-demand subtrees, or held by no connected peer",
             size_words(over)
+        )
+    })
+}
+
+/// `on demand only under: big, archive/2019 (the rest is kept here)`, when only subtrees are
+/// on demand (D77).
+pub fn under_line(d: &Value) -> Option<String> {
+    let under: Vec<String> = d["under"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .map(printable)
+        .collect();
+    (!under.is_empty()).then(|| {
+        format!(
+            "on demand only under: {} (the rest is kept here)",
+            under.join(", ")
         )
     })
 }
@@ -134,29 +175,6 @@ pub fn budget_line(d: &Value) -> Option<String> {
     ))
 }
 
-/// The disk's free floor (D97) against what is free now: `disk: 20GiB free, kept above 5GiB
-/// (min_free 5%)`; `below its floor` when it is (eviction frees what it may).
-pub fn floor_line(d: &Value) -> String {
-    let floor = u(d, "min_free_bytes");
-    let free = d["disk_free_bytes"].as_u64();
-    let free_words = match free {
-        Some(b) => format!("{} free", size_words(b)),
-        None => "free space unknown".into(),
-    };
-    if floor == 0 {
-        return format!("disk: {free_words}; no free floor (min_free 0)");
-    }
-    let how = match free {
-        Some(b) if b < floor => "below its floor of",
-        _ => "kept above",
-    };
-    format!(
-        "disk: {free_words}, {how} {} (min_free {})",
-        size_words(floor),
-        printable(s(d, "min_free"))
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,14 +186,17 @@ mod tests {
             "online_files": 10, "online_bytes": 1u64 << 30, "over_budget": 0,
             "pins": ["photos"], "fetching": [{"path": "a.bin", "pid": 42, "size": 100, "done": 50}],
             "unavailable": [{"path": "b.bin", "error": "no connected peer", "errno": "EHOSTUNREACH", "at_unix": 1}],
-            "unavailable_unlisted": 0, "min_free": "5%", "min_free_bytes": 5u64 << 30,
-            "disk_free_bytes": 20u64 << 30}});
+            "unavailable_unlisted": 0, "min_free_bytes": 5u64 << 30, "min_free": "5%",
+            "disk_free_bytes": 40u64 << 30}});
         let lines = on_demand_lines(&f);
         assert_eq!(
             lines[0],
             "on demand: 3MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
         );
-        assert_eq!(lines[1], "disk: 20GiB free, kept above 5GiB (min_free 5%)");
+        assert_eq!(
+            lines[1],
+            "disk: 40GiB free, kept above 5GiB (5%) by evicting"
+        );
         assert_eq!(lines[2], "pinned: photos");
         assert_eq!(lines[3], "fetching a.bin for pid 42: 50 bytes of 100 bytes");
         assert_eq!(
@@ -183,33 +204,28 @@ mod tests {
             "could not fetch b.bin (EHOSTUNREACH): no connected peer"
         );
         assert!(on_demand_lines(&serde_json::json!({"on_demand": null})).is_empty());
+        let f = serde_json::json!({"on_demand": {"local_files": 1, "local_bytes": 1,
+            "online_files": 0, "online_bytes": 0, "under": ["big", "archive/2019"], "pins": []}});
+        assert_eq!(
+            on_demand_lines(&f)[1],
+            "on demand only under: big, archive/2019 (the rest is kept here)"
+        );
     }
 
     #[test]
-    fn the_budget_and_the_free_floor_read_as_used_of_max_and_free_against_the_floor() {
+    fn the_budget_reads_as_used_of_max_and_the_disk_as_free_against_its_floor() {
         let d = serde_json::json!({"cache_max": 64u64 << 20, "local_bytes": 16u64 << 20,
-            "min_free": "5%", "min_free_bytes": 5u64 << 30, "disk_free_bytes": 20u64 << 30});
+            "min_free": "5%", "min_free_bytes": 5u64 << 30, "disk_free_bytes": 4u64 << 30});
         assert_eq!(
             budget_line(&d).unwrap(),
             "budget: 16MiB of 64MiB used (25%)"
         );
-        assert_eq!(
-            floor_line(&d),
-            "disk: 20GiB free, kept above 5GiB (min_free 5%)"
-        );
-        let low = serde_json::json!({"cache_max": null, "local_bytes": 1,
-            "min_free": "2GiB", "min_free_bytes": 2u64 << 30, "disk_free_bytes": 1u64 << 30});
-        assert!(budget_line(&low).is_none());
-        assert_eq!(
-            floor_line(&low),
-            "disk: 1GiB free, below its floor of 2GiB (min_free 2GiB)"
-        );
-        let none =
-            serde_json::json!({"min_free": "0", "min_free_bytes": 0, "disk_free_bytes": null});
-        assert_eq!(
-            floor_line(&none),
-            "disk: free space unknown; no free floor (min_free 0)"
-        );
+        assert!(below_floor(&d));
+        let none = serde_json::json!({"cache_max": null, "local_bytes": 1, "min_free": "0",
+            "min_free_bytes": 0, "disk_free_bytes": null});
+        assert!(budget_line(&none).is_none());
+        assert!(floor_line(&none).is_none());
+        assert!(!below_floor(&none));
         let zero = serde_json::json!({"cache_max": 0, "local_bytes": 0});
         assert_eq!(
             budget_line(&zero).unwrap(),

@@ -226,16 +226,19 @@ fn on_demand(f: &Value) -> String {
             words = esc(&words),
         );
     }
-    let floor = u(d, "min_free_bytes");
-    let low = d["disk_free_bytes"].as_u64().is_some_and(|b| b < floor);
-    let _ = write!(
-        o,
-        "<p class=\"od-floor{}\">{}</p>",
-        if low { " warn" } else { "" },
-        esc(&od::floor_line(d))
-    );
+    if let Some(floor) = od::floor_line(d) {
+        let _ = write!(
+            o,
+            "<p class=\"od-floor{}\">{}</p>",
+            if od::below_floor(d) { " warn" } else { "" },
+            esc(&floor)
+        );
+    }
     if let Some(over) = od::over_budget_line(d) {
         let _ = write!(o, "<p class=\"warn\">{}</p>", esc(&over));
+    }
+    if let Some(under) = od::under_line(d) {
+        let _ = write!(o, "<p>{}</p>", esc(&under));
     }
     if let Some(pins) = od::pins_line(d) {
         let _ = write!(o, "<p>{}</p>", esc(&pins));
@@ -675,9 +678,12 @@ mod tests {
         );
         assert!(html.contains("<meter min=\"0\" max=\"67108864\" value=\"16777216\""));
         assert!(html.contains("budget: 16MiB of 64MiB used (25%)"));
-        assert!(html.contains(
-            "<p class=\"od-floor warn\">disk: 4GiB free, below its floor of 5GiB (min_free 5%)</p>"
-        ), "{html}");
+        assert!(
+            html.contains(
+                "<p class=\"od-floor warn\">disk: 4GiB free, kept above 5GiB (5%) by evicting</p>"
+            ),
+            "{html}"
+        );
         assert!(html.contains(
             "<li data-path=\"&lt;b&gt;ig.bin\" data-pid=\"4242\">fetching &lt;b&gt;ig.bin for pid 4242: 2MiB of 8MiB \
              <progress max=\"8388608\" value=\"2097152\"></progress></li>"

@@ -544,6 +544,7 @@ impl Sim {
             their_sequence: p.their_sequence,
             our_acked: p.our_acked,
             scanning: false,
+            partial: false,
         };
         Session::new(me.name.clone(), peer_dev, vec![f])
     }
