@@ -367,16 +367,18 @@ fn without_the_token_every_address_answers_401_and_tells_nothing_and_another_hos
 }
 
 #[test]
-fn a_kept_version_is_restored_from_its_journal_row_on_the_page_and_never_by_a_request_from_elsewhere(
+fn a_kept_version_and_a_deleted_file_are_restored_from_their_journal_rows_on_the_page_and_never_by_a_request_from_elsewhere(
 ) {
     let t = tmp();
     let mut a = Device::new(&t, "a");
     let mut b = Device::new(&t, "b");
     pair(&a, &b);
     write(&a.path("report.txt"), b"first draft");
+    write(&a.path("plan.txt"), b"the plan, deleted by mistake");
     Device::start_together(&mut [&mut a, &mut b]);
     wait_synced(&[&a, &b], 30);
     write(&a.path("report.txt"), b"second draft, a mistake");
+    std::fs::remove_file(a.path("plan.txt")).unwrap();
     wait_synced(&[&a, &b], 30);
     // B applied A's edit and kept what it replaced: the creation's row is `kept` on B.
     let kept = |b: &Device| {
@@ -396,13 +398,30 @@ fn a_kept_version_is_restored_from_its_journal_row_on_the_page_and_never_by_a_re
     let current = b.journal(&["--path", "report.txt"]).last().unwrap()["sequence"]
         .as_u64()
         .unwrap();
+    // On A, where it was deleted, the deleted file's creation can come back (kept here, or
+    // asked of B); the deletion's own row cannot.
+    let plan = a.journal(&["--path", "plan.txt"]);
+    let created = plan.iter().find(|r| r["op"] == "create").unwrap();
+    let deleted = plan.iter().find(|r| r["op"] == "delete").unwrap();
+    assert!(
+        ["kept", "partial", "not_here"].contains(&created["content"].as_str().unwrap()),
+        "{plan:?}"
+    );
+    let plan_seq = created["sequence"].as_u64().unwrap();
+    let plan_deleted = deleted["sequence"].as_u64().unwrap();
 
-    let (port, token) = port_and_token(&page_url(&b));
-    let addr = format!("127.0.0.1:{port}");
-    let host = format!("Host: 127.0.0.1:{port}");
-    let cookie = format!("Cookie: meshfs-ui-{port}={token}\r\n");
-    let ours = format!("Origin: http://127.0.0.1:{port}\r\nSec-Fetch-Site: same-origin\r\n");
-    let restore = |sequence: u64, cookie: &str, origin: &str| {
+    let guard = |d: &Device| {
+        let (port, token) = port_and_token(&page_url(d));
+        (
+            format!("127.0.0.1:{port}"),
+            format!("Host: 127.0.0.1:{port}"),
+            format!("Cookie: meshfs-ui-{port}={token}\r\n"),
+            format!("Origin: http://127.0.0.1:{port}\r\nSec-Fetch-Site: same-origin\r\n"),
+            port,
+        )
+    };
+    let (addr, host, cookie, ours, port) = guard(&b);
+    let restore = |sequence: u64, host: &str, cookie: &str, origin: &str| {
         http(
             &addr,
             &format!(
@@ -410,38 +429,74 @@ fn a_kept_version_is_restored_from_its_journal_row_on_the_page_and_never_by_a_re
             ),
         )
     };
-    // Without the cookie, from another site, from no page at all, or said to be cross-site
-    // by the browser: refused, and nothing is restored.
-    assert_eq!(restore(seq, "", &ours).status, 401);
+    // Without the cookie, to another host name, from another site, from no page at all, or
+    // said to be cross-site by the browser: refused, and nothing is restored.
+    assert_eq!(restore(seq, &host, "", &ours).status, 401);
+    let rebound = format!("Host: meshfs.evil.example:{port}");
+    assert_eq!(restore(seq, &rebound, &cookie, &ours).status, 403);
     assert_eq!(
-        restore(seq, &cookie, "Origin: http://evil.example\r\n").status,
+        restore(seq, &host, &cookie, "Origin: http://evil.example\r\n").status,
         403
     );
-    assert_eq!(restore(seq, &cookie, "").status, 403);
+    assert_eq!(restore(seq, &host, &cookie, "").status, 403);
     let cross = format!("Origin: http://127.0.0.1:{port}\r\nSec-Fetch-Site: cross-site\r\n");
-    assert_eq!(restore(seq, &cookie, &cross).status, 403);
+    assert_eq!(restore(seq, &host, &cookie, &cross).status, 403);
     let get = http(
         &addr,
         &format!("GET /restore?folder=work&sequence={seq} HTTP/1.1\r\n{host}\r\n{cookie}\r\n"),
     );
     assert_eq!(get.status, 405, "a restore is never a GET");
+    // The same for the deleted file, on A's page.
+    let (a_addr, a_host, a_cookie, a_ours, a_port) = guard(&a);
+    let restore_on_a = |sequence: u64, host: &str, cookie: &str, origin: &str| {
+        http(
+            &a_addr,
+            &format!(
+                "POST /restore?folder=work&sequence={sequence} HTTP/1.1\r\n{host}\r\n{cookie}{origin}Content-Length: 0\r\n\r\n"
+            ),
+        )
+    };
+    assert_eq!(restore_on_a(plan_seq, &a_host, "", &a_ours).status, 401);
+    let a_rebound = format!("Host: meshfs.evil.example:{a_port}");
+    assert_eq!(
+        restore_on_a(plan_seq, &a_rebound, &a_cookie, &a_ours).status,
+        403
+    );
+    assert_eq!(
+        restore_on_a(
+            plan_seq,
+            &a_host,
+            &a_cookie,
+            "Origin: http://evil.example\r\n"
+        )
+        .status,
+        403
+    );
     // What cannot be restored says why, and changes nothing.
-    let now = restore(current, &cookie, &ours);
+    let now = restore(current, &host, &cookie, &ours);
     assert_eq!(now.status, 404, "{}", now.head);
     assert!(now.body.contains("nothing to restore"), "{}", now.body);
-    let none = restore(999_999, &cookie, &ours);
+    let none = restore(999_999, &host, &cookie, &ours);
     assert_eq!(none.status, 404);
     assert!(none.body.contains("no row 999999"), "{}", none.body);
+    let gone = restore_on_a(plan_deleted, &a_host, &a_cookie, &a_ours);
+    assert_eq!(gone.status, 404, "{}", gone.head);
+    assert!(gone.body.contains("names no past version"), "{}", gone.body);
     std::thread::sleep(Duration::from_millis(300));
     for d in [&a, &b] {
         assert_eq!(
             std::fs::read(d.path("report.txt")).unwrap(),
             b"second draft, a mistake"
         );
+        assert!(
+            !d.path("plan.txt").exists(),
+            "restored by a refused request"
+        );
     }
 
-    // The page's own button, in a real browser where there is one (else the same request).
+    // The page's own buttons, in a real browser where there is one (else the same requests).
     let row = format!("#rows tr[data-seq=\"{seq}\"][data-content=\"kept\"]");
+    let plan_row = format!("#rows tr[data-seq=\"{plan_seq}\"]");
     match browser::chromium() {
         Some((chromium, driver)) => {
             let web = Browser::start(&chromium, &driver, 1100, 1000);
@@ -464,22 +519,172 @@ fn a_kept_version_is_restored_from_its_journal_row_on_the_page_and_never_by_a_re
                 SHOW,
             );
             web.screenshot("restore-2-done.png");
+            wait_synced(&[&a, &b], 30);
+            // On A, where it was deleted: the creation's row has the button, the deletion's
+            // row none. Its content is not kept on A: with B stopped, no one has it, and the
+            // page says so; nothing is written.
+            b.stop();
+            web.go(&page_url(&a));
+            web.wait_for(
+                "B gone from A's page",
+                20,
+                "return !!document.querySelector('#peers') && !document.querySelector('#peers .badge.ok')",
+                SHOW,
+            );
+            if created["content"] == "not_here" {
+                web.click(&format!("{plan_row} form button"));
+                web.wait_for(
+                    "why the deleted file could not come back",
+                    30,
+                    "const n = document.querySelector('#not-restored');
+                        return !!n && n.textContent.startsWith('not restored: plan.txt: ')
+                            && n.textContent.endsWith('is kept neither here nor by a connected peer')",
+                    SHOW,
+                );
+                web.screenshot("restore-3-unavailable.png");
+                assert!(!a.path("plan.txt").exists());
+            } else {
+                eprintln!("note: A kept the deleted file's content; the no-peer case is not shown");
+            }
+            b.start();
+            wait_synced(&[&a, &b], 30);
+            web.go(&page_url(&a));
+            web.wait_for(
+                "the deleted file's row with its restore button, the deletion's without",
+                20,
+                &format!(
+                    "return !!document.querySelector('#peers .badge.ok')
+                        && !!document.querySelector('{plan_row} form button')
+                        && !!document.querySelector('#rows tr[data-seq=\"{plan_deleted}\"]')
+                        && !document.querySelector('#rows tr[data-seq=\"{plan_deleted}\"] form')"
+                ),
+                SHOW,
+            );
+            web.screenshot("restore-4-deleted.png");
+            web.click(&format!("{plan_row} form button"));
+            web.wait_for(
+                "the deleted file back, and its row current with no button",
+                30,
+                &format!(
+                    "const n = document.querySelector('.notice'); return !!n
+                        && n.textContent === 'version {plan_seq} of plan.txt restored: a new change of this device, sent to its peers'
+                        && !!document.querySelector('{plan_row}[data-content=\"current\"]')
+                        && !document.querySelector('{plan_row} form')"
+                ),
+                SHOW,
+            );
+            web.screenshot("restore-5-deleted-back.png");
         }
         None => {
-            let done = restore(seq, &cookie, &ours);
+            let done = restore(seq, &host, &cookie, &ours);
             assert_eq!(done.status, 303, "{}", done.head);
             assert!(done.head.contains(&format!(
                 "Location: /?folder=work&restored={seq}&restored_path=report.txt"
             )));
+            let back = restore_on_a(plan_seq, &a_host, &a_cookie, &a_ours);
+            assert_eq!(back.status, 303, "{}", back.head);
         }
     }
     wait_synced(&[&a, &b], 30);
     for d in [&a, &b] {
         assert_eq!(std::fs::read(d.path("report.txt")).unwrap(), b"first draft");
+        assert_eq!(
+            std::fs::read(d.path("plan.txt")).unwrap(),
+            b"the plan, deleted by mistake"
+        );
     }
-    // Journaled on B as its own new version, as `meshfs restore` does.
+    // Journaled as the restoring device's own new version, as `meshfs restore` does.
     let last = b.journal(&["--path", "report.txt"]).pop().unwrap();
     assert_eq!(last["modified_by"], b.status()["device"]["short_id"]);
+    let last = b.journal(&["--path", "plan.txt"]).pop().unwrap();
+    assert_eq!(last["modified_by"], a.status()["device"]["short_id"]);
+}
+
+#[test]
+fn an_on_demand_folder_shows_its_budget_what_is_local_the_free_floor_and_a_file_being_fetched_for_its_process(
+) {
+    use std::io::{Seek, SeekFrom};
+    let Some((chromium, driver)) = browser::chromium() else {
+        return;
+    };
+    if not_root() {
+        eprintln!("SKIPPED: the on-demand mount needs root");
+        return;
+    }
+    const MIB: usize = 1 << 20;
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    write(&a.path("big.bin"), &noise(16 * MIB, 49));
+    write(&a.path("notes.txt"), b"read once, local since");
+    ok(
+        &b.home,
+        &[
+            "folder",
+            "set",
+            "work",
+            "--on-demand",
+            "--cache-max",
+            "64MiB",
+        ],
+    );
+    pair(&a, &b);
+    Device::start_together(&mut [&mut a, &mut b]);
+    let mnt = t.path().join("mnt-b");
+    std::fs::create_dir_all(&mnt).unwrap();
+    ok(&b.home, &["mount", "work", mnt.to_str().unwrap()]);
+    for d in [&a, &b] {
+        ok(
+            &d.home,
+            &["status", "--wait-synced", "--connected", "--timeout", "60"],
+        );
+    }
+    assert_eq!(
+        std::fs::read(mnt.join("notes.txt")).unwrap(),
+        b"read once, local since"
+    );
+    // A reader holds big.bin open with 64 KiB of its middle read: it is being fetched, for
+    // this thread (FUSE names the calling thread), until it is closed.
+    let mut open = std::fs::File::open(mnt.join("big.bin")).unwrap();
+    open.seek(SeekFrom::Start(8 * MIB as u64)).unwrap();
+    let mut buf = vec![0u8; 64 << 10];
+    std::io::Read::read_exact(&mut open, &mut buf).unwrap();
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+
+    let web = Browser::start(&chromium, &driver, 1100, 900);
+    web.go(&page_url(&b));
+    let fetching = format!(".ondemand .fetching li[data-path=\"big.bin\"][data-pid=\"{tid}\"]");
+    web.wait_for(
+        "the on-demand facts: local and online, the budget, the floor, the fetch and its process",
+        20,
+        &format!(
+            r#"const od = document.querySelector('[data-folder="work"] .ondemand');
+            const f = document.querySelector('{fetching}');
+            return !!od && !!f
+                && od.querySelector('.od-summary').textContent.startsWith('on demand: ')
+                && od.querySelector('.od-summary').textContent.endsWith(' online only in 1 file (budget 64MiB)')
+                && /^budget: .* of 64MiB used \(\d+%\)$/.test(od.querySelector('.od-budget').textContent.trim())
+                && !!od.querySelector('.od-budget meter')
+                && /^disk: .* free, kept above .* \(5%\) by evicting$/.test(od.querySelector('.od-floor').textContent)
+                && f.textContent.startsWith('fetching big.bin for pid {tid}: ')
+                && f.textContent.includes(' of 16MiB')
+                && !!f.querySelector('progress')"#
+        ),
+        SHOW,
+    );
+    web.screenshot("on-demand-1-fetching.png");
+    // Closed: the fetch ends, and the live page drops it without a reload.
+    drop(open);
+    web.wait_for(
+        "the fetch gone from the live page",
+        20,
+        &format!(
+            "return document.querySelector('#live').textContent === 'live'
+                && !!document.querySelector('.ondemand') && !document.querySelector('{fetching}')"
+        ),
+        SHOW,
+    );
 }
 
 /// A local user made for one test, removed when it ends.

@@ -7,6 +7,7 @@
 use super::http::encode;
 use crate::conflicts::ConflictFile;
 use crate::readout::journal::Row;
+use crate::readout::on_demand as od;
 use crate::readout::rates::{bytes, folder_work, peer_link, History};
 use crate::readout::status::{
     first_of, folder_summary, last_error_line, local_time, peer_name, peer_state, plural, s,
@@ -161,6 +162,7 @@ pub fn folders(st: &Value, h: &History, tz: UtcOffset) -> String {
         } else {
             o.push_str("<p class=\"mount\">not mounted</p>");
         }
+        o.push_str(&on_demand(f));
         if let Some(first) = first_of(&f["unreadable"], id) {
             let _ = write!(
                 o,
@@ -197,6 +199,76 @@ pub fn folders(st: &Value, h: &History, tz: UtcOffset) -> String {
             super::http::encode(id)
         );
     }
+    o
+}
+
+/// An on-demand folder's facts (nothing for a folder kept whole), in the words of `meshfs
+/// status`: what is local and what is online only, the budget with a gauge, the disk's free
+/// floor, pins, each file being fetched with the process whose open asked for it and a gauge
+/// of what is here, what is over the budget and what could not be fetched.
+fn on_demand(f: &Value) -> String {
+    let d = &f["on_demand"];
+    if !d.is_object() {
+        return String::new();
+    }
+    let mut o = format!(
+        "<div class=\"ondemand\"><p class=\"od-summary\">{}</p>",
+        esc(&od::summary_line(d))
+    );
+    if let Some(words) = od::budget_line(d) {
+        let _ = write!(
+            o,
+            "<p class=\"od-budget\"><meter min=\"0\" max=\"{max}\" value=\"{local}\" \
+             high=\"{high}\" optimum=\"0\"></meter> {words}</p>",
+            max = u(d, "cache_max"),
+            local = u(d, "local_bytes"),
+            high = u(d, "cache_max") / 10 * 9,
+            words = esc(&words),
+        );
+    }
+    if let Some(floor) = od::floor_line(d) {
+        let _ = write!(
+            o,
+            "<p class=\"od-floor{}\">{}</p>",
+            if od::below_floor(d) { " warn" } else { "" },
+            esc(&floor)
+        );
+    }
+    if let Some(over) = od::over_budget_line(d) {
+        let _ = write!(o, "<p class=\"warn\">{}</p>", esc(&over));
+    }
+    if let Some(under) = od::under_line(d) {
+        let _ = write!(o, "<p>{}</p>", esc(&under));
+    }
+    if let Some(pins) = od::pins_line(d) {
+        let _ = write!(o, "<p>{}</p>", esc(&pins));
+    }
+    let fetching: Vec<&Value> = d["fetching"].as_array().into_iter().flatten().collect();
+    if !fetching.is_empty() {
+        o.push_str("<ul class=\"fetching\">");
+        for x in fetching {
+            let _ = write!(
+                o,
+                "<li data-path=\"{path}\" data-pid=\"{pid}\">{words} \
+                 <progress max=\"{size}\" value=\"{done}\"></progress></li>",
+                path = esc(s(x, "path")),
+                pid = u(x, "pid"),
+                words = esc(&od::fetching_line(x)),
+                size = u(x, "size").max(1),
+                done = u(x, "done"),
+            );
+        }
+        o.push_str("</ul>");
+    }
+    let unavailable = od::unavailable_lines(d);
+    if !unavailable.is_empty() {
+        o.push_str("<ul class=\"unavailable warn\">");
+        for line in unavailable {
+            let _ = write!(o, "<li>{}</li>", esc(&line));
+        }
+        o.push_str("</ul>");
+    }
+    o.push_str("</div>");
     o
 }
 
@@ -421,7 +493,7 @@ pub fn rows(r: &Rows, names: &Names) -> String {
     for c in Row::COLUMNS {
         let _ = write!(o, "<th>{c}</th>");
     }
-    o.push_str("<th>content</th><th></th></tr></thead><tbody>");
+    o.push_str("<th>content</th></tr></thead><tbody>");
     for (row, content) in rows {
         let action = match content {
             Content::Kept | Content::Partial | Content::NotHere => format!(
@@ -441,8 +513,8 @@ pub fn rows(r: &Rows, names: &Names) -> String {
             o,
             "<tr data-seq=\"{seq}\" data-path=\"{path}\" data-op=\"{op}\" data-content=\"{content}\"><td>{seq}</td><td>{time}</td>\
              <td title=\"{who}\">{device}</td><td>{op}</td><td class=\"p\">{path}</td>\
-             <td class=\"n\">{size}</td><td><code>{hash}</code></td><td><code>{version}</code></td>\
-             <td>{content}</td><td>{action}</td></tr>",
+             <td class=\"n\">{size}</td><td><code>{hash}</code></td><td class=\"v\"><code>{version}</code></td>\
+             <td class=\"c\">{content}{action}</td></tr>",
             seq = row.sequence,
             time = esc(&row.time),
             who = esc(&names.device(&row.device)),
@@ -584,6 +656,42 @@ mod tests {
     }
 
     #[test]
+    fn an_on_demand_folder_shows_its_budget_what_is_local_the_free_floor_and_each_fetch_with_its_process(
+    ) {
+        let mut st = status();
+        let h = History::default();
+        assert!(!folders(&st, &h, UtcOffset::UTC).contains("ondemand"));
+        st["folders"][0]["on_demand"] = json!({
+            "cache_max": 64u64 << 20, "local_files": 2, "local_bytes": 16u64 << 20,
+            "online_files": 10, "online_bytes": 1u64 << 30, "over_budget": 0,
+            "min_free": "5%", "min_free_bytes": 5u64 << 30, "disk_free_bytes": 4u64 << 30,
+            "pins": [], "unavailable_unlisted": 0,
+            "fetching": [{"path": "<b>ig.bin", "pid": 4242, "size": 8u64 << 20, "done": 2u64 << 20}],
+            "unavailable": [{"path": "c.bin", "error": "no connected peer holds it",
+                             "errno": "EHOSTUNREACH", "at_unix": 1}]});
+        let html = folders(&st, &h, UtcOffset::UTC);
+        assert!(
+            html.contains(
+                "on demand: 16MiB local in 2 files, 1GiB online only in 10 files (budget 64MiB)"
+            ),
+            "{html}"
+        );
+        assert!(html.contains("<meter min=\"0\" max=\"67108864\" value=\"16777216\""));
+        assert!(html.contains("budget: 16MiB of 64MiB used (25%)"));
+        assert!(
+            html.contains(
+                "<p class=\"od-floor warn\">disk: 4GiB free, kept above 5GiB (5%) by evicting</p>"
+            ),
+            "{html}"
+        );
+        assert!(html.contains(
+            "<li data-path=\"&lt;b&gt;ig.bin\" data-pid=\"4242\">fetching &lt;b&gt;ig.bin for pid 4242: 2MiB of 8MiB \
+             <progress max=\"8388608\" value=\"2097152\"></progress></li>"
+        ), "{html}");
+        assert!(html.contains("could not fetch c.bin (EHOSTUNREACH): no connected peer holds it"));
+    }
+
+    #[test]
     fn a_conflict_shows_both_versions_and_the_device_of_each() {
         let st = status();
         let c = ConflictFile {
@@ -620,6 +728,8 @@ mod tests {
                 (row(9, "delete"), Content::None),
                 (row(8, "modify"), Content::Current),
                 (row(7, "create"), Content::Kept),
+                (row(6, "modify"), Content::NotHere),
+                (row(5, "modify"), Content::Pruned),
             ]),
             limit: 100,
         };
@@ -631,12 +741,14 @@ mod tests {
             "data-seq=\"7\" data-path=\"a&amp;b.txt\" data-op=\"create\" data-content=\"kept\""
         ));
         assert!(html.contains("title=\"a (BBBBBBB)\""));
-        // Only the kept version can be brought back; the folder id is encoded, then escaped.
+        // Only a version kept here or asked of the peers can be brought back (not a deletion,
+        // the current version or a pruned one); the folder id is encoded, then escaped.
         assert_eq!(
             html.matches("<form method=\"post\" action=\"/restore?")
                 .count(),
-            1
+            2
         );
+        assert!(html.contains("action=\"/restore?folder=w%26rk&amp;sequence=6\""));
         assert!(
             html.contains("action=\"/restore?folder=w%26rk&amp;sequence=7\""),
             "{html}"

@@ -250,8 +250,11 @@ async fn restore(site: &Arc<Site>, req: &Request) -> Response {
             status,
             "text/html; charset=utf-8",
             format!(
-                "<!doctype html><title>meshfs</title><p>not restored: {}</p>\
-                 <p><a href=\"/?folder={}\">Back</a></p>",
+                "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+                 <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+                 <link rel=\"stylesheet\" href=\"/app.css\"><title>meshfs: not restored</title>\
+                 </head><body><p class=\"notice warn\" id=\"not-restored\">not restored: {}</p>\
+                 <p class=\"notice\"><a href=\"/?folder={}\">Back to the page</a></p></body></html>",
                 page::esc(&what),
                 page::esc(&http::encode(folder.as_str()))
             ),
