@@ -259,7 +259,17 @@ fn a_peer_that_stalls_in_a_frame_or_a_response_is_dropped_within_the_deadline() 
     );
     assert!(first_dropped >= FRAME_STALL - Duration::from_secs(1));
     assert!(first_dropped < deadline && second_dropped < deadline);
-    let log = s.a.log();
+    // Each session's end is logged just after its connection closes: looked for until then.
+    let t1 = Instant::now();
+    let log = loop {
+        let log = s.a.log();
+        let both = log.contains("the peer stalled: 500 of 1000 bytes")
+            && log.contains("of 50000 bytes of a frame");
+        if both || t1.elapsed() > Duration::from_secs(5) {
+            break log;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert!(log.contains("the peer stalled: 500 of 1000 bytes"), "{log}");
     assert!(log.contains("of 50000 bytes of a frame"), "{log}");
     assert!(!s.a.path("stalled.bin").exists());
