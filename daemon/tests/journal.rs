@@ -219,11 +219,11 @@ fn schema_3_gives_multi_chunk_files_their_chunk_list_hash() {
         )
         .unwrap();
         // Without what later migrations added (4: the deferred table, 5: the WAL mark, 6:
-        // versions and roles, 7: files on demand).
+        // versions and roles, 7: files on demand, 8: their last uses).
         c.execute_batch(
             "DROP TABLE deferred; DROP TABLE wal_mark; DROP TABLE versions; DROP TABLE pruned; \
              DROP TABLE held; DROP TABLE local_only; DROP TABLE absent; DROP TABLE pins; \
-             PRAGMA user_version = 2;",
+             DROP TABLE used; PRAGMA user_version = 2;",
         )
         .unwrap();
     }
