@@ -374,12 +374,7 @@ fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
             (None, _) => "never connected".into(),
         }
     };
-    let listed: Vec<&str> = p["addresses"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .collect();
+    let listed: Vec<&str> = meshfs_daemon::readout::status::strs(&p["addresses"]).collect();
     let addr = match listed.join(",") {
         a if a.is_empty() => "(dials us)".to_string(),
         a => meshfs_daemon::readout::journal::printable(&a),

@@ -152,11 +152,7 @@ pub fn render(f: &Value, config: &Config) -> String {
         } else {
             "not connected"
         };
-        let paths = p["paths"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
+        let paths = meshfs_daemon::readout::status::strs(&p["paths"])
             .map(printable)
             .collect();
         let heading = format!(

@@ -259,11 +259,7 @@ pub async fn run(folders: Weak<Folders>, folder: FolderId, connected: Connected)
         let folder = folder.clone();
         let _ = tokio::task::spawn_blocking(move || {
             let rt = f.get(&folder)?;
-            match f
-                .reader()
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.used(&folder).map_err(|e| e.to_string()))
-            {
+            match f.reader().and_then(|r| Ok(r.used(&folder)?)) {
                 Ok(uses) => rt.demand.load_used(uses),
                 Err(e) => {
                     tracing::warn!(%folder, error = %e, "cannot read when files were last used")

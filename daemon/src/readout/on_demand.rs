@@ -94,13 +94,7 @@ pub fn over_budget_line(d: &Value) -> Option<String> {
 /// `on demand only under: big, archive/2019 (the rest is kept here)`, when only subtrees are
 /// on demand (D77).
 pub fn under_line(d: &Value) -> Option<String> {
-    let under: Vec<String> = d["under"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .map(printable)
-        .collect();
+    let under: Vec<String> = super::status::strs(&d["under"]).map(printable).collect();
     (!under.is_empty()).then(|| {
         format!(
             "on demand only under: {} (the rest is kept here)",
@@ -111,13 +105,7 @@ pub fn under_line(d: &Value) -> Option<String> {
 
 /// `pinned: photos, docs/a.pdf`, when anything is.
 pub fn pins_line(d: &Value) -> Option<String> {
-    let pins: Vec<String> = d["pins"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .map(printable)
-        .collect();
+    let pins: Vec<String> = super::status::strs(&d["pins"]).map(printable).collect();
     (!pins.is_empty()).then(|| format!("pinned: {}", pins.join(", ")))
 }
 

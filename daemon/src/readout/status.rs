@@ -25,6 +25,11 @@ pub fn u(v: &Value, k: &str) -> u64 {
     v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
+/// The strings of the JSON array `v` (nothing when it is not an array; other items skipped).
+pub fn strs(v: &Value) -> impl Iterator<Item = &str> {
+    v.as_array().into_iter().flatten().filter_map(Value::as_str)
+}
+
 /// `1 file`, `2 files`.
 pub fn plural(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
@@ -230,14 +235,7 @@ pub fn versions_lines(f: &Value) -> Vec<String> {
     };
     out.push(format!("past versions: {} ({kept})", u(v, "count")));
     let list = |l: &Value| -> String {
-        let items: Vec<String> = l["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .take(5)
-            .map(printable)
-            .collect();
+        let items: Vec<String> = strs(&l["items"]).take(5).map(printable).collect();
         let more = u(l, "count").saturating_sub(items.len() as u64);
         let mut t = items.join(", ");
         if more > 0 {

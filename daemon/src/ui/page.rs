@@ -293,12 +293,7 @@ pub fn peers(st: &Value, h: &History, tz: UtcOffset) -> String {
             (Some(a), false) => format!("last at {a}"),
             (None, _) => String::new(),
         };
-        let listed: Vec<&str> = p["addresses"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .collect();
+        let listed: Vec<&str> = crate::readout::status::strs(&p["addresses"]).collect();
         let fixed: Vec<&str> = listed.iter().copied().filter(|a| *a != "dynamic").collect();
         let dynamic = listed.contains(&"dynamic");
         let dials = match (fixed.is_empty(), dynamic) {
@@ -307,12 +302,7 @@ pub fn peers(st: &Value, h: &History, tz: UtcOffset) -> String {
             (false, false) => format!("dialed at {}", fixed.join(", ")),
             (false, true) => format!("dialed at {} or wherever it is found", fixed.join(", ")),
         };
-        let folders: Vec<&str> = p["folders"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .collect();
+        let folders: Vec<&str> = crate::readout::status::strs(&p["folders"]).collect();
         let _ = write!(
             o,
             "<article class=\"peer\" data-peer=\"{short}\" data-connected=\"{connected}\">\
@@ -337,12 +327,7 @@ pub fn peers(st: &Value, h: &History, tz: UtcOffset) -> String {
         }
         o.push_str("</article>");
     }
-    for r in st["refused_devices"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-    {
+    for r in crate::readout::status::strs(&st["refused_devices"]) {
         let _ = write!(
             o,
             "<p class=\"warn\">refused unknown device <code>{r}</code> (add it with <code>meshfs peer add {r} --addr HOST:PORT</code>)</p>",
