@@ -15,6 +15,7 @@ mod chaos;
 mod cli;
 mod conflicts;
 mod discovery;
+mod endurance;
 mod hostile;
 mod hostile_items;
 mod hostile_load;

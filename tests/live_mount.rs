@@ -7,9 +7,9 @@ use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-struct Mounted {
-    dev: Device,
-    mnt: PathBuf,
+pub(crate) struct Mounted {
+    pub(crate) dev: Device,
+    pub(crate) mnt: PathBuf,
 }
 
 fn mounted(t: &std::sync::Arc<tempfile::TempDir>, name: &str) -> Mounted {
@@ -19,7 +19,7 @@ fn mounted(t: &std::sync::Arc<tempfile::TempDir>, name: &str) -> Mounted {
     Mounted { dev, mnt }
 }
 
-fn two_mounts(t: &std::sync::Arc<tempfile::TempDir>) -> (Mounted, Mounted) {
+pub(crate) fn two_mounts(t: &std::sync::Arc<tempfile::TempDir>) -> (Mounted, Mounted) {
     let mut a = mounted(t, "a");
     let mut b = mounted(t, "b");
     pair(&a.dev, &b.dev);
@@ -379,59 +379,7 @@ fn a_git_repository_committed_in_mount_a_is_clean_in_mount_b() {
     assert_eq!(git(&repo_b, &["status", "--porcelain"]), "");
 }
 
-#[test]
-fn one_mount_writing_and_renaming_while_the_other_is_read_for_a_while_never_hangs_or_fails() {
-    let t = tmp();
-    let (a, b) = two_mounts(&t);
-    // A minute, as the live-mount issue asks; `MESHFS_STRESS_SECS` runs it longer (or
-    // shorter while iterating).
-    let secs: u64 = std::env::var("MESHFS_STRESS_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(60);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let reader = {
-        let (mnt, stop) = (b.mnt.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut reads = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                for e in walk(&mnt) {
-                    match std::fs::read(&e) {
-                        Ok(_) => reads += 1,
-                        // Renamed or replaced between the listing and the read: fine.
-                        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(err) => panic!("reading {} in mount b: {err}", e.display()),
-                    }
-                }
-            }
-            reads
-        })
-    };
-    let t0 = Instant::now();
-    let mut i = 0u64;
-    while t0.elapsed() < Duration::from_secs(secs) {
-        let d = a.mnt.join(format!("d{}", i % 7));
-        write(
-            &d.join(format!("f{}.txt", i % 23)),
-            format!("write {i}").as_bytes(),
-        );
-        if i.is_multiple_of(5) {
-            let _ = std::fs::rename(
-                d.join(format!("f{}.txt", i % 23)),
-                d.join(format!("g{}.txt", i % 11)),
-            );
-        }
-        i += 1;
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let reads = reader.join().expect("the reader of mount b failed");
-    eprintln!("{i} writes in mount a, {reads} reads in mount b");
-    wait_synced(&[&a.dev, &b.dev], 60);
-    assert_eq!(tree(&a.mnt), tree(&b.mnt));
-}
-
-fn walk(root: &Path) -> Vec<PathBuf> {
+pub(crate) fn walk(root: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(d) = stack.pop() {
