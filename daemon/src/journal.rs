@@ -1708,6 +1708,10 @@ struct Commit<'c> {
     keep_version: CachedStatement<'c>,
     /// The folder has local changes not sent (receive-only): a peer's version ends one.
     any_local_only: bool,
+    /// Inodes the changed records named before, no longer: their placeholder rows, if any,
+    /// are dropped at the end ([`forget_absent`]; after every change, so a placeholder renamed
+    /// in the same commit keeps its row).
+    left: Vec<i64>,
 }
 
 /// The current record a change replaces.
@@ -1717,6 +1721,8 @@ struct Existing {
     deleted: bool,
     size: u64,
     hash: Hash,
+    /// The inode of the file it was last seen in.
+    local_inode: Option<i64>,
 }
 
 impl Existing {
@@ -1788,7 +1794,8 @@ impl<'c> Commit<'c> {
             seq,
             tally: Tally::default(),
             probe: tx.prepare_cached(
-                "SELECT id, kind, deleted, size, hash FROM records WHERE folder = ?1 AND path = ?2",
+                "SELECT id, kind, deleted, size, hash, local_inode FROM records \
+                 WHERE folder = ?1 AND path = ?2",
             )?,
             insert: tx.prepare_cached(INSERT_RECORD)?,
             update: tx.prepare_cached(UPDATE_RECORD)?,
@@ -1808,6 +1815,7 @@ impl<'c> Commit<'c> {
             any_local_only: tx
                 .prepare_cached("SELECT EXISTS (SELECT 1 FROM local_only WHERE folder = ?1)")?
                 .query_row([key], |r| r.get(0))?,
+            left: Vec::new(),
         })
     }
 
@@ -1839,6 +1847,12 @@ impl<'c> Commit<'c> {
         }
         self.tally.add(rec.kind, rec.deleted, rec.size);
         let record_id = self.write_record(&encoded, existing.as_ref())?;
+        if let Some(was) = existing.as_ref().and_then(|e| e.local_inode) {
+            let now = change.local.map(|l| to_i64(l.inode));
+            if now.is_some_and(|n| n != was) || rec.deleted || rec.kind != FileKind::File {
+                self.left.push(was);
+            }
+        }
         self.add_history(&encoded)?;
         if rec.kind == FileKind::File && !rec.deleted {
             self.add_chunks(rec, record_id)?;
@@ -1860,13 +1874,18 @@ impl<'c> Commit<'c> {
     /// The current record at `rec`'s path, if there is one.
     fn existing(&mut self, rec: &FileRecord) -> Result<Option<Existing>> {
         let folder = self.folder;
-        let existing: Option<(i64, String, bool, i64, Vec<u8>)> = self
+        type Row = ((i64, String, bool, i64), Vec<u8>, Option<i64>);
+        let existing: Option<Row> = self
             .probe
             .query_row(params![self.key, rec.path.as_str()], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+                Ok((
+                    (r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?),
+                    r.get(4)?,
+                    r.get(5)?,
+                ))
             })
             .optional()?;
-        let Some((id, kind, deleted, size, hash)) = existing else {
+        let Some(((id, kind, deleted, size), hash, local_inode)) = existing else {
             return Ok(None);
         };
         let kind = FileKind::parse(&kind).ok_or_else(|| JournalError::Corrupt {
@@ -1883,6 +1902,7 @@ impl<'c> Commit<'c> {
             deleted,
             size: to_u64(size),
             hash,
+            local_inode,
         }))
     }
 
@@ -1960,6 +1980,9 @@ impl<'c> Commit<'c> {
     /// Stores the folder's last sequence and its counts, adjusted by what each change replaced
     /// (step 4 of the module's commit order).
     fn finish(self) -> Result<()> {
+        for inode in &self.left {
+            forget_absent(self.tx, self.key, *inode)?;
+        }
         self.tx
             .prepare_cached(
                 "UPDATE folders SET max_sequence = ?2, files = files + ?3, dirs = dirs + ?4, \
@@ -2031,6 +2054,11 @@ fn chunk_location(folder: FolderId, r: &rusqlite::Row<'_>, first: usize) -> Resu
 
 /// Records `l` as what `path`'s file is on disk (the stat a scan compares with).
 fn set_local(tx: &Connection, key: i64, path: &RelPath, l: &LocalStat) -> Result<()> {
+    let was: Option<i64> = tx
+        .prepare_cached("SELECT local_inode FROM records WHERE folder = ?1 AND path = ?2")?
+        .query_row(params![key, path.as_str()], |r| r.get(0))
+        .optional()?
+        .flatten();
     tx.prepare_cached(
         "UPDATE records SET local_inode = ?3, local_size = ?4, local_mtime_ns = ?5, \
          local_ctime_ns = ?6, local_mode = ?7 WHERE folder = ?1 AND path = ?2",
@@ -2044,6 +2072,27 @@ fn set_local(tx: &Connection, key: i64, path: &RelPath, l: &LocalStat) -> Result
         l.ctime_ns,
         l.mode
     ])?;
+    if let Some(was) = was.filter(|w| *w != to_i64(l.inode)) {
+        forget_absent(tx, key, was)?;
+    }
+    Ok(())
+}
+
+/// Drops the placeholder row of `inode`, which a record named until now, unless a live record
+/// still names it (a conflict sibling made as a hard link of the placeholder). Left behind
+/// until the next `prune_absent`, the row would mark whatever file reuses the inode number as
+/// not local: its chunks would not be served, and peers would skip its version as superseded.
+fn forget_absent(tx: &Connection, key: i64, inode: i64) -> Result<()> {
+    let listed: bool = tx
+        .prepare_cached("SELECT EXISTS (SELECT 1 FROM absent WHERE folder = ?1 AND inode = ?2)")?
+        .query_row(params![key, inode], |r| r.get(0))?;
+    if listed {
+        tx.prepare_cached(
+            "DELETE FROM absent WHERE folder = ?1 AND inode = ?2 AND NOT EXISTS \
+             (SELECT 1 FROM records WHERE folder = ?1 AND local_inode = ?2 AND deleted = 0)",
+        )?
+        .execute(params![key, inode])?;
+    }
     Ok(())
 }
 

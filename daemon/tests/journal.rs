@@ -1815,6 +1815,37 @@ fn placeholders_are_counted_apart_follow_their_inode_and_stale_rows_are_dropped(
     assert_eq!(j.prune_absent(&f).unwrap(), 1);
     assert_eq!(j.prune_absent(&f).unwrap(), 0);
     assert_eq!(j.residency(&f).unwrap().online_files, 1);
+    // A placeholder replaced by another version's (a new inode): its row goes with it, so a
+    // file that later reuses the inode number is not taken for a placeholder.
+    let mut a2 = change(file("a", &[9u8; 100], vv(&[(1, 3)])), Op::Modify);
+    a2.local = Some(local(14, 100));
+    j.commit_absent(&f, vec![a2], &[14]).unwrap();
+    j.mark_absent(&f, &[15]).unwrap();
+    let mut c = change(file("c", &[7u8; 100], vv(&[(1, 4)])), Op::Create);
+    c.local = Some(local(13, 100));
+    j.commit(&f, vec![c]).unwrap();
+    assert_eq!(
+        j.find_chunk(&f, &chunk).unwrap().len(),
+        1,
+        "inode 13 reused"
+    );
+    // A placeholder another live record still names (a sibling made as a hard link) keeps its
+    // row when one of the names changes.
+    let mut sib = change(file("a.sibling", &[9u8; 100], vv(&[(1, 5)])), Op::Create);
+    sib.local = Some(local(14, 100));
+    j.commit(&f, vec![sib]).unwrap();
+    let mut gone = change(file("a", &[9u8; 100], vv(&[(1, 6)])), Op::Delete);
+    gone.record.deleted = true;
+    gone.record.chunks.clear();
+    gone.record.size = 0;
+    gone.record.hash = meshfs_protocol::Hash::ZERO;
+    j.commit(&f, vec![gone]).unwrap();
+    let hash9 = file("x", &[9u8; 100], vv(&[(1, 1)])).chunks[0].hash;
+    assert!(
+        j.find_chunk(&f, &hash9).unwrap().is_empty(),
+        "the sibling is a placeholder"
+    );
+    assert_eq!(j.residency(&f).unwrap().online_files, 1);
     // Pins.
     j.pin(&f, &p("d")).unwrap();
     j.pin(&f, &p("d")).unwrap();
