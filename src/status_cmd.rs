@@ -212,6 +212,7 @@ fn work_left(st: &Value) -> u64 {
             [
                 u(f, "capture_pending"),
                 u(f, "waiting_for_writers"),
+                u(f, "waiting_for_content"),
                 u(&f["progress"]["scan"], "left"),
                 u(&f["progress"]["receive"], "left"),
                 to_send,

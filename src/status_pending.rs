@@ -134,11 +134,21 @@ pub fn render(f: &Value, config: &Config) -> String {
     );
     let deferred = items("waiting_for_writers")
         .iter()
-        .map(|d| format!("{}  from {}", t(d, "path"), peer_name(config, s(d, "from"))))
+        .map(|d| {
+            let why = match s(d, "waits_for") {
+                "content" => "  (its conflict's local version is fetched first)",
+                _ => "",
+            };
+            format!(
+                "{}  from {}{why}",
+                t(d, "path"),
+                peer_name(config, s(d, "from"))
+            )
+        })
         .collect();
     section(
         &mut body,
-        "remote versions waiting for a writer through the mount",
+        "remote versions waiting for a writer through the mount or for a local version",
         n(&f["waiting_for_writers"], "count"),
         deferred,
     );

@@ -1203,3 +1203,139 @@ fn a_file_not_local_renamed_over_another_through_the_mount_is_a_rename_on_every_
     );
     assert_eq!(std::fs::read(od.mnt.join("y.bin")).unwrap(), x);
 }
+
+/// A conflict with a version B holds only as a placeholder, whose holder (C) then overwrote it:
+/// B fetches its local version before keeping it as a sibling, so no device is left with a
+/// sibling whose content no peer holds; once C's newer version reaches it, the three agree
+/// (D101).
+#[test]
+fn a_conflict_with_a_version_not_local_here_whose_holder_overwrote_it_ends_in_one_tree_everywhere()
+{
+    let t = tmp();
+    let mut od = setup(&t, &[("f.txt", noise(40 << 10, 90), 0o644)], None);
+    // C: a full device, sharing with A and B; A restarts to take it.
+    let mut c = Device::new(&t, "c");
+    pair(&od.a, &c);
+    pair(&od.b, &c);
+    od.a.stop();
+    od.a.start();
+    c.start();
+    in_sync(&c, 60);
+    in_sync(&od.b, 60);
+    let t0 = Instant::now();
+    while std::fs::read(c.path("f.txt")).ok() != Some(noise(40 << 10, 90)) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "C never had V1");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    od.a.stop();
+    // Without A: C writes V2 (41 KiB), which B takes as a placeholder.
+    write(&c.path("f.txt"), &noise(41 << 10, 91));
+    journaled(&od.b, "f.txt", 41 << 10);
+    in_sync(&od.b, 30);
+    assert!(is_placeholder(&od.b.path("f.txt")));
+    // B goes; C overwrites V2 with V4: V2's content is nowhere now.
+    ok(&od.b.home, &["unmount", "work"]);
+    od.b.stop();
+    write(&c.path("f.txt"), &noise(42 << 10, 92));
+    journaled(&c, "f.txt", 42 << 10);
+    c.stop();
+    // A, which never saw V2, writes V3; B comes back to A alone: a conflict with V2.
+    od.a.start();
+    write(&od.a.path("f.txt"), &noise(43 << 10, 93));
+    journaled(&od.a, "f.txt", 43 << 10);
+    od.b.start();
+    let t0 = Instant::now();
+    while od.b.status()["folders"][0]["waiting_for_content"] != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "A's version does not wait for V2 on B: {}",
+            od.b.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let siblings = |root: &Path| -> Vec<String> {
+        tree(root)
+            .into_keys()
+            .filter(|n| n.contains("sync-conflict"))
+            .collect()
+    };
+    assert_eq!(
+        siblings(&od.b.dir),
+        Vec::<String>::new(),
+        "B kept a version it does not hold as a sibling"
+    );
+    // C back: one tree on the three, every file readable on B.
+    ok(&od.b.home, &["mount", "work", od.mnt.to_str().unwrap()]);
+    c.start();
+    let t0 = Instant::now();
+    loop {
+        in_sync(&od.a, 30);
+        in_sync(&c, 30);
+        in_sync(&od.b, 30);
+        let (ta, tc, tb) = (tree(&od.a.dir), tree(&c.dir), tree(&od.mnt));
+        if ta == tc && ta == tb && ta.len() == 2 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(40),
+            "not one tree:\nA {ta:?}\nC {tc:?}\nB {tb:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    c.stop();
+}
+
+/// Waits until `d`'s journal holds a version of `path` of `size` bytes.
+fn journaled(d: &Device, path: &str, size: u64) {
+    let t0 = Instant::now();
+    while d
+        .journal(&["--path", path])
+        .last()
+        .map(|e| e["size"].clone())
+        != Some(size.into())
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{} never journaled {path} of {size} bytes\n{}",
+            d.name,
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// B (on demand) writes a file that A holds open for writing: A defers B's version for its
+/// writer and acknowledges the batch, without the content. `meshfs evict` on B keeps the file,
+/// since A, asked, says it does not hold it; once A's writer lets go and A takes the version,
+/// it may go, and it comes back whole (D101).
+#[test]
+fn a_version_a_peer_acknowledged_without_its_content_is_not_evicted_until_the_peer_holds_it() {
+    let t = tmp();
+    let od = setup(&t, &[("f.txt", noise(50 << 10, 70), 0o644)], None);
+    let held = std::fs::OpenOptions::new()
+        .append(true)
+        .open(od.a.path("f.txt"))
+        .unwrap();
+    let mine = noise(60 << 10, 71);
+    write(&od.mnt.join("f.txt"), &mine);
+    journaled(&od.b, "f.txt", 60 << 10);
+    in_sync(&od.b, 30);
+    let r = evict(&od.b, "f.txt");
+    assert!(
+        kept_why(&r, "f.txt").contains("says it holds"),
+        "evicted while A only acknowledged it: {r}"
+    );
+    assert_eq!(state(&od.mnt.join("f.txt")), "local");
+    drop(held);
+    let t0 = Instant::now();
+    while std::fs::read(od.a.path("f.txt")).ok().as_deref() != Some(&mine[..]) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "A never took B's version"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = evict(&od.b, "f.txt");
+    assert_eq!(r["evicted"], serde_json::json!(["f.txt"]), "{r}");
+    assert_eq!(std::fs::read(od.mnt.join("f.txt")).unwrap(), mine);
+}

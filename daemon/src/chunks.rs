@@ -40,9 +40,10 @@ const REQUEST_WAIT: Duration = Duration::from_secs(30);
 /// How long the next response of a request may take to begin: the server reads the chunk
 /// from its disk first (and its journal may be busy with a scan), so more than a frame stall.
 const RESPONSE_WAIT: Duration = Duration::from_secs(60);
-/// Longest request frame read: one of [`MAX_REQUEST_HASHES`] hashes for the longest folder id
-/// takes about 2.1 KiB. A request stream holds no more than this, whatever its header says.
-const MAX_REQUEST_FRAME: usize = 8 << 10;
+/// Longest request frame read: a probe of `MAX_HASHES_PER_PROBE` hashes for the longest folder
+/// id takes about 34 KiB (a chunk request of [`MAX_REQUEST_HASHES`], 2.1 KiB). A request stream
+/// holds no more than this, whatever its header says.
+const MAX_REQUEST_FRAME: usize = 40 << 10;
 /// Longest response frame read: a chunk of at most `MAX_CHUNK_LEN` and its fields, or an
 /// `Error` of at most `MAX_ERROR_MESSAGE_LEN`.
 const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
@@ -92,7 +93,10 @@ pub async fn serve_request(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) -> Result<(), ServeError> {
-    let (req, rt) = read_request(folders, peer, shared, &mut send, &mut recv).await?;
+    let (req, rt) = match read_request(folders, peer, shared, &mut send, &mut recv).await? {
+        (Asked::Chunks(req), rt) => (req, rt),
+        (Asked::Probe(probe), rt) => return answer_probe(folders, rt, probe, send).await,
+    };
     // Reading is blocking work (journal, files, zstd): a blocking thread reads the chunks in
     // order and hands each response to this task, at most a few ahead of the stream.
     let (tx, mut rx) = mpsc::channel::<ChunkResponse>(4);
@@ -114,21 +118,97 @@ pub async fn serve_request(
     Ok(())
 }
 
-/// Reads a stream's chunk request and checks it: a request, for a folder shared with `peer`
-/// and running here, of at most [`MAX_REQUEST_HASHES`] hashes. A refusal is answered on the
-/// stream with an `Error` before it is returned.
+/// What a request stream asks.
+enum Asked {
+    /// Chunks, with their data.
+    Chunks(ChunkRequest),
+    /// Whether chunks are held (protocol 10).
+    Probe(meshfs_protocol::Probe),
+}
+
+/// Answers a probe: for each hash, whether a chunk request for it would be answered with data
+/// now (a located chunk of a file whose content is local, or the vault's), without reading it.
+async fn answer_probe(
+    folders: &Arc<Folders>,
+    rt: Arc<FolderRt>,
+    probe: meshfs_protocol::Probe,
+    mut send: quinn::SendStream,
+) -> Result<(), ServeError> {
+    let folders = folders.clone();
+    let held = tokio::task::spawn_blocking(move || {
+        let located = match folders.journal_lock() {
+            Ok(mut j) => j.find_chunks(&probe.folder, &probe.hashes),
+            Err(_) => Vec::new(),
+        };
+        let kept = rt
+            .vault()
+            .and_then(|v| v.has(&probe.hashes).ok())
+            .unwrap_or_default();
+        (0..probe.hashes.len())
+            .map(|i| {
+                located.get(i).is_some_and(|l| !l.is_empty())
+                    || kept.get(i).copied().unwrap_or(false)
+            })
+            .collect::<Vec<bool>>()
+    })
+    .await
+    .map_err(|e| ServeError::Link(e.to_string()))?;
+    tokio::time::timeout(
+        RESPONSE_WRITE_TIMEOUT,
+        transport::write_message(&mut send, &Message::Held(meshfs_protocol::Held { held })),
+    )
+    .await
+    .map_err(|_| ServeError::Link("the requester stopped reading".into()))?
+    .map_err(|e| ServeError::Link(e.to_string()))?;
+    let _ = send.finish();
+    Ok(())
+}
+
+/// Asks `conn`'s device which of `hashes` (chunks of `folder`, at most
+/// `MAX_HASHES_PER_PROBE`) it holds (D101): one flag per hash, in order.
+pub async fn probe(
+    conn: &quinn::Connection,
+    folder: &FolderId,
+    hashes: Vec<Hash>,
+) -> Result<Vec<bool>, FetchError> {
+    let link = |e: &dyn std::fmt::Display| FetchError::Link(e.to_string());
+    let n = hashes.len();
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| link(&e))?;
+    let msg = Message::Probe(meshfs_protocol::Probe {
+        folder: folder.clone(),
+        hashes,
+    });
+    transport::write_message(&mut send, &msg)
+        .await
+        .map_err(|e| link(&e))?;
+    let _ = send.finish();
+    match transport::read_message_within(&mut recv, RESPONSE_WAIT, MAX_REQUEST_FRAME)
+        .await
+        .map_err(|e| link(&e))?
+    {
+        Some(Message::Held(h)) if h.held.len() == n => Ok(h.held),
+        Some(Message::Error { message, .. }) => Err(FetchError::Refused(message)),
+        Some(_) => Err(FetchError::Protocol("not an answer to a probe".into())),
+        None => Err(FetchError::Link("probe stream ended early".into())),
+    }
+}
+
+/// Reads a stream's request and checks it: a chunk request or a probe, for a folder shared
+/// with `peer` and running here, of at most [`MAX_REQUEST_HASHES`] hashes (a chunk request). A
+/// refusal is answered on the stream with an `Error` before it is returned.
 async fn read_request(
     folders: &Folders,
     peer: DeviceId,
     shared: &[FolderId],
     send: &mut quinn::SendStream,
     recv: &mut quinn::RecvStream,
-) -> Result<(ChunkRequest, Arc<FolderRt>), ServeError> {
-    let req = match transport::read_message_within(recv, REQUEST_WAIT, MAX_REQUEST_FRAME)
+) -> Result<(Asked, Arc<FolderRt>), ServeError> {
+    let asked = match transport::read_message_within(recv, REQUEST_WAIT, MAX_REQUEST_FRAME)
         .await
         .map_err(|e| ServeError::Link(e.to_string()))?
     {
-        Some(Message::Request(r)) => r,
+        Some(Message::Request(r)) => Asked::Chunks(r),
+        Some(Message::Probe(p)) => Asked::Probe(p),
         Some(_) | None => {
             refuse(send, ErrorCode::BadFrame, "expected a chunk request".into()).await;
             return Err(ServeError::Refused(
@@ -136,34 +216,30 @@ async fn read_request(
             ));
         }
     };
-    if !shared.contains(&req.folder) {
-        let told = format!("folder {} is not shared with you", req.folder);
+    let (folder, hashes) = match &asked {
+        Asked::Chunks(r) => (&r.folder, r.hashes.len()),
+        Asked::Probe(p) => (&p.folder, 0),
+    };
+    if !shared.contains(folder) {
+        let told = format!("folder {folder} is not shared with you");
         refuse(send, ErrorCode::NotShared, told).await;
         return Err(ServeError::Refused(format!(
-            "peer {} asked for unshared folder {}",
+            "peer {} asked for unshared folder {folder}",
             peer.short(),
-            req.folder
         )));
     }
-    let Some(rt) = folders.get(&req.folder) else {
-        return Err(ServeError::Refused(format!(
-            "folder {} not running",
-            req.folder
-        )));
+    let Some(rt) = folders.get(folder) else {
+        return Err(ServeError::Refused(format!("folder {folder} not running")));
     };
-    if req.hashes.len() > MAX_REQUEST_HASHES {
-        let told = format!(
-            "{} hashes in one request; at most {MAX_REQUEST_HASHES}",
-            req.hashes.len()
-        );
+    if hashes > MAX_REQUEST_HASHES {
+        let told = format!("{hashes} hashes in one request; at most {MAX_REQUEST_HASHES}");
         refuse(send, ErrorCode::BadFrame, told).await;
         return Err(ServeError::Refused(format!(
-            "peer {} asked for {} chunks in one request",
+            "peer {} asked for {hashes} chunks in one request",
             peer.short(),
-            req.hashes.len()
         )));
     }
-    Ok((req, rt))
+    Ok((asked, rt))
 }
 
 /// Tells the requester why its request is refused (best effort: the stream ends anyway).

@@ -267,7 +267,8 @@ impl Engine {
 
     /// Decides again, and applies, the remote versions that waited for a writer through the
     /// mount which has since let go (its own version is captured by then, so a concurrent
-    /// edit becomes an ordinary conflict with both versions kept).
+    /// edit becomes an ordinary conflict with both versions kept), or for the local version
+    /// they conflict with to be fetched (D101): fetched here first.
     pub fn apply_deferred(self: &Arc<Self>, rt: &Arc<FolderRt>) {
         let links: HashMap<DeviceId, quinn::Connection> = self.net.links().into_iter().collect();
         let connected: HashSet<DeviceId> = links.keys().copied().collect();
@@ -280,7 +281,18 @@ impl Engine {
             let Some(receiver) = self.net.receiver(&rt.id) else {
                 continue;
             };
+            let rt = rt.clone();
             tokio::spawn(async move {
+                if waiting.wait == crate::folder::Wait::Content {
+                    let peers = engine.ondemand_peers();
+                    let fetched =
+                        crate::ondemand::make_local(&engine.folders, &rt, &peers, &path, 0).await;
+                    if let Err(f) = fetched {
+                        tracing::info!(%folder, %path, error = %f.why, failed = waiting.failed + 1, "the local version a remote one conflicts with cannot be fetched yet; tried again later");
+                        rt.defer_again(waiting, DEFERRED_RETRY);
+                        return;
+                    }
+                }
                 let source = crate::apply::Receiver::new_source();
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 receiver.receive(
@@ -414,8 +426,7 @@ impl Engine {
             };
             peers(folder)
                 .into_iter()
-                .map(|(d, _)| d)
-                .filter(|d| !net.keeps_part(d, folder))
+                .filter(|(d, _)| !net.keeps_part(d, folder))
                 .collect()
         })
     }
@@ -597,7 +608,7 @@ impl Engine {
             tracing::info!(folder = %id, n = waiting.len(), "remote versions that waited for a writer before the restart are decided again");
         }
         for (record, peer) in waiting {
-            rt.defer(record, peer);
+            rt.defer(record, peer, crate::folder::Wait::Writer);
         }
         tokio::spawn(capture_loop(self.clone(), rt, rx));
         Ok(())
@@ -912,7 +923,8 @@ impl Engine {
                     local: LocalWork {
                         capture_pending: rt.capture_pending.load(relaxed),
                         scanning: rt.scanning.load(relaxed),
-                        waiting_for_writers: rt.deferred_count(),
+                        waiting_for_writers: rt.deferred_for(crate::folder::Wait::Writer),
+                        waiting_for_content: rt.deferred_for(crate::folder::Wait::Content),
                         blocked: rt.blocked(),
                         invalidations_pending: mount
                             .as_ref()

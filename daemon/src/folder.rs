@@ -252,17 +252,34 @@ impl Skipped {
     }
 }
 
-/// A remote version waiting for a writer through the mount to let go of its path.
+/// A remote version waiting for a writer through the mount to let go of its path, or (on an
+/// on-demand folder) for the local version it conflicts with to be made local first (D101).
 #[derive(Debug)]
 pub struct Deferred {
     /// The remote version.
     pub remote: FileRecord,
     /// The peer it came from (and its content may have to be fetched from).
     pub peer: DeviceId,
+    /// Why it waits.
+    pub wait: Wait,
     /// Its applies that failed so far.
     pub failed: u32,
     /// Not tried again before then (its last apply failed).
     not_before: Option<Instant>,
+}
+
+/// The longest a deferred remote version that waits for content waits between two tries.
+const CONTENT_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(8);
+
+/// What a deferred remote version waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Wait {
+    /// Its path's writers (through the mount, or another program) to let go.
+    Writer,
+    /// Its path holds a placeholder that the conflict with it must keep as a sibling: the
+    /// content is fetched first, so that the sibling never names content no peer may still
+    /// hold (D101).
+    Content,
 }
 
 impl FolderRt {
@@ -386,8 +403,9 @@ impl FolderRt {
         })
     }
 
-    /// Holds `remote` (from `peer`) until `remote.path` has no writer through the mount.
-    pub fn defer(&self, remote: FileRecord, peer: DeviceId) {
+    /// Holds `remote` (from `peer`) until `remote.path` has no writer through the mount, or
+    /// until its local content is fetched ([`Wait`]).
+    pub fn defer(&self, remote: FileRecord, peer: DeviceId, wait: Wait) {
         if let Ok(mut d) = self.deferred.lock() {
             let path = remote.path.clone();
             let (failed, not_before) = (0, None);
@@ -396,6 +414,7 @@ impl FolderRt {
                 Deferred {
                     remote,
                     peer,
+                    wait,
                     failed,
                     not_before,
                 },
@@ -406,10 +425,16 @@ impl FolderRt {
     /// Holds `w` again after its apply failed (its peer's link closed under the chunk
     /// requests, the peer no longer has the content, …): it is tried again after `first`,
     /// twice that after a second failure, and so on up to 256 times `first`, unless a newer
-    /// version waits at its path by then.
+    /// version waits at its path by then. One that waits for content is tried again at least
+    /// every [`CONTENT_RETRY_MAX`]: the version that superseded the content it could not find
+    /// may have arrived meanwhile (D101).
     pub fn defer_again(&self, mut w: Deferred, first: std::time::Duration) {
         if let Ok(mut d) = self.deferred.lock() {
-            w.not_before = Some(Instant::now() + first * (1 << w.failed.min(8)));
+            let mut wait = first * (1 << w.failed.min(8));
+            if w.wait == Wait::Content {
+                wait = wait.min(CONTENT_RETRY_MAX);
+            }
+            w.not_before = Some(Instant::now() + wait);
             w.failed = w.failed.saturating_add(1);
             d.entry(w.remote.path.clone()).or_insert(w);
         }
@@ -533,12 +558,12 @@ impl FolderRt {
             .unwrap_or_default()
     }
 
-    /// The remote versions waiting for a writer: (path, the peer it came from), by path.
-    pub fn deferred_paths(&self) -> Vec<(RelPath, DeviceId)> {
-        let mut out: Vec<(RelPath, DeviceId)> = self
+    /// The deferred remote versions: (path, the peer it came from, what it waits for), by path.
+    pub fn deferred_paths(&self) -> Vec<(RelPath, DeviceId, Wait)> {
+        let mut out: Vec<(RelPath, DeviceId, Wait)> = self
             .deferred
             .lock()
-            .map(|d| d.iter().map(|(p, w)| (p.clone(), w.peer)).collect())
+            .map(|d| d.iter().map(|(p, w)| (p.clone(), w.peer, w.wait)).collect())
             .unwrap_or_default();
         out.sort();
         out
@@ -554,6 +579,13 @@ impl FolderRt {
     /// Remote versions waiting for a writer to let go.
     pub fn deferred_count(&self) -> usize {
         self.deferred.lock().map_or(0, |d| d.len())
+    }
+
+    /// Remote versions waiting for `what`.
+    pub fn deferred_for(&self, what: Wait) -> usize {
+        self.deferred
+            .lock()
+            .map_or(0, |d| d.values().filter(|w| w.wait == what).count())
     }
 
     /// Takes the deferred versions whose paths no longer have a writer and whose peer is

@@ -84,6 +84,9 @@ pub struct DeferredPath {
     pub path: String,
     /// The peer the version came from.
     pub from: String,
+    /// What it waits for: `writer` (the path is open for writing) or `content` (the local
+    /// version it conflicts with is fetched first, D101).
+    pub waits_for: &'static str,
 }
 
 /// The records of this device a peer sharing the folder has not acknowledged.
@@ -133,9 +136,13 @@ pub fn of_folder(
     let deferred = rt.deferred_paths();
     let waiting_for_writers = Listed::of(
         deferred.len(),
-        deferred.into_iter().map(|(p, from)| DeferredPath {
+        deferred.into_iter().map(|(p, from, wait)| DeferredPath {
             path: p.as_str().to_string(),
             from: from.to_string(),
+            waits_for: match wait {
+                crate::folder::Wait::Writer => "writer",
+                crate::folder::Wait::Content => "content",
+            },
         }),
     );
     let unacknowledged = sharing

@@ -246,6 +246,9 @@ pub struct LocalWork {
     pub scanning: bool,
     /// Remote versions held back while their path is open for writing through the mount.
     pub waiting_for_writers: usize,
+    /// Remote versions held back while the local version they conflict with is fetched
+    /// (an on-demand folder, D101).
+    pub waiting_for_content: usize,
     /// Why receiving is stopped (the disk is full), if it is.
     pub blocked: Option<String>,
     /// The mount's invalidations not yet sent to the kernel: a change applied here that the
@@ -260,6 +263,7 @@ impl LocalWork {
         self.capture_pending == 0
             && !self.scanning
             && self.waiting_for_writers == 0
+            && self.waiting_for_content == 0
             && self.blocked.is_none()
             && self.invalidations_pending == 0
     }
@@ -376,6 +380,8 @@ pub struct FolderStatus {
     pub conflicts: usize,
     /// Remote versions held back for a writer through the mount.
     pub waiting_for_writers: usize,
+    /// Remote versions held back while the local version they conflict with is fetched.
+    pub waiting_for_content: usize,
     /// Remote versions that could not be applied.
     pub skipped: Vec<SkippedStatus>,
     /// Files that exist but cannot be read (not replicated until they can be).
@@ -617,6 +623,7 @@ fn folder_status(
         scanning: f.local.scanning,
         conflicts: f.conflicts,
         waiting_for_writers: f.local.waiting_for_writers,
+        waiting_for_content: f.local.waiting_for_content,
         skipped: SkippedStatus::list(f.skipped),
         unreadable: SkippedStatus::list(f.unreadable),
         last_error: f.last_error,
@@ -676,6 +683,7 @@ mod tests {
         capture_pending: 0,
         scanning: false,
         waiting_for_writers: 0,
+        waiting_for_content: 0,
         blocked: None,
         invalidations_pending: 0,
     };
@@ -740,6 +748,13 @@ mod tests {
                 "remote versions waiting for writers through the mount",
                 LocalWork {
                     waiting_for_writers: 1,
+                    ..DONE
+                },
+            ),
+            (
+                "remote versions waiting for the local version they conflict with",
+                LocalWork {
+                    waiting_for_content: 1,
                     ..DONE
                 },
             ),
@@ -971,7 +986,7 @@ mod tests {
                 "id": "work", "path": "/home/u/work",
                 "files": 10, "dirs": 2, "symlinks": 0, "bytes": 40960, "tombstones": 1,
                 "sequence": 42, "capture_pending": 0, "scanning": false, "conflicts": 0,
-                "waiting_for_writers": 0, "skipped": [], "unreadable": [], "last_error": null,
+                "waiting_for_writers": 0, "waiting_for_content": 0, "skipped": [], "unreadable": [], "last_error": null,
                 "progress": {
                     "scan": {"done": 0, "bytes_done": 0, "left": 0, "bytes_left": null},
                     "receive": {"done": 30, "bytes_done": 4096, "left": 2, "bytes_left": 100},

@@ -34,11 +34,11 @@ pub use codec::{
 pub use ids::{DeviceId, DeviceIdError, FolderId, FolderIdError, ShortId};
 pub use limits::{MAX_CHUNK_LEN, MAX_FRAME_LEN};
 pub use message::{
-    AddressList, ChunkRequest, ChunkResponse, ErrorCode, Hello, HelloFolder, IndexAck, IndexBatch,
-    LimitError, Message, PeerList, ScanState, SeekList, MAX_ADDRESSES_PER_DEVICE,
-    MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN, MAX_FOLDERS_PER_HELLO, MAX_HASHES_PER_REQUEST,
-    MAX_PEERS_PER_LIST, MAX_RECORDS_PER_BATCH, MAX_SOUGHT_DEVICES, MAX_VV_ENTRIES_PER_BATCH,
-    PROTOCOL_VERSION,
+    AddressList, ChunkRequest, ChunkResponse, ErrorCode, Held, Hello, HelloFolder, IndexAck,
+    IndexBatch, LimitError, Message, PeerList, Probe, ScanState, SeekList,
+    MAX_ADDRESSES_PER_DEVICE, MAX_DEVICE_NAME_LEN, MAX_ERROR_MESSAGE_LEN, MAX_FOLDERS_PER_HELLO,
+    MAX_HASHES_PER_PROBE, MAX_HASHES_PER_REQUEST, MAX_PEERS_PER_LIST, MAX_RECORDS_PER_BATCH,
+    MAX_SOUGHT_DEVICES, MAX_VV_ENTRIES_PER_BATCH, PROTOCOL_VERSION,
 };
 pub use path::{PathError, RelPath, INTERNAL_PREFIX, MAX_NAME_LEN, MAX_PATH_LEN};
 pub use record::{

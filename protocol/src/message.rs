@@ -17,7 +17,7 @@ use crate::record::{FileRecord, Hash};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol described in `docs/protocol.md`; sent in [`Hello`].
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Most records in one [`IndexBatch`]. Also bounds its inline chunks (at most one per record).
 pub const MAX_RECORDS_PER_BATCH: usize = 1000;
@@ -31,6 +31,8 @@ pub const MAX_VV_ENTRIES_PER_BATCH: usize = 1 << 18;
 /// Most hashes in one [`ChunkRequest`]: each makes the server find, read and send a chunk of
 /// up to [`MAX_CHUNK_LEN`] bytes.
 pub const MAX_HASHES_PER_REQUEST: usize = 64;
+/// Most hashes in one [`Probe`]: each costs the server one index lookup, no read.
+pub const MAX_HASHES_PER_PROBE: usize = 1024;
 /// Most folders one [`Hello`] may list.
 pub const MAX_FOLDERS_PER_HELLO: usize = 4096;
 /// Longest [`Hello::device_name`], in bytes: it is kept for the session and shown in status.
@@ -90,6 +92,9 @@ pub enum LimitError {
     /// An address list with more than [`MAX_ADDRESSES_PER_DEVICE`] addresses.
     #[error("address list gives {0} addresses, more than {MAX_ADDRESSES_PER_DEVICE}")]
     Addresses(usize),
+    /// A probe of more than [`MAX_HASHES_PER_PROBE`] hashes, or an answer of more.
+    #[error("probe names {0} chunks, more than {MAX_HASHES_PER_PROBE}")]
+    Probe(usize),
 }
 
 /// A frame's payload.
@@ -125,6 +130,32 @@ pub enum Message {
     /// Where the sender reaches one device the receiver sought (control stream only; version
     /// 8).
     Addresses(AddressList),
+    /// Asks whether the receiver holds chunks, without their data (first and only message the
+    /// requester sends on a request stream; version 10): what an on-demand device asks before
+    /// it evicts a file whose content it would otherwise trust a peer to hold.
+    Probe(Probe),
+    /// The answer to a [`Probe`], one flag per hash in its order (version 10).
+    Held(Held),
+}
+
+/// Asks whether the receiver holds the chunks `hashes` of `folder`: whether it would answer a
+/// [`ChunkRequest`] for each with its data now (from a file whose content is local, or a past
+/// version it keeps).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Probe {
+    /// The folder (must be shared with the requester).
+    pub folder: FolderId,
+    /// The chunks asked about (at most [`MAX_HASHES_PER_PROBE`]).
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_HASHES_PER_PROBE>")]
+    pub hashes: Vec<Hash>,
+}
+
+/// Which chunks of a [`Probe`] the sender holds, in the probe's order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Held {
+    /// One flag per hash asked about (at most [`MAX_HASHES_PER_PROBE`]).
+    #[serde(deserialize_with = "crate::capped::vec::<_, _, MAX_HASHES_PER_PROBE>")]
+    pub held: Vec<bool>,
 }
 
 /// The devices whose addresses the sender asks the receiver for: those it trusts and dials
@@ -415,6 +446,16 @@ impl Message {
                 }
             }
             Message::Response(c) => chunk(c)?,
+            Message::Probe(p) => {
+                if p.hashes.len() > MAX_HASHES_PER_PROBE {
+                    return Err(LimitError::Probe(p.hashes.len()));
+                }
+            }
+            Message::Held(h) => {
+                if h.held.len() > MAX_HASHES_PER_PROBE {
+                    return Err(LimitError::Probe(h.held.len()));
+                }
+            }
             Message::Error { message, .. } => {
                 if message.len() > MAX_ERROR_MESSAGE_LEN {
                     return Err(LimitError::ErrorMessage(message.len()));

@@ -9,9 +9,9 @@
 
 use meshfs_protocol::{
     decode_payload, encode_frame, AddressList, Chunk, ChunkRequest, ChunkResponse, DeviceId,
-    ErrorCode, FileKind, FileRecord, FolderId, Hash, Hello, HelloFolder, IndexAck, IndexBatch,
-    Message, PeerList, RelPath, ScanState, SeekList, ShortId, VersionVector, WireAddr,
-    FRAME_HEADER_LEN, PROTOCOL_VERSION,
+    ErrorCode, FileKind, FileRecord, FolderId, Hash, Held, Hello, HelloFolder, IndexAck,
+    IndexBatch, Message, PeerList, Probe, RelPath, ScanState, SeekList, ShortId, VersionVector,
+    WireAddr, FRAME_HEADER_LEN, PROTOCOL_VERSION,
 };
 use std::path::PathBuf;
 
@@ -199,6 +199,19 @@ fn messages() -> Vec<(&'static str, Message)> {
                 hash: Hash::of(b"gone"),
                 data: None,
                 compressed: false,
+            }),
+        ),
+        (
+            "probe",
+            Message::Probe(Probe {
+                folder: folder(),
+                hashes: vec![Hash::of(b"hello"), Hash::of(b"abc")],
+            }),
+        ),
+        (
+            "held",
+            Message::Held(Held {
+                held: vec![true, false],
             }),
         ),
         (

@@ -444,10 +444,12 @@ impl Session {
                     reason: format!("peer refused ({code:?}): {message}"),
                 });
             }
-            Message::Request(_) | Message::Response(_) => out.extend(self.fail(
-                ErrorCode::BadFrame,
-                "chunk messages are not allowed on the control stream",
-            )),
+            Message::Request(_) | Message::Response(_) | Message::Probe(_) | Message::Held(_) => {
+                out.extend(self.fail(
+                    ErrorCode::BadFrame,
+                    "chunk messages are not allowed on the control stream",
+                ))
+            }
         }
         out
     }

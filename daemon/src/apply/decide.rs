@@ -4,13 +4,13 @@
 
 use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Look, Meta, Sources, Transfer};
 use crate::failpoint;
-use crate::folder::{FolderError, FolderRt, Folders};
+use crate::folder::{FolderError, FolderRt, Folders, Wait};
 use crate::ignore::{IgnoreRules, IGNORE_FILE};
 use crate::journal::{Change, Journal, StoredRecord};
 use crate::lock::RankedGuard;
 use crate::store::{DirCache, Expect, LocalStat, StoreError};
 use meshfs_protocol::{DeviceId, FileKind, FileRecord, FolderId, RelPath};
-use meshfs_sync::plan::{self, Disk, Planned};
+use meshfs_sync::plan::{self, Disk, Plan, Planned};
 use meshfs_sync::reconcile::{Outcome, ReadError, ReplicaView, Step};
 use meshfs_sync::role::{self, Intake};
 use std::cell::RefCell;
@@ -293,6 +293,9 @@ impl Deciding<'_> {
             }
             return Ok(());
         }
+        if self.keeps_a_placeholder(&plan, &remote)? {
+            return Ok(());
+        }
         // Objects made without a temp file are journaled pending first: a crash after the
         // link or symlink is made and before its commit leaves a pending row that start-up
         // recognises (`recover_pending`), never an object the scan would take for an edit.
@@ -394,7 +397,10 @@ impl Deciding<'_> {
         }
         let stored = self.stored(&planned.record().path)?;
         let (expect, basis) = seen_of(stored.as_ref());
-        let placeholder = self.on_demand(planned.record(), stored.as_ref())?;
+        // A loser kept here as a sibling is fetched now, from the peer that sent it: that
+        // peer may supersede it before the sibling reaches it (D101).
+        let placeholder = !matches!(planned.step, Step::PreserveRemote { .. })
+            && self.on_demand(planned.record(), stored.as_ref())?;
         let meta = Meta {
             record: planned.record().clone(),
             op: planned.op,
@@ -479,17 +485,45 @@ impl Deciding<'_> {
         } else {
             return Ok(false);
         }
-        self.defer(remote)?;
+        self.defer(remote, Wait::Writer)?;
         Ok(true)
     }
 
-    /// Holds `remote` until its path has no writer; journaled first (see [`Self::deferred`]).
-    fn defer(&mut self, remote: &FileRecord) -> Result<(), ApplyError> {
+    /// Holds `remote` until its path has no writer, or until its local content is here
+    /// ([`Wait`]); journaled first (see [`Self::deferred`]).
+    fn defer(&mut self, remote: &FileRecord, wait: Wait) -> Result<(), ApplyError> {
         self.journal
             .get()?
             .put_deferred(self.folder, remote, &self.peer)?;
-        self.rt.defer(remote.clone(), self.peer);
+        self.rt.defer(remote.clone(), self.peer, wait);
         Ok(())
+    }
+
+    /// Whether `plan` keeps a local version that is a placeholder here as a conflict sibling:
+    /// then `remote` waits, journaled, and the content is fetched before it is decided again
+    /// (`Engine::apply_deferred`). A sibling made from a placeholder would name content this
+    /// device never had, which its holders may supersede before the sibling reaches them:
+    /// a file no peer can ever fetch (D101).
+    fn keeps_a_placeholder(
+        &mut self,
+        plan: &Plan,
+        remote: &FileRecord,
+    ) -> Result<bool, ApplyError> {
+        if !self.rt.policy().on_demand {
+            return Ok(false);
+        }
+        let Some(from) = plan.steps.iter().find_map(|s| match &s.step {
+            Step::PreserveLocal { from, .. } => Some(from),
+            _ => None,
+        }) else {
+            return Ok(false);
+        };
+        if self.rt.store.placeholder_at(&mut self.dirs, from).is_none() {
+            return Ok(false);
+        }
+        tracing::info!(folder = %self.folder, path = %remote.path, local = %from, "a conflict with a file that is not local here: its content is fetched before the remote version is applied");
+        self.defer(remote, Wait::Content)?;
+        Ok(true)
     }
 
     /// A step without content: does its disk work and returns its journal change.
@@ -602,7 +636,7 @@ impl Deciding<'_> {
             }
             Err(StoreError::Busy(p)) => {
                 tracing::info!(path = %p, "open for writing by another program; the remote version waits for it");
-                self.defer(remote)?;
+                self.defer(remote, Wait::Writer)?;
                 Ok((None, Flow::Next))
             }
             Err(e) => {
@@ -634,7 +668,7 @@ impl Deciding<'_> {
             }
             Err(StoreError::Busy(p)) => {
                 tracing::info!(path = %p, "open for writing by another program; the remote version waits for it");
-                self.defer(remote)?;
+                self.defer(remote, Wait::Writer)?;
                 Ok((None, Flow::Stop))
             }
             Err(e) => {

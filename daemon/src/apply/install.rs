@@ -139,7 +139,7 @@ pub(super) fn install(
     for remote in busy {
         tracing::info!(%folder, path = %remote.path, "open for writing by another program; the remote version waits for it");
         journal.put_deferred(folder, &remote, &peer)?;
-        rt.defer(remote, peer);
+        rt.defer(remote, peer, crate::folder::Wait::Writer);
     }
     let files = changes.len();
     let touched_ignore = changes

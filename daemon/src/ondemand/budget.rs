@@ -27,8 +27,16 @@ const FETCHING: &str = "being fetched";
 /// Why a file outside the subtrees on demand is kept (D77).
 const OUTSIDE: &str = "outside the folder's on-demand subtrees (`on_demand_under`)";
 
-/// The connected peers that share a folder now.
-pub type Connected = Arc<dyn Fn(&FolderId) -> Vec<DeviceId> + Send + Sync>;
+/// The connected peers that share a folder now and hold all of it (not on demand there), with
+/// their links.
+pub type Connected = Arc<dyn Fn(&FolderId) -> Vec<Holder> + Send + Sync>;
+
+/// A connected peer that may hold what this device evicts.
+pub type Holder = (DeviceId, quinn::Connection);
+
+/// Why a file no connected peer said it holds is kept.
+const UNCONFIRMED: &str =
+    "no connected peer says it holds its content (acknowledging a version is not holding it)";
 
 /// What an eviction did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -56,7 +64,8 @@ pub struct KeptFile {
 
 /// Why `res` must stay local, if it must: pinned, outside the subtrees on demand, open,
 /// being fetched, or held by no connected peer (`acked`: what each connected peer
-/// acknowledged of this device's index).
+/// acknowledged of this device's index). A peer that passes this is then asked whether it
+/// holds the content ([`confirmed`]).
 fn keeps(res: &Resident, rt: &FolderRt, acked: &HashMap<DeviceId, u64>) -> Option<&'static str> {
     if rt.demand.pinned(&res.path) {
         return Some("pinned (`meshfs unpin` lets it go)");
@@ -82,48 +91,134 @@ fn keeps(res: &Resident, rt: &FolderRt, acked: &HashMap<DeviceId, u64>) -> Optio
     })
 }
 
-/// Evicts `candidates` in order while `more(freed)` says so, by the rules of [`keeps`].
+/// Evicts `candidates` in order while `more(freed)` says so, by the rules of [`keeps`] and
+/// only once a connected peer said it holds the content ([`confirmed`], D101). Runs on a
+/// blocking thread of the runtime (the probes are awaited there).
 fn evict_files(
     folders: &Folders,
     rt: &FolderRt,
     candidates: Vec<Resident>,
-    connected: &[DeviceId],
+    connected: &[Holder],
     more: impl Fn(u64) -> bool,
 ) -> Result<EvictReport, FolderError> {
     let acked: HashMap<DeviceId, u64> = {
         let reader = folders.reader()?;
         connected
             .iter()
-            .map(|p| Ok((*p, reader.peer_progress(&rt.id, p)?.our_acked)))
+            .map(|(p, _)| Ok((*p, reader.peer_progress(&rt.id, p)?.our_acked)))
             .collect::<Result<_, crate::journal::JournalError>>()?
     };
     let mut report = EvictReport::default();
-    for res in candidates {
-        if !more(report.freed_bytes) {
-            break;
-        }
-        if let Some(why) = keeps(&res, rt, &acked) {
-            report.kept.push(KeptFile {
-                path: res.path.as_str().to_string(),
-                why: why.to_string(),
-            });
-            continue;
-        }
-        match evict_one(folders, rt, &res) {
-            Ok(()) => {
-                report.freed_bytes += res.size;
-                report.evicted.push(res.path.as_str().to_string());
+    let mut candidates = candidates.into_iter().peekable();
+    while candidates.peek().is_some() && more(report.freed_bytes) {
+        // The next files that may go, as many as one probe asks about.
+        let mut group: Vec<(Resident, Vec<meshfs_protocol::Hash>)> = Vec::new();
+        let mut hashes = 0;
+        while hashes < meshfs_protocol::MAX_HASHES_PER_PROBE {
+            let Some(res) = candidates.next() else {
+                break;
+            };
+            if let Some(why) = keeps(&res, rt, &acked) {
+                report.kept.push(kept(&res, why.to_string()));
+                continue;
             }
-            Err(why) => report.kept.push(KeptFile {
-                path: res.path.as_str().to_string(),
-                why,
-            }),
+            let chunks = chunks_of(folders, rt, &res)?;
+            hashes += chunks.len();
+            group.push((res, chunks));
+        }
+        let held = confirmed(rt, connected, &acked, &group);
+        for ((res, _), held) in group.into_iter().zip(held) {
+            if !more(report.freed_bytes) {
+                break;
+            }
+            if !held {
+                report.kept.push(kept(&res, UNCONFIRMED.to_string()));
+                continue;
+            }
+            match evict_one(folders, rt, &res) {
+                Ok(()) => {
+                    report.freed_bytes += res.size;
+                    report.evicted.push(res.path.as_str().to_string());
+                }
+                Err(why) => report.kept.push(kept(&res, why)),
+            }
         }
     }
     let r = folders.reader()?.residency(&rt.id)?;
     report.local_bytes = r.local_bytes;
     report.cache_max = rt.policy().cache_max;
     Ok(report)
+}
+
+fn kept(res: &Resident, why: String) -> KeptFile {
+    KeptFile {
+        path: res.path.as_str().to_string(),
+        why,
+    }
+}
+
+/// The chunk hashes of the version `res` holds (none if the journal moved on: `evict_one`
+/// finds that out under the lock).
+fn chunks_of(
+    folders: &Folders,
+    rt: &FolderRt,
+    res: &Resident,
+) -> Result<Vec<meshfs_protocol::Hash>, FolderError> {
+    let stored = folders.reader()?.get(&rt.id, &res.path)?;
+    Ok(stored
+        .filter(|s| s.record.sequence == res.sequence)
+        .map(|s| s.record.chunks.iter().map(|c| c.hash).collect())
+        .unwrap_or_default())
+}
+
+/// For each file of `group` (with its chunk hashes), whether a connected peer that passes
+/// [`keeps`] for it says it holds every one of its chunks (a `Probe`, D101): an acknowledgement
+/// says the peer journaled the version, not that it has the content (it may have deferred it
+/// for a writer, skipped it, or replaced it since). Asked peer by peer, each about the files
+/// not confirmed yet; a peer that cannot be asked confirms nothing.
+fn confirmed(
+    rt: &FolderRt,
+    connected: &[Holder],
+    acked: &HashMap<DeviceId, u64>,
+    group: &[(Resident, Vec<meshfs_protocol::Hash>)],
+) -> Vec<bool> {
+    let mut held: Vec<bool> = group.iter().map(|(_, c)| c.is_empty()).collect();
+    let runtime = tokio::runtime::Handle::current();
+    for (peer, conn) in connected {
+        let ack = acked.get(peer).copied().unwrap_or(0);
+        let ask: Vec<usize> = (0..group.len())
+            .filter(|&i| {
+                let res = &group[i].0;
+                !held[i] && (res.source == Some(*peer) || ack >= res.sequence)
+            })
+            .collect();
+        if ask.is_empty() {
+            continue;
+        }
+        let mut wanted: Vec<meshfs_protocol::Hash> = ask
+            .iter()
+            .flat_map(|&i| group[i].1.iter().copied())
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let mut has = std::collections::HashSet::new();
+        for part in wanted.chunks(meshfs_protocol::MAX_HASHES_PER_PROBE) {
+            let asked = runtime.block_on(crate::chunks::probe(conn, &rt.id, part.to_vec()));
+            match asked {
+                Ok(flags) => {
+                    has.extend(part.iter().zip(flags).filter(|(_, f)| *f).map(|(h, _)| *h))
+                }
+                Err(e) => {
+                    tracing::debug!(folder = %rt.id, peer = %peer.short(), error = %e, "a peer could not be asked what it holds");
+                    break;
+                }
+            }
+        }
+        for i in ask {
+            held[i] = group[i].1.iter().all(|h| has.contains(h));
+        }
+    }
+    held
 }
 
 /// Replaces the local file `res` by a placeholder, under the folder's lock, if the journal and
@@ -185,7 +280,7 @@ const FREEING: Duration = Duration::from_secs(6);
 pub fn keep_budget(
     folders: &Folders,
     rt: &FolderRt,
-    connected: &[DeviceId],
+    connected: &[Holder],
 ) -> Result<EvictReport, FolderError> {
     let policy = rt.policy();
     if !policy.on_demand {
@@ -237,7 +332,7 @@ pub fn evict(
     folders: &Folders,
     rt: &FolderRt,
     scope: &RelPath,
-    connected: &[DeviceId],
+    connected: &[Holder],
 ) -> Result<EvictReport, FolderError> {
     let files: Vec<Resident> = folders
         .reader()?

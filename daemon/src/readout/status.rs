@@ -134,6 +134,19 @@ pub fn folder_summary(f: &Value, started_unix: u64, tz: UtcOffset) -> String {
             if writers == 1 { "waits" } else { "wait" }
         ));
     }
+    let content = u(f, "waiting_for_content");
+    if content > 0 {
+        why.push(format!(
+            "{} {} for the local version {} with to be fetched",
+            plural(content, "remote version", "remote versions"),
+            if content == 1 { "waits" } else { "wait" },
+            if content == 1 {
+                "it conflicts"
+            } else {
+                "they conflict"
+            }
+        ));
+    }
     let peers: Vec<&Value> = f["peers"].as_array().into_iter().flatten().collect();
     let up: Vec<String> = peers
         .iter()
