@@ -460,3 +460,60 @@ fn files_held_open_and_written_in_mount_b_while_a_version_arrives_keep_b_bytes()
         }
     }
 }
+
+/// B's daemon is killed while a program holds a file open for writing through its mount and
+/// others read and write beside it. Linux may then keep the file's passthrough backing open for
+/// writing for a while (seconds to minutes here, not every time), though the program closed
+/// it: a lease is refused for it, and no process has it open. Back, B tells that from a writer
+/// (D101): A's next version of the file is applied, not held back for a writer that does not
+/// exist. (`store::displace`'s unit test checks the telling apart itself.)
+#[test]
+fn a_file_held_open_through_the_mount_across_a_killed_daemon_takes_remote_versions_after_close() {
+    let t = tmp();
+    let (a, mut b) = two_mounts(&t);
+    for i in 0..8 {
+        write(&b.mnt.join(format!("g{i}")), &noise(64 << 10, i));
+    }
+    write(&b.mnt.join("held.txt"), b"first\n");
+    wait_synced(&[&a.dev, &b.dev], 30);
+    let mut held = std::fs::OpenOptions::new()
+        .read(true)
+        .append(true)
+        .open(b.mnt.join("held.txt"))
+        .unwrap();
+    held.write_all(b"held\n").unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy: Vec<_> = (0..4u64)
+        .map(|k| {
+            let (mnt, stop) = (b.mnt.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = k;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let p = mnt.join(format!("g{}", i % 8));
+                    if let Ok(mut f) = std::fs::OpenOptions::new().read(true).write(true).open(&p) {
+                        let mut buf = Vec::new();
+                        let _ = f.read_to_end(&mut buf);
+                        let _ = f.write_all(b"y");
+                    }
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    b.dev.kill();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in busy {
+        t.join().unwrap();
+    }
+    let _ = held.write_all(b"after\n");
+    drop(held);
+    b.dev.start();
+    ok(&b.dev.home, &["mount", "work", b.mnt.to_str().unwrap()]);
+    wait_synced(&[&a.dev, &b.dev], 30);
+    let theirs = noise(10 << 10, 99);
+    write(&a.dev.path("held.txt"), &theirs);
+    until("A's version of held.txt reached B", 20, || {
+        read(&b.dev.path("held.txt")).as_deref() == Some(&theirs[..])
+    });
+}

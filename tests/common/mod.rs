@@ -505,10 +505,15 @@ pub fn tree(root: &Path) -> BTreeMap<String, String> {
             {
                 continue;
             }
-            let md = std::fs::symlink_metadata(&p).unwrap();
+            // Gone since the listing (a daemon's temp file, a file replaced meanwhile): a
+            // caller that compares trees looks again.
+            let Ok(md) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
             let mode = md.permissions().mode() & 0o7777;
             let v = if md.file_type().is_symlink() {
-                format!("link {}", std::fs::read_link(&p).unwrap().display())
+                let target = std::fs::read_link(&p).unwrap_or_default();
+                format!("link {}", target.display())
             } else if md.is_dir() {
                 stack.push(p.clone());
                 format!("dir {mode:o}")
