@@ -209,12 +209,16 @@ fn has_writer(fd: &OwnedFd) -> bool {
 }
 
 /// Whether a process has the file (`dev`, `ino`) open for writing, or mapped shared and
-/// writable, by its entries in /proc; `true` when a process's entries cannot be read (nothing
-/// can be told of it: a daemon running as a user cannot read root's). A lease refused while no
-/// process writes is a write reference the kernel holds for nobody: Linux keeps the backing
-/// file of a FUSE passthrough open for writing for good when the mount's server was killed with
-/// requests in flight, and taking that for a writer held every remote version of the file back
-/// forever (the randomized on-demand run, seeds 1, 2 and 7; D101).
+/// writable, by its entries in /proc — directly, or through a FUSE mount of the folder (a
+/// mount's files have their backing files' inode numbers; a file with that number on any
+/// virtual filesystem, device major 0, counts: at worst a remote version waits for nothing);
+/// `true` when a process's entries cannot be read (nothing can be told of it: a daemon running
+/// as a user cannot read root's). A lease refused while no process writes is a write reference
+/// the kernel holds for nobody: Linux keeps the backing file of a FUSE passthrough open for
+/// writing for a while after the mount's server was killed with requests in flight, and taking
+/// that for a writer held remote versions of the file back (the randomized on-demand run,
+/// seeds 1, 2 and 7; D101). A program that still has the file open through the dead mount
+/// writes to the backing file directly: it is a writer, found by the inode number.
 fn a_process_writes(dev: libc::dev_t, ino: libc::ino_t) -> bool {
     use std::os::unix::fs::MetadataExt;
     let Ok(procs) = std::fs::read_dir("/proc") else {
@@ -240,7 +244,7 @@ fn a_process_writes(dev: libc::dev_t, ino: libc::ino_t) -> bool {
             let Ok(md) = std::fs::metadata(fd.path()) else {
                 continue;
             };
-            if md.dev() != dev || md.ino() != ino {
+            if md.ino() != ino || (md.dev() != dev && libc::major(md.dev()) != 0) {
                 continue;
             }
             let info = std::fs::read_to_string(format!(
@@ -262,7 +266,7 @@ fn a_process_writes(dev: libc::dev_t, ino: libc::ino_t) -> bool {
         let mapped = maps.lines().any(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
             f.len() >= 5
-                && f[3] == dev_hex
+                && (f[3] == dev_hex || f[3].starts_with("00:"))
                 && f[4] == ino_text
                 && f[1].contains('w')
                 && f[1].contains('s')
