@@ -948,16 +948,8 @@ fn a_change_only_another_on_demand_device_has_acknowledged_is_not_evicted_and_ge
     // 200 small files: content a batch would attach to its records (≤ 64 KiB a file).
     let files = numbered(200, |i| (format!("s/f{i:03}"), noise(8 << 10, 1000 + i)));
     let mut od = setup(&t, &listed(&files), None);
-    // C: a second on-demand device, sharing with A and B.
-    let mut c = Device::new(&t, "c");
-    ok(&c.home, &["folder", "set", "work", "--on-demand"]);
-    pair(&od.a, &c);
-    pair(&od.b, &c);
-    // A restarts to take C (its config changed); C starts.
-    od.a.stop();
-    od.a.start();
-    c.start();
-    in_sync(&c, 60);
+    // C: a second on-demand device.
+    let mut c = third(&t, &mut od, &["--on-demand"]);
     // The small files reached C without their content attached: C's hello said it keeps only
     // part of the folder (D99), so their 1.6 MB would only be dropped for placeholders.
     let got = received(&c);
@@ -1213,14 +1205,8 @@ fn a_conflict_with_a_version_not_local_here_whose_holder_overwrote_it_ends_in_on
 {
     let t = tmp();
     let mut od = setup(&t, &[("f.txt", noise(40 << 10, 90), 0o644)], None);
-    // C: a full device, sharing with A and B; A restarts to take it.
-    let mut c = Device::new(&t, "c");
-    pair(&od.a, &c);
-    pair(&od.b, &c);
-    od.a.stop();
-    od.a.start();
-    c.start();
-    in_sync(&c, 60);
+    // C: a full device.
+    let mut c = third(&t, &mut od, &[]);
     in_sync(&od.b, 60);
     let t0 = Instant::now();
     while std::fs::read(c.path("f.txt")).ok() != Some(noise(40 << 10, 90)) {
@@ -1283,6 +1269,24 @@ fn a_conflict_with_a_version_not_local_here_whose_holder_overwrote_it_ends_in_on
         std::thread::sleep(Duration::from_millis(250));
     }
     c.stop();
+}
+
+/// C, sharing with A and B (`meshfs folder set work SET...` first, if any), started and in sync;
+/// A restarted to take it (its config changed).
+fn third(t: &std::sync::Arc<tempfile::TempDir>, od: &mut OnDemand, set_args: &[&str]) -> Device {
+    let mut c = Device::new(t, "c");
+    if !set_args.is_empty() {
+        let mut set = vec!["folder", "set", "work"];
+        set.extend(set_args);
+        ok(&c.home, &set);
+    }
+    pair(&od.a, &c);
+    pair(&od.b, &c);
+    od.a.stop();
+    od.a.start();
+    c.start();
+    in_sync(&c, 60);
+    c
 }
 
 /// Waits until `d`'s journal holds a version of `path` of `size` bytes.
