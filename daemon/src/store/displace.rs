@@ -241,10 +241,13 @@ fn a_process_writes(dev: libc::dev_t, ino: libc::ino_t) -> bool {
             Err(_) => return true,
         };
         for fd in fds.flatten() {
-            let Ok(md) = std::fs::metadata(fd.path()) else {
-                continue;
-            };
-            if md.ino() != ino || (md.dev() != dev && libc::major(md.dev()) != 0) {
+            // A file on a dead FUSE mount cannot be stat'ed (its server is gone): fdinfo below
+            // still names its inode.
+            let stat = std::fs::metadata(fd.path());
+            if stat
+                .as_ref()
+                .is_ok_and(|md| md.ino() != ino || (md.dev() != dev && libc::major(md.dev()) != 0))
+            {
                 continue;
             }
             let info = std::fs::read_to_string(format!(
@@ -252,10 +255,16 @@ fn a_process_writes(dev: libc::dev_t, ino: libc::ino_t) -> bool {
                 fd.file_name().to_string_lossy()
             ))
             .unwrap_or_default();
-            let flags = info
-                .lines()
-                .find_map(|l| l.strip_prefix("flags:"))
-                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok());
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .map(str::trim)
+            };
+            // Closed meanwhile, or (stat failed) another inode.
+            if info.is_empty() || field("ino:").is_some_and(|i| i != ino_text) {
+                continue;
+            }
+            let flags = field("flags:").and_then(|f| u32::from_str_radix(f, 8).ok());
             // O_WRONLY or O_RDWR (or unreadable: counted as a writer).
             if flags.is_none_or(|f| f & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32) {
                 return true;
