@@ -217,8 +217,10 @@ fn has_writer(fd: &OwnedFd) -> bool {
 /// the kernel holds for nobody: Linux keeps the backing file of a FUSE passthrough open for
 /// writing for a while after the mount's server was killed with requests in flight, and taking
 /// that for a writer held remote versions of the file back (the randomized on-demand run,
-/// seeds 1, 2 and 7; D101). A program that still has the file open through the dead mount
-/// writes to the backing file directly: it is a writer, found by the inode number.
+/// seeds 1, 2 and 7; D101). A program that still has a file open for writing through the
+/// dead mount writes to its backing file directly: while one does, every refused lease counts
+/// (which file it holds cannot be told: it cannot be stat'ed, and its inode number may be that
+/// of a placeholder the file replaced).
 fn a_process_writes(dev: libc::dev_t, ino: libc::ino_t) -> bool {
     use std::os::unix::fs::MetadataExt;
     let Ok(procs) = std::fs::read_dir("/proc") else {
@@ -241,30 +243,31 @@ fn a_process_writes(dev: libc::dev_t, ino: libc::ino_t) -> bool {
             Err(_) => return true,
         };
         for fd in fds.flatten() {
-            // A file on a dead FUSE mount cannot be stat'ed (its server is gone): fdinfo below
-            // still names its inode.
-            let stat = std::fs::metadata(fd.path());
-            if stat
-                .as_ref()
-                .is_ok_and(|md| md.ino() != ino || (md.dev() != dev && libc::major(md.dev()) != 0))
-            {
-                continue;
+            match std::fs::metadata(fd.path()) {
+                Ok(md) if md.ino() != ino || (md.dev() != dev && libc::major(md.dev()) != 0) => {
+                    continue
+                }
+                // The file, or a mount's file with its number.
+                Ok(_) => {}
+                // Closed meanwhile.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                // A file on a dead FUSE mount cannot be stat'ed (its server is gone), and its
+                // inode number may be a replaced placeholder's: which file it is cannot be
+                // told, so any writer there counts.
+                Err(_) => {}
             }
             let info = std::fs::read_to_string(format!(
                 "/proc/{pid}/fdinfo/{}",
                 fd.file_name().to_string_lossy()
             ))
             .unwrap_or_default();
-            let field = |name: &str| {
-                info.lines()
-                    .find_map(|l| l.strip_prefix(name))
-                    .map(str::trim)
-            };
-            // Closed meanwhile, or (stat failed) another inode.
-            if info.is_empty() || field("ino:").is_some_and(|i| i != ino_text) {
+            if info.is_empty() {
                 continue;
             }
-            let flags = field("flags:").and_then(|f| u32::from_str_radix(f, 8).ok());
+            let flags = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|f| u32::from_str_radix(f.trim(), 8).ok());
             // O_WRONLY or O_RDWR (or unreadable: counted as a writer).
             if flags.is_none_or(|f| f & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32) {
                 return true;
