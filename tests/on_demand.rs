@@ -1343,3 +1343,32 @@ fn a_version_a_peer_acknowledged_without_its_content_is_not_evicted_until_the_pe
     assert_eq!(r["evicted"], serde_json::json!(["f.txt"]), "{r}");
     assert_eq!(std::fs::read(od.mnt.join("f.txt")).unwrap(), mine);
 }
+
+/// A file not local, truncated to nothing through B's mount (no fetch: its content is known)
+/// and written again: the same inode holds B's content now, and A gets it (the placeholder's
+/// row went when the scan read it as content; kept, it hid the chunks from A's requests, D101).
+#[test]
+fn a_placeholder_truncated_and_written_through_the_mount_is_served_to_peers() {
+    let t = tmp();
+    let od = setup(&t, &[("t.txt", noise(30 << 10, 80), 0o644)], None);
+    let p = od.mnt.join("t.txt");
+    assert_eq!(state(&p), "online");
+    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path, valid for the call.
+    let truncated = unsafe { libc::truncate(c.as_ptr(), 0) };
+    assert_eq!(truncated, 0, "{}", std::io::Error::last_os_error());
+    // Over the 64 KiB a batch carries inline: A asks B for its chunks.
+    let mine = noise(300 << 10, 81);
+    let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+    std::io::Write::write_all(&mut f, &mine).unwrap();
+    drop(f);
+    let t0 = Instant::now();
+    while std::fs::read(od.a.path("t.txt")).ok().as_deref() != Some(&mine[..]) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "A never got B's content\n{}",
+            od.a.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -858,6 +858,7 @@ impl Folders {
                         report.restat.extend(more.restat);
                         report.unread.extend(more.unread);
                         report.placeholders.extend(more.placeholders);
+                        report.contents.extend(more.contents);
                     }
                 }
                 report
@@ -874,6 +875,7 @@ impl Folders {
         let local = rt.local_files(&report.changes);
         commit_in_batches(&mut j, folder, report.changes)?;
         j.mark_absent(folder, &report.placeholders)?;
+        j.mark_present(folder, &report.contents)?;
         rt.local_committed(local);
         if report.entries > 10_000 {
             j.release_memory();

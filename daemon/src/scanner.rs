@@ -39,6 +39,9 @@ pub struct ScanReport {
     /// Inodes of placeholders found standing for their record's content (files on demand,
     /// D90): the journal notes them as not local.
     pub placeholders: Vec<u64>,
+    /// Inodes of files read for their content: not placeholders (any more: a placeholder
+    /// truncated to nothing through the mount and written is local content in the same inode).
+    pub contents: Vec<u64>,
 }
 
 /// What reading a file for its content found.
@@ -752,6 +755,7 @@ fn add_hashed(
         let content = match read {
             None => None,
             Some(Read::Content(c)) => {
+                report.contents.push(job.local.inode);
                 report.hashed_files += 1;
                 report.hashed_bytes += c.size;
                 Some(c)

@@ -97,6 +97,38 @@ impl Journal {
         })
     }
 
+    /// Notes that the files with these inodes hold their content (read as such by a scan):
+    /// rows of placeholders they were are dropped (D101).
+    pub fn mark_present(&mut self, folder: &FolderId, inodes: &[u64]) -> Result<()> {
+        if inodes.is_empty() {
+            return Ok(());
+        }
+        // Most folders hold no placeholder: one read, no write transaction.
+        let any: bool = self.read(|c| {
+            let Some((key, _)) = lookup_folder(c, folder)? else {
+                return Ok(false);
+            };
+            Ok(
+                c.prepare_cached("SELECT EXISTS (SELECT 1 FROM absent WHERE folder = ?1)")?
+                    .query_row([key], |r| r.get(0))?,
+            )
+        })?;
+        if !any {
+            return Ok(());
+        }
+        self.write(|tx| {
+            let Some((key, _)) = lookup_folder(tx, folder)? else {
+                return Ok(());
+            };
+            let mut st =
+                tx.prepare_cached("DELETE FROM absent WHERE folder = ?1 AND inode = ?2")?;
+            for i in inodes {
+                st.execute(params![key, to_i64(*i)])?;
+            }
+            Ok(())
+        })
+    }
+
     /// The content of `path` is here now, in the file `local` (which replaced the placeholder
     /// with inode `was`): its record's local stat, and the placeholder's row gone, in one
     /// transaction.
