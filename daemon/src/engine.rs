@@ -283,10 +283,10 @@ impl Engine {
             };
             let rt = rt.clone();
             tokio::spawn(async move {
-                if waiting.wait == crate::folder::Wait::Content {
+                if let crate::folder::Wait::Content(local) = &waiting.wait {
                     let peers = engine.ondemand_peers();
                     let fetched =
-                        crate::ondemand::make_local(&engine.folders, &rt, &peers, &path, 0).await;
+                        crate::ondemand::make_local(&engine.folders, &rt, &peers, local, 0).await;
                     if let Err(f) = fetched {
                         tracing::info!(%folder, %path, error = %f.why, failed = waiting.failed + 1, "the local version a remote one conflicts with cannot be fetched yet; tried again later");
                         rt.defer_again(waiting, DEFERRED_RETRY);
@@ -923,8 +923,8 @@ impl Engine {
                     local: LocalWork {
                         capture_pending: rt.capture_pending.load(relaxed),
                         scanning: rt.scanning.load(relaxed),
-                        waiting_for_writers: rt.deferred_for(crate::folder::Wait::Writer),
-                        waiting_for_content: rt.deferred_for(crate::folder::Wait::Content),
+                        waiting_for_writers: rt.deferred_for(false),
+                        waiting_for_content: rt.deferred_for(true),
                         blocked: rt.blocked(),
                         invalidations_pending: mount
                             .as_ref()

@@ -272,14 +272,14 @@ pub struct Deferred {
 const CONTENT_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(8);
 
 /// What a deferred remote version waits for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Wait {
     /// Its path's writers (through the mount, or another program) to let go.
     Writer,
-    /// Its path holds a placeholder that the conflict with it must keep as a sibling: the
-    /// content is fetched first, so that the sibling never names content no peer may still
-    /// hold (D101).
-    Content,
+    /// A placeholder at this path (the version's own, or an ancestor's where a directory must
+    /// be) is what the conflict with it must keep as a sibling: its content is fetched first,
+    /// so that the sibling never names content no peer may still hold (D101).
+    Content(RelPath),
 }
 
 impl FolderRt {
@@ -431,7 +431,7 @@ impl FolderRt {
     pub fn defer_again(&self, mut w: Deferred, first: std::time::Duration) {
         if let Ok(mut d) = self.deferred.lock() {
             let mut wait = first * (1 << w.failed.min(8));
-            if w.wait == Wait::Content {
+            if matches!(w.wait, Wait::Content(_)) {
                 wait = wait.min(CONTENT_RETRY_MAX);
             }
             w.not_before = Some(Instant::now() + wait);
@@ -563,7 +563,11 @@ impl FolderRt {
         let mut out: Vec<(RelPath, DeviceId, Wait)> = self
             .deferred
             .lock()
-            .map(|d| d.iter().map(|(p, w)| (p.clone(), w.peer, w.wait)).collect())
+            .map(|d| {
+                d.iter()
+                    .map(|(p, w)| (p.clone(), w.peer, w.wait.clone()))
+                    .collect()
+            })
             .unwrap_or_default();
         out.sort();
         out
@@ -581,11 +585,13 @@ impl FolderRt {
         self.deferred.lock().map_or(0, |d| d.len())
     }
 
-    /// Remote versions waiting for `what`.
-    pub fn deferred_for(&self, what: Wait) -> usize {
-        self.deferred
-            .lock()
-            .map_or(0, |d| d.values().filter(|w| w.wait == what).count())
+    /// Remote versions waiting for content (`true`) or for writers (`false`).
+    pub fn deferred_for(&self, content: bool) -> usize {
+        self.deferred.lock().map_or(0, |d| {
+            d.values()
+                .filter(|w| matches!(w.wait, Wait::Content(_)) == content)
+                .count()
+        })
     }
 
     /// Takes the deferred versions whose paths no longer have a writer and whose peer is

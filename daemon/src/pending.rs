@@ -141,7 +141,7 @@ pub fn of_folder(
             from: from.to_string(),
             waits_for: match wait {
                 crate::folder::Wait::Writer => "writer",
-                crate::folder::Wait::Content => "content",
+                crate::folder::Wait::Content(_) => "content",
             },
         }),
     );

@@ -522,7 +522,8 @@ impl Deciding<'_> {
             return Ok(false);
         }
         tracing::info!(folder = %self.folder, path = %remote.path, local = %from, "a conflict with a file that is not local here: its content is fetched before the remote version is applied");
-        self.defer(remote, Wait::Content)?;
+        let from = from.clone();
+        self.defer(remote, Wait::Content(from))?;
         Ok(true)
     }
 
