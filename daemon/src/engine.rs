@@ -283,7 +283,16 @@ impl Engine {
             };
             let rt = rt.clone();
             tokio::spawn(async move {
-                if let crate::folder::Wait::Content(local) = &waiting.wait {
+                // Still a placeholder (it may have been deleted or replaced meanwhile: then
+                // the version is simply decided again).
+                let fetch = match &waiting.wait {
+                    crate::folder::Wait::Content(local) => rt
+                        .store
+                        .placeholder_at(&mut crate::store::DirCache::default(), local)
+                        .map(|_| local.clone()),
+                    crate::folder::Wait::Writer => None,
+                };
+                if let Some(local) = &fetch {
                     let peers = engine.ondemand_peers();
                     let fetched =
                         crate::ondemand::make_local(&engine.folders, &rt, &peers, local, 0).await;
