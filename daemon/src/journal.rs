@@ -1149,8 +1149,9 @@ impl Journal {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(());
             };
+            let placeholders = any_absent(tx, key)?;
             for (path, l) in items {
-                set_local(tx, key, path, l)?;
+                set_local(tx, key, path, l, placeholders)?;
             }
             Ok(())
         })
@@ -1705,6 +1706,7 @@ struct Commit<'c> {
     add_chunk: CachedStatement<'c>,
     drop_pending: CachedStatement<'c>,
     any_pending: bool,
+    any_absent: bool,
     keep_version: CachedStatement<'c>,
     /// The folder has local changes not sent (receive-only): a peer's version ends one.
     any_local_only: bool,
@@ -1811,6 +1813,8 @@ impl<'c> Commit<'c> {
             any_pending: tx
                 .prepare_cached("SELECT EXISTS (SELECT 1 FROM pending WHERE folder = ?1)")?
                 .query_row([key], |r| r.get(0))?,
+            // Folders on demand only: when no placeholder is listed, no probe per change.
+            any_absent: any_absent(tx, key)?,
             keep_version: tx.prepare_cached(KEEP_VERSION)?,
             any_local_only: tx
                 .prepare_cached("SELECT EXISTS (SELECT 1 FROM local_only WHERE folder = ?1)")?
@@ -1847,7 +1851,11 @@ impl<'c> Commit<'c> {
         }
         self.tally.add(rec.kind, rec.deleted, rec.size);
         let record_id = self.write_record(&encoded, existing.as_ref())?;
-        if let Some(was) = existing.as_ref().and_then(|e| e.local_inode) {
+        if let Some(was) = existing
+            .as_ref()
+            .and_then(|e| e.local_inode)
+            .filter(|_| self.any_absent)
+        {
             let now = change.local.map(|l| to_i64(l.inode));
             if now.is_some_and(|n| n != was) || rec.deleted || rec.kind != FileKind::File {
                 self.left.push(was);
@@ -2053,12 +2061,23 @@ fn chunk_location(folder: FolderId, r: &rusqlite::Row<'_>, first: usize) -> Resu
 }
 
 /// Records `l` as what `path`'s file is on disk (the stat a scan compares with).
-fn set_local(tx: &Connection, key: i64, path: &RelPath, l: &LocalStat) -> Result<()> {
-    let was: Option<i64> = tx
-        .prepare_cached("SELECT local_inode FROM records WHERE folder = ?1 AND path = ?2")?
-        .query_row(params![key, path.as_str()], |r| r.get(0))
-        .optional()?
-        .flatten();
+/// Sets the record's local stat; `placeholders`: the folder lists placeholders, so the inode
+/// the record named before loses its row ([`forget_absent`]).
+fn set_local(
+    tx: &Connection,
+    key: i64,
+    path: &RelPath,
+    l: &LocalStat,
+    placeholders: bool,
+) -> Result<()> {
+    let was: Option<i64> = if placeholders {
+        tx.prepare_cached("SELECT local_inode FROM records WHERE folder = ?1 AND path = ?2")?
+            .query_row(params![key, path.as_str()], |r| r.get(0))
+            .optional()?
+            .flatten()
+    } else {
+        None
+    };
     tx.prepare_cached(
         "UPDATE records SET local_inode = ?3, local_size = ?4, local_mtime_ns = ?5, \
          local_ctime_ns = ?6, local_mode = ?7 WHERE folder = ?1 AND path = ?2",
@@ -2076,6 +2095,14 @@ fn set_local(tx: &Connection, key: i64, path: &RelPath, l: &LocalStat) -> Result
         forget_absent(tx, key, was)?;
     }
     Ok(())
+}
+
+/// Whether the folder `key` lists any placeholder (most folders: none).
+pub(crate) fn any_absent(c: &Connection, key: i64) -> Result<bool> {
+    Ok(
+        c.prepare_cached("SELECT EXISTS (SELECT 1 FROM absent WHERE folder = ?1)")?
+            .query_row([key], |r| r.get(0))?,
+    )
 }
 
 /// Drops the placeholder row of `inode`, which a record named until now, unless a live record

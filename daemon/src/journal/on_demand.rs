@@ -104,14 +104,9 @@ impl Journal {
             return Ok(());
         }
         // Most folders hold no placeholder: one read, no write transaction.
-        let any: bool = self.read(|c| {
-            let Some((key, _)) = lookup_folder(c, folder)? else {
-                return Ok(false);
-            };
-            Ok(
-                c.prepare_cached("SELECT EXISTS (SELECT 1 FROM absent WHERE folder = ?1)")?
-                    .query_row([key], |r| r.get(0))?,
-            )
+        let any: bool = self.read(|c| match lookup_folder(c, folder)? {
+            Some((key, _)) => super::any_absent(c, key),
+            None => Ok(false),
         })?;
         if !any {
             return Ok(());
@@ -143,7 +138,7 @@ impl Journal {
             let Some((key, _)) = lookup_folder(tx, folder)? else {
                 return Ok(());
             };
-            set_local(tx, key, path, &local)?;
+            set_local(tx, key, path, &local, false)?;
             tx.prepare_cached("DELETE FROM absent WHERE folder = ?1 AND inode = ?2")?
                 .execute(params![key, to_i64(was)])?;
             Ok(())
@@ -160,7 +155,7 @@ impl Journal {
     ) -> Result<()> {
         self.write(|tx| {
             let (key, _) = ensure_folder(tx, folder)?;
-            set_local(tx, key, path, &local)?;
+            set_local(tx, key, path, &local, false)?;
             mark(tx, key, &[local.inode])
         })
     }
