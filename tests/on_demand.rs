@@ -1271,6 +1271,78 @@ fn a_conflict_with_a_version_not_local_here_whose_holder_overwrote_it_ends_in_on
     c.stop();
 }
 
+/// B changes the mode of a file that is not local (a version with V1's content only B has
+/// made); A, apart, overwrites V1: V1's content is held nowhere now, and no version A makes
+/// descends from B's. Back together, A's version conflicts with B's, whose sibling would need
+/// that content: B fetches it in vain, asks A, which says it does not hold it, and takes A's
+/// version instead of waiting for good (D103). One tree on both, no sibling naming content
+/// that exists nowhere, and `status` says what was not kept.
+#[test]
+fn a_conflict_with_a_version_not_local_here_whose_content_no_device_holds_takes_the_remote_version()
+{
+    let t = tmp();
+    let mut od = setup(&t, &[("f.txt", noise(40 << 10, 94), 0o644)], None);
+    assert!(is_placeholder(&od.b.path("f.txt")));
+    od.a.stop();
+    std::fs::set_permissions(od.mnt.join("f.txt"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let t0 = Instant::now();
+    while od
+        .b
+        .journal(&["--path", "f.txt"])
+        .last()
+        .map(|e| e["mode"].clone())
+        != Some("600".into())
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "B never journaled the mode\n{}",
+            od.b.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        is_placeholder(&od.b.path("f.txt")),
+        "a chmod fetched the file"
+    );
+    ok(&od.b.home, &["unmount", "work"]);
+    od.b.stop();
+    od.a.start();
+    write(&od.a.path("f.txt"), &noise(43 << 10, 95));
+    journaled(&od.a, "f.txt", 43 << 10);
+    od.b.start();
+    ok(&od.b.home, &["mount", "work", od.mnt.to_str().unwrap()]);
+    let t0 = Instant::now();
+    loop {
+        in_sync(&od.a, 30);
+        in_sync(&od.b, 30);
+        let (ta, tb) = (tree(&od.a.dir), tree(&od.mnt));
+        if ta == tb && ta.len() == 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(40),
+            "not one tree:\nA {ta:?}\nB {tb:?}\n{}",
+            od.b.log()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(
+        std::fs::read(od.mnt.join("f.txt")).unwrap(),
+        noise(43 << 10, 95)
+    );
+    let status = od.b.status();
+    let folder = &status["folders"][0];
+    assert_eq!(folder["waiting_for_content"], 0);
+    let said = folder["last_error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        said.contains("no device sharing the folder holds its content"),
+        "status does not say what was not kept: {said}"
+    );
+}
+
 /// C, sharing with A and B (`meshfs folder set work SET...` first, if any), started and in sync;
 /// A restarted to take it (its config changed).
 fn third(t: &std::sync::Arc<tempfile::TempDir>, od: &mut OnDemand, set_args: &[&str]) -> Device {

@@ -126,6 +126,25 @@ enum Asked {
     Probe(meshfs_protocol::Probe),
 }
 
+/// For each of `hashes` (chunks of `rt`'s folder), whether this device would answer a chunk
+/// request for it with data now: a located chunk of a file whose content is local, or the
+/// vault's. Blocking (the journal).
+pub fn held_here(folders: &Folders, rt: &FolderRt, hashes: &[Hash]) -> Vec<bool> {
+    let located = match folders.journal_lock() {
+        Ok(mut j) => j.find_chunks(&rt.id, hashes),
+        Err(_) => Vec::new(),
+    };
+    let kept = rt
+        .vault()
+        .and_then(|v| v.has(hashes).ok())
+        .unwrap_or_default();
+    (0..hashes.len())
+        .map(|i| {
+            located.get(i).is_some_and(|l| !l.is_empty()) || kept.get(i).copied().unwrap_or(false)
+        })
+        .collect()
+}
+
 /// Answers a probe: for each hash, whether a chunk request for it would be answered with data
 /// now (a located chunk of a file whose content is local, or the vault's), without reading it.
 async fn answer_probe(
@@ -135,24 +154,9 @@ async fn answer_probe(
     mut send: quinn::SendStream,
 ) -> Result<(), ServeError> {
     let folders = folders.clone();
-    let held = tokio::task::spawn_blocking(move || {
-        let located = match folders.journal_lock() {
-            Ok(mut j) => j.find_chunks(&probe.folder, &probe.hashes),
-            Err(_) => Vec::new(),
-        };
-        let kept = rt
-            .vault()
-            .and_then(|v| v.has(&probe.hashes).ok())
-            .unwrap_or_default();
-        (0..probe.hashes.len())
-            .map(|i| {
-                located.get(i).is_some_and(|l| !l.is_empty())
-                    || kept.get(i).copied().unwrap_or(false)
-            })
-            .collect::<Vec<bool>>()
-    })
-    .await
-    .map_err(|e| ServeError::Link(e.to_string()))?;
+    let held = tokio::task::spawn_blocking(move || held_here(&folders, &rt, &probe.hashes))
+        .await
+        .map_err(|e| ServeError::Link(e.to_string()))?;
     tokio::time::timeout(
         RESPONSE_WRITE_TIMEOUT,
         transport::write_message(&mut send, &Message::Held(meshfs_protocol::Held { held })),

@@ -297,9 +297,28 @@ impl Engine {
                     let fetched =
                         crate::ondemand::make_local(&engine.folders, &rt, &peers, local, 0).await;
                     if let Err(f) = fetched {
-                        tracing::info!(%folder, %path, error = %f.why, failed = waiting.failed + 1, "the local version a remote one conflicts with cannot be fetched yet; tried again later");
-                        rt.defer_again(waiting, DEFERRED_RETRY);
-                        return;
+                        // After a few tries, ask whether any device still holds it (D103).
+                        let lost = if waiting.failed + 1 >= LOST_AFTER_TRIES {
+                            let (links, sharing) = engine.sharing(&folder);
+                            crate::ondemand::lost::held_nowhere(
+                                &engine.folders,
+                                &rt,
+                                links,
+                                sharing,
+                                local,
+                            )
+                            .await
+                        } else {
+                            None
+                        };
+                        let Some(version) = lost else {
+                            tracing::info!(%folder, %path, error = %f.why, failed = waiting.failed + 1, "the local version a remote one conflicts with cannot be fetched yet; tried again later");
+                            rt.defer_again(waiting, DEFERRED_RETRY);
+                            return;
+                        };
+                        tracing::warn!(%folder, %path, local = %local, %version, "the local version a remote one conflicts with is held by no device sharing the folder (every one is connected and says so): it is not kept; the remote version is applied");
+                        rt.last_error.set(format_args!("{local}: the version here ({version}) was not local and no device sharing the folder holds its content any more; the remote version of {path} replaced it"));
+                        rt.mark_lost(local.clone(), version);
                     }
                 }
                 let source = crate::apply::Receiver::new_source();
@@ -421,6 +440,18 @@ impl Engine {
             };
             links_sharing(&net, &config, folder)
         })
+    }
+
+    /// The connected peers sharing `folder`, and how many peers the config shares it with.
+    fn sharing(&self, folder: &FolderId) -> (Vec<(DeviceId, quinn::Connection)>, usize) {
+        let links = links_sharing(&self.net, &self.config, folder);
+        let config = self.config.read().unwrap_or_else(|p| p.into_inner());
+        let sharing = config
+            .peers
+            .iter()
+            .filter(|p| p.folders.contains(folder))
+            .count();
+        (links, sharing)
     }
 
     /// The connected peers that may be counted as holding a folder's content, asked at each
@@ -1284,6 +1315,11 @@ fn publish_count(rt: &FolderRt, n: usize) {
 /// How long a deferred remote version whose apply failed first waits before it is tried again
 /// (doubled at each further failure).
 const DEFERRED_RETRY: Duration = Duration::from_secs(2);
+
+/// A local version a remote one conflicts with that could not be fetched this many times is
+/// looked for on every device sharing the folder (D103): a holder may have been installing it,
+/// or not yet connected, at the first tries.
+const LOST_AFTER_TRIES: u32 = 3;
 
 /// How long starting a folder waits for its first scan before going on while it runs.
 const FIRST_SCAN_WAIT: Duration = Duration::from_millis(250);

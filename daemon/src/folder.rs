@@ -106,6 +106,9 @@ pub struct FolderRt {
     /// Remote versions waiting for a path's writer through the mount to let go, with the
     /// peer each came from (the newest per path).
     deferred: Ranked<HashMap<RelPath, Deferred>>,
+    /// Placeholders whose content no device sharing the folder holds any more, by path, with
+    /// the version: a conflict does not keep them (D103).
+    lost: Ranked<HashMap<RelPath, meshfs_protocol::VersionVector>>,
     /// Why receiving into this folder is stopped (the disk is full), if it is.
     blocked: Ranked<Option<String>>,
     /// Remote versions that cannot be applied here, by path, with the error: skipped so the
@@ -307,6 +310,7 @@ impl FolderRt {
             mount_slot: slot,
             mount: Ranked::new(Rank::Leaf, "mount", None),
             deferred: Ranked::new(Rank::Leaf, "deferred", HashMap::new()),
+            lost: Ranked::new(Rank::Leaf, "lost", HashMap::new()),
             blocked: Ranked::new(Rank::Leaf, "blocked", None),
             skipped: Ranked::new(Rank::Leaf, "skipped", Skipped::default()),
             unreadable: Ranked::new(Rank::Leaf, "unreadable", Default::default()),
@@ -571,6 +575,29 @@ impl FolderRt {
             .unwrap_or_default();
         out.sort();
         out
+    }
+
+    /// The version `version` of the placeholder at `path` has content no device sharing the
+    /// folder holds any more (every one connected said so, D103): a conflict replaces it
+    /// instead of keeping it as a sibling.
+    pub fn mark_lost(&self, path: RelPath, version: meshfs_protocol::VersionVector) {
+        if let Ok(mut l) = self.lost.lock() {
+            l.insert(path, version);
+        }
+    }
+
+    /// Whether the version `version` at `path` was found lost ([`Self::mark_lost`]).
+    pub fn is_lost(&self, path: &RelPath, version: &meshfs_protocol::VersionVector) -> bool {
+        self.lost
+            .lock()
+            .is_ok_and(|l| l.get(path).is_some_and(|v| v == version))
+    }
+
+    /// Forgets the mark of `path` once the conflict that needed it is decided.
+    pub fn forget_lost(&self, path: &RelPath) {
+        if let Ok(mut l) = self.lost.lock() {
+            l.remove(path);
+        }
     }
 
     /// Whether `remote` itself waits for a writer (deferred again after being taken).

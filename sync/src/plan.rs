@@ -163,6 +163,44 @@ pub struct Plan {
     pub steps: Vec<Planned>,
 }
 
+impl Plan {
+    /// The plan without the steps that keep the local content of `from` as a conflict
+    /// sibling: a local version whose content no device holds any more cannot be kept (its
+    /// sibling would name content nobody can fetch); whatever replaces it at `from` is made as
+    /// planned. The other steps' waits follow their steps; a plan left keeping no loser is no
+    /// conflict of its own.
+    pub fn without_keeping(self, from: &RelPath) -> Plan {
+        let dropped =
+            |s: &Planned| matches!(&s.step, Step::PreserveLocal { from: f, .. } if f == from);
+        let mut index = Vec::with_capacity(self.steps.len());
+        let mut kept = 0;
+        for s in &self.steps {
+            index.push((!dropped(s)).then_some(kept));
+            kept += usize::from(!dropped(s));
+        }
+        let steps: Vec<Planned> = self
+            .steps
+            .into_iter()
+            .filter(|s| !dropped(s))
+            .map(|mut s| {
+                s.after = s.after.and_then(|i| index.get(i).copied().flatten());
+                s
+            })
+            .collect();
+        let keeps_a_loser = steps.iter().any(|s| {
+            matches!(
+                s.step,
+                Step::PreserveLocal { .. } | Step::PreserveRemote { .. }
+            )
+        });
+        Plan {
+            outcome: self.outcome,
+            conflict: self.conflict.filter(|_| keeps_a_loser),
+            steps,
+        }
+    }
+}
+
 /// Plans what this replica does with `remote`, a peer's record.
 pub fn plan(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Plan, ReadError> {
     plan_decision(view, remote, reconcile::decide(view, remote)?)
@@ -216,9 +254,11 @@ fn plan_decision(
                 };
                 (disk, op)
             }
+            // A file or symlink standing where the directory must be was kept as a sibling
+            // first (a link to its content), or its content is gone (`without_keeping`).
             Step::ReviveDir { .. } => (
                 Disk::MakeDir {
-                    replace_file: false,
+                    replace_file: live_prev.is_some_and(|p| p.kind != FileKind::Dir),
                 },
                 Op::Create,
             ),
@@ -443,6 +483,91 @@ mod tests {
     fn a_journal_that_cannot_be_read_gives_no_plan() {
         let r = file("a", 1, 1, b"x");
         assert_eq!(plan(&Broken, &r), Err(ReadError("disk I/O error".into())));
+    }
+
+    #[test]
+    fn a_local_loser_whose_content_is_gone_is_not_kept_and_the_rest_stands() {
+        let base = VersionVector::new().incremented(ShortId(9), 1);
+        let mut l = file("a", 1, 1, b"local");
+        l.version = base.incremented(ShortId(1), 1);
+        let mut r = file("a", 2, 5, b"remote");
+        r.version = base.incremented(ShortId(2), 1);
+        let p = plan(&view(&[&l]), &r).unwrap();
+        assert_eq!(p.conflict, Some(false));
+        let resolution = p.steps[1].record().clone();
+        let p = p.without_keeping(&RelPath::new("a").unwrap());
+        assert_eq!(p.conflict, None, "no loser kept: no conflict of its own");
+        assert_eq!(p.steps.len(), 1);
+        assert_eq!(p.steps[0].disk, Disk::Content);
+        assert_eq!(p.steps[0].record(), &resolution);
+        // A file where a directory must be, its remote loser kept too: the waits follow.
+        let mut d = file("a/x", 2, 5, b"child");
+        d.version = VersionVector::new().incremented(ShortId(2), 2);
+        let p = plan(&view(&[&l]), &d).unwrap();
+        assert!(matches!(p.steps[0].step, Step::PreserveLocal { .. }));
+        let n = p.steps.len();
+        let p = p.without_keeping(&RelPath::new("a").unwrap());
+        assert_eq!(p.steps.len(), n - 1);
+        assert!(p
+            .steps
+            .iter()
+            .all(|s| !matches!(s.step, Step::PreserveLocal { .. })));
+        assert!(matches!(
+            p.steps[0].disk,
+            Disk::MakeDir { replace_file: true }
+        ));
+        // Another path's loser is not touched.
+        let p = plan(&view(&[&l]), &r).unwrap();
+        assert_eq!(p.clone().without_keeping(&RelPath::new("b").unwrap()), p);
+    }
+
+    #[test]
+    fn a_dropped_step_moves_the_waits_of_the_steps_after_it() {
+        // A remote loser's content (index 1) and the winner waiting for it (index 2), after
+        // a local loser at an ancestor (index 0).
+        let base = VersionVector::new().incremented(ShortId(9), 1);
+        let step = |step: Step, disk: Disk, after| Planned {
+            step,
+            disk,
+            op: Op::Create,
+            from_peer: false,
+            pending_first: false,
+            after,
+        };
+        let mut f = file("a", 1, 1, b"x");
+        f.version = base.clone();
+        let p = Plan {
+            outcome: Outcome::Conflict {
+                winner_is_local: true,
+            },
+            conflict: Some(true),
+            steps: vec![
+                step(
+                    Step::PreserveLocal {
+                        from: f.path.clone(),
+                        record: f.clone(),
+                    },
+                    Disk::CopyLocal {
+                        from: f.path.clone(),
+                    },
+                    None,
+                ),
+                step(
+                    Step::PreserveRemote { record: f.clone() },
+                    Disk::Content,
+                    None,
+                ),
+                step(
+                    Step::UpdateLocal { record: f.clone() },
+                    Disk::Nothing,
+                    Some(1),
+                ),
+            ],
+        };
+        let p = p.without_keeping(&f.path);
+        assert_eq!(p.steps.len(), 2);
+        assert_eq!(p.steps[1].after, Some(0));
+        assert_eq!(p.conflict, Some(true), "a remote loser is still kept");
     }
 
     #[test]

@@ -286,14 +286,14 @@ impl Deciding<'_> {
                 return Ok(());
             }
         };
+        let Some(plan) = self.settle_placeholders(plan, &remote)? else {
+            return Ok(());
+        };
         if let Outcome::Refused(why) = &plan.outcome {
             // Keeping it would make a record no peer accepts: shown, the rest goes on.
             if self.rt.skip(remote.path.clone(), why.to_string()) {
                 tracing::warn!(folder = %self.folder, path = %remote.path, error = %why, "a remote version is refused; skipped (see status)");
             }
-            return Ok(());
-        }
-        if self.keeps_a_placeholder(&plan, &remote)? {
             return Ok(());
         }
         // Objects made without a temp file are journaled pending first: a crash after the
@@ -499,32 +499,71 @@ impl Deciding<'_> {
         Ok(())
     }
 
-    /// Whether `plan` keeps a local version that is a placeholder here as a conflict sibling:
-    /// then `remote` waits, journaled, and the content is fetched before it is decided again
-    /// (`Engine::apply_deferred`). A sibling made from a placeholder would name content this
-    /// device never had, which its holders may supersede before the sibling reaches them:
-    /// a file no peer can ever fetch (D101).
-    fn keeps_a_placeholder(
+    /// `plan`, unless it keeps a local version that is a placeholder here, as a conflict
+    /// sibling or as the path's resolved version: then `remote` waits, journaled, and the
+    /// content is fetched before it is decided again (`Engine::apply_deferred`); `None`. Such a
+    /// version names content this device never had, which its holders may supersede before
+    /// it reaches them: a file no peer can ever fetch (D101). A placeholder whose content no
+    /// device holds any more (`FolderRt::mark_lost`, D103) is not kept: at the path the remote
+    /// version is taken as it is, at an ancestor the sibling is not made.
+    fn settle_placeholders(
         &mut self,
-        plan: &Plan,
+        mut plan: Plan,
         remote: &FileRecord,
-    ) -> Result<bool, ApplyError> {
+    ) -> Result<Option<Plan>, ApplyError> {
         if !self.rt.policy().on_demand {
-            return Ok(false);
+            return Ok(Some(plan));
         }
-        let Some(from) = plan.steps.iter().find_map(|s| match &s.step {
-            Step::PreserveLocal { from, .. } => Some(from),
-            _ => None,
-        }) else {
-            return Ok(false);
+        // Each pass settles one path (the record's own, or an ancestor's).
+        for _ in 0..remote.path.ancestors().len() + 2 {
+            let Some(from) = self.kept_placeholder(&plan, remote) else {
+                return Ok(Some(plan));
+            };
+            let version = self.stored(&from)?.map(|s| s.record.version);
+            if !version.is_some_and(|v| self.rt.is_lost(&from, &v)) {
+                break;
+            }
+            tracing::warn!(folder = %self.folder, path = %remote.path, local = %from, "a conflict with a version not local here whose content no device holds: it is not kept");
+            self.rt.forget_lost(&from);
+            plan = if from == remote.path {
+                let view = View {
+                    journal: self.journal.get()?,
+                    folder: self.folder,
+                    memo: &self.memo,
+                };
+                plan::plan_taking(&view, remote)?
+            } else {
+                plan.without_keeping(&from)
+            };
+        }
+        let Some(from) = self.kept_placeholder(&plan, remote) else {
+            return Ok(Some(plan));
         };
-        if self.rt.store.placeholder_at(&mut self.dirs, from).is_none() {
-            return Ok(false);
-        }
         tracing::info!(folder = %self.folder, path = %remote.path, local = %from, "a conflict with a file that is not local here: its content is fetched before the remote version is applied");
-        let from = from.clone();
         self.defer(remote, Wait::Content(from))?;
-        Ok(true)
+        Ok(None)
+    }
+
+    /// The path of a placeholder whose local content `plan` keeps: as a conflict sibling, or as
+    /// the path's new version (a resolution that keeps the local content, a modification that
+    /// survives a remote deletion), which the sender does not hold.
+    fn kept_placeholder(&mut self, plan: &Plan, remote: &FileRecord) -> Option<RelPath> {
+        let (store, dirs) = (&self.rt.store, &mut self.dirs);
+        plan.steps.iter().find_map(|s| {
+            let kept = match &s.step {
+                Step::PreserveLocal { from, .. } => from,
+                Step::UpdateLocal { record }
+                    if record.path == remote.path
+                        && record.kind == FileKind::File
+                        && !record.deleted
+                        && (remote.deleted || remote.hash != record.hash) =>
+                {
+                    &record.path
+                }
+                _ => return None,
+            };
+            store.placeholder_at(dirs, kept).map(|_| kept.clone())
+        })
     }
 
     /// A step without content: does its disk work and returns its journal change.

@@ -10,6 +10,7 @@
 //! verified: a placeholder is never read as content.
 
 pub mod budget;
+pub mod lost;
 pub mod pins;
 pub mod source;
 
