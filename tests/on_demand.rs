@@ -1285,21 +1285,7 @@ fn a_conflict_with_a_version_not_local_here_whose_content_no_device_holds_takes_
     assert!(is_placeholder(&od.b.path("f.txt")));
     od.a.stop();
     std::fs::set_permissions(od.mnt.join("f.txt"), std::fs::Permissions::from_mode(0o600)).unwrap();
-    let t0 = Instant::now();
-    while od
-        .b
-        .journal(&["--path", "f.txt"])
-        .last()
-        .map(|e| e["mode"].clone())
-        != Some("600".into())
-    {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "B never journaled the mode\n{}",
-            od.b.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    journal_says(&od.b, "f.txt", "mode", "600".into());
     assert!(
         is_placeholder(&od.b.path("f.txt")),
         "a chmod fetched the file"
@@ -1363,16 +1349,21 @@ fn third(t: &std::sync::Arc<tempfile::TempDir>, od: &mut OnDemand, set_args: &[&
 
 /// Waits until `d`'s journal holds a version of `path` of `size` bytes.
 fn journaled(d: &Device, path: &str, size: u64) {
+    journal_says(d, path, "size", size.into());
+}
+
+/// Waits until the last journal entry of `path` on `d` has `field` = `want`.
+fn journal_says(d: &Device, path: &str, field: &str, want: serde_json::Value) {
     let t0 = Instant::now();
     while d
         .journal(&["--path", path])
         .last()
-        .map(|e| e["size"].clone())
-        != Some(size.into())
+        .map(|e| e[field].clone())
+        != Some(want.clone())
     {
         assert!(
             t0.elapsed() < Duration::from_secs(20),
-            "{} never journaled {path} of {size} bytes\n{}",
+            "{} never journaled {path} with {field} {want}\n{}",
             d.name,
             d.log()
         );
