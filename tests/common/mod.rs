@@ -400,6 +400,13 @@ impl Device {
     }
 
     /// Bytes sent + received over all connections so far.
+    /// The UDP bytes this device sent, each once: a packet declared lost (under load, on
+    /// loopback too) is sent again, and that is the transport's doing, not the protocol's.
+    pub fn sent_once(&self) -> u64 {
+        let s = self.status();
+        s["bytes_sent"].as_u64().unwrap() - s["bytes_resent"].as_u64().unwrap()
+    }
+
     pub fn wire_bytes(&self) -> u64 {
         let s = self.status();
         s["bytes_sent"].as_u64().unwrap() + s["bytes_received"].as_u64().unwrap()
