@@ -1327,6 +1327,12 @@ fn a_conflict_with_a_version_not_local_here_whose_content_no_device_holds_takes_
         said.contains("no device sharing the folder holds its content"),
         "status does not say what was not kept: {said}"
     );
+    // The journal says it too, on the entry of the version taken.
+    let entry = od.b.journal(&["--path", "f.txt"]).last().cloned().unwrap();
+    assert_eq!(entry["size"], 43 << 10);
+    let detail: serde_json::Value =
+        serde_json::from_str(entry["detail"].as_str().unwrap_or("null")).unwrap();
+    assert_eq!(detail["not_kept"][0]["path"], "f.txt", "{entry}");
 }
 
 /// C, sharing with A and B (`meshfs folder set work SET...` first, if any), started and in sync;

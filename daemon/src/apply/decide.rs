@@ -286,7 +286,7 @@ impl Deciding<'_> {
                 return Ok(());
             }
         };
-        let Some(plan) = self.settle_placeholders(plan, &remote)? else {
+        let Some((plan, not_kept)) = self.settle_placeholders(plan, &remote)? else {
             return Ok(());
         };
         if let Outcome::Refused(why) = &plan.outcome {
@@ -308,9 +308,11 @@ impl Deciding<'_> {
         if !made_here.is_empty() {
             self.journal.get()?.put_pending(self.folder, &made_here)?;
         }
-        let conflict = plan.conflict.map(|winner_is_local| {
-            conflict_detail(local_before.as_ref(), &remote, winner_is_local)
-        });
+        // The journal's detail: the conflict, or the local versions not kept (D103).
+        let conflict = plan
+            .conflict
+            .map(|winner_is_local| conflict_detail(local_before.as_ref(), &remote, winner_is_local))
+            .or(not_kept);
         if let Some(d) = &conflict {
             tracing::info!(folder = %self.folder, path = %remote.path, detail = %d, "conflict resolved");
         }
@@ -506,25 +508,37 @@ impl Deciding<'_> {
     /// it reaches them: a file no peer can ever fetch (D101). A placeholder whose content no
     /// device holds any more (`FolderRt::mark_lost`, D103) is not kept: at the path the remote
     /// version is taken as it is, at an ancestor the sibling is not made.
+    /// With the plan, the journal's detail naming the versions not kept, if any.
     fn settle_placeholders(
         &mut self,
         mut plan: Plan,
         remote: &FileRecord,
-    ) -> Result<Option<Plan>, ApplyError> {
+    ) -> Result<Option<(Plan, Option<String>)>, ApplyError> {
         if !self.rt.policy().on_demand {
-            return Ok(Some(plan));
+            return Ok(Some((plan, None)));
         }
+        let mut not_kept = Vec::new();
+        let detail = |not_kept: Vec<serde_json::Value>| {
+            (!not_kept.is_empty()).then(|| serde_json::json!({ "not_kept": not_kept }).to_string())
+        };
         // Each pass settles one path (the record's own, or an ancestor's).
         for _ in 0..remote.path.ancestors().len() + 2 {
             let Some(from) = self.kept_placeholder(&plan, remote) else {
-                return Ok(Some(plan));
+                return Ok(Some((plan, detail(not_kept))));
             };
-            let version = self.stored(&from)?.map(|s| s.record.version);
-            if !version.is_some_and(|v| self.rt.is_lost(&from, &v)) {
+            let Some(version) = self.stored(&from)?.map(|s| s.record.version) else {
+                break;
+            };
+            if !self.rt.is_lost(&from, &version) {
                 break;
             }
             tracing::warn!(folder = %self.folder, path = %remote.path, local = %from, "a conflict with a version not local here whose content no device holds: it is not kept");
             self.rt.forget_lost(&from);
+            not_kept.push(serde_json::json!({
+                "path": from.as_str(),
+                "version": version.to_string(),
+                "why": "not local here, and no device sharing the folder holds its content",
+            }));
             plan = if from == remote.path {
                 let view = View {
                     journal: self.journal.get()?,
@@ -537,7 +551,7 @@ impl Deciding<'_> {
             };
         }
         let Some(from) = self.kept_placeholder(&plan, remote) else {
-            return Ok(Some(plan));
+            return Ok(Some((plan, detail(not_kept))));
         };
         tracing::info!(folder = %self.folder, path = %remote.path, local = %from, "a conflict with a file that is not local here: its content is fetched before the remote version is applied");
         self.defer(remote, Wait::Content(from))?;
