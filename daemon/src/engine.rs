@@ -316,7 +316,7 @@ impl Engine {
                             rt.defer_again(waiting, DEFERRED_RETRY);
                             return;
                         };
-                        tracing::warn!(%folder, %path, local = %local, %version, "the local version a remote one conflicts with is held by no device sharing the folder (every one is connected and says so): it is not kept; the remote version is applied");
+                        tracing::warn!(%folder, %path, local = %local, %version, "the local version a remote one conflicts with is held by no device sharing the folder (every one is connected and says so): it is not kept; the remote state replaces it");
                         rt.last_error.set(format_args!("{local}: the version here ({version}) was not local and no device sharing the folder holds its content any more; the remote version of {path} replaced it"));
                         rt.mark_lost(local.clone(), version);
                     }

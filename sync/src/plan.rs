@@ -212,6 +212,12 @@ pub fn plan_taking(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Plan, 
     plan_decision(view, remote, reconcile::take(view, remote)?)
 }
 
+/// Plans replacing a concurrent local record whose content is gone by `remote`'s state
+/// ([`reconcile::supersede`], D103).
+pub fn plan_superseding(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Plan, ReadError> {
+    plan_decision(view, remote, reconcile::supersede(view, remote)?)
+}
+
 fn plan_decision(
     view: &dyn ReplicaView,
     remote: &FileRecord,

@@ -203,6 +203,34 @@ pub fn take(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, Rea
     })
 }
 
+/// Decides that `remote`'s state replaces a concurrent local record without keeping it: the
+/// local content exists nowhere any more (an on-demand device's placeholder whose every holder
+/// has overwritten it, D103), so a sibling of it would name content nobody can fetch. The result
+/// is the remote state under a version that dominates both records, made as any resolution's
+/// ([`resolver_id`]): the versions the local record superseded stay superseded, and devices that
+/// settle the same pair make the same version. A record not concurrent with the local one is
+/// decided as [`decide`] does.
+pub fn supersede(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
+    let local = match view.get(&remote.path)? {
+        Some(l) if l.version.compare(&remote.version) == VvOrdering::Concurrent => l,
+        _ => return decide(view, remote),
+    };
+    if let Err(e) = remote.check_chunking() {
+        return Ok(none(Outcome::Refused(e)));
+    }
+    let mut result = remote.clone();
+    result.version = resolved(&local.version.merge(&remote.version), &result);
+    let decision = Plan::new(Outcome::ApplyRemote, result, false).finish(view, Some(&local))?;
+    let unsendable = decision
+        .steps
+        .iter()
+        .find_map(|s| s.record().check_sendable().err());
+    Ok(match unsendable {
+        Some(e) => none(Outcome::Refused(e)),
+        None => decision,
+    })
+}
+
 fn decide_unchecked(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
     let Some(local) = view.get(&remote.path)? else {
         let plan = Plan::new(Outcome::ApplyRemote, remote.clone(), false);
@@ -869,6 +897,39 @@ mod tests {
             }
             s => panic!("{s:?}"),
         }
+    }
+
+    #[test]
+    fn a_local_record_whose_content_is_gone_is_superseded_by_the_remote_state_without_a_sibling() {
+        let base = vv(&[(A, 1)]);
+        // The local version wins by precedence (newer), but its content is gone.
+        let l = file("a.txt", b"mine", 20, A, base.incremented(A, 0));
+        let r = file("a.txt", b"theirs", 10, B, base.incremented(B, 0));
+        let d = super::supersede(&View::with(&[&l]), &r).unwrap();
+        assert_eq!(d.outcome, Outcome::ApplyRemote);
+        match &d.steps[..] {
+            [Step::ApplyRemote { record }] => {
+                assert_eq!((record.hash, record.mtime_ns), (r.hash, r.mtime_ns));
+                assert!(
+                    record.version.dominates(&l.version) && record.version.dominates(&r.version),
+                    "the versions the local record superseded stay superseded"
+                );
+                // Another device settling the same pair makes the same version.
+                let again = super::supersede(&View::with(&[&l]), &r).unwrap();
+                assert_eq!(again.steps[0].record().version, record.version);
+            }
+            s => panic!("{s:?}"),
+        }
+        // A deletion replaces it the same way; a record not concurrent is decided as usual.
+        let mut gone = r.clone();
+        gone.deleted = true;
+        let d = super::supersede(&View::with(&[&l]), &gone).unwrap();
+        assert!(matches!(&d.steps[..], [Step::ApplyRemote { record }] if record.deleted));
+        let newer = file("a.txt", b"theirs", 10, B, l.version.incremented(B, 0));
+        assert_eq!(
+            super::supersede(&View::with(&[&l]), &newer).unwrap(),
+            decide(&View::with(&[&l]), &newer)
+        );
     }
 
     #[test]

@@ -507,7 +507,8 @@ impl Deciding<'_> {
     /// version names content this device never had, which its holders may supersede before
     /// it reaches them: a file no peer can ever fetch (D101). A placeholder whose content no
     /// device holds any more (`FolderRt::mark_lost`, D103) is not kept: at the path the remote
-    /// version is taken as it is, at an ancestor the sibling is not made; the plan comes with
+    /// state replaces it under a version that dominates both, at an ancestor the sibling is not
+    /// made; the plan comes with
     /// the journal's detail naming the versions not kept, if any.
     fn settle_placeholders(
         &mut self,
@@ -545,7 +546,7 @@ impl Deciding<'_> {
                     folder: self.folder,
                     memo: &self.memo,
                 };
-                plan::plan_taking(&view, remote)?
+                plan::plan_superseding(&view, remote)?
             } else {
                 plan.without_keeping(&from)
             };
