@@ -166,10 +166,19 @@ pub fn new_local_version(prev: Option<&FileRecord>, ctx: &Context) -> VersionVec
 /// only when the view cannot be read: no decision is made on a guess. A decision that would
 /// keep a record no peer could accept is [`Outcome::Refused`] instead.
 pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
+    checked(remote, || decide_unchecked(view, remote))
+}
+
+/// The decision `decide` makes for `remote`, or [`Outcome::Refused`] when `remote`'s chunk
+/// list is malformed or the decision would keep a record no peer could accept.
+fn checked(
+    remote: &FileRecord,
+    decide: impl FnOnce() -> Result<Decision, ReadError>,
+) -> Result<Decision, ReadError> {
     if let Err(e) = remote.check_chunking() {
         return Ok(none(Outcome::Refused(e)));
     }
-    let decision = decide_unchecked(view, remote)?;
+    let decision = decide()?;
     let unsendable = decision
         .steps
         .iter()
@@ -187,19 +196,9 @@ pub fn decide(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, R
 /// missing parent) hold as for any applied version; a decision that would keep an unsendable
 /// record is [`Outcome::Refused`], as in [`decide`].
 pub fn take(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision, ReadError> {
-    if let Err(e) = remote.check_chunking() {
-        return Ok(none(Outcome::Refused(e)));
-    }
-    let local = view.get(&remote.path)?;
-    let decision =
-        Plan::new(Outcome::ApplyRemote, remote.clone(), false).finish(view, local.as_ref())?;
-    let unsendable = decision
-        .steps
-        .iter()
-        .find_map(|s| s.record().check_sendable().err());
-    Ok(match unsendable {
-        Some(e) => none(Outcome::Refused(e)),
-        None => decision,
+    checked(remote, || {
+        let local = view.get(&remote.path)?;
+        Plan::new(Outcome::ApplyRemote, remote.clone(), false).finish(view, local.as_ref())
     })
 }
 
@@ -215,19 +214,10 @@ pub fn supersede(view: &dyn ReplicaView, remote: &FileRecord) -> Result<Decision
         Some(l) if l.version.compare(&remote.version) == VvOrdering::Concurrent => l,
         _ => return decide(view, remote),
     };
-    if let Err(e) = remote.check_chunking() {
-        return Ok(none(Outcome::Refused(e)));
-    }
-    let mut result = remote.clone();
-    result.version = resolved(&local.version.merge(&remote.version), &result);
-    let decision = Plan::new(Outcome::ApplyRemote, result, false).finish(view, Some(&local))?;
-    let unsendable = decision
-        .steps
-        .iter()
-        .find_map(|s| s.record().check_sendable().err());
-    Ok(match unsendable {
-        Some(e) => none(Outcome::Refused(e)),
-        None => decision,
+    checked(remote, || {
+        let mut result = remote.clone();
+        result.version = resolved(&local.version.merge(&remote.version), &result);
+        Plan::new(Outcome::ApplyRemote, result, false).finish(view, Some(&local))
     })
 }
 
