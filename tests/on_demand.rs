@@ -415,6 +415,12 @@ fn the_budget_holds_while_reading_and_pinned_open_and_unacknowledged_files_stay(
     std::io::Read::read_to_end(&mut held, &mut whole).unwrap();
     assert_eq!(whole, files[4].1);
     until_state(&od.mnt.join("x/f4"), "local");
+    // The mount shows the install at its rename, the journal (what `evict` and the budget
+    // read) a moment later at its commit; on a loaded machine `evict` ran in between once and
+    // found nothing to keep. Only the pins (6 MiB) were local before: wait for x/f4's 3 MiB.
+    until_status(&od.b, 10, "x/f4 journaled as local", |d| {
+        d["local_bytes"].as_u64().unwrap() >= 9 << 20
+    });
     std::fs::read(od.mnt.join("x/f3")).unwrap();
     until_status(&od.b, 10, "over the budget: pins and an open file", |d| {
         d["over_budget"].as_u64().unwrap() > 0 || d["local_bytes"].as_u64().unwrap() <= budget
