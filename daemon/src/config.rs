@@ -916,6 +916,13 @@ impl Config {
         self.folders.iter().find(|f| &f.id == id)
     }
 
+    /// The peers this device shares `folder` with.
+    pub fn sharing<'a>(&'a self, folder: &'a FolderId) -> impl Iterator<Item = &'a PeerConfig> {
+        self.peers
+            .iter()
+            .filter(move |p| p.folders.contains(folder))
+    }
+
     /// The peer with this device id.
     pub fn peer(&self, id: &DeviceId) -> Option<&PeerConfig> {
         self.peers.iter().find(|p| &p.id == id)

@@ -283,44 +283,9 @@ impl Engine {
             };
             let rt = rt.clone();
             tokio::spawn(async move {
-                // Still a placeholder (it may have been deleted or replaced meanwhile: then
-                // the version is simply decided again).
-                let fetch = match &waiting.wait {
-                    crate::folder::Wait::Content(local) => rt
-                        .store
-                        .placeholder_at(&mut crate::store::DirCache::default(), local)
-                        .map(|_| local.clone()),
-                    crate::folder::Wait::Writer => None,
+                let Some(waiting) = engine.local_first(&rt, waiting).await else {
+                    return;
                 };
-                if let Some(local) = &fetch {
-                    let peers = engine.ondemand_peers();
-                    let fetched =
-                        crate::ondemand::make_local(&engine.folders, &rt, &peers, local, 0).await;
-                    if let Err(f) = fetched {
-                        // After a few tries, ask whether any device still holds it (D103).
-                        let lost = if waiting.failed + 1 >= LOST_AFTER_TRIES {
-                            let (links, sharing) = engine.sharing(&folder);
-                            crate::ondemand::lost::held_nowhere(
-                                &engine.folders,
-                                &rt,
-                                links,
-                                sharing,
-                                local,
-                            )
-                            .await
-                        } else {
-                            None
-                        };
-                        let Some(version) = lost else {
-                            tracing::info!(%folder, %path, error = %f.why, failed = waiting.failed + 1, "the local version a remote one conflicts with cannot be fetched yet; tried again later");
-                            rt.defer_again(waiting, DEFERRED_RETRY);
-                            return;
-                        };
-                        tracing::warn!(%folder, %path, local = %local, %version, "the local version a remote one conflicts with is held by no device sharing the folder (every one is connected and says so): it is not kept; the remote state replaces it");
-                        rt.last_error.set(format_args!("{local}: the version here ({version}) was not local and no device sharing the folder holds its content any more; the remote version of {path} replaced it"));
-                        rt.mark_lost(local.clone(), version);
-                    }
-                }
                 let source = crate::apply::Receiver::new_source();
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 receiver.receive(
@@ -442,16 +407,51 @@ impl Engine {
         })
     }
 
-    /// The connected peers sharing `folder`, and how many peers the config shares it with.
-    fn sharing(&self, folder: &FolderId) -> (Vec<(DeviceId, quinn::Connection)>, usize) {
-        let links = links_sharing(&self.net, &self.config, folder);
-        let config = self.config.read().unwrap_or_else(|p| p.into_inner());
-        let sharing = config
-            .peers
-            .iter()
-            .filter(|p| p.folders.contains(folder))
-            .count();
-        (links, sharing)
+    /// For a remote version that waits for the local version it conflicts with (D101): fetches
+    /// that version first, if it is still a placeholder (deleted or replaced meanwhile, the
+    /// remote one is simply decided again). When it cannot be fetched, after a few tries it is
+    /// looked for on every device sharing the folder; held nowhere, it is marked lost (D103)
+    /// and the remote version is decided now; otherwise `waiting` is deferred again (`None`).
+    async fn local_first(
+        &self,
+        rt: &Arc<FolderRt>,
+        waiting: crate::folder::Deferred,
+    ) -> Option<crate::folder::Deferred> {
+        let local = match &waiting.wait {
+            crate::folder::Wait::Content(local) => local.clone(),
+            crate::folder::Wait::Writer => return Some(waiting),
+        };
+        if rt
+            .store
+            .placeholder_at(&mut crate::store::DirCache::default(), &local)
+            .is_none()
+        {
+            return Some(waiting);
+        }
+        let peers = self.ondemand_peers();
+        let Err(f) = crate::ondemand::make_local(&self.folders, rt, &peers, &local, 0).await else {
+            return Some(waiting);
+        };
+        let (folder, path) = (&rt.id, waiting.remote.path.clone());
+        let lost = if waiting.failed + 1 >= LOST_AFTER_TRIES {
+            let links = links_sharing(&self.net, &self.config, folder);
+            let sharing = {
+                let config = self.config.read().unwrap_or_else(|p| p.into_inner());
+                config.sharing(folder).count()
+            };
+            crate::ondemand::lost::held_nowhere(&self.folders, rt, links, sharing, &local).await
+        } else {
+            None
+        };
+        let Some(version) = lost else {
+            tracing::info!(%folder, %path, error = %f.why, failed = waiting.failed + 1, "the local version a remote one conflicts with cannot be fetched yet; tried again later");
+            rt.defer_again(waiting, DEFERRED_RETRY);
+            return None;
+        };
+        tracing::warn!(%folder, %path, local = %local, %version, "the local version a remote one conflicts with is held by no device sharing the folder (every one is connected and says so): it is not kept; the remote state replaces it");
+        rt.last_error.set(format_args!("{local}: the version here ({version}) was not local and no device sharing the folder holds its content any more; the remote version of {path} replaced it"));
+        rt.mark_lost(local, version);
+        Some(waiting)
     }
 
     /// The connected peers that may be counted as holding a folder's content, asked at each
@@ -880,12 +880,7 @@ impl Engine {
         folders
             .iter()
             .map(|rt| {
-                let sharing: Vec<_> = config
-                    .peers
-                    .iter()
-                    .filter(|p| p.folders.contains(&rt.id))
-                    .cloned()
-                    .collect();
+                let sharing: Vec<_> = config.sharing(&rt.id).cloned().collect();
                 crate::pending::of_folder(&self.folders, rt, &sharing, &connected)
             })
             .collect()
@@ -905,12 +900,7 @@ impl Engine {
             return;
         };
         for rt in self.folders.all() {
-            let wire = config
-                .peers
-                .iter()
-                .filter(|p| p.folders.contains(&rt.id))
-                .map(|p| traffic.peer(&p.id).1)
-                .sum();
+            let wire = config.sharing(&rt.id).map(|p| traffic.peer(&p.id).1).sum();
             rt.receiving.tick(wire);
             rt.first_scan.tick(0);
         }

@@ -186,7 +186,7 @@ impl FolderPolicy {
             versions_space_percent: f.versions_space_percent,
             versions_max_mib: f.versions_max_mib,
             history_days: config.options.history_retention_days,
-            alone: !config.peers.iter().any(|p| p.folders.contains(&f.id)),
+            alone: config.sharing(&f.id).next().is_none(),
             on_demand: f.on_demand,
             cache_max: f.cache_max,
             min_free: f.min_free.unwrap_or(crate::config::DEFAULT_MIN_FREE),
