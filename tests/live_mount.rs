@@ -30,14 +30,6 @@ pub(crate) fn two_mounts(t: &std::sync::Arc<tempfile::TempDir>) -> (Mounted, Mou
     (a, b)
 }
 
-fn until(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !done() {
-        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 fn read(p: &Path) -> Option<Vec<u8>> {
     std::fs::read(p).ok()
 }

@@ -139,14 +139,25 @@ fn new_small_files_travel_once_and_identical_trees_exchange_no_content() {
     let mut b = Device::new(&t, "b");
     pair(&a, &b);
     // Both devices start with the same 500 small files (1 MB): reconciling them costs
-    // records, never content, in either direction.
+    // records, never content, in either direction. B's first scan is over when they meet; A's
+    // has journaled nothing yet (paused before its first slice until it has B's Hello): the
+    // order a loaded machine made once, when A's scan sent its records with their content.
     for i in 0..500 {
         let data = noise(2048, i);
         write(&a.path(&format!("same/d{}/f{i}", i % 5)), &data);
         write(&b.path(&format!("same/d{}/f{i}", i % 5)), &data);
     }
-    a.start();
     b.start();
+    until("B's first scan", 30, || {
+        b.status()["folders"][0]["sequence"].as_u64() >= Some(500)
+    });
+    a.arm("scan.first_slice=pause");
+    a.start();
+    a.wait_paused("scan.first_slice", 30);
+    until("A has B's Hello", 30, || {
+        a.status()["folders"][0]["peers"][0]["their_sequence"].as_u64() >= Some(500)
+    });
+    a.resume("scan.first_slice");
     wait_synced(&[&a, &b], 60);
     let seeded = a.wire_bytes();
     assert!(seeded < 1_024_000, "identical trees moved {seeded} bytes");

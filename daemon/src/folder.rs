@@ -860,6 +860,7 @@ impl Folders {
                         self.changes_notify(folder);
                         return Ok(());
                     }
+                    crate::failpoint::hit("scan.first_slice", "");
                     streamed += changes.len();
                     tracing::debug!(%folder, n = changes.len(), ms = t0.elapsed().as_millis() as u64, "first scan: slice journaled");
                     let mut j = self.journal.lock_anyway();

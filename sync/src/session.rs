@@ -263,6 +263,9 @@ struct FolderState {
     held: usize,
     /// Our records with a sequence above this are new to the peer (see [`Session::inline_after`]).
     inline_after: u64,
+    /// `inline_after` is set when our first scan ends, to our highest sequence then: the peer
+    /// is not empty, and what our scan journals may be on its disk too.
+    inline_after_our_scan: bool,
     /// Our first scan, as the driver last reported it: `Some` while it runs.
     our_scan: Option<ScanCounts>,
     /// Its counts when it ended.
@@ -500,6 +503,12 @@ impl Session {
         }
         f.our_scan = scanning.then_some(counts);
         f.our_scan_end = counts;
+        if !scanning && f.inline_after_our_scan && f.their_scan.is_none() {
+            // Before the pump: what the scan journaled is not news to the peer.
+            f.inline_after_our_scan = false;
+            f.our_max = f.our_max.max(src.max_sequence(folder));
+            f.inline_after = f.our_max;
+        }
         let out = if established && f.shared {
             let mut out = f.pump(&peer, &mut src);
             out.extend(f.tell_scan(&mut src));
@@ -797,11 +806,16 @@ impl Session {
             // against a non-empty peer (which may hold the same files), only what is journaled
             // from now on; nothing while the peer is still in its first scan (its disk may
             // hold any of our files, its journal does not say yet), nor to a peer that keeps
-            // only part of the folder (it would drop the content for a placeholder).
+            // only part of the folder (it would drop the content for a placeholder). While our
+            // own first scan runs, nothing either unless the peer is empty: what the scan
+            // journals after this Hello may be on the peer's disk as much as what it journaled
+            // before (two devices that start with the same tree, ours the slower scan).
             f.their_partial = hf.partial;
-            f.inline_after = if hf.scanning || hf.partial {
+            let their_empty = hf.max_sequence == 0 && !hf.scanning && !hf.partial;
+            f.inline_after_our_scan = f.our_scan.is_some() && !their_empty && !hf.partial;
+            f.inline_after = if hf.scanning || hf.partial || f.inline_after_our_scan {
                 u64::MAX
-            } else if hf.max_sequence == 0 || resume > 0 {
+            } else if their_empty || resume > 0 {
                 0
             } else {
                 f.our_max
@@ -844,7 +858,10 @@ impl Session {
             // Its journal now lists what its disk holds: as after a Hello from a device that
             // scanned its own copy, what we journal from now on is new to it (unless it keeps
             // only part of the folder: it would drop the content).
-            if f.inline_after == u64::MAX && !f.their_partial {
+            if f.our_scan.is_some() && !f.their_partial {
+                // Ours still runs: from its end on.
+                f.inline_after_our_scan = true;
+            } else if f.inline_after == u64::MAX && !f.their_partial {
                 f.our_max = f.our_max.max(src.max_sequence(&scan.folder));
                 f.inline_after = f.our_max;
             }
@@ -966,6 +983,7 @@ impl FolderState {
             queued: VecDeque::new(),
             held: 0,
             inline_after: u64::MAX,
+            inline_after_our_scan: false,
             our_scan: cfg.scanning.then(ScanCounts::default),
             our_scan_end: ScanCounts::default(),
             told_scan: None,
@@ -1828,8 +1846,44 @@ mod tests {
         e.journal.add("y", 5);
         connect(&mut e, &mut g);
         assert_eq!(e.session.inline_after(&fid("f")), u64::MAX);
-        assert_eq!(g.session.inline_after(&fid("f")), 0, "e is not scanning");
         assert_eq!(g.received.len(), 1, "records still flow");
+        // Nor does g attach any while its own scan runs: e is not empty, and what g's scan
+        // journals may be on e's disk too (two devices that start with the same tree). From
+        // the scan's end on, what g journals is news to e.
+        assert_eq!(g.session.inline_after(&fid("f")), u64::MAX, "g is scanning");
+        for i in 0..3 {
+            g.journal.add(&format!("y{i}"), 6);
+        }
+        let acts = g
+            .session
+            .scan_progress(&fid("f"), false, counts(3, 0), &mut g.journal);
+        // g's journal: e's record it applied, then its scan's three.
+        assert_eq!(
+            g.session.inline_after(&fid("f")),
+            4,
+            "from the scan's end on"
+        );
+        run(
+            &mut g,
+            &mut e,
+            VecDeque::new(),
+            VecDeque::new(),
+            [acts, vec![]],
+        );
+        assert_eq!(e.received.len(), 3, "its records reach e");
+        // An empty peer still gets content while our scan runs: it can hold none of it.
+        let mut h = Side::new(
+            7,
+            8,
+            vec![SessionFolder {
+                scanning: true,
+                ..folder("f", 77)
+            }],
+        );
+        let mut k = Side::new(8, 7, vec![folder("f", 88)]);
+        h.journal.add("z", 7);
+        connect(&mut h, &mut k);
+        assert_eq!(h.session.inline_after(&fid("f")), 0, "k is empty");
     }
 
     #[test]

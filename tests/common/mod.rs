@@ -451,6 +451,15 @@ pub fn tmp() -> std::sync::Arc<tempfile::TempDir> {
     std::sync::Arc::new(tempfile::tempdir().unwrap())
 }
 
+/// Waits until `done` holds, checked every 10 ms; fails naming `what` after `secs`.
+pub fn until(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < Duration::from_secs(secs), "{what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Waits until every device reports in sync with its connected peers (three times in a row)
 /// and their trees are equal. `--connected`: a peer configured but not among `devs` (one that
 /// never runs, or is stopped) is not waited for; the trees compared prove convergence.
