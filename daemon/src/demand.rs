@@ -265,11 +265,18 @@ impl Flight {
 
     /// The fetch sink: `hash` is written (`bytes` of it), verified.
     pub fn arrived(&self, hash: &Hash, bytes: u64) {
-        if let Some(a) = lock(&self.stage).assembly.as_mut() {
+        let complete = lock(&self.stage).assembly.as_mut().is_some_and(|a| {
             a.arrived(hash);
-        }
+            a.complete()
+        });
         self.done.fetch_add(bytes, Ordering::Relaxed);
         self.changed.notify_all();
+        if complete {
+            // The driver installs it. Its own fetches wake it as they end; a local copy that
+            // lands last does not (a pin of a file whose changed chunks came first waited for
+            // good: nothing else was left to wake it).
+            self.wake.notify_one();
+        }
     }
 
     /// The driver: the lookup of local copies ended; of `local`, the chunks the caller is to
@@ -605,6 +612,44 @@ mod tests {
         let (newer, lead) = d.begin(&p("a"), 11, 10, Hash::of(b"v2"));
         assert!(lead && !Arc::ptr_eq(&old, &newer));
         assert_eq!(d.flights()[0].1, 11);
+    }
+
+    #[test]
+    fn the_driver_is_woken_when_a_local_copy_completes_the_file() {
+        use meshfs_protocol::Chunk;
+        let d = Demand::default();
+        let (f, _) = d.begin(&p("a"), 0, 2000, Hash::ZERO);
+        let c: Vec<Chunk> = (0..2u8)
+            .map(|i| Chunk {
+                len: 1000,
+                hash: Hash::of(&[i]),
+            })
+            .collect();
+        let file = std::fs::File::open("/dev/null").unwrap();
+        f.started(
+            Assembly::new(&c, c.iter().map(|c| c.hash)).looking(),
+            OwnedFd::from(file),
+        );
+        // A pin wants the whole file; the lookup finds chunk 1 here; chunk 0 comes from a peer
+        // (the fetch that brought it wakes the driver as it ends), chunk 1's copy lands last.
+        let claimed = f.looked([c[1].hash]);
+        assert_eq!(claimed, vec![c[1].hash]);
+        assert!(f.claim(&c[0].hash));
+        f.arrived(&c[0].hash, 1000);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // Spend the permits given so far (the lookup's end), as the driver's loop does.
+            let _ =
+                tokio::time::timeout(std::time::Duration::from_millis(10), f.wake.notified()).await;
+            f.arrived(&c[1].hash, 1000);
+            let woken =
+                tokio::time::timeout(std::time::Duration::from_secs(5), f.wake.notified()).await;
+            assert!(woken.is_ok(), "the driver must see the file whole");
+        });
+        assert!(f.take().1, "complete");
     }
 
     #[test]
