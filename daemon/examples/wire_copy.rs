@@ -122,6 +122,7 @@ enum Entry {
 
 async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> anyhow::Result<()> {
     let started = Instant::now();
+    let cpu0 = cpu_seconds();
     let me = identity(home)?;
     let trust = TrustStore::new([peer]);
     let endpoint = endpoint_with(&me, SocketAddr::from(([0, 0, 0, 0], 0)), trust, &tuning()?)?;
@@ -168,12 +169,61 @@ async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> any
         "wire_copy: {sent} bytes to {addr} in {:.3} s",
         started.elapsed().as_secs_f64()
     );
+    eprintln!(
+        "{}",
+        transport_report("sender", &conn, cpu_seconds() - cpu0, sent)
+    );
     conn.close(0u32.into(), b"done");
     // Long enough for the close to leave; not its draining period (three probe timeouts, over
     // half a second on a 90 ms path), which would count in the copy's time where rsync's exit
     // waits for nothing of the kind.
     let _ = tokio::time::timeout(Duration::from_millis(20), endpoint.wait_idle()).await;
     Ok(())
+}
+
+/// What the transport did on one side of a copy of `bytes` file bytes, on one line: datagrams
+/// per send call (segmentation offload at work), ACK frames per
+/// data packet, packets lost, the path's MTU, and this process's CPU per GB (user + system).
+fn transport_report(side: &str, conn: &quinn::Connection, cpu: f64, bytes: u64) -> String {
+    let s = conn.stats();
+    let per = |n: u64, d: u64| if d == 0 { 0.0 } else { n as f64 / d as f64 };
+    let gb = bytes as f64 / 1e9;
+    format!(
+        "wire_copy: {side}: datagrams {} sent in {} calls ({:.1} per call), {} received; ACK \
+         frames {} sent, {} received ({:.3} per data packet); {} of {} packets lost; MTU {}; \
+         CPU {:.2} s ({:.2} s per GB)",
+        s.udp_tx.datagrams,
+        s.udp_tx.ios,
+        per(s.udp_tx.datagrams, s.udp_tx.ios),
+        // (quinn counts a receive "io" per packet handled, not per system call: the receive
+        // calls are counted outside, `perf stat -e 'syscalls:sys_enter_recv*'`.)
+        s.udp_rx.datagrams,
+        s.frame_tx.acks,
+        s.frame_rx.acks,
+        // The data flows one way: the ACKs that count are those of the receiving side.
+        if side == "sender" {
+            per(s.frame_rx.acks, s.udp_tx.datagrams)
+        } else {
+            per(s.frame_tx.acks, s.udp_rx.datagrams)
+        },
+        s.path.lost_packets,
+        s.path.sent_packets,
+        s.path.current_mtu,
+        cpu,
+        if gb > 0.0 { cpu / gb } else { 0.0 },
+    )
+}
+
+/// User and system CPU this process has used, in seconds.
+fn cpu_seconds() -> f64 {
+    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF is always valid.
+    let u = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, u.as_mut_ptr());
+        u.assume_init()
+    };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
 }
 
 /// Every directory, symbolic link and file piece under `root`, directories first.
@@ -303,14 +353,21 @@ async fn serve_on(endpoint: quinn::Endpoint, root: &Path) -> anyhow::Result<()> 
                 Ok((conn, _)) => conn,
                 Err(e) => return eprintln!("wire_copy: refused a connection: {e}"),
             };
+            let cpu0 = cpu_seconds();
+            let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
             while let Ok((tx, rx)) = conn.accept_bi().await {
-                let root = root.clone();
+                let (root, written) = (root.clone(), written.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = receive(tx, rx, &root).await {
+                    if let Err(e) = receive(tx, rx, &root, &written).await {
                         eprintln!("wire_copy: a stream failed: {e:#}");
                     }
                 });
             }
+            let written = written.load(std::sync::atomic::Ordering::Relaxed);
+            eprintln!(
+                "{}",
+                transport_report("receiver", &conn, cpu_seconds() - cpu0, written)
+            );
         });
     }
     Ok(())
@@ -320,6 +377,7 @@ async fn receive(
     mut tx: quinn::SendStream,
     mut rx: quinn::RecvStream,
     root: &Path,
+    total: &std::sync::atomic::AtomicU64,
 ) -> anyhow::Result<()> {
     let mut written = 0u64;
     let mut buf = Vec::with_capacity(READ);
@@ -383,6 +441,7 @@ async fn receive(
             other => bail!("unknown entry kind {other}"),
         }
     }
+    total.fetch_add(written, std::sync::atomic::Ordering::Relaxed);
     tx.write_all(&written.to_be_bytes()).await?;
     tx.finish()?;
     // Keep the stream until the sender has the answer (it closes the connection then).
