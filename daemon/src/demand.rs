@@ -577,6 +577,7 @@ impl Demand {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshfs_protocol::Chunk;
 
     fn p(s: &str) -> RelPath {
         RelPath::new(s).unwrap()
@@ -614,22 +615,25 @@ mod tests {
         assert_eq!(d.flights()[0].1, 11);
     }
 
-    #[test]
-    fn the_driver_is_woken_when_a_local_copy_completes_the_file() {
-        use meshfs_protocol::Chunk;
-        let d = Demand::default();
-        let (f, _) = d.begin(&p("a"), 0, 2000, Hash::ZERO);
-        let c: Vec<Chunk> = (0..2u8)
+    /// A flight of `n` chunks of 1,000 bytes, none here, started over /dev/null; `looking`:
+    /// the lookup of local copies runs.
+    fn started(d: &Demand, pid: u32, n: u8, looking: bool) -> (Arc<Flight>, Vec<Chunk>) {
+        let (f, _) = d.begin(&p("a"), pid, n as u64 * 1000, Hash::ZERO);
+        let c: Vec<Chunk> = (0..n)
             .map(|i| Chunk {
                 len: 1000,
                 hash: Hash::of(&[i]),
             })
             .collect();
+        let a = Assembly::new(&c, c.iter().map(|c| c.hash));
         let file = std::fs::File::open("/dev/null").unwrap();
-        f.started(
-            Assembly::new(&c, c.iter().map(|c| c.hash)).looking(),
-            OwnedFd::from(file),
-        );
+        f.started(if looking { a.looking() } else { a }, OwnedFd::from(file));
+        (f, c)
+    }
+
+    #[test]
+    fn the_driver_is_woken_when_a_local_copy_completes_the_file() {
+        let (f, c) = started(&Demand::default(), 0, 2, true);
         // A pin wants the whole file; the lookup finds chunk 1 here; chunk 0 comes from a peer
         // (the fetch that brought it wakes the driver as it ends), chunk 1's copy lands last.
         let claimed = f.looked([c[1].hash]);
@@ -654,20 +658,8 @@ mod tests {
 
     #[test]
     fn a_reader_waits_for_its_range_and_not_for_the_rest() {
-        use meshfs_protocol::Chunk;
         let d = Demand::default();
-        let (f, _) = d.begin(&p("a"), 7, 3000, Hash::ZERO);
-        let c: Vec<Chunk> = (0..3u8)
-            .map(|i| Chunk {
-                len: 1000,
-                hash: Hash::of(&[i]),
-            })
-            .collect();
-        let file = std::fs::File::open("/dev/null").unwrap();
-        f.started(
-            Assembly::new(&c, c.iter().map(|c| c.hash)),
-            OwnedFd::from(file),
-        );
+        let (f, c) = started(&d, 7, 3, false);
         let reader = {
             let f = f.clone();
             std::thread::spawn(move || f.ready(1500, 100, false))
