@@ -13,10 +13,10 @@ from .scenarios import SCENARIOS
 
 ORDER = list(SCENARIOS)
 TOOL_ORDER = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison",
-              "wire-copy"]
+              "wire-copy", "wire-copy-tcp"]
 # Not contenders: what a tool on meshfs's transport could do at best (bench/README.md, "Tools").
 # Left out of "fastest" and "best other"; meshfs's rows give their ratio to it.
-FLOORS = {"wire-copy"}
+FLOORS = {"wire-copy", "wire-copy-tcp"}
 
 
 def load(results_dir: Path):
@@ -166,7 +166,8 @@ def table(prof, summ, meta):
         fastest = min((v for t, v in vals.items() if t not in FLOORS), default=None)
         best_other = min((v for t, v in vals.items()
                           if not t.startswith("meshfs") and t not in FLOORS), default=None)
-        floor = min((v for t, v in vals.items() if t in FLOORS), default=None)
+        # meshfs's floor is its own transport's; wire-copy-tcp is another carrier's.
+        floor = vals.get("wire-copy")
         for tool in sorted(tools, key=_tool_key):
             s = tools[tool]
             notes = []

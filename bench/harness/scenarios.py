@@ -81,7 +81,7 @@ def eligible(tool_name, scenario):
         return scenario in WATCHER_ONLY
     if tool_name == "meshfs-mount":
         return scenario in MOUNT_SCENARIOS
-    if tool_name == "wire-copy":  # a plain copy: first syncs only
+    if tool_name.startswith("wire-copy"):  # a plain copy: first syncs only
         return scenario.startswith(("initial-", "fanout"))
     return True
 

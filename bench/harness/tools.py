@@ -220,20 +220,34 @@ class WireCopy(Served):
     def _id(self, h):
         return sh([str(self.ctx.wire_bin), "id", self._home(h)], timeout=30).stdout.strip()
 
+    # The carrier's flag for both ends: none for QUIC, ["--tcp"] for WireCopyTcp.
+    CARRIER = []
+
     def configure(self, topo, roots, state):
         super().configure(topo, roots, state)
         if not Path(self.ctx.wire_bin).exists():
             raise BenchError(f"{self.ctx.wire_bin} is not built (cargo build --release "
                              "-p meshfs-daemon --example wire_copy)")
         self.ids = {h: self._id(h) for h in self.hosts}
-        self.start_servers(lambda h: [str(self.ctx.wire_bin), "serve", self._home(h),
-                                      f"{ip_of(h)}:{self.PORT}", roots[h], self.ids["A"]],
-                           udp=True)
+        self.start_servers(lambda h: [str(self.ctx.wire_bin), "serve", *self.CARRIER,
+                                      self._home(h), f"{ip_of(h)}:{self.PORT}", roots[h],
+                                      self.ids["A"]],
+                           udp=not self.CARRIER)
 
     def sync(self, src, dsts, timeout):
         return run_parallel({d: self.topo.exec_argv(src, [
-            str(self.ctx.wire_bin), "send", self._home(src), f"{ip_of(d)}:{self.PORT}",
-            self.ids[d], self.roots[src]]) for d in dsts}, timeout, self)
+            str(self.ctx.wire_bin), "send", *self.CARRIER, self._home(src),
+            f"{ip_of(d)}:{self.PORT}", self.ids[d], self.roots[src]]) for d in dsts}, timeout, self)
+
+
+class WireCopyTcp(WireCopy):
+    """The same copy over one TCP connection with TLS 1.3 in userspace (rustls), the same
+    identities and checks (`wire_copy --tcp`): what another carrier would give meshfs, for the
+    transport decision (issue #46, docs/decisions.md)."""
+    name = "wire-copy-tcp"
+    note = "the same plain copy over TCP + TLS 1.3 (rustls), same identities (examples/wire_copy --tcp)"
+    PORT = 22011
+    CARRIER = ["--tcp"]
 
 
 class Unison(Tool):
@@ -621,7 +635,7 @@ def _find_key(obj, key):
 
 
 ALL_TOOLS = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison",
-             "wire-copy"]
+             "wire-copy", "wire-copy-tcp"]
 
 
 def make(name, ctx):
@@ -637,6 +651,8 @@ def make(name, ctx):
         return Unison(ctx)
     if name == "wire-copy":
         return WireCopy(ctx)
+    if name == "wire-copy-tcp":
+        return WireCopyTcp(ctx)
     if name == "syncthing":
         return Syncthing(ctx, 10)
     if name.startswith("syncthing-") and name.endswith("s"):

@@ -10,12 +10,18 @@
 //!
 //! ```text
 //! wire_copy id HOME                          create HOME's identity if absent, print its id
-//! wire_copy serve HOME LISTEN ROOT PEER_ID   write the copies PEER_ID sends under ROOT
-//! wire_copy send HOME ADDR PEER_ID ROOT      copy ROOT to the server PEER_ID at ADDR
+//! wire_copy serve [--tcp] HOME LISTEN ROOT PEER_ID   write the copies PEER_ID sends under ROOT
+//! wire_copy send [--tcp] HOME ADDR PEER_ID ROOT      copy ROOT to the server PEER_ID at ADDR
 //! ```
 //!
+//! `--tcp` (both ends) carries the same entries over one TCP connection with TLS 1.3 in
+//! userspace (rustls, no kernel TLS), the same certificates and the same checks of the other
+//! end as the QUIC endpoint's ([`tls_server_config`], [`tls_client_config`]): the measurement
+//! behind the choice of meshfs's transport (issue #46, `docs/decisions.md`).
+//!
 //! `WIRE_COPY_CC=rate|bbr|cubic` picks the congestion controller on both ends (default: the
-//! daemon's, `rate`), to tell the controller's share of the time from the transport's.
+//! daemon's, `rate`), to tell the controller's share of the time from the transport's;
+//! `WIRE_COPY_THREADS=N` the runtime's worker threads (default 2, the daemon's on two cores).
 //!
 //! The sender cuts files into pieces of at most [`PIECE`] bytes and sends them over
 //! [`STREAMS`] streams of one connection, each stream taking the next piece when it is done
@@ -25,13 +31,15 @@
 //! len: u64` and the bytes (the receiver sets the time after each piece), for a symbolic link
 //! `target: u16 length + bytes`; a kind of 0 ends the stream, and the receiver answers with the
 //! file bytes it wrote on that stream (`u64`). The sender exits 0 once every stream's answer
-//! matches what it sent. All integers are big-endian.
+//! matches what it sent. All integers are big-endian. Over TCP there is one stream, the
+//! connection, and every entry goes over it in turn, as rsync's do.
 
 use anyhow::{bail, ensure, Context};
 use bytes::Bytes;
 use meshfs_daemon::identity::Identity;
 use meshfs_daemon::transport::{
-    accept, dial, endpoint_with, CongestionControl, TrustStore, Tuning,
+    accept, dial, endpoint_with, tls_client_config, tls_server_config, CongestionControl,
+    TrustStore, Tuning, SERVER_NAME,
 };
 use meshfs_protocol::DeviceId;
 use std::collections::VecDeque;
@@ -42,6 +50,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Streams of the one connection (the daemon's content fetch uses as many).
 const STREAMS: usize = 8;
@@ -55,23 +64,54 @@ const FILE: u8 = 1;
 const DIR: u8 = 2;
 const SYMLINK: u8 = 3;
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // The daemon's runtime has a worker per core; `WIRE_COPY_THREADS` measures other counts.
+    let workers = match std::env::var("WIRE_COPY_THREADS") {
+        Ok(n) => n
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > 0)
+            .with_context(|| format!("WIRE_COPY_THREADS={n:?}: expected a positive count"))?,
+        Err(_) => 2,
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let tcp = args.iter().any(|a| a == "--tcp");
+    let args: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| *a != "--tcp")
+        .collect();
     match args.as_slice() {
         ["id", home] => {
             println!("{}", identity(Path::new(home))?.device_id);
             Ok(())
         }
         ["serve", home, listen, root, peer] => {
-            serve(Path::new(home), listen.parse()?, Path::new(root), peer.parse()?).await
+            let (home, root) = (Path::new(home), Path::new(root));
+            if tcp {
+                serve_tcp(home, listen.parse()?, root, peer.parse()?).await
+            } else {
+                serve(home, listen.parse()?, root, peer.parse()?).await
+            }
         }
         ["send", home, addr, peer, root] => {
-            send(Path::new(home), addr.parse()?, peer.parse()?, Path::new(root)).await
+            let (home, root) = (Path::new(home), Path::new(root));
+            if tcp {
+                send_tcp(home, addr.parse()?, peer.parse()?, root).await
+            } else {
+                send(home, addr.parse()?, peer.parse()?, root).await
+            }
         }
         _ => bail!(
-            "usage: wire_copy id HOME | serve HOME LISTEN ROOT PEER_ID | send HOME ADDR PEER_ID ROOT"
+            "usage: wire_copy id HOME | serve [--tcp] HOME LISTEN ROOT PEER_ID | send [--tcp] HOME ADDR PEER_ID ROOT"
         ),
     }
 }
@@ -143,10 +183,11 @@ async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> any
         let (conn, queue, root) = (conn.clone(), queue.clone(), root.clone());
         streams.push(tokio::spawn(async move {
             let (mut tx, mut rx) = conn.open_bi().await?;
+            let mut buf = Vec::new();
             loop {
                 let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
                 let Some(entry) = next else { break };
-                send_entry(&mut tx, &root, entry).await?;
+                send_entry(&mut tx, &root, entry, &mut buf).await?;
             }
             tx.write_all(&[END]).await?;
             tx.finish()?;
@@ -270,7 +311,35 @@ fn walk(root: &Path) -> anyhow::Result<Vec<Entry>> {
     Ok(dirs)
 }
 
-async fn send_entry(tx: &mut quinn::SendStream, root: &Path, entry: Entry) -> anyhow::Result<()> {
+/// Where the sender's entries go: a QUIC stream, or the TLS stream over TCP.
+trait Out: AsyncWrite + Unpin {
+    /// Sends `buf`'s bytes; gives the buffer back where the carrier copied them.
+    async fn put(&mut self, buf: Vec<u8>) -> anyhow::Result<Option<Vec<u8>>>;
+}
+
+impl Out for quinn::SendStream {
+    /// Hands the buffer over: quinn keeps it until the peer acknowledges it, no copy.
+    async fn put(&mut self, buf: Vec<u8>) -> anyhow::Result<Option<Vec<u8>>> {
+        self.write_chunk(Bytes::from(buf)).await?;
+        Ok(None)
+    }
+}
+
+impl Out for tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    /// rustls encrypts from the buffer into its records: the buffer serves again.
+    async fn put(&mut self, buf: Vec<u8>) -> anyhow::Result<Option<Vec<u8>>> {
+        self.write_all(&buf).await?;
+        Ok(Some(buf))
+    }
+}
+
+/// Sends one entry; `spare` is a read buffer a carrier gave back, for the next read.
+async fn send_entry(
+    tx: &mut impl Out,
+    root: &Path,
+    entry: Entry,
+    spare: &mut Vec<u8>,
+) -> anyhow::Result<()> {
     let mut head = Vec::with_capacity(64);
     match entry {
         Entry::Dir { path, mode } => {
@@ -300,10 +369,13 @@ async fn send_entry(tx: &mut quinn::SendStream, root: &Path, entry: Entry) -> an
             let mut at = offset;
             while at < offset + len {
                 let want = READ.min((offset + len - at) as usize);
-                let mut buf = vec![0u8; want];
+                let mut buf = std::mem::take(spare);
+                buf.resize(want, 0);
                 tokio::task::block_in_place(|| file.read_exact_at(&mut buf, at))
                     .with_context(|| format!("reading {path:?} (did it shrink?)"))?;
-                tx.write_chunk(Bytes::from(buf)).await?;
+                if let Some(back) = tx.put(buf).await? {
+                    *spare = back;
+                }
                 at += want as u64;
             }
         }
@@ -355,10 +427,18 @@ async fn serve_on(endpoint: quinn::Endpoint, root: &Path) -> anyhow::Result<()> 
             };
             let cpu0 = cpu_seconds();
             let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            while let Ok((tx, rx)) = conn.accept_bi().await {
+            while let Ok((mut tx, mut rx)) = conn.accept_bi().await {
                 let (root, written) = (root.clone(), written.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = receive(tx, rx, &root, &written).await {
+                    let done = async {
+                        receive(&mut rx, &mut tx, &root, &written).await?;
+                        tx.finish()?;
+                        // Keep the stream until the sender has the answer (it closes the
+                        // connection then).
+                        let _ = tx.stopped().await;
+                        anyhow::Ok(())
+                    };
+                    if let Err(e) = done.await {
                         eprintln!("wire_copy: a stream failed: {e:#}");
                     }
                 });
@@ -373,21 +453,177 @@ async fn serve_on(endpoint: quinn::Endpoint, root: &Path) -> anyhow::Result<()> 
     Ok(())
 }
 
+// ---------------------------------------------------------------------------------------
+// Over TCP (`--tcp`)
+
+async fn send_tcp(
+    home: &Path,
+    addr: SocketAddr,
+    peer: DeviceId,
+    root: &Path,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let cpu0 = cpu_seconds();
+    let me = identity(home)?;
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(tls_client_config(&me, peer)?));
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("cannot connect to {addr}"))?;
+    tcp.set_nodelay(true)?;
+    let name = rustls::pki_types::ServerName::try_from(SERVER_NAME)?;
+    let mut tls = connector
+        .connect(name, tcp)
+        .await
+        .with_context(|| format!("the TLS handshake with {addr} failed: refused"))?;
+    let walk_root = root.to_path_buf();
+    let entries = tokio::task::spawn_blocking(move || walk(&walk_root)).await??;
+    let sent: u64 = entries
+        .iter()
+        .map(|e| match e {
+            Entry::Piece { len, .. } => *len,
+            _ => 0,
+        })
+        .sum();
+    let transfer = async {
+        let mut buf = Vec::new();
+        for entry in entries {
+            send_entry(&mut tls, root, entry, &mut buf).await?;
+        }
+        tls.write_all(&[END]).await?;
+        tls.flush().await?;
+        let mut answer = [0u8; 8];
+        tls.read_exact(&mut answer).await?;
+        anyhow::Ok(u64::from_be_bytes(answer))
+    };
+    // TLS 1.3 lets the dialer write before the listener has checked its certificate: a
+    // refusal shows here, as the connection ending.
+    let written = transfer.await.with_context(|| {
+        format!(
+            "{addr} ended the connection before answering (it refuses devices it does not trust)"
+        )
+    })?;
+    ensure!(
+        written == sent,
+        "the receiver wrote {written} bytes of {sent}"
+    );
+    eprintln!(
+        "wire_copy: {sent} bytes to {addr} in {:.3} s",
+        started.elapsed().as_secs_f64()
+    );
+    eprintln!(
+        "{}",
+        tcp_report("sender", tls.get_ref().0, cpu_seconds() - cpu0, sent)
+    );
+    let _ = tls.shutdown().await;
+    Ok(())
+}
+
+async fn serve_tcp(
+    home: &Path,
+    listen: SocketAddr,
+    root: &Path,
+    peer: DeviceId,
+) -> anyhow::Result<()> {
+    let me = identity(home)?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    eprintln!(
+        "wire_copy: {} listening on {} (TCP)",
+        me.device_id,
+        listener.local_addr()?
+    );
+    serve_tcp_on(
+        listener,
+        tls_server_config(&me, TrustStore::new([peer]))?,
+        root,
+    )
+    .await
+}
+
+/// Accepts TLS connections on `listener` and writes what they send under `root`.
+async fn serve_tcp_on(
+    listener: tokio::net::TcpListener,
+    config: rustls::ServerConfig,
+    root: &Path,
+) -> anyhow::Result<()> {
+    fs::create_dir_all(root)?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let root = Arc::new(root.to_path_buf());
+    loop {
+        let (tcp, from) = listener.accept().await?;
+        let (acceptor, root) = (acceptor.clone(), root.clone());
+        tokio::spawn(async move {
+            let done = async {
+                tcp.set_nodelay(true)?;
+                let tls = acceptor.accept(tcp).await.context("TLS handshake")?;
+                let cpu0 = cpu_seconds();
+                let written = std::sync::atomic::AtomicU64::new(0);
+                let (mut rx, mut tx) = tokio::io::split(tls);
+                receive(&mut rx, &mut tx, &root, &written).await?;
+                let mut tls = rx.unsplit(tx);
+                let written = written.load(std::sync::atomic::Ordering::Relaxed);
+                eprintln!(
+                    "{}",
+                    tcp_report("receiver", tls.get_ref().0, cpu_seconds() - cpu0, written)
+                );
+                // The sender closes once it has the answer.
+                let mut rest = Vec::new();
+                let _ = tls.read_to_end(&mut rest).await;
+                anyhow::Ok(())
+            };
+            if let Err(e) = done.await {
+                eprintln!("wire_copy: the connection from {from} failed: {e:#}");
+            }
+        });
+    }
+}
+
+/// What TCP did on one side of a copy of `bytes` file bytes, on one line: the segment size
+/// both ways, retransmitted segments, and this process's CPU per GB (user + system).
+fn tcp_report(side: &str, tcp: &tokio::net::TcpStream, cpu: f64, bytes: u64) -> String {
+    use std::os::fd::AsRawFd;
+    let mut info = std::mem::MaybeUninit::<libc::tcp_info>::zeroed();
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO fills at most `len` bytes of the struct it is given, on a TCP socket.
+    let info = unsafe {
+        libc::getsockopt(
+            tcp.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        );
+        info.assume_init()
+    };
+    let gb = bytes as f64 / 1e9;
+    format!(
+        "wire_copy: {side}: TCP segments of {} B sent, {} B received; {} retransmitted; CPU \
+         {cpu:.2} s ({:.2} s per GB)",
+        info.tcpi_snd_mss,
+        info.tcpi_rcv_mss,
+        info.tcpi_total_retrans,
+        if gb > 0.0 { cpu / gb } else { 0.0 },
+    )
+}
+
+/// Writes the entries of one stream under `root` until its end, then answers with the file
+/// bytes written (the caller closes the stream).
 async fn receive(
-    mut tx: quinn::SendStream,
-    mut rx: quinn::RecvStream,
+    rx: &mut (impl AsyncRead + Unpin),
+    tx: &mut (impl AsyncWrite + Unpin),
     root: &Path,
     total: &std::sync::atomic::AtomicU64,
 ) -> anyhow::Result<()> {
     let mut written = 0u64;
     let mut buf = Vec::with_capacity(READ);
     loop {
-        let kind = read_bytes::<1>(&mut rx).await?[0];
+        let kind = read_bytes::<1>(rx).await?[0];
         if kind == END {
             break;
         }
-        let path = root.join(read_path(&mut rx).await?);
-        let mode = u32::from_be_bytes(read_bytes(&mut rx).await?);
+        let path = root.join(read_path(rx).await?);
+        let mode = u32::from_be_bytes(read_bytes(rx).await?);
         match kind {
             DIR => tokio::task::block_in_place(|| {
                 fs::create_dir_all(&path)?;
@@ -395,7 +631,7 @@ async fn receive(
             })
             .with_context(|| format!("making {path:?}"))?,
             SYMLINK => {
-                let target = read_path_raw(&mut rx).await?;
+                let target = read_path_raw(rx).await?;
                 tokio::task::block_in_place(|| {
                     make_parent(&path)?;
                     std::os::unix::fs::symlink(&target, &path)
@@ -403,11 +639,11 @@ async fn receive(
                 .with_context(|| format!("linking {path:?}"))?;
             }
             FILE => {
-                let secs = u64::from_be_bytes(read_bytes(&mut rx).await?);
-                let nanos = u32::from_be_bytes(read_bytes(&mut rx).await?);
+                let secs = u64::from_be_bytes(read_bytes(rx).await?);
+                let nanos = u32::from_be_bytes(read_bytes(rx).await?);
                 let mtime = UNIX_EPOCH + Duration::new(secs, nanos.min(999_999_999));
-                let offset = u64::from_be_bytes(read_bytes(&mut rx).await?);
-                let len = u64::from_be_bytes(read_bytes(&mut rx).await?);
+                let offset = u64::from_be_bytes(read_bytes(rx).await?);
+                let len = u64::from_be_bytes(read_bytes(rx).await?);
                 let file = tokio::task::block_in_place(|| {
                     make_parent(&path)?;
                     OpenOptions::new()
@@ -443,9 +679,7 @@ async fn receive(
     }
     total.fetch_add(written, std::sync::atomic::Ordering::Relaxed);
     tx.write_all(&written.to_be_bytes()).await?;
-    tx.finish()?;
-    // Keep the stream until the sender has the answer (it closes the connection then).
-    let _ = tx.stopped().await;
+    tx.flush().await?;
     Ok(())
 }
 
@@ -457,20 +691,20 @@ fn make_parent(path: &Path) -> std::io::Result<()> {
 }
 
 /// The next `N` bytes of the stream.
-async fn read_bytes<const N: usize>(rx: &mut quinn::RecvStream) -> anyhow::Result<[u8; N]> {
+async fn read_bytes<const N: usize>(rx: &mut (impl AsyncRead + Unpin)) -> anyhow::Result<[u8; N]> {
     let mut b = [0u8; N];
     rx.read_exact(&mut b).await?;
     Ok(b)
 }
 
-async fn read_path_raw(rx: &mut quinn::RecvStream) -> anyhow::Result<PathBuf> {
+async fn read_path_raw(rx: &mut (impl AsyncRead + Unpin)) -> anyhow::Result<PathBuf> {
     let len = u16::from_be_bytes(read_bytes(rx).await?);
     let mut bytes = vec![0u8; len as usize];
     rx.read_exact(&mut bytes).await?;
     Ok(PathBuf::from(std::ffi::OsStr::from_bytes(&bytes)))
 }
 
-async fn read_path(rx: &mut quinn::RecvStream) -> anyhow::Result<PathBuf> {
+async fn read_path(rx: &mut (impl AsyncRead + Unpin)) -> anyhow::Result<PathBuf> {
     plain_relative(read_path_raw(rx).await?)
 }
 
@@ -527,24 +761,7 @@ mod tests {
     async fn a_tree_arrives_whole_over_the_peer_transport() {
         let tmp = tempfile::tempdir().unwrap();
         let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
-        // A file of three pieces, one of exactly one piece, an empty one, small ones in
-        // nested directories, an empty directory with its own mode, a symbolic link.
-        let big: Vec<u8> = (0..(2 * PIECE + 12_345))
-            .map(|i| (i * 7 % 251) as u8)
-            .collect();
-        write(&src.join("big.bin"), &big);
-        write(&src.join("exact.bin"), &big[..PIECE as usize]);
-        write(&src.join("empty.txt"), b"");
-        for i in 0..50 {
-            write(
-                &src.join(format!("d{}/e/f{i}.txt", i % 3)),
-                format!("file {i}").as_bytes(),
-            );
-        }
-        fs::set_permissions(src.join("d1/e/f1.txt"), fs::Permissions::from_mode(0o640)).unwrap();
-        fs::create_dir(src.join("hollow")).unwrap();
-        fs::set_permissions(src.join("hollow"), fs::Permissions::from_mode(0o711)).unwrap();
-        std::os::unix::fs::symlink("big.bin", src.join("link")).unwrap();
+        sample_tree(&src);
 
         let (home_a, home_b) = (tmp.path().join("a"), tmp.path().join("b"));
         let (a, b) = (identity(&home_a).unwrap(), identity(&home_b).unwrap());
@@ -588,6 +805,80 @@ mod tests {
         let err = send(&a, addr, b_id.device_id, &src).await.unwrap_err();
         server.abort();
         assert!(format!("{err:#}").contains("refused"), "{err:#}");
+        assert!(!dst.join("f").exists());
+    }
+
+    /// A tree like the one above, for both carriers: a file of three pieces, one of exactly
+    /// one piece, an empty one, small ones in nested directories, an empty directory with its
+    /// own mode, a symbolic link.
+    fn sample_tree(src: &Path) {
+        let big: Vec<u8> = (0..(2 * PIECE + 12_345))
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        write(&src.join("big.bin"), &big);
+        write(&src.join("exact.bin"), &big[..PIECE as usize]);
+        write(&src.join("empty.txt"), b"");
+        for i in 0..50 {
+            write(
+                &src.join(format!("d{}/e/f{i}.txt", i % 3)),
+                format!("file {i}").as_bytes(),
+            );
+        }
+        fs::set_permissions(src.join("d1/e/f1.txt"), fs::Permissions::from_mode(0o640)).unwrap();
+        fs::create_dir(src.join("hollow")).unwrap();
+        fs::set_permissions(src.join("hollow"), fs::Permissions::from_mode(0o711)).unwrap();
+        std::os::unix::fs::symlink("big.bin", src.join("link")).unwrap();
+    }
+
+    /// A TCP listener on 127.0.0.1 writing under `dst`, trusting `trusted`, as `b`.
+    async fn tcp_server(
+        b: &Identity,
+        trusted: DeviceId,
+        dst: &Path,
+    ) -> (SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let config = tls_server_config(b, TrustStore::new([trusted])).unwrap();
+        let dst = dst.to_path_buf();
+        let server = tokio::spawn(async move { serve_tcp_on(listener, config, &dst).await });
+        (addr, server)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tree_arrives_whole_over_tcp_with_the_same_identities() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
+        sample_tree(&src);
+        let (home_a, home_b) = (tmp.path().join("a"), tmp.path().join("b"));
+        let (a, b) = (identity(&home_a).unwrap(), identity(&home_b).unwrap());
+        let (addr, server) = tcp_server(&b, a.device_id, &dst).await;
+        send_tcp(&home_a, addr, b.device_id, &src).await.unwrap();
+        server.abort();
+        assert_eq!(tree(&src), tree(&dst));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn over_tcp_a_stranger_is_refused_and_a_listener_not_the_one_dialed_too() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, dst) = (tmp.path().join("src"), tmp.path().join("dst"));
+        write(&src.join("f"), b"content");
+        let (home_a, home_b) = (tmp.path().join("a"), tmp.path().join("b"));
+        let (a, b) = (identity(&home_a).unwrap(), identity(&home_b).unwrap());
+        // The listener trusts someone else.
+        let stranger = Identity::generate().unwrap();
+        let (addr, server) = tcp_server(&b, stranger.device_id, &dst).await;
+        let err = send_tcp(&home_a, addr, b.device_id, &src)
+            .await
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("refuses"), "{err:#}");
+        server.abort();
+        // The listener trusts us, but is not the device we meant to reach.
+        let (addr, server) = tcp_server(&b, a.device_id, &dst).await;
+        let err = send_tcp(&home_a, addr, stranger.device_id, &src)
+            .await
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("refused"), "{err:#}");
+        server.abort();
         assert!(!dst.join("f").exists());
     }
 

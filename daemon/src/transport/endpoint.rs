@@ -183,25 +183,8 @@ pub fn endpoint_with(
         .receive_window(VarInt::from_u32(GREETING_WINDOW))
         .max_concurrent_bidi_streams(VarInt::from_u32(0));
     let cert = CertificateDer::from(identity.cert_der.clone());
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(identity.key_der.clone()));
-
-    let verifier = Arc::new(TrustedClients {
-        trust,
-        provider: provider(),
-    });
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(tls_err)?
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(vec![cert.clone()], key)
-        .map_err(tls_err)?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
-    // No session resumption: a resumed session restores the client certificate without
-    // asking the verifier, so a peer removed from the trust store could come back with a
-    // ticket. Every connection does the full handshake and the trust check.
-    tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
-    tls.send_tls13_tickets = 0;
-    let crypto = QuicServerConfig::try_from(tls).map_err(tls_err)?;
+    let crypto =
+        QuicServerConfig::try_from(tls_server_config(identity, trust)?).map_err(tls_err)?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     server.transport_config(Arc::new(greeting));
 
@@ -238,6 +221,34 @@ pub fn endpoint_with(
         .unwrap_or_else(|e| e.into_inner())
         .insert(local, context);
     Ok(endpoint)
+}
+
+/// The listener's TLS: this device's certificate, TLS 1.3 only, a dialer admitted only if its
+/// device id is in `trust`, no resumption. The QUIC endpoint is built on it, and so can a
+/// listener on another carrier be (`daemon/examples/wire_copy.rs --tcp`).
+pub fn tls_server_config(
+    identity: &Identity,
+    trust: TrustStore,
+) -> Result<rustls::ServerConfig, TransportError> {
+    let cert = CertificateDer::from(identity.cert_der.clone());
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(identity.key_der.clone()));
+    let verifier = Arc::new(TrustedClients {
+        trust,
+        provider: provider(),
+    });
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err)?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(vec![cert], key)
+        .map_err(tls_err)?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    // No session resumption: a resumed session restores the client certificate without
+    // asking the verifier, so a peer removed from the trust store could come back with a
+    // ticket. Every connection does the full handshake and the trust check.
+    tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    tls.send_tls13_tickets = 0;
+    Ok(tls)
 }
 
 /// Hands `endpoint` (made by [`endpoint`]) its own socket again, as if it had moved: every

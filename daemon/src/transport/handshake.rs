@@ -181,20 +181,49 @@ pub(super) fn client_config(
     context: &DialContext,
     pin: Arc<PinnedServer>,
 ) -> Result<quinn::ClientConfig, TransportError> {
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(context.key_der.clone()));
+    let tls = client_tls(context.cert.clone(), &context.key_der, pin)?;
+    let crypto = QuicClientConfig::try_from(tls).map_err(tls_err)?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(context.transport.clone());
+    Ok(config)
+}
+
+/// The dialer's TLS for a dial to `expected` on another carrier than QUIC
+/// (`daemon/examples/wire_copy.rs --tcp`): as a QUIC dial's, the listener must present
+/// `expected`'s certificate, and [`SERVER_NAME`] is the name to give.
+pub fn tls_client_config(
+    identity: &Identity,
+    expected: DeviceId,
+) -> Result<rustls::ClientConfig, TransportError> {
+    let pin = Arc::new(PinnedServer {
+        expected,
+        presented: Mutex::new(None),
+        provider: provider(),
+    });
+    client_tls(
+        CertificateDer::from(identity.cert_der.clone()),
+        &identity.key_der,
+        pin,
+    )
+}
+
+/// Our certificate and key, TLS 1.3 only, no resumption, `pin` as the check of the listener.
+fn client_tls(
+    cert: CertificateDer<'static>,
+    key_der: &[u8],
+    pin: Arc<PinnedServer>,
+) -> Result<rustls::ClientConfig, TransportError> {
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_der.to_vec()));
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err)?
         .dangerous()
         .with_custom_certificate_verifier(pin)
-        .with_client_auth_cert(vec![context.cert.clone()], key)
+        .with_client_auth_cert(vec![cert], key)
         .map_err(tls_err)?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
     tls.resumption = rustls::client::Resumption::disabled();
-    let crypto = QuicClientConfig::try_from(tls).map_err(tls_err)?;
-    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(context.transport.clone());
-    Ok(config)
+    Ok(tls)
 }
 
 /// One dial under way: what its failures are told with.
