@@ -170,13 +170,7 @@ async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> any
     let root = Arc::new(root.to_path_buf());
     let walk_root = root.clone();
     let entries = tokio::task::spawn_blocking(move || walk(&walk_root)).await??;
-    let sent: u64 = entries
-        .iter()
-        .map(|e| match e {
-            Entry::Piece { len, .. } => *len,
-            _ => 0,
-        })
-        .sum();
+    let sent = file_bytes(&entries);
     let queue = Arc::new(Mutex::new(VecDeque::from(entries)));
     let mut streams = Vec::new();
     for _ in 0..STREAMS {
@@ -202,6 +196,37 @@ async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> any
     for s in streams {
         written += s.await??;
     }
+    done(addr, started, sent, written, || {
+        transport_report("sender", &conn, cpu_seconds() - cpu0, sent)
+    })?;
+    conn.close(0u32.into(), b"done");
+    // Long enough for the close to leave; not its draining period (three probe timeouts, over
+    // half a second on a 90 ms path), which would count in the copy's time where rsync's exit
+    // waits for nothing of the kind.
+    let _ = tokio::time::timeout(Duration::from_millis(20), endpoint.wait_idle()).await;
+    Ok(())
+}
+
+/// The file bytes the entries carry.
+fn file_bytes(entries: &[Entry]) -> u64 {
+    entries
+        .iter()
+        .map(|e| match e {
+            Entry::Piece { len, .. } => *len,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Checks that the receiver wrote what was sent, then prints the copy's time and the carrier's
+/// `report`.
+fn done(
+    addr: SocketAddr,
+    started: Instant,
+    sent: u64,
+    written: u64,
+    report: impl FnOnce() -> String,
+) -> anyhow::Result<()> {
     ensure!(
         written == sent,
         "the receiver wrote {written} bytes of {sent}"
@@ -210,15 +235,7 @@ async fn send(home: &Path, addr: SocketAddr, peer: DeviceId, root: &Path) -> any
         "wire_copy: {sent} bytes to {addr} in {:.3} s",
         started.elapsed().as_secs_f64()
     );
-    eprintln!(
-        "{}",
-        transport_report("sender", &conn, cpu_seconds() - cpu0, sent)
-    );
-    conn.close(0u32.into(), b"done");
-    // Long enough for the close to leave; not its draining period (three probe timeouts, over
-    // half a second on a 90 ms path), which would count in the copy's time where rsync's exit
-    // waits for nothing of the kind.
-    let _ = tokio::time::timeout(Duration::from_millis(20), endpoint.wait_idle()).await;
+    eprintln!("{}", report());
     Ok(())
 }
 
@@ -477,13 +494,7 @@ async fn send_tcp(
         .with_context(|| format!("the TLS handshake with {addr} failed: refused"))?;
     let walk_root = root.to_path_buf();
     let entries = tokio::task::spawn_blocking(move || walk(&walk_root)).await??;
-    let sent: u64 = entries
-        .iter()
-        .map(|e| match e {
-            Entry::Piece { len, .. } => *len,
-            _ => 0,
-        })
-        .sum();
+    let sent = file_bytes(&entries);
     let transfer = async {
         let mut buf = Vec::new();
         for entry in entries {
@@ -502,18 +513,9 @@ async fn send_tcp(
             "{addr} ended the connection before answering (it refuses devices it does not trust)"
         )
     })?;
-    ensure!(
-        written == sent,
-        "the receiver wrote {written} bytes of {sent}"
-    );
-    eprintln!(
-        "wire_copy: {sent} bytes to {addr} in {:.3} s",
-        started.elapsed().as_secs_f64()
-    );
-    eprintln!(
-        "{}",
+    done(addr, started, sent, written, || {
         tcp_report("sender", tls.get_ref().0, cpu_seconds() - cpu0, sent)
-    );
+    })?;
     let _ = tls.shutdown().await;
     Ok(())
 }
