@@ -14,8 +14,9 @@ from .scenarios import SCENARIOS
 ORDER = list(SCENARIOS)
 TOOL_ORDER = ["meshfs", "meshfs-mount", "rsync-ssh", "rsyncd", "syncthing", "syncthing-1s", "unison",
               "wire-copy", "wire-copy-tcp"]
-# Not contenders: what a tool on meshfs's transport could do at best (bench/README.md, "Tools").
-# Left out of "fastest" and "best other"; meshfs's rows give their ratio to it.
+# Not contenders: what a plain copy over meshfs's transport (wire-copy), or over TCP with the same
+# identities (wire-copy-tcp), does at best (bench/README.md, "Tools"). Left out of "fastest" and
+# "best other"; meshfs's rows give their ratio to wire-copy.
 FLOORS = {"wire-copy", "wire-copy-tcp"}
 
 
