@@ -364,9 +364,19 @@ fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
         let how = p["address_source"]
             .as_str()
             .map_or(String::new(), |src| format!(" ({})", source_words(src)));
+        let lane = &p["bulk_lane"];
+        let lane = match (lane["up"].as_bool(), lane["down"].as_str()) {
+            (Some(true), _) => format!(
+                ", bulk lane up ({} fetches, {})",
+                lane["fetches"].as_u64().unwrap_or(0),
+                meshfs_daemon::readout::rates::bytes(lane["bytes"].as_f64().unwrap_or(0.0))
+            ),
+            (_, Some(why)) => format!(", bulk lane down ({why})"),
+            _ => String::new(),
+        };
         match p["address"].as_str().or(at) {
-            Some(a) => format!("connected at {a}{how}, rtt {rtt}"),
-            None => format!("connected, rtt {rtt}"),
+            Some(a) => format!("connected at {a}{how}, rtt {rtt}{lane}"),
+            None => format!("connected, rtt {rtt}{lane}"),
         }
     } else {
         match (p["last_seen_unix"].as_u64(), at) {

@@ -603,3 +603,79 @@ fn small_new_files_cross_each_link_once_in_a_mesh_and_through_a_relay() {
         not_debug(&e)
     );
 }
+
+/// Each peer's bulk lane, as `status --json` shows it (`peers[].bulk_lane`).
+fn lane_of(d: &Device, peer: &Device) -> serde_json::Value {
+    let st = d.status();
+    st["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["device_id"] == peer.id.as_str())
+        .map(|p| p["bulk_lane"].clone())
+        .unwrap_or_default()
+}
+
+/// On a short path a large file's chunks come over the bulk lane (TLS over TCP beside the
+/// QUIC connection, D105), counted in the peer's bytes; small files' content stays on QUIC.
+#[test]
+fn a_large_file_comes_over_the_bulk_lane_on_a_short_path() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    let big = noise(24 << 20, 31);
+    write(&a.path("big.bin"), &big);
+    write(&a.path("small.txt"), b"small files ride in the index batch");
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 120);
+    assert_eq!(std::fs::read(b.path("big.bin")).unwrap(), big);
+    let lane = lane_of(&b, &a);
+    assert_eq!(lane["up"], true, "{lane}");
+    assert!(lane["fetches"].as_u64().unwrap() >= 1, "{lane}");
+    assert!(
+        lane["bytes"].as_u64().unwrap() >= 24 << 20,
+        "the file's chunks did not come over the lane: {lane}"
+    );
+    // The lane's bytes are the peer's too.
+    let received = b.status()["bytes_received"].as_u64().unwrap();
+    assert!(received >= 24 << 20, "received {received}");
+    // And a second large file takes the same lane.
+    let more = noise(8 << 20, 32);
+    write(&a.path("more.bin"), &more);
+    wait_synced(&[&a, &b], 120);
+    assert_eq!(std::fs::read(b.path("more.bin")).unwrap(), more);
+    let again = lane_of(&b, &a);
+    assert!(
+        again["bytes"].as_u64().unwrap() >= 32 << 20,
+        "the second file did not take the lane: {again}\n{}\n{}", b.log(), a.log()
+    );
+}
+
+/// A peer whose lane cannot be bound (its TCP port held by a program that accepts nothing and
+/// says nothing) still gets a large file whole, over QUIC streams, and `status` says why the
+/// lane is down.
+#[test]
+fn a_large_file_comes_over_quic_when_the_lane_cannot_be_bound() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    // a's TCP port: the kernel completes b's handshakes into this backlog; no TLS answers.
+    let _held = std::net::TcpListener::bind(&a.addr).unwrap();
+    let big = noise(12 << 20, 33);
+    write(&a.path("big.bin"), &big);
+    a.start();
+    b.start();
+    wait_synced(&[&a, &b], 120);
+    assert_eq!(std::fs::read(b.path("big.bin")).unwrap(), big);
+    let lane = lane_of(&b, &a);
+    assert_eq!(lane["up"], false, "{lane}");
+    assert_eq!(lane["fetches"], 0, "{lane}");
+    assert!(
+        lane["down"].as_str().is_some_and(|w| w.contains("bulk lane")),
+        "{lane}"
+    );
+    assert!(a.log().contains("no bulk lane for peers' fetches"), "{}", a.log());
+}

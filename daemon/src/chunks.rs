@@ -26,27 +26,27 @@ const REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// Most bytes asked for in one chunk request.
 const REQUEST_BYTES: u64 = 4 << 20;
 /// Chunk requests in flight per fetch.
-const REQUESTS_IN_FLIGHT: usize = 24;
+pub(crate) const REQUESTS_IN_FLIGHT: usize = 24;
 
 /// Chunk requests served to one peer at once (each holds a blocking reader thread).
 pub(crate) const SERVED_AT_ONCE: usize = 32;
 /// Most hashes a peer may ask for in one chunk request (the decoder refuses more already).
 const MAX_REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// How long one response may wait for the requester to take it.
-const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a request stream may go without its request: a peer that opens streams and says
 /// nothing on them would otherwise hold its [`SERVED_AT_ONCE`] places for good.
 const REQUEST_WAIT: Duration = Duration::from_secs(30);
 /// How long the next response of a request may take to begin: the server reads the chunk
 /// from its disk first (and its journal may be busy with a scan), so more than a frame stall.
-const RESPONSE_WAIT: Duration = Duration::from_secs(60);
+pub(crate) const RESPONSE_WAIT: Duration = Duration::from_secs(60);
 /// Longest request frame read: a probe of `MAX_HASHES_PER_PROBE` hashes for the longest folder
 /// id takes about 34 KiB (a chunk request of [`MAX_REQUEST_HASHES`], 2.1 KiB). A request stream
 /// holds no more than this, whatever its header says.
-const MAX_REQUEST_FRAME: usize = 40 << 10;
+pub(crate) const MAX_REQUEST_FRAME: usize = 40 << 10;
 /// Longest response frame read: a chunk of at most `MAX_CHUNK_LEN` and its fields, or an
 /// `Error` of at most `MAX_ERROR_MESSAGE_LEN`.
-const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
+pub(crate) const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
 
 /// Largest file whose content rides inside the index batch that announces it.
 pub const INLINE_FILE_BYTES: u64 = 64 << 10;
@@ -101,7 +101,9 @@ pub async fn serve_request(
     // order and hands each response to this task, at most a few ahead of the stream.
     let (tx, mut rx) = mpsc::channel::<ChunkResponse>(4);
     let folders = folders.clone();
-    let reader = tokio::task::spawn_blocking(move || read_chunks(&folders, &rt, req, &tx));
+    let reader = tokio::task::spawn_blocking(move || {
+        read_chunks(&folders, &rt, req, |r| tx.blocking_send(r).is_ok())
+    });
     while let Some(resp) = rx.recv().await {
         // A requester that stops reading frees its reader after a while (dropping `rx`
         // ends the blocking thread's sends).
@@ -119,7 +121,7 @@ pub async fn serve_request(
 }
 
 /// What a request stream asks.
-enum Asked {
+pub(crate) enum Asked {
     /// Chunks, with their data.
     Chunks(ChunkRequest),
     /// Whether chunks are held (protocol 10).
@@ -197,9 +199,8 @@ pub async fn probe(
     }
 }
 
-/// Reads a stream's request and checks it: a chunk request or a probe, for a folder shared
-/// with `peer` and running here, of at most [`MAX_REQUEST_HASHES`] hashes (a chunk request). A
-/// refusal is answered on the stream with an `Error` before it is returned.
+/// Reads a stream's request and checks it ([`check_request`]). A refusal is answered on the
+/// stream with an `Error` before it is returned.
 async fn read_request(
     folders: &Folders,
     peer: DeviceId,
@@ -220,30 +221,59 @@ async fn read_request(
             ));
         }
     };
-    let (folder, hashes) = match &asked {
+    match check_request(folders, peer, shared, &asked) {
+        Ok(rt) => Ok((asked, rt)),
+        Err((told, e)) => {
+            if let Some((code, told)) = told {
+                refuse(send, code, told).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+/// What a refused request is told (if anything) and why it was refused.
+pub(crate) type Refusal = (Option<(ErrorCode, String)>, ServeError);
+
+/// Checks a request: a chunk request or a probe, for a folder shared with `peer` and running
+/// here, of at most [`MAX_REQUEST_HASHES`] hashes (a chunk request).
+pub(crate) fn check_request(
+    folders: &Folders,
+    peer: DeviceId,
+    shared: &[FolderId],
+    asked: &Asked,
+) -> Result<Arc<FolderRt>, Refusal> {
+    let (folder, hashes) = match asked {
         Asked::Chunks(r) => (&r.folder, r.hashes.len()),
         Asked::Probe(p) => (&p.folder, 0),
     };
     if !shared.contains(folder) {
         let told = format!("folder {folder} is not shared with you");
-        refuse(send, ErrorCode::NotShared, told).await;
-        return Err(ServeError::Refused(format!(
-            "peer {} asked for unshared folder {folder}",
-            peer.short(),
-        )));
+        return Err((
+            Some((ErrorCode::NotShared, told)),
+            ServeError::Refused(format!(
+                "peer {} asked for unshared folder {folder}",
+                peer.short(),
+            )),
+        ));
     }
     let Some(rt) = folders.get(folder) else {
-        return Err(ServeError::Refused(format!("folder {folder} not running")));
+        return Err((
+            None,
+            ServeError::Refused(format!("folder {folder} not running")),
+        ));
     };
     if hashes > MAX_REQUEST_HASHES {
         let told = format!("{hashes} hashes in one request; at most {MAX_REQUEST_HASHES}");
-        refuse(send, ErrorCode::BadFrame, told).await;
-        return Err(ServeError::Refused(format!(
-            "peer {} asked for {hashes} chunks in one request",
-            peer.short(),
-        )));
+        return Err((
+            Some((ErrorCode::BadFrame, told)),
+            ServeError::Refused(format!(
+                "peer {} asked for {hashes} chunks in one request",
+                peer.short(),
+            )),
+        ));
     }
-    Ok((asked, rt))
+    Ok(rt)
 }
 
 /// Tells the requester why its request is refused (best effort: the stream ends anyway).
@@ -252,13 +282,13 @@ async fn refuse(send: &mut quinn::SendStream, code: ErrorCode, message: String) 
 }
 
 /// The blocking half of serving a request: reads each requested chunk (`None` where this
-/// device no longer has it), packs it and hands it to `tx`, in order, until done or until
-/// the stream's task stops taking them.
-fn read_chunks(
+/// device no longer has it), packs it and hands it to `emit`, in order, until done or until
+/// `emit` says the stream's task stopped taking them.
+pub(crate) fn read_chunks(
     folders: &Folders,
     rt: &FolderRt,
     req: ChunkRequest,
-    tx: &mpsc::Sender<ChunkResponse>,
+    mut emit: impl FnMut(ChunkResponse) -> bool,
 ) {
     let mut dirs = DirCache::default();
     let mut packer = Packer::default();
@@ -301,14 +331,14 @@ fn read_chunks(
                 compressed: false,
             },
         };
-        if tx.blocking_send(resp).is_err() {
+        if !emit(resp) {
             return;
         }
     }
 }
 
 /// A chunk response as it arrived: not yet decompressed nor checked.
-struct Arrived {
+pub(crate) struct Arrived {
     hash: Hash,
     /// The length the record's chunk list gives it.
     len: u32,
@@ -318,7 +348,7 @@ struct Arrived {
 }
 
 /// One chunk response as it arrived, or why its request failed.
-type FetchItem = Result<Arrived, FetchError>;
+pub(crate) type FetchItem = Result<Arrived, FetchError>;
 
 /// zstd when it saves at least an eighth; raw otherwise. A chunk over 16 KiB is first judged
 /// by compressing 4 KiB from its middle: zstd gives up on incompressible input without
@@ -432,12 +462,14 @@ pub async fn fetch<S: ChunkSink>(
     let mut groups: Vec<Vec<(Hash, u32)>> = Vec::new();
     let mut cur: Vec<(Hash, u32)> = Vec::new();
     let mut bytes = 0u64;
+    let mut total = 0u64;
     for (h, len) in wanted {
         if !cur.is_empty() && (cur.len() >= REQUEST_HASHES || bytes + len as u64 > REQUEST_BYTES) {
             groups.push(std::mem::take(&mut cur));
             bytes = 0;
         }
         bytes += len as u64;
+        total += len as u64;
         cur.push((h, len));
     }
     if !cur.is_empty() {
@@ -445,6 +477,38 @@ pub async fn fetch<S: ChunkSink>(
     }
     // Bounded: a writer slower than the link holds the requests back, not memory.
     let (tx, rx) = mpsc::channel::<FetchItem>(32);
+    // A large fetch on a short path goes over the session's bulk lane when it is free (D105);
+    // what the lane could not carry goes on QUIC request streams.
+    let (conn, folder, sender) = (conn.clone(), folder.clone(), tx.clone());
+    tokio::spawn(async move {
+        let rest = match crate::bulk::lane_for(&conn, total).await {
+            Some(lane) => crate::bulk::over_lane(lane, &folder, groups, &sender).await,
+            None => groups,
+        };
+        request_groups(&conn, &folder, rest, &sender);
+    });
+    drop(tx);
+    // Dropped with this future (an apply given up): the writer stops at its next chunk.
+    let stop = StopOnDrop(Arc::new(std::sync::atomic::AtomicBool::new(false)));
+    let stopped = stop.0.clone();
+    let writer = tokio::task::spawn_blocking(move || write_arrivals(rx, sink, &stopped));
+    let out = writer.await;
+    drop(stop);
+    match out {
+        Ok(done) => done,
+        // The writer panicked: the sink went with it.
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// Asks `conn` for each of `groups` on a request stream of its own, [`REQUESTS_IN_FLIGHT`] at
+/// once, each chunk's response (or the failure of its request) sent to `tx`.
+fn request_groups(
+    conn: &quinn::Connection,
+    folder: &FolderId,
+    groups: Vec<Vec<(Hash, u32)>>,
+    tx: &mpsc::Sender<FetchItem>,
+) {
     let sem = Arc::new(tokio::sync::Semaphore::new(REQUESTS_IN_FLIGHT));
     for g in groups {
         let conn = conn.clone();
@@ -459,18 +523,6 @@ pub async fn fetch<S: ChunkSink>(
                 let _ = tx.send(Err(e)).await;
             }
         });
-    }
-    drop(tx);
-    // Dropped with this future (an apply given up): the writer stops at its next chunk.
-    let stop = StopOnDrop(Arc::new(std::sync::atomic::AtomicBool::new(false)));
-    let stopped = stop.0.clone();
-    let writer = tokio::task::spawn_blocking(move || write_arrivals(rx, sink, &stopped));
-    let out = writer.await;
-    drop(stop);
-    match out {
-        Ok(done) => done,
-        // The writer panicked: the sink went with it.
-        Err(e) => std::panic::resume_unwind(e.into_panic()),
     }
 }
 
@@ -542,37 +594,46 @@ async fn request_group(
     .await
     .map_err(|e| link(&e))?;
     let _ = send.finish();
-    for (want, want_len) in wanted.iter().take(n) {
+    for &(want, want_len) in wanted.iter().take(n) {
         // A peer that never answers, or stalls in a response, fails the request (and with it
         // the batch) instead of holding it for good.
         let msg =
-            transport::read_response_within(&mut recv, RESPONSE_WAIT, MAX_RESPONSE_FRAME, *want)
+            transport::read_response_within(&mut recv, RESPONSE_WAIT, MAX_RESPONSE_FRAME, want)
                 .await
                 .map_err(|e| link(&e))?;
-        let resp = match msg {
-            Some(Message::Response(r)) => r,
-            Some(Message::Error { message, .. }) => return Err(FetchError::Refused(message)),
-            Some(_) => {
-                return Err(FetchError::Protocol(
-                    "a message other than a response on a chunk stream".into(),
-                ))
-            }
-            None => return Err(FetchError::Link("chunk stream ended early".into())),
-        };
-        if &resp.hash != want {
-            return Err(FetchError::Protocol("chunk responses out of order".into()));
-        }
-        let arrived = Arrived {
-            hash: resp.hash,
-            len: *want_len,
-            data: resp.data,
-            compressed: resp.compressed,
-        };
-        if tx.send(Ok(arrived)).await.is_err() {
+        if tx.send(Ok(arrived(msg, want, want_len)?)).await.is_err() {
             return Ok(());
         }
     }
     Ok(())
+}
+
+/// The answer `msg` to a request for the chunk `want` of length `want_len`, as it arrived; an
+/// error for anything but a response for that chunk.
+pub(crate) fn arrived(
+    msg: Option<Message>,
+    want: Hash,
+    want_len: u32,
+) -> Result<Arrived, FetchError> {
+    let resp = match msg {
+        Some(Message::Response(r)) => r,
+        Some(Message::Error { message, .. }) => return Err(FetchError::Refused(message)),
+        Some(_) => {
+            return Err(FetchError::Protocol(
+                "a message other than a response on a chunk stream".into(),
+            ))
+        }
+        None => return Err(FetchError::Link("chunk stream ended early".into())),
+    };
+    if resp.hash != want {
+        return Err(FetchError::Protocol("chunk responses out of order".into()));
+    }
+    Ok(Arrived {
+        hash: resp.hash,
+        len: want_len,
+        data: resp.data,
+        compressed: resp.compressed,
+    })
 }
 
 /// Which records of an outgoing index batch may carry their content ([`attach_inline`]).

@@ -176,6 +176,17 @@ impl Engine {
                 }
             }
         }
+        match transport::lane_listener(&endpoint, &identity, engine.trust.clone()).await {
+            Ok((listener, acceptor)) => {
+                tokio::spawn(peers::lane_accept_loop(
+                    engine.net.clone(),
+                    listener,
+                    acceptor,
+                ));
+            }
+            // Peers' large fetches take QUIC streams, as every fetch did before the lane.
+            Err(e) => tracing::warn!(error = %e, "no bulk lane for peers' fetches"),
+        }
         tokio::spawn(peers::accept_loop(engine.net.clone(), endpoint));
         tokio::spawn(retention_loop(engine.clone()));
         tokio::spawn(traffic_loop(engine.clone()));
@@ -1003,6 +1014,10 @@ impl Engine {
                 last_error: peers
                     .as_ref()
                     .and_then(|x| x.last_error.get(&p.id).cloned()),
+                lane: peers
+                    .as_ref()
+                    .and_then(|x| x.link(&p.id))
+                    .and_then(|_| crate::bulk::figures(&p.id)),
             })
             .collect();
         let sync = peers.as_ref().map(|p| p.sync.clone()).unwrap_or_default();

@@ -8,6 +8,7 @@
 
 pub mod apply;
 pub mod assembly;
+pub mod bulk;
 pub mod capture;
 pub mod chunker;
 pub mod chunks;

@@ -441,6 +441,63 @@ pub async fn accept_loop(net: Arc<Net>, endpoint: quinn::Endpoint) {
     }
 }
 
+/// Lanes being bound at once (TLS and binding, at most `transport::LANE_HELLO_TIMEOUT` each):
+/// anyone can open TCP connections, and one more is closed at once.
+const LANES_BINDING: usize = 32;
+
+/// Accepts bulk lanes (`transport::lane`, D105) on `listener` and serves each bound one's chunk
+/// requests until the daemon stops.
+pub async fn lane_accept_loop(
+    net: Arc<Net>,
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+) {
+    let binding = Arc::new(tokio::sync::Semaphore::new(LANES_BINDING));
+    let mut stopping = net.stopping.subscribe();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stopping.wait_for(|s| *s) => return,
+        };
+        let (tcp, from) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of descriptors, most likely: wait rather than spin.
+                tracing::warn!(error = %e, "cannot accept a bulk lane");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = binding.clone().try_acquire_owned() else {
+            continue;
+        };
+        let (net, acceptor) = (net.clone(), acceptor.clone());
+        tokio::spawn(async move {
+            let links = |d: &DeviceId| {
+                net.links()
+                    .into_iter()
+                    .filter(|(id, _)| id == d)
+                    .map(|(_, c)| c)
+                    .collect()
+            };
+            let bound = transport::accept_lane(&acceptor, tcp, links).await;
+            drop(permit);
+            let (peer, conn, stream) = match bound {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::debug!(%from, error = %e, "bulk lane not bound");
+                    return;
+                }
+            };
+            let shared = || net.shared_with(&peer);
+            let served = crate::bulk::serve_lane(net.folders.clone(), peer, shared, conn, stream);
+            if let Err(e) = served.await {
+                tracing::info!(peer = %peer.short(), error = %e, "bulk lane ended");
+            }
+        });
+    }
+}
+
 /// The index a session sends, read through a connection that only reads ([`Folders::reader`]),
 /// in one read transaction: a session of one folder never waits for another folder's apply or
 /// scan holding the writer.
@@ -614,6 +671,8 @@ async fn drive_session(
     // files' content attached, read on a blocking thread so this loop goes on meanwhile.
     let (out, writer) = control_writer(net.clone(), send, tx.clone());
     tokio::spawn(serve_requests(net.clone(), peer, conn.clone()));
+    // This device's bulk lane for its large fetches from the peer, while the session runs.
+    let _lane = crate::bulk::register(&net.endpoint, conn, peer);
     let mut session = Session::with_device(
         net.name(),
         net.folders.device,

@@ -235,6 +235,8 @@ pub struct PeerSnapshot {
     pub address: Option<(SocketAddr, Source)>,
     /// The addresses known for it (fixed ones not included), best first.
     pub candidates: Vec<Candidate>,
+    /// This device's bulk lane to it (D105); `None` when it is not connected.
+    pub lane: Option<crate::bulk::LaneFigures>,
 }
 
 /// What a folder still has to do on this device before it can be in sync.
@@ -508,6 +510,22 @@ pub struct PeerStatus {
     pub last_seen_addr: Option<String>,
     /// Its last error and when, or null.
     pub last_error: Option<LastError>,
+    /// This device's bulk lane to it (large fetches on a short path, D105), or null when it is
+    /// not connected.
+    pub bulk_lane: Option<BulkLane>,
+}
+
+/// A peer's `bulk_lane`.
+#[derive(Clone, Debug, Serialize)]
+pub struct BulkLane {
+    /// Bound and idle, or carrying a fetch.
+    pub up: bool,
+    /// Why it is down (large fetches take QUIC streams until it is dialed again), or null.
+    pub down: Option<String>,
+    /// Fetches it carried whole since the connection began.
+    pub fetches: u64,
+    /// Their bytes.
+    pub bytes: u64,
 }
 
 /// One of a peer's `known_addresses`.
@@ -671,6 +689,12 @@ fn peer_status(p: PeerSnapshot) -> PeerStatus {
         last_seen_unix: p.last_seen_unix,
         last_seen_addr: p.last_seen_addr.map(|a| a.to_string()),
         last_error: p.last_error,
+        bulk_lane: p.lane.map(|l| BulkLane {
+            up: l.up,
+            down: l.down,
+            fetches: l.fetches,
+            bytes: l.bytes,
+        }),
     }
 }
 
@@ -891,6 +915,12 @@ mod tests {
                     addr: "10.0.0.2:7788".parse().unwrap(),
                     source: Source::Remembered,
                 }],
+                lane: rtt.map(|_| crate::bulk::LaneFigures {
+                    up: true,
+                    down: None,
+                    fetches: 2,
+                    bytes: 3 << 20,
+                }),
             }
         };
         Snapshot {
@@ -1008,7 +1038,8 @@ mod tests {
                  "folders": ["work"], "connected": true,
                  "rtt_ms": 2.0, "bytes_sent": 1234, "bytes_received": 5678,
                  "last_seen_unix": 1_790_000_000, "last_seen_addr": "10.0.0.2:7788",
-                 "last_error": null},
+                 "last_error": null,
+                 "bulk_lane": {"up": true, "down": null, "fetches": 2, "bytes": 3145728}},
                 {"device_id": idle.to_string(), "short_id": idle.short().display7(),
                  "name": "idle", "addresses": ["dynamic"], "address": null,
                  "address_source": null,
@@ -1016,7 +1047,7 @@ mod tests {
                  "folders": [], "connected": false,
                  "rtt_ms": null, "bytes_sent": 1234, "bytes_received": 5678,
                  "last_seen_unix": 1_790_000_000, "last_seen_addr": "10.0.0.2:7788",
-                 "last_error": null},
+                 "last_error": null, "bulk_lane": null},
             ],
             "refused_devices": [DeviceId::from_bytes([4; 32]).to_string()],
             "bytes_sent": 1234,

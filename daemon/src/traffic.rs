@@ -60,6 +60,7 @@ impl Traffic {
                     t.retired.0 += s.bytes_sent;
                     t.retired.1 += s.bytes_received;
                     t.retired_resent += s.lost_bytes;
+                    transport::forget_lanes(&conn);
                 }
             }
         }

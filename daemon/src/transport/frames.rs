@@ -1,8 +1,54 @@
 //! Frames on streams: writing a message or a chunk response as one frame, and reading one
 //! within its deadlines (a peer that stalls mid-frame, or trickles, is stopped with
 //! [`STOP_BAD_FRAME`]). It never knows what a message means.
+//!
+//! The same frames go on QUIC streams and on the bulk lane's TLS byte stream
+//! ([`super::lane`]): [`FrameSend`] and [`FrameRecv`] are what each carrier provides.
 
 use super::*;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Where frames are written: a QUIC send stream, or one half of a byte stream.
+pub trait FrameSend: Send {
+    /// Sends `parts` in order, as one run of bytes. Handed over, not copied, where the carrier
+    /// can keep them (QUIC keeps each buffer until the peer acknowledges it).
+    fn send_parts(
+        &mut self,
+        parts: &mut [bytes::Bytes],
+    ) -> impl std::future::Future<Output = Result<(), TransportError>> + Send;
+}
+
+impl FrameSend for quinn::SendStream {
+    async fn send_parts(&mut self, parts: &mut [bytes::Bytes]) -> Result<(), TransportError> {
+        self.write_all_chunks(parts).await?;
+        Ok(())
+    }
+}
+
+impl<T: AsyncWrite + Send> FrameSend for tokio::io::WriteHalf<T> {
+    async fn send_parts(&mut self, parts: &mut [bytes::Bytes]) -> Result<(), TransportError> {
+        for p in parts.iter() {
+            self.write_all(p).await.map_err(TransportError::Stream)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where frames are read from: a QUIC receive stream, or one half of a byte stream.
+pub trait FrameRecv: AsyncRead + Unpin + Send {
+    /// Tells the sender a frame was refused: on QUIC, STOP_SENDING with [`STOP_BAD_FRAME`]. A
+    /// byte stream has no such signal: its reader gives the whole stream up.
+    fn refuse(&mut self) {}
+}
+
+impl FrameRecv for quinn::RecvStream {
+    fn refuse(&mut self) {
+        // Fails only if the stream is already finished or stopped: nothing left to stop.
+        let _ = self.stop(STOP_BAD_FRAME);
+    }
+}
+
+impl<T: AsyncRead + Send> FrameRecv for tokio::io::ReadHalf<T> {}
 
 /// Bytes reserved for a frame's payload before any of it has arrived.
 pub(super) const FRAME_PREALLOC: usize = 64 << 10;
@@ -27,20 +73,19 @@ pub(super) const FRAME_MIN_RATE: u64 = 8 << 10;
 
 /// Writes `msg` as one frame; returns the bytes written (header included).
 pub async fn write_message(
-    send: &mut quinn::SendStream,
+    send: &mut impl FrameSend,
     msg: &Message,
 ) -> Result<usize, TransportError> {
     let frame = encode_frame(msg)?;
     let len = frame.len();
-    // Handed over, not copied: quinn keeps the buffer until the peer acknowledges it.
-    send.write_chunk(bytes::Bytes::from(frame)).await?;
+    send.send_parts(&mut [bytes::Bytes::from(frame)]).await?;
     Ok(len)
 }
 
 /// Writes a chunk response as one frame without copying its bytes: the frame's head and tail
 /// go around the chunk as it was read ([`meshfs_protocol::encode_response_frame`]).
 pub async fn write_response(
-    send: &mut quinn::SendStream,
+    send: &mut impl FrameSend,
     resp: ChunkResponse,
 ) -> Result<usize, TransportError> {
     let ChunkResponse {
@@ -58,7 +103,7 @@ pub async fn write_response(
         bytes::Bytes::from(data),
         bytes::Bytes::copy_from_slice(&tail),
     ];
-    send.write_all_chunks(&mut parts).await?;
+    send.send_parts(&mut parts).await?;
     Ok(len)
 }
 
@@ -71,7 +116,7 @@ pub async fn write_response(
 /// the connection). Once it has come, the frame must go on within [`FRAME_STALL`] and be
 /// complete by [`frame_deadline`], or the stream is stopped with [`STOP_BAD_FRAME`] and this
 /// yields [`TransportError::Stalled`].
-pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<Option<Message>, TransportError> {
+pub async fn read_message(recv: &mut impl FrameRecv) -> Result<Option<Message>, TransportError> {
     read_frame(recv, None).await
 }
 
@@ -79,7 +124,7 @@ pub async fn read_message(recv: &mut quinn::RecvStream) -> Result<Option<Message
 /// must come within `wait`, and its frame declare at most `max_len` bytes (refused from the
 /// header otherwise, like one over [`MAX_FRAME_LEN`]).
 pub async fn read_message_within(
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl FrameRecv,
     wait: Duration,
     max_len: usize,
 ) -> Result<Option<Message>, TransportError> {
@@ -94,7 +139,7 @@ pub fn frame_deadline(len: usize) -> Duration {
 /// Reads one frame; `due`: the wait for its first byte and its longest length, when a
 /// message of a known kind is due.
 pub(super) async fn read_frame(
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl FrameRecv,
     due: Option<(Duration, usize)>,
 ) -> Result<Option<Message>, TransportError> {
     let Some((len, mut clock)) = read_header(recv, due).await? else {
@@ -106,7 +151,7 @@ pub(super) async fn read_frame(
 /// Reads the rest of a frame of payload length `len` after the `payload` bytes read so far, and
 /// decodes it whole.
 pub(super) async fn decode_rest(
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl FrameRecv,
     clock: &mut FrameClock,
     mut payload: Vec<u8>,
     len: usize,
@@ -124,7 +169,7 @@ pub(super) async fn decode_rest(
 /// copied out of it by the decoder; any other frame is read and decoded whole. The message is
 /// the same either way.
 pub async fn read_response_within(
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl FrameRecv,
     wait: Duration,
     max_len: usize,
     want: Hash,
@@ -162,27 +207,28 @@ pub async fn read_response_within(
 /// Reads a frame's header within `due` (see [`read_frame`]): its payload length and the clock
 /// of the rest, or `None` when the stream ended cleanly between frames.
 pub(super) async fn read_header(
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl FrameRecv,
     due: Option<(Duration, usize)>,
 ) -> Result<Option<(usize, FrameClock)>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_LEN];
     let first = recv.read(&mut header);
     let first = match due {
-        None => first.await?,
+        None => first.await,
         Some((wait, _)) => match tokio::time::timeout(wait, first).await {
-            Ok(read) => read?,
+            Ok(read) => read,
             Err(_) => return Err(stall(recv, 0, None, wait)),
         },
     };
-    let Some(mut filled) = first else {
+    let mut filled = first.map_err(stream_error)?;
+    if filled == 0 {
         return Ok(None);
-    };
+    }
     let mut clock = FrameClock::new();
     while filled < FRAME_HEADER_LEN {
         match clock.next(recv.read(&mut header[filled..])).await {
-            Some(read) => match read? {
-                Some(n) => filled += n,
-                None => {
+            Some(read) => match read.map_err(stream_error)? {
+                n @ 1.. => filled += n,
+                0 => {
                     return Err(bad_frame(
                         recv,
                         CodecError::Malformed(format!(
@@ -213,7 +259,7 @@ pub(super) async fn read_header(
 /// streams read at once: its control stream, the request streams being served (each frame a
 /// few KiB at most) and the responses to this device's own requests.
 pub(super) async fn read_into(
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl FrameRecv,
     clock: &mut FrameClock,
     buf: &mut Vec<u8>,
     n: usize,
@@ -225,13 +271,11 @@ pub(super) async fn read_into(
     buf.reserve_exact(n.min(prealloc));
     while buf.len() < start + n {
         let got = at + buf.len() - start;
-        match clock
-            .next(recv.read_chunk(start + n - buf.len(), true))
-            .await
-        {
-            Some(read) => match read? {
-                Some(chunk) => buf.extend_from_slice(&chunk.bytes),
-                None => {
+        let left = (start + n - buf.len()) as u64;
+        match clock.next((&mut *recv).take(left).read_buf(buf)).await {
+            Some(read) => match read.map_err(stream_error)? {
+                1.. => {}
+                0 => {
                     return Err(bad_frame(
                         recv,
                         CodecError::Malformed(format!(
@@ -292,18 +336,25 @@ impl FrameClock {
 
 /// Stops a stream whose peer stalled (see [`TransportError::Stalled`]).
 pub(super) fn stall(
-    recv: &mut quinn::RecvStream,
+    recv: &mut impl FrameRecv,
     got: usize,
     len: Option<usize>,
     waited: Duration,
 ) -> TransportError {
-    // Fails only if the stream is already finished or stopped: nothing left to stop.
-    let _ = recv.stop(STOP_BAD_FRAME);
+    recv.refuse();
     TransportError::Stalled { got, len, waited }
 }
 
-pub(super) fn bad_frame(recv: &mut quinn::RecvStream, e: CodecError) -> TransportError {
-    // Fails only if the stream is already finished or stopped: nothing left to stop.
-    let _ = recv.stop(STOP_BAD_FRAME);
+pub(super) fn bad_frame(recv: &mut impl FrameRecv, e: CodecError) -> TransportError {
+    recv.refuse();
     TransportError::Frame(e)
+}
+
+/// A read that failed: QUIC's own error where the carrier is a QUIC stream (its reset and
+/// connection-lost cases stay distinct), the byte stream's otherwise.
+fn stream_error(e: std::io::Error) -> TransportError {
+    match e.downcast::<quinn::ReadError>() {
+        Ok(read) => TransportError::Read(read),
+        Err(e) => TransportError::Stream(e),
+    }
 }

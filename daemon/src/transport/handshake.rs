@@ -208,7 +208,7 @@ pub fn tls_client_config(
 }
 
 /// Our certificate and key, TLS 1.3 only, no resumption, `pin` as the check of the listener.
-fn client_tls(
+pub(super) fn client_tls(
     cert: CertificateDer<'static>,
     key_der: &[u8],
     pin: Arc<PinnedServer>,

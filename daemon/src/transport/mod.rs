@@ -7,7 +7,7 @@
 //!
 //! The modules: [`trust`] (who may connect), [`endpoint`] (socket, tuning, instance),
 //! [`handshake`] (dial, accept, welcome, hello), [`frames`] (messages on streams),
-//! [`congestion`] (the controllers); this file holds the wire constants, the error and the
+//! [`congestion`] (the controllers), [`lane`] (the bulk lane over TCP, D105); this file holds the wire constants, the error and the
 //! connection's figures.
 //!
 //! # Wire protocol: handshake, pinning and the welcome
@@ -86,12 +86,14 @@ mod congestion;
 mod endpoint;
 mod frames;
 mod handshake;
+mod lane;
 mod trust;
 
 pub use congestion::*;
 pub use endpoint::*;
 pub use frames::*;
 pub use handshake::*;
+pub use lane::*;
 pub use trust::*;
 
 /// The ALPN protocol id of meshfs protocol version 1.
@@ -207,6 +209,9 @@ pub enum TransportError {
     /// Reading from a stream failed.
     #[error("cannot read from peer stream: {0}")]
     Read(#[from] quinn::ReadError),
+    /// Reading from or writing to the bulk lane's byte stream failed.
+    #[error("bulk lane to the peer failed: {0}")]
+    Stream(std::io::Error),
     /// The peer did not send in time: no message within the wait given to
     /// [`read_message_within`], or a frame it began went quiet for [`FRAME_STALL`] or was not
     /// complete by [`frame_deadline`].
@@ -236,9 +241,10 @@ fn stalled_text(got: usize, len: Option<usize>, waited: Duration) -> String {
 /// Traffic and path figures of a connection, for `status` and benchmarks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkStats {
-    /// UDP payload bytes sent (QUIC overhead included).
+    /// UDP payload bytes sent (QUIC overhead included), and TCP payload bytes on the
+    /// connection's bulk lanes ([`lane_bytes`]).
     pub bytes_sent: u64,
-    /// UDP payload bytes received.
+    /// UDP payload bytes received, and TCP payload bytes on its bulk lanes.
     pub bytes_received: u64,
     /// Smoothed round-trip time.
     pub rtt: Duration,
@@ -252,12 +258,13 @@ pub struct LinkStats {
     pub congestion_events: u64,
 }
 
-/// The [`LinkStats`] of `conn` now.
+/// The [`LinkStats`] of `conn` now, its bulk lanes' bytes included.
 pub fn link_stats(conn: &quinn::Connection) -> LinkStats {
     let s = conn.stats();
+    let (lane_sent, lane_received) = lane_bytes(conn);
     LinkStats {
-        bytes_sent: s.udp_tx.bytes,
-        bytes_received: s.udp_rx.bytes,
+        bytes_sent: s.udp_tx.bytes + lane_sent,
+        bytes_received: s.udp_rx.bytes + lane_received,
         rtt: s.path.rtt,
         cwnd: s.path.cwnd,
         lost_packets: s.path.lost_packets,
