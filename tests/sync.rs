@@ -649,7 +649,9 @@ fn a_large_file_comes_over_the_bulk_lane_on_a_short_path() {
     let again = lane_of(&b, &a);
     assert!(
         again["bytes"].as_u64().unwrap() >= 32 << 20,
-        "the second file did not take the lane: {again}\n{}\n{}", b.log(), a.log()
+        "the second file did not take the lane: {again}\n{}\n{}",
+        b.log(),
+        a.log()
     );
 }
 
@@ -674,8 +676,14 @@ fn a_large_file_comes_over_quic_when_the_lane_cannot_be_bound() {
     assert_eq!(lane["up"], false, "{lane}");
     assert_eq!(lane["fetches"], 0, "{lane}");
     assert!(
-        lane["down"].as_str().is_some_and(|w| w.contains("bulk lane")),
+        lane["down"]
+            .as_str()
+            .is_some_and(|w| w.contains("bulk lane")),
         "{lane}"
     );
-    assert!(a.log().contains("no bulk lane for peers' fetches"), "{}", a.log());
+    assert!(
+        a.log().contains("no bulk lane for peers' fetches"),
+        "{}",
+        a.log()
+    );
 }

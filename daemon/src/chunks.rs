@@ -21,6 +21,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+mod lane;
+pub use lane::serve_lane;
+
 /// Most hashes in one chunk request.
 const REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// Most bytes asked for in one chunk request.
@@ -482,7 +485,7 @@ pub async fn fetch<S: ChunkSink>(
     let (conn, folder, sender) = (conn.clone(), folder.clone(), tx.clone());
     tokio::spawn(async move {
         let rest = match crate::bulk::lane_for(&conn, total).await {
-            Some(lane) => crate::bulk::over_lane(lane, &folder, groups, &sender).await,
+            Some(lane) => lane::over_lane(lane, &folder, groups, &sender).await,
             None => groups,
         };
         request_groups(&conn, &folder, rest, &sender);

@@ -444,6 +444,9 @@ pub async fn accept_loop(net: Arc<Net>, endpoint: quinn::Endpoint) {
 /// Lanes being bound at once (TLS and binding, at most `transport::LANE_HELLO_TIMEOUT` each):
 /// anyone can open TCP connections, and one more is closed at once.
 const LANES_BINDING: usize = 32;
+/// Bound lanes served to one device at once, each with a blocking reader: a device has one per
+/// connection, two for a moment when a connection replaces another. One more is closed.
+const LANES_PER_DEVICE: usize = 4;
 
 /// Accepts bulk lanes (`transport::lane`, D105) on `listener` and serves each bound one's chunk
 /// requests until the daemon stops.
@@ -453,6 +456,7 @@ pub async fn lane_accept_loop(
     acceptor: tokio_rustls::TlsAcceptor,
 ) {
     let binding = Arc::new(tokio::sync::Semaphore::new(LANES_BINDING));
+    let served: Arc<Mutex<HashMap<DeviceId, usize>>> = Arc::default();
     let mut stopping = net.stopping.subscribe();
     loop {
         let accepted = tokio::select! {
@@ -471,7 +475,7 @@ pub async fn lane_accept_loop(
         let Ok(permit) = binding.clone().try_acquire_owned() else {
             continue;
         };
-        let (net, acceptor) = (net.clone(), acceptor.clone());
+        let (net, acceptor, served) = (net.clone(), acceptor.clone(), served.clone());
         tokio::spawn(async move {
             let links = |d: &DeviceId| {
                 net.links()
@@ -489,11 +493,27 @@ pub async fn lane_accept_loop(
                     return;
                 }
             };
+            let count = |change: isize| {
+                let mut served = served.lock().unwrap_or_else(|e| e.into_inner());
+                let n = served.entry(peer).or_default();
+                *n = n.saturating_add_signed(change);
+                let now = *n;
+                if now == 0 {
+                    served.remove(&peer);
+                }
+                now
+            };
+            if count(1) > LANES_PER_DEVICE {
+                count(-1);
+                tracing::warn!(peer = %peer.short(), "a bulk lane over {LANES_PER_DEVICE} of one device closed");
+                return;
+            }
             let shared = || net.shared_with(&peer);
-            let served = crate::bulk::serve_lane(net.folders.clone(), peer, shared, conn, stream);
-            if let Err(e) = served.await {
+            let lane = chunks::serve_lane(net.folders.clone(), peer, shared, conn, stream);
+            if let Err(e) = lane.await {
                 tracing::info!(peer = %peer.short(), error = %e, "bulk lane ended");
             }
+            count(-1);
         });
     }
 }

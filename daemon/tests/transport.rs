@@ -3,8 +3,9 @@
 
 use meshfs_daemon::identity::{device_id_of_cert, Identity, IdentityError};
 use meshfs_daemon::transport::{
-    accept, dial, endpoint, link_stats, read_message, read_message_within, remote_device,
-    write_message, TransportError, TrustStore, FRAME_STALL,
+    accept, accept_lane, dial, dial_lane, endpoint, lane_bytes, lane_listener, link_stats,
+    read_message, read_message_within, remote_device, tls_client_config, write_message,
+    TransportError, TrustStore, FRAME_STALL, LANE_BOUND, LANE_HELLO,
 };
 use meshfs_protocol::{
     ChunkResponse, CodecError, DeviceId, Hash, Hello, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
@@ -268,6 +269,109 @@ async fn an_unknown_device_is_refused_in_the_handshake_and_told_what_to_run() {
         .await
         .unwrap_err();
     assert!(matches!(err, TransportError::Refused { .. }), "{err:?}");
+}
+
+/// The bulk lane (D105): TLS over TCP at the listener's QUIC address, bound by the first bytes
+/// to the dialer's own live QUIC connection. A trusted device whose lane names a connection
+/// the listener does not hold live is refused; a device not trusted gets no lane at all.
+#[tokio::test]
+async fn a_lane_is_bound_to_its_own_connection_and_refused_to_strangers_and_to_the_unbound() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = Device::new();
+    let a = Device::new();
+    let c = Device::new();
+    trust_each_other(&server, &a);
+    trust_each_other(&server, &c);
+    let mut incoming = server.serve();
+    let a_conn = dial(&a.endpoint, server.addr(), server.id()).await.unwrap();
+    let (server_a, _) = next_connection(&mut incoming).await;
+    let c_conn = dial(&c.endpoint, server.addr(), server.id()).await.unwrap();
+    let _server_c = next_connection(&mut incoming).await;
+    // The connections the server counts live: a's (c's as if it had ended).
+    let (listener, acceptor) =
+        lane_listener(&server.endpoint, &server.identity, server.trust.clone())
+            .await
+            .unwrap();
+    let (tx, mut bound) = mpsc::unbounded_channel();
+    let (live, a_id) = (server_a.clone(), a.id());
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, live, tx) = (acceptor.clone(), live.clone(), tx.clone());
+            tokio::spawn(async move {
+                let links = |d: &DeviceId| {
+                    if *d == a_id {
+                        vec![live.clone()]
+                    } else {
+                        vec![]
+                    }
+                };
+                let _ = tx.send(accept_lane(&acceptor, tcp, links).await);
+            });
+        }
+    });
+    // a's lane is bound to a's connection and carries frames both ways, counted as its bytes.
+    let lane = dial_lane(&a.endpoint, &a_conn, server.id()).await.unwrap();
+    let (device, conn, served) = bound.recv().await.unwrap().unwrap();
+    assert_eq!(device, a.id());
+    assert_eq!(conn.stable_id(), server_a.stable_id());
+    let (mut a_rd, mut a_wr) = tokio::io::split(lane);
+    let (mut s_rd, mut s_wr) = tokio::io::split(served);
+    write_message(&mut a_wr, &hello("lane dialer"))
+        .await
+        .unwrap();
+    a_wr.flush().await.unwrap();
+    assert_eq!(
+        read_message(&mut s_rd).await.unwrap(),
+        Some(hello("lane dialer"))
+    );
+    write_message(&mut s_wr, &hello("lane listener"))
+        .await
+        .unwrap();
+    s_wr.flush().await.unwrap();
+    assert_eq!(
+        read_message(&mut a_rd).await.unwrap(),
+        Some(hello("lane listener"))
+    );
+    let (sent, received) = lane_bytes(&a_conn);
+    assert!(sent > 33 && received > 1, "{sent} / {received}");
+    assert!(link_stats(&a_conn).bytes_sent >= sent);
+
+    // c is trusted, but its lane names a connection the server does not hold live.
+    let err = dial_lane(&c.endpoint, &c_conn, server.id())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("bulk lane"), "{err}");
+    let refused = bound.recv().await.unwrap().unwrap_err();
+    assert!(
+        refused.to_string().contains("bound to no live connection"),
+        "{refused}"
+    );
+
+    // A stranger's TLS to the same port: its certificate is refused, and no binding it sends
+    // is answered.
+    let stranger = Device::new();
+    let tls = tls_client_config(&stranger.identity, server.id()).unwrap();
+    let tcp = tokio::net::TcpStream::connect(server.addr()).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("meshfs").unwrap();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls));
+    if let Ok(mut s) = connector.connect(name, tcp).await {
+        let mut hello = [0u8; 33];
+        hello[0] = LANE_HELLO;
+        let _ = s.write_all(&hello).await;
+        let _ = s.flush().await;
+        let mut answer = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut answer)).await;
+        assert!(
+            !matches!(read, Ok(Ok(_)) if answer[0] == LANE_BOUND),
+            "a stranger's lane was bound"
+        );
+    }
+    let stranger_refused = bound.recv().await.unwrap().unwrap_err();
+    assert!(
+        stranger_refused.to_string().contains("certificate")
+            || stranger_refused.to_string().contains("unknown"),
+        "{stranger_refused}"
+    );
 }
 
 #[tokio::test]

@@ -52,6 +52,7 @@ pub type LaneStream = tokio_rustls::TlsStream<Counted>;
 
 /// A lane's TCP connection, its bytes counted (TLS records and all, as QUIC's are counted as
 /// UDP payload) into the figures of the QUIC connection it is bound to ([`lane_bytes`]).
+#[derive(Debug)]
 pub struct Counted {
     tcp: tokio::net::TcpStream,
     bytes: Arc<LaneBytes>,
