@@ -8,7 +8,7 @@
 //! ([`register`]); a lane carries one fetch at a time (another fetch meanwhile takes QUIC), and
 //! whatever a lane could not carry (it broke, its port is closed, the dial failed) goes on QUIC
 //! request streams as every fetch did before it. A failed lane is dialed again after
-//! [`LANE_RETRY`].
+//! a second, then twice as long after each failure in a row, up to [`LANE_RETRY`].
 //!
 //! **Architecture invariant:** a lane carries only what a QUIC request stream would, checked
 //! the same way: requests for folders shared with the device the lane is bound to (checked on
@@ -29,7 +29,8 @@ pub const LANE_MIN_BYTES: u64 = 1 << 20;
 /// load) is below this: over 90 ms QUIC was faster (its congestion control,
 /// `transport::congestion`, holds a long path full).
 pub const LANE_MAX_RTT: Duration = Duration::from_millis(5);
-/// After a lane failed, how long fetches go on QUIC before it is dialed again.
+/// After a lane failed, how long fetches go on QUIC before it is dialed again, at most (a
+/// second after its first failure, doubled after each one in a row).
 pub const LANE_RETRY: Duration = Duration::from_secs(60);
 
 /// One session's lane to its peer.
@@ -40,6 +41,8 @@ pub struct Lane {
     state: Arc<tokio::sync::Mutex<State>>,
     /// Set while a dial holds `state`: a fetch then waits for it instead of taking QUIC.
     dialing: AtomicBool,
+    /// Failures in a row (dials or fetches), for the time before the next dial.
+    failures: std::sync::atomic::AtomicU32,
 }
 
 enum State {
@@ -95,6 +98,7 @@ pub fn register(
         peer,
         state: Arc::new(tokio::sync::Mutex::new(State::Idle)),
         dialing: AtomicBool::new(false),
+        failures: Default::default(),
     });
     let id = conn.stable_id();
     let short = short_path(conn);
@@ -195,6 +199,7 @@ impl Turn {
             f.fetches += 1;
             f.bytes += bytes;
         });
+        self.lane.failures.store(0, Ordering::Relaxed);
         *self.state = State::Up(Box::new(stream));
     }
 
@@ -234,7 +239,8 @@ impl Lane {
 
     fn failed(&self, state: &mut State, why: String) {
         tracing::info!(peer = %self.peer.short(), %why, "bulk lane down; large fetches take QUIC streams until it is dialed again");
-        *state = State::Down(Instant::now() + LANE_RETRY);
+        let n = self.failures.fetch_add(1, Ordering::Relaxed).min(6);
+        *state = State::Down(Instant::now() + Duration::from_secs(1 << n).min(LANE_RETRY));
         self.show(|f| {
             f.up = false;
             f.down = Some(why);

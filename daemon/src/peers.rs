@@ -242,6 +242,14 @@ impl Net {
             .unwrap_or_default()
     }
 
+    /// The connection held for `peer`, its hellos exchanged or not.
+    pub fn link_to(&self, peer: &DeviceId) -> Option<quinn::Connection> {
+        self.peers
+            .lock()
+            .ok()
+            .and_then(|p| p.links.get(peer).map(|l| l.conn.clone()))
+    }
+
     /// The connection to each connected peer.
     pub fn links(&self) -> Vec<(DeviceId, quinn::Connection)> {
         self.peers
@@ -477,13 +485,7 @@ pub async fn lane_accept_loop(
         };
         let (net, acceptor, served) = (net.clone(), acceptor.clone(), served.clone());
         tokio::spawn(async move {
-            let links = |d: &DeviceId| {
-                net.links()
-                    .into_iter()
-                    .filter(|(id, _)| id == d)
-                    .map(|(_, c)| c)
-                    .collect()
-            };
+            let links = |d: &DeviceId| net.link_to(d).into_iter().collect();
             let bound = transport::accept_lane(&acceptor, tcp, links).await;
             drop(permit);
             let (peer, conn, stream) = match bound {

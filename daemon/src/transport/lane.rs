@@ -44,6 +44,8 @@ pub const LANE_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a dialer waits for the lane's TLS handshake and [`LANE_BOUND`]: a lane is dialed
 /// only on a short path (a few ms of round trip), and a fetch may be waiting for it.
 pub const LANE_DIAL_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a listener looks for the connection a lane names before it refuses the lane.
+pub const LANE_BIND_WAIT: Duration = Duration::from_secs(1);
 /// How long a listener waits for a dialer's TLS handshake and hello.
 pub const LANE_HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -287,13 +289,22 @@ pub async fn accept_lane(
             len: None,
             waited: LANE_HELLO_TIMEOUT,
         })??;
-    let bound = (hello[0] == LANE_HELLO)
-        .then(|| {
-            links(&device)
-                .into_iter()
-                .find(|c| lane_binding(c).is_ok_and(|b| b == hello[1..]))
-        })
-        .flatten();
+    // Both ends take a new connection in at about the same time, and a lane may be dialed a
+    // moment before this end has: it is looked for a while before the lane is refused.
+    let waiting = tokio::time::Instant::now() + LANE_BIND_WAIT;
+    let bound = loop {
+        let found = (hello[0] == LANE_HELLO)
+            .then(|| {
+                links(&device)
+                    .into_iter()
+                    .find(|c| lane_binding(c).is_ok_and(|b| b == hello[1..]))
+            })
+            .flatten();
+        if found.is_some() || hello[0] != LANE_HELLO || tokio::time::Instant::now() >= waiting {
+            break found;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     let Some(conn) = bound else {
         let _ = tls.shutdown().await;
         return Err(TransportError::Connect {
