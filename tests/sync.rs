@@ -687,3 +687,37 @@ fn a_large_file_comes_over_quic_when_the_lane_cannot_be_bound() {
         a.log()
     );
 }
+
+/// A lane that breaks in the middle of a fetch (its TCP connection destroyed while the peer
+/// pauses between two requests; the QUIC connection untouched) costs nothing but time: what it
+/// did not carry comes over QUIC streams, and the file arrives whole.
+#[test]
+fn a_lane_broken_in_the_middle_of_a_fetch_leaves_the_rest_to_quic() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    pair(&a, &b);
+    let big = noise(40 << 20, 34);
+    write(&a.path("big.bin"), &big);
+    a.arm("lane.answered=pause");
+    a.start();
+    b.start();
+    a.wait_paused("lane.answered", 60);
+    // B's end of its lane to A: TCP to A's address and port.
+    let (ip, port) = a.addr.rsplit_once(':').unwrap();
+    let killed = std::process::Command::new("ss")
+        .args(["-K", "-t", "dst", ip, "dport", "=", port])
+        .output()
+        .unwrap();
+    assert!(killed.status.success(), "{killed:?}");
+    a.resume("lane.answered");
+    wait_synced(&[&a, &b], 120);
+    assert_eq!(std::fs::read(b.path("big.bin")).unwrap(), big);
+    let log = b.log();
+    assert!(log.contains("bulk lane down"), "{log}");
+    let lane = lane_of(&b, &a);
+    assert!(
+        lane["bytes"].as_u64().unwrap() < 40 << 20,
+        "the whole file counted as carried by the lane: {lane}"
+    );
+}

@@ -155,6 +155,9 @@ pub async fn serve_lane(
                     if !taken {
                         return;
                     }
+                    // A request answered, the next not begun (for tests: a lane that breaks
+                    // in the middle of a fetch).
+                    crate::failpoint::hit("lane.answered", "");
                 }
                 Job::Refuse(code, message) => {
                     let _ = out.blocking_send(Out::Refuse(code, message));
