@@ -42,6 +42,7 @@ SCENARIOS = {
     "nochange": ("scan", "no-change re-sync / restart, {scan} (already in sync)"),
     "latency": ("latency", "small new file written on A until its content is readable on B"),
     "write-small": ("write", "{small} copied into A (`cp -a`, timed) until all readable on B"),
+    "write-large": ("write-l", "{big} copied into A (`cp -a`, timed) until readable on B"),
     "fanout": ("fanout", "fan-out to 3 peers: initial sync A -> B, C and D, {rename}"),
     "fanout-warm": ("fan-w", "fan-out to 3 peers: initial sync A -> B, C and D, {rename}, "
                              "page cache warm"),
@@ -63,14 +64,16 @@ CHAINS = {
     # A starts empty: the dataset is written into A while the tool runs.
     "write": {"dataset": "small", "hosts": 2, "steps": ["seed-write", "write-small"],
               "empty": True},
+    "write-l": {"dataset": "big", "hosts": 2, "steps": ["seed-write", "write-large"],
+                "empty": True},
 }
 # A chain's name is part of its replicas' paths, which hold the daemons' control sockets: kept
 # short (a Unix socket address is at most 107 bytes), hence "-w" for the warm variants
 # ("fan-w" for the fan-out's).
 CHAIN_ORDER = ["small", "small-w", "large", "large-w", "mixed", "mixed-w", "tree", "tree-w",
-               "rename", "fanout", "fan-w", "scan", "write", "latency"]
+               "rename", "fanout", "fan-w", "scan", "write", "write-l", "latency"]
 # Syncthing with a shorter watcher delay only differs where the watcher matters.
-WATCHER_ONLY = {"delta", "rename", "latency", "write-small"}
+WATCHER_ONLY = {"delta", "rename", "latency", "write-small", "write-large"}
 # Through mounts on both sides: initial sync, files written in mount A, a directory renamed in
 # mount A, and the latency from a write in mount A to the content readable in mount B.
 MOUNT_SCENARIOS = {"initial-small", "write-small", "rename", "latency"}
@@ -701,6 +704,15 @@ def chain_write(cr, done):
     dataset into A's view (a mount, for meshfs-mount), until every file is on B. For the
     continuous tools the clock covers the copy itself (its time is `write_s`); one-shot tools
     copy first (untimed) and are timed by their run, as everywhere."""
+    write_into_a(cr, done, "write-small")
+
+
+def chain_write_l(cr, done):
+    """`chain_write` with the big set: one 512 MiB file copied into A until B holds it."""
+    write_into_a(cr, done, "write-large")
+
+
+def write_into_a(cr, done, scenario):
     tool = cr.tool
     cr.transfer("seed-write", cr.sizes_pred({}), mutate=tool.start if tool.continuous else None)
     done.append("seed-write")
@@ -714,6 +726,6 @@ def chain_write(cr, done):
         sh(["cp", "-a", "--", f"{cr.ds.data}/.", cr.views["A"]], timeout=cr.timeout)
         extra["write_s"] = round(time.monotonic() - t, 3)
 
-    cr.transfer("write-small", cr.sizes_pred(sizes), mutate=mutate, expected_manifest=exp,
+    cr.transfer(scenario, cr.sizes_pred(sizes), mutate=mutate, expected_manifest=exp,
                 extra=extra)
-    done.append("write-small")
+    done.append(scenario)
