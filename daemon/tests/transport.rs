@@ -4,8 +4,8 @@
 use meshfs_daemon::identity::{device_id_of_cert, Identity, IdentityError};
 use meshfs_daemon::transport::{
     accept, accept_lane, dial, dial_lane, endpoint, lane_bytes, lane_listener, link_stats,
-    read_message, read_message_within, remote_device, tls_client_config, write_message,
-    TransportError, TrustStore, FRAME_STALL, LANE_BOUND, LANE_HELLO,
+    read_message, read_message_capped, read_message_within, remote_device, tls_client_config,
+    write_message, TransportError, TrustStore, FRAME_STALL, LANE_BOUND, LANE_HELLO,
 };
 use meshfs_protocol::{
     ChunkResponse, CodecError, DeviceId, Hash, Hello, Message, MAX_FRAME_LEN, PROTOCOL_VERSION,
@@ -372,6 +372,28 @@ async fn a_lane_is_bound_to_its_own_connection_and_refused_to_strangers_and_to_t
             || stranger_refused.to_string().contains("unknown"),
         "{stranger_refused}"
     );
+}
+
+/// On a byte stream (a bulk lane's) frames read as on QUIC, and a frame declaring more than the
+/// reader's cap is refused from its header, before its body is read.
+#[tokio::test]
+async fn a_byte_stream_carries_frames_and_refuses_one_over_the_cap_from_its_header() {
+    use tokio::io::AsyncWriteExt;
+    let (near, far) = tokio::io::duplex(1 << 20);
+    let (_, mut w) = tokio::io::split(near);
+    let (mut r, _) = tokio::io::split(far);
+    write_message(&mut w, &hello("over a byte stream"))
+        .await
+        .unwrap();
+    assert_eq!(
+        read_message_capped(&mut r, 1024).await.unwrap(),
+        Some(hello("over a byte stream"))
+    );
+    // A header declaring 100 KiB where at most 40 KiB may come; no body follows.
+    w.write_all(&(100u32 << 10).to_be_bytes()).await.unwrap();
+    let err = read_message_capped(&mut r, 40 << 10).await.unwrap_err();
+    assert!(matches!(err, TransportError::Frame(_)), "{err:?}");
+    drop(w);
 }
 
 #[tokio::test]

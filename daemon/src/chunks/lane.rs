@@ -168,7 +168,8 @@ pub async fn serve_lane(
     });
     let requests = async move {
         loop {
-            let req = match transport::read_message(&mut rd)
+            // No wait for a request on an idle lane, but a request's size, as on QUIC.
+            let req = match transport::read_message_capped(&mut rd, super::MAX_REQUEST_FRAME)
                 .await
                 .map_err(|e| link(&e))?
             {

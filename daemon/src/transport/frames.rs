@@ -117,7 +117,17 @@ pub async fn write_response(
 /// complete by [`frame_deadline`], or the stream is stopped with [`STOP_BAD_FRAME`] and this
 /// yields [`TransportError::Stalled`].
 pub async fn read_message(recv: &mut impl FrameRecv) -> Result<Option<Message>, TransportError> {
-    read_frame(recv, None).await
+    read_frame(recv, None, MAX_FRAME_LEN).await
+}
+
+/// [`read_message`] of a frame that may declare at most `max_len` bytes (refused from the
+/// header otherwise, like one over [`MAX_FRAME_LEN`]), however long its first byte takes: the
+/// next request on an idle bulk lane.
+pub async fn read_message_capped(
+    recv: &mut impl FrameRecv,
+    max_len: usize,
+) -> Result<Option<Message>, TransportError> {
+    read_frame(recv, None, max_len).await
 }
 
 /// [`read_message`] on a stream where a message of a known kind is due: its first byte too
@@ -128,7 +138,7 @@ pub async fn read_message_within(
     wait: Duration,
     max_len: usize,
 ) -> Result<Option<Message>, TransportError> {
-    read_frame(recv, Some((wait, max_len))).await
+    read_frame(recv, Some(wait), max_len).await
 }
 
 /// How long a frame declaring `len` payload bytes may take from its first byte to its last.
@@ -136,13 +146,14 @@ pub fn frame_deadline(len: usize) -> Duration {
     FRAME_TIME_BASE + Duration::from_secs(len as u64 / FRAME_MIN_RATE)
 }
 
-/// Reads one frame; `due`: the wait for its first byte and its longest length, when a
+/// Reads one frame of at most `max_len` bytes; `wait`: how long its first byte may take, when a
 /// message of a known kind is due.
 pub(super) async fn read_frame(
     recv: &mut impl FrameRecv,
-    due: Option<(Duration, usize)>,
+    wait: Option<Duration>,
+    max_len: usize,
 ) -> Result<Option<Message>, TransportError> {
-    let Some((len, mut clock)) = read_header(recv, due).await? else {
+    let Some((len, mut clock)) = read_header(recv, wait, max_len).await? else {
         return Ok(None);
     };
     decode_rest(recv, &mut clock, Vec::new(), len).await
@@ -174,7 +185,7 @@ pub async fn read_response_within(
     max_len: usize,
     want: Hash,
 ) -> Result<Option<Message>, TransportError> {
-    let Some((len, mut clock)) = read_header(recv, Some((wait, max_len))).await? else {
+    let Some((len, mut clock)) = read_header(recv, Some(wait), max_len).await? else {
         return Ok(None);
     };
     let Some((head, data_len)) = meshfs_protocol::response_layout(want, len) else {
@@ -204,17 +215,18 @@ pub async fn read_response_within(
         .map_err(|e| bad_frame(recv, e))
 }
 
-/// Reads a frame's header within `due` (see [`read_frame`]): its payload length and the clock
-/// of the rest, or `None` when the stream ended cleanly between frames.
+/// Reads a frame's header within `wait` (see [`read_frame`]): its payload length (at most
+/// `max_len`) and the clock of the rest, or `None` when the stream ended cleanly between frames.
 pub(super) async fn read_header(
     recv: &mut impl FrameRecv,
-    due: Option<(Duration, usize)>,
+    wait: Option<Duration>,
+    max_len: usize,
 ) -> Result<Option<(usize, FrameClock)>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_LEN];
     let first = recv.read(&mut header);
-    let first = match due {
+    let first = match wait {
         None => first.await,
-        Some((wait, _)) => match tokio::time::timeout(wait, first).await {
+        Some(wait) => match tokio::time::timeout(wait, first).await {
             Ok(read) => read,
             Err(_) => return Err(stall(recv, 0, None, wait)),
         },
@@ -242,7 +254,7 @@ pub(super) async fn read_header(
     }
     let len = frame_len(header).map_err(|e| bad_frame(recv, e))?;
     debug_assert!(len <= MAX_FRAME_LEN);
-    if let Some((_, max_len)) = due.filter(|&(_, max_len)| len > max_len) {
+    if len > max_len {
         let e = format!("a frame of {len} bytes where at most {max_len} are expected");
         return Err(bad_frame(recv, CodecError::Malformed(e)));
     }
