@@ -371,7 +371,7 @@ fn render_peer(o: &mut String, p: &Value, tz: UtcOffset) {
                 lane["fetches"].as_u64().unwrap_or(0),
                 meshfs_daemon::readout::rates::bytes(lane["bytes"].as_f64().unwrap_or(0.0))
             ),
-            (_, Some(why)) => format!(", bulk lane down ({why})"),
+            (_, Some(why)) => format!(", no bulk lane ({why})"),
             _ => String::new(),
         };
         match p["address"].as_str().or(at) {
