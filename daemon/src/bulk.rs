@@ -7,8 +7,11 @@
 //! Each device dials its own lane to each peer it fetches from, at the start of the session
 //! ([`register`]); a lane carries one fetch at a time (another fetch meanwhile takes QUIC), and
 //! whatever a lane could not carry (it broke, its port is closed, the dial failed) goes on QUIC
-//! request streams as every fetch did before it. A failed lane is dialed again after
-//! a second, then twice as long after each failure in a row, up to [`LANE_RETRY`].
+//! request streams as every fetch did before it. A failed lane is dialed again by the first
+//! large fetch a second later, then twice as long after each failure in a row, up to
+//! [`LANE_RETRY`]; that fetch takes QUIC while the dial goes on. Only the session's first dial
+//! is waited for (at most `transport::LANE_CONNECT_TIMEOUT` and `LANE_DIAL_TIMEOUT`), so that
+//! the first large fetch of a session finds its lane.
 //!
 //! **Architecture invariant:** a lane carries only what a QUIC request stream would, checked
 //! the same way: requests for folders shared with the device the lane is bound to (checked on
@@ -39,7 +42,8 @@ pub struct Lane {
     conn: quinn::Connection,
     peer: DeviceId,
     state: Arc<tokio::sync::Mutex<State>>,
-    /// Set while a dial holds `state`: a fetch then waits for it instead of taking QUIC.
+    /// Set while the session's first dial holds `state`: a fetch then waits for it instead of
+    /// taking QUIC (later dials go on while fetches take QUIC).
     dialing: AtomicBool,
     /// Failures in a row (dials or fetches), for the time before the next dial.
     failures: std::sync::atomic::AtomicU32,
@@ -122,8 +126,9 @@ pub fn register(
     if short {
         tokio::spawn(async move {
             if let Ok(mut state) = lane.state.clone().try_lock_owned() {
-                lane.ready(&mut state).await;
+                lane.dial(&mut state).await;
             }
+            lane.dialing.store(false, Ordering::Relaxed);
         });
     }
     Registered(id)
@@ -161,12 +166,23 @@ pub(crate) async fn lane_for(conn: &quinn::Connection, bytes: u64) -> Option<Tur
         "a large fetch on a short path"
     );
     let lane = lane?;
-    let mut state = match lane.state.clone().try_lock_owned() {
+    let state = match lane.state.clone().try_lock_owned() {
         Ok(state) => state,
+        // The session's first dial: the fetch that comes before it is done waits for it.
         Err(_) if lane.dialing.load(Ordering::Relaxed) => lane.state.clone().lock_owned().await,
         Err(_) => return None,
     };
-    lane.ready(&mut state).await.then_some(Turn { lane, state })
+    match &*state {
+        State::Up(_) => Some(Turn { lane, state }),
+        State::Down(until) if Instant::now() < *until => None,
+        // Idle (a fetch was given up in the middle of it) or its retry time has come: dialed
+        // again meanwhile, this fetch takes QUIC.
+        State::Idle | State::Down(_) => {
+            let mut state = state;
+            tokio::spawn(async move { lane.dial(&mut state).await });
+            None
+        }
+    }
 }
 
 /// Whether `conn`'s path is short enough for the lane ([`LANE_MAX_RTT`]).
@@ -181,8 +197,8 @@ pub(crate) struct Turn {
 }
 
 impl Turn {
-    /// The lane's stream, for the fetch to use; the lane is idle (dialed again by the next
-    /// fetch) unless it is given back whole ([`Turn::done`]).
+    /// The lane's stream, for the fetch to use; the lane is idle (dialed again at the next
+    /// large fetch) unless it is given back whole ([`Turn::done`]).
     pub(crate) fn take(&mut self) -> Option<LaneStream> {
         match std::mem::replace(&mut *self.state, State::Idle) {
             State::Up(stream) => Some(*stream),
@@ -207,20 +223,18 @@ impl Turn {
     pub(crate) fn failed(mut self, why: String) {
         self.lane.failed(&mut self.state, why);
     }
+
+    /// The fetch was given up in the middle of a request: the lane, its stream gone with it,
+    /// is dialed again at the next large fetch.
+    pub(crate) fn given_up(self) {
+        self.lane.show(|f| f.up = false);
+    }
 }
 
 impl Lane {
-    /// Whether the lane is up, dialing it first if it is idle or its retry time has come.
-    async fn ready(&self, state: &mut State) -> bool {
-        match state {
-            State::Up(_) => return true,
-            State::Down(until) if Instant::now() < *until => return false,
-            State::Idle | State::Down(_) => {}
-        }
-        self.dialing.store(true, Ordering::Relaxed);
-        let dialed = transport::dial_lane(&self.endpoint, &self.conn, self.peer).await;
-        self.dialing.store(false, Ordering::Relaxed);
-        match dialed {
+    /// Dials the lane, and says whether it is up.
+    async fn dial(&self, state: &mut State) -> bool {
+        match transport::dial_lane(&self.endpoint, &self.conn, self.peer).await {
             Ok(stream) => {
                 tracing::debug!(peer = %self.peer.short(), "bulk lane bound");
                 *state = State::Up(Box::new(stream));

@@ -86,7 +86,10 @@ pub(crate) async fn over_lane(
         }
         // Nothing more is wanted (the fetch failed or was given up): the lane, in the middle
         // of a request, goes with it; the next fetch dials again.
-        Err(Ended::GivenUp) => Vec::new(),
+        Err(Ended::GivenUp) => {
+            turn.given_up();
+            Vec::new()
+        }
         Err(Ended::Lane(why)) => {
             turn.failed(why);
             let (i, j) = (
