@@ -638,6 +638,8 @@ fn a_large_file_comes_over_the_bulk_lane_on_a_short_path() {
         lane["bytes"].as_u64().unwrap() >= 24 << 20,
         "the file's chunks did not come over the lane: {lane}"
     );
+    let human = b.cli_ok(&["status"]);
+    assert!(human.contains("bulk lane up ("), "{human}");
     // The lane's bytes are the peer's too.
     let received = b.status()["bytes_received"].as_u64().unwrap();
     assert!(received >= 24 << 20, "received {received}");
@@ -686,6 +688,8 @@ fn a_large_file_comes_over_quic_when_the_lane_cannot_be_bound() {
         "{}",
         a.log()
     );
+    let human = b.cli_ok(&["status"]);
+    assert!(human.contains("no bulk lane (cannot connect"), "{human}");
 }
 
 /// A lane that breaks in the middle of a fetch (its TCP connection destroyed while the peer
