@@ -701,11 +701,16 @@ fn a_lane_broken_in_the_middle_of_a_fetch_leaves_the_rest_to_quic() {
     let mut a = Device::new(&t, "a");
     let mut b = Device::new(&t, "b");
     pair(&a, &b);
-    let big = noise(40 << 20, 34);
-    write(&a.path("big.bin"), &big);
     a.arm("lane.answered=pause");
     a.start();
     b.start();
+    // Both devices dial each other at start, and one of the two connections replaces the other
+    // a moment later: a fetch under way on the one closed would be asked again on the other's
+    // lane, and this test is about one lane's failure. So the file comes once they are settled.
+    wait_synced(&[&a, &b], 60);
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let big = noise(40 << 20, 34);
+    write(&a.path("big.bin"), &big);
     a.wait_paused("lane.answered", 60);
     // B's end of its lane to A: TCP to A's address and port.
     let (ip, port) = a.addr.rsplit_once(':').unwrap();
