@@ -452,8 +452,9 @@ pub async fn accept_loop(net: Arc<Net>, endpoint: quinn::Endpoint) {
 /// Lanes being bound at once (TLS and binding, at most `transport::LANE_HELLO_TIMEOUT` each):
 /// anyone can open TCP connections, and one more is closed at once.
 const LANES_BINDING: usize = 32;
-/// Bound lanes served to one device at once, each with a blocking reader: a device has one per
-/// connection, two for a moment when a connection replaces another. One more is closed.
+/// Bound lanes served to one device at once, each with a blocking reader while it answers a
+/// request: a device has one per connection, two for a moment when a connection replaces
+/// another. One more is closed.
 const LANES_PER_DEVICE: usize = 4;
 
 /// Accepts bulk lanes (`transport::lane`, D105) on `listener` and serves each bound one's chunk

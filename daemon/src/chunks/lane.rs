@@ -1,6 +1,6 @@
 //! Chunk requests and responses on a bulk lane (D105, `transport::lane`): the fetching end
 //! writes its requests one after another and reads the answers in order; the serving end reads
-//! each request's chunks on one blocking thread, a few responses ahead of the stream. The same
+//! each request's chunks on a blocking thread, a few responses ahead of the stream. The same
 //! frames and checks as on QUIC request streams.
 
 use super::{Asked, FetchError, FetchItem};
@@ -143,29 +143,31 @@ pub async fn serve_lane(
     let (mut rd, mut wr) = tokio::io::split(stream);
     let (jobs, mut jobs_rx) = mpsc::channel::<Job>(LANE_AHEAD);
     let (out, mut out_rx) = mpsc::channel::<Out>(4);
-    // One blocking thread reads the chunks of the requests in turn, a few responses ahead of
-    // the stream.
+    // The requests' chunks are read in turn, each request's on a blocking thread of its own, a
+    // few responses ahead of the stream; an idle lane holds no thread.
     let reading = folders.clone();
-    tokio::task::spawn_blocking(move || {
-        while let Some(job) = jobs_rx.blocking_recv() {
-            match job {
+    tokio::spawn(async move {
+        while let Some(job) = jobs_rx.recv().await {
+            let (folders, out) = (reading.clone(), out.clone());
+            let read = tokio::task::spawn_blocking(move || match job {
                 Job::Read(rt, req) => {
                     let mut taken = true;
-                    super::read_chunks(&reading, &rt, req, |r| {
+                    super::read_chunks(&folders, &rt, req, |r| {
                         taken = out.blocking_send(Out::Chunk(r)).is_ok();
                         taken
                     });
-                    if !taken {
-                        return;
-                    }
                     // A request answered, the next not begun (for tests: a lane that breaks
                     // in the middle of a fetch).
                     crate::failpoint::hit("lane.answered", "");
+                    taken
                 }
                 Job::Refuse(code, message) => {
                     let _ = out.blocking_send(Out::Refuse(code, message));
-                    return;
+                    false
                 }
+            });
+            if !matches!(read.await, Ok(true)) {
+                return;
             }
         }
     });
