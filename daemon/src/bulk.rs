@@ -60,7 +60,7 @@ enum State {
 /// What `status` shows of this device's lanes to a peer: the state of its current lane, and
 /// what its lanes carried since the daemon started (a connection that replaces another, as
 /// when both devices dialed, takes a lane of its own).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LaneFigures {
     /// Bound and idle, or carrying a fetch.
     pub up: bool,
@@ -159,13 +159,7 @@ pub(crate) async fn lane_for(conn: &quinn::Connection, bytes: u64) -> Option<Tur
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get(&conn.stable_id())
-        .cloned();
-    tracing::debug!(
-        bytes,
-        registered = lane.is_some(),
-        "a large fetch on a short path"
-    );
-    let lane = lane?;
+        .cloned()?;
     let state = match lane.state.clone().try_lock_owned() {
         Ok(state) => state,
         // The session's first dial: the fetch that comes before it is done waits for it.

@@ -29,27 +29,27 @@ const REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// Most bytes asked for in one chunk request.
 const REQUEST_BYTES: u64 = 4 << 20;
 /// Chunk requests in flight per fetch.
-pub(crate) const REQUESTS_IN_FLIGHT: usize = 24;
+const REQUESTS_IN_FLIGHT: usize = 24;
 
 /// Chunk requests served to one peer at once (each holds a blocking reader thread).
 pub(crate) const SERVED_AT_ONCE: usize = 32;
 /// Most hashes a peer may ask for in one chunk request (the decoder refuses more already).
 const MAX_REQUEST_HASHES: usize = meshfs_protocol::MAX_HASHES_PER_REQUEST;
 /// How long one response may wait for the requester to take it.
-pub(crate) const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a request stream may go without its request: a peer that opens streams and says
 /// nothing on them would otherwise hold its [`SERVED_AT_ONCE`] places for good.
 const REQUEST_WAIT: Duration = Duration::from_secs(30);
 /// How long the next response of a request may take to begin: the server reads the chunk
 /// from its disk first (and its journal may be busy with a scan), so more than a frame stall.
-pub(crate) const RESPONSE_WAIT: Duration = Duration::from_secs(60);
+const RESPONSE_WAIT: Duration = Duration::from_secs(60);
 /// Longest request frame read: a probe of `MAX_HASHES_PER_PROBE` hashes for the longest folder
 /// id takes about 34 KiB (a chunk request of [`MAX_REQUEST_HASHES`], 2.1 KiB). A request stream
 /// holds no more than this, whatever its header says.
-pub(crate) const MAX_REQUEST_FRAME: usize = 40 << 10;
+const MAX_REQUEST_FRAME: usize = 40 << 10;
 /// Longest response frame read: a chunk of at most `MAX_CHUNK_LEN` and its fields, or an
 /// `Error` of at most `MAX_ERROR_MESSAGE_LEN`.
-pub(crate) const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
+const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
 
 /// Largest file whose content rides inside the index batch that announces it.
 pub const INLINE_FILE_BYTES: u64 = 64 << 10;
@@ -124,7 +124,7 @@ pub async fn serve_request(
 }
 
 /// What a request stream asks.
-pub(crate) enum Asked {
+enum Asked {
     /// Chunks, with their data.
     Chunks(ChunkRequest),
     /// Whether chunks are held (protocol 10).
@@ -236,11 +236,11 @@ async fn read_request(
 }
 
 /// What a refused request is told (if anything) and why it was refused.
-pub(crate) type Refusal = (Option<(ErrorCode, String)>, ServeError);
+type Refusal = (Option<(ErrorCode, String)>, ServeError);
 
 /// Checks a request: a chunk request or a probe, for a folder shared with `peer` and running
 /// here, of at most [`MAX_REQUEST_HASHES`] hashes (a chunk request).
-pub(crate) fn check_request(
+fn check_request(
     folders: &Folders,
     peer: DeviceId,
     shared: &[FolderId],
@@ -287,7 +287,7 @@ async fn refuse(send: &mut quinn::SendStream, code: ErrorCode, message: String) 
 /// The blocking half of serving a request: reads each requested chunk (`None` where this
 /// device no longer has it), packs it and hands it to `emit`, in order, until done or until
 /// `emit` says the stream's task stopped taking them.
-pub(crate) fn read_chunks(
+fn read_chunks(
     folders: &Folders,
     rt: &FolderRt,
     req: ChunkRequest,
@@ -341,7 +341,7 @@ pub(crate) fn read_chunks(
 }
 
 /// A chunk response as it arrived: not yet decompressed nor checked.
-pub(crate) struct Arrived {
+struct Arrived {
     hash: Hash,
     /// The length the record's chunk list gives it.
     len: u32,
@@ -351,7 +351,7 @@ pub(crate) struct Arrived {
 }
 
 /// One chunk response as it arrived, or why its request failed.
-pub(crate) type FetchItem = Result<Arrived, FetchError>;
+type FetchItem = Result<Arrived, FetchError>;
 
 /// zstd when it saves at least an eighth; raw otherwise. A chunk over 16 KiB is first judged
 /// by compressing 4 KiB from its middle: zstd gives up on incompressible input without
@@ -613,11 +613,7 @@ async fn request_group(
 
 /// The answer `msg` to a request for the chunk `want` of length `want_len`, as it arrived; an
 /// error for anything but a response for that chunk.
-pub(crate) fn arrived(
-    msg: Option<Message>,
-    want: Hash,
-    want_len: u32,
-) -> Result<Arrived, FetchError> {
+fn arrived(msg: Option<Message>, want: Hash, want_len: u32) -> Result<Arrived, FetchError> {
     let resp = match msg {
         Some(Message::Response(r)) => r,
         Some(Message::Error { message, .. }) => return Err(FetchError::Refused(message)),

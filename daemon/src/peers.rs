@@ -465,7 +465,7 @@ pub async fn lane_accept_loop(
     acceptor: tokio_rustls::TlsAcceptor,
 ) {
     let binding = Arc::new(tokio::sync::Semaphore::new(LANES_BINDING));
-    let served: Arc<Mutex<HashMap<DeviceId, usize>>> = Arc::default();
+    let served = transport::DeviceSlots::new(LANES_PER_DEVICE);
     let mut stopping = net.stopping.subscribe();
     loop {
         let accepted = tokio::select! {
@@ -496,27 +496,15 @@ pub async fn lane_accept_loop(
                     return;
                 }
             };
-            let count = |change: isize| {
-                let mut served = served.lock().unwrap_or_else(|e| e.into_inner());
-                let n = served.entry(peer).or_default();
-                *n = n.saturating_add_signed(change);
-                let now = *n;
-                if now == 0 {
-                    served.remove(&peer);
-                }
-                now
-            };
-            if count(1) > LANES_PER_DEVICE {
-                count(-1);
+            let Some(_slot) = served.enter(peer) else {
                 tracing::warn!(peer = %peer.short(), "a bulk lane over {LANES_PER_DEVICE} of one device closed");
                 return;
-            }
+            };
             let shared = || net.shared_with(&peer);
             let lane = chunks::serve_lane(net.folders.clone(), peer, shared, conn, stream);
             if let Err(e) = lane.await {
                 tracing::info!(peer = %peer.short(), error = %e, "bulk lane ended");
             }
-            count(-1);
         });
     }
 }

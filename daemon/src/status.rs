@@ -512,20 +512,7 @@ pub struct PeerStatus {
     pub last_error: Option<LastError>,
     /// This device's bulk lane to it (large fetches on a short path, D105), or null when it is
     /// not connected.
-    pub bulk_lane: Option<BulkLane>,
-}
-
-/// A peer's `bulk_lane`.
-#[derive(Clone, Debug, Serialize)]
-pub struct BulkLane {
-    /// Bound and idle, or carrying a fetch.
-    pub up: bool,
-    /// Why it is down (large fetches take QUIC streams until it is dialed again), or null.
-    pub down: Option<String>,
-    /// Fetches it carried whole since the connection began.
-    pub fetches: u64,
-    /// Their bytes.
-    pub bytes: u64,
+    pub bulk_lane: Option<crate::bulk::LaneFigures>,
 }
 
 /// One of a peer's `known_addresses`.
@@ -689,12 +676,7 @@ fn peer_status(p: PeerSnapshot) -> PeerStatus {
         last_seen_unix: p.last_seen_unix,
         last_seen_addr: p.last_seen_addr.map(|a| a.to_string()),
         last_error: p.last_error,
-        bulk_lane: p.lane.map(|l| BulkLane {
-            up: l.up,
-            down: l.down,
-            fetches: l.fetches,
-            bytes: l.bytes,
-        }),
+        bulk_lane: p.lane,
     }
 }
 

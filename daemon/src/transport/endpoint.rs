@@ -102,8 +102,8 @@ pub(super) struct DialContext {
     /// the bidirectional streams its dialer may open ([`Tuning`]; before: [`GREETING_WINDOW`]
     /// and none).
     pub(super) opened: (u32, u32),
-    /// Accepted connections waiting for their hello, by device.
-    pub(super) waiting: Mutex<HashMap<DeviceId, usize>>,
+    /// Accepted connections waiting for their hello, [`MAX_WAITING_PER_DEVICE`] per device.
+    pub(super) waiting: Arc<DeviceSlots>,
 }
 
 pub(super) fn dial_contexts() -> &'static Mutex<HashMap<SocketAddr, Arc<DialContext>>> {
@@ -121,37 +121,51 @@ pub(super) fn context_of(endpoint: &quinn::Endpoint) -> Option<Arc<DialContext>>
         .cloned()
 }
 
-/// One connection of a device counted among those waiting for their hello, until dropped.
-pub(super) struct Waiting {
-    context: Arc<DialContext>,
+/// Things of each device counted against a cap (connections waiting for their hello, bulk lanes
+/// served), each held by a [`DeviceSlot`] until it is dropped.
+pub struct DeviceSlots {
+    max: usize,
+    counts: Mutex<HashMap<DeviceId, usize>>,
+}
+
+/// One of a device's [`DeviceSlots`], given back when dropped.
+pub struct DeviceSlot {
+    slots: Arc<DeviceSlots>,
     device: DeviceId,
 }
 
-impl Waiting {
-    /// Counts a connection of `device`, unless [`MAX_WAITING_PER_DEVICE`] already wait.
-    pub(super) fn enter(context: Arc<DialContext>, device: DeviceId) -> Option<Waiting> {
-        let mut waiting = context.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        let n = waiting.entry(device).or_insert(0);
-        if *n >= MAX_WAITING_PER_DEVICE {
+impl DeviceSlots {
+    /// At most `max` of each device at once.
+    pub fn new(max: usize) -> Arc<DeviceSlots> {
+        Arc::new(DeviceSlots {
+            max,
+            counts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A slot of `device`'s, unless it holds `max` already.
+    pub fn enter(self: &Arc<Self>, device: DeviceId) -> Option<DeviceSlot> {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = counts.entry(device).or_insert(0);
+        if *n >= self.max {
             return None;
         }
         *n += 1;
-        drop(waiting);
-        Some(Waiting { context, device })
+        drop(counts);
+        Some(DeviceSlot {
+            slots: self.clone(),
+            device,
+        })
     }
 }
 
-impl Drop for Waiting {
+impl Drop for DeviceSlot {
     fn drop(&mut self) {
-        let mut waiting = self
-            .context
-            .waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = waiting.get_mut(&self.device) {
+        let mut counts = self.slots.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = counts.get_mut(&self.device) {
             *n -= 1;
             if *n == 0 {
-                waiting.remove(&self.device);
+                counts.remove(&self.device);
             }
         }
     }
@@ -214,7 +228,7 @@ pub fn endpoint_with(
         transport,
         socket: spare,
         opened: (tuning.receive_window, tuning.max_concurrent_bidi_streams),
-        waiting: Mutex::new(HashMap::new()),
+        waiting: DeviceSlots::new(MAX_WAITING_PER_DEVICE),
     });
     dial_contexts()
         .lock()

@@ -379,7 +379,7 @@ pub async fn accept_peer(
         });
     };
     let (window, streams) = context.opened;
-    let Some(_waiting) = Waiting::enter(context, id) else {
+    let Some(_waiting) = context.waiting.enter(id) else {
         conn.close(CLOSE_BUSY, b"too many connections waiting for their hello");
         return Err(TransportError::Connect {
             addr: conn.remote_address(),
