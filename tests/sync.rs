@@ -709,6 +709,7 @@ fn a_lane_broken_in_the_middle_of_a_fetch_leaves_the_rest_to_quic() {
     // lane, and this test is about one lane's failure. So the file comes once they are settled.
     wait_synced(&[&a, &b], 60);
     std::thread::sleep(std::time::Duration::from_secs(1));
+    until("b's lane to a is up", 30, || lane_of(&b, &a)["up"] == true);
     let big = noise(40 << 20, 34);
     write(&a.path("big.bin"), &big);
     a.wait_paused("lane.answered", 60);

@@ -7,8 +7,9 @@
 //! Each device dials its own lane to each peer it fetches from, at the start of the session
 //! ([`register`]); a lane carries one fetch at a time (another fetch meanwhile takes QUIC), and
 //! whatever a lane could not carry (it broke, its port is closed, the dial failed) goes on QUIC
-//! request streams as every fetch did before it. A failed lane is dialed again by the first
-//! large fetch a second later, then twice as long after each failure in a row, up to
+//! request streams as every fetch did before it. A lane not yet up is dialed again a second
+//! after each failure (doubling) while its session lasts; one that failed later is dialed again
+//! by the first large fetch a second later, then twice as long after each failure in a row, up to
 //! [`LANE_RETRY`]; that fetch takes QUIC while the dial goes on. Only the session's first dial
 //! is waited for (at most `transport::LANE_CONNECT_TIMEOUT` and `LANE_DIAL_TIMEOUT`), so that
 //! the first large fetch of a session finds its lane.
@@ -124,11 +125,28 @@ pub fn register(
         .unwrap_or_else(|e| e.into_inner())
         .insert(id, lane.clone());
     if short {
+        // Dialed until it is first up, a failed dial again when its retry time comes, while
+        // the session lasts (a lane that fails later is dialed again by the next large fetch).
         tokio::spawn(async move {
-            if let Ok(mut state) = lane.state.clone().try_lock_owned() {
-                lane.dial(&mut state).await;
+            loop {
+                let mut state = lane.state.clone().lock_owned().await;
+                let up = matches!(*state, State::Up(_)) || lane.dial(&mut state).await;
+                let retry = match &*state {
+                    State::Down(until) => *until,
+                    _ => Instant::now(),
+                };
+                drop(state);
+                lane.dialing.store(false, Ordering::Relaxed);
+                let ours = lanes()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&id)
+                    .is_some_and(|l| Arc::ptr_eq(l, &lane));
+                if up || !ours || lane.conn.close_reason().is_some() {
+                    return;
+                }
+                tokio::time::sleep_until(retry.into()).await;
             }
-            lane.dialing.store(false, Ordering::Relaxed);
         });
     }
     Registered(id)
