@@ -10,7 +10,7 @@
 
 use crate::folder::{FolderRt, Folders};
 use crate::journal::Op;
-use crate::store::{read_chunk_of, DirCache, StoreError};
+use crate::store::{read_served_chunk, DirCache, StoreError};
 use crate::transport;
 use meshfs_protocol::{
     ChunkRequest, ChunkResponse, DeviceId, ErrorCode, FileKind, FileRecord, FolderId, Hash,
@@ -314,7 +314,7 @@ fn read_chunks(
                 ));
             }
             let (_, f) = open.as_ref()?;
-            read_chunk_of(f, &l.path, l.offset, l.len, &hash).ok()
+            read_served_chunk(f, &l.path, l.offset, l.len, &hash, l.local.as_ref()).ok()
         });
         // Not in a live file: a past version this device keeps may hold it (`restore` on a
         // peer that applied no deletion asks for just that).

@@ -291,7 +291,8 @@ pub struct PeerProgress {
 }
 
 /// Where a local copy of a chunk lives (as of the last journaled version of that file; the
-/// reader verifies the hash, since the file may have changed since).
+/// file may have changed since: the reader verifies the hash, or finds the file's stat still
+/// `local`, see [`crate::store::read_served_chunk`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChunkLocation {
     /// The folder.
@@ -302,6 +303,8 @@ pub struct ChunkLocation {
     pub offset: u64,
     /// Length of the chunk.
     pub len: u32,
+    /// The file's stat when that version was journaled (its content hashed), if known.
+    pub local: Option<LocalStat>,
 }
 
 /// What a folder holds, by current records.
@@ -1338,7 +1341,8 @@ impl Journal {
                 return Ok(Vec::new());
             };
             let mut st = c.prepare_cached(
-                "SELECT r.path, c.file_offset, c.len FROM chunks c \
+                "SELECT r.path, c.file_offset, c.len, r.local_inode, r.local_size, r.local_mtime_ns, \
+                 r.local_ctime_ns, r.local_mode FROM chunks c \
                  JOIN records r ON r.id = c.record \
                  WHERE c.hash_key = ?1 AND c.hash = ?2 AND c.folder = ?3 \
                  AND NOT EXISTS (SELECT 1 FROM absent a WHERE a.folder = c.folder \
@@ -1378,7 +1382,8 @@ impl Journal {
     pub fn find_chunk_anywhere(&self, hash: &Hash) -> Result<Vec<ChunkLocation>> {
         self.read(|c| {
             let mut st = c.prepare_cached(
-                "SELECT f.name, r.path, c.file_offset, c.len FROM chunks c \
+                "SELECT f.name, r.path, c.file_offset, c.len, r.local_inode, r.local_size, \
+                 r.local_mtime_ns, r.local_ctime_ns, r.local_mode FROM chunks c \
                  JOIN records r ON r.id = c.record JOIN folders f ON f.id = c.folder \
                  WHERE c.hash_key = ?1 AND c.hash = ?2 LIMIT ?3",
             )?;
@@ -2045,7 +2050,8 @@ impl Tally {
     }
 }
 
-/// Decodes `path, file_offset, len` starting at column `first`.
+/// Decodes `path, file_offset, len` and the record's five local-stat columns starting at column
+/// `first`.
 fn chunk_location(folder: FolderId, r: &rusqlite::Row<'_>, first: usize) -> Result<ChunkLocation> {
     let raw: String = r.get(first)?;
     let len: i64 = r.get(first + 2)?;
@@ -2056,6 +2062,7 @@ fn chunk_location(folder: FolderId, r: &rusqlite::Row<'_>, first: usize) -> Resu
         path: rows::path_of(&folder, &raw)?,
         offset: to_u64(r.get(first + 1)?),
         len,
+        local: rows::local_stat_of(&folder, &raw, r, first + 3)?,
         folder,
     })
 }

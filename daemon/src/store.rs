@@ -1804,6 +1804,61 @@ pub fn space(path: &Path) -> Option<(u64, u64)> {
     ))
 }
 
+/// How long before now a file's last change must lie for its unchanged stat to stand for its
+/// content: a write in the same tick of the kernel's coarse clock as the change the stat
+/// shows leaves mtime and ctime as they were.
+pub const SETTLED: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// [`read_chunk_of`] for a chunk served to a peer from the file its location names (`f`, at
+/// `path`). When the file's stat is `hashed` (the stat under which the journaled version was
+/// hashed: same inode, size, mtime and ctime, the last change at least [`SETTLED`] ago) both
+/// before and after the read, the bytes are what was hashed and are not hashed again: the
+/// requester verifies every chunk anyway, and one that fails there fails only that fetch.
+/// Otherwise the bytes are checked as [`read_chunk_of`] does.
+pub fn read_served_chunk(
+    f: &File,
+    path: &RelPath,
+    offset: u64,
+    len: u32,
+    hash: &Hash,
+    hashed: Option<&LocalStat>,
+) -> Result<Vec<u8>, StoreError> {
+    let now_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64);
+    served_chunk_at(f, path, (offset, len, hash), hashed, now_ns)
+}
+
+/// [`read_served_chunk`] at `now_ns` (ns since the Unix epoch).
+fn served_chunk_at(
+    f: &File,
+    path: &RelPath,
+    (offset, len, hash): (u64, u32, &Hash),
+    hashed: Option<&LocalStat>,
+    now_ns: i64,
+) -> Result<Vec<u8>, StoreError> {
+    let still = |h: &LocalStat| {
+        sys::fstat(f.as_fd()).is_ok_and(|st| {
+            let now = stat_of(&st).local;
+            (now.inode, now.size, now.mtime_ns, now.ctime_ns)
+                == (h.inode, h.size, h.mtime_ns, h.ctime_ns)
+        })
+    };
+    let settled = |h: &LocalStat| h.ctime_ns.max(h.mtime_ns) <= now_ns - SETTLED.as_nanos() as i64;
+    match hashed.filter(|h| settled(h) && still(h)) {
+        Some(h) => {
+            let buf =
+                sys::pread_exact(f.as_fd(), len as usize, offset).map_err(|e| io_err(path, e))?;
+            if still(h) {
+                Ok(buf)
+            } else {
+                verified(path, buf, hash)
+            }
+        }
+        None => read_chunk_of(f, path, offset, len, hash),
+    }
+}
+
 /// Reads `len` bytes at `offset` of `f`, the open file at `path`, and checks they hash to
 /// `hash`: a chunk read for a peer, which leaves only as the bytes its hash names.
 pub fn read_chunk_of(
@@ -1814,6 +1869,11 @@ pub fn read_chunk_of(
     hash: &Hash,
 ) -> Result<Vec<u8>, StoreError> {
     let buf = sys::pread_exact(f.as_fd(), len as usize, offset).map_err(|e| io_err(path, e))?;
+    verified(path, buf, hash)
+}
+
+/// `buf`, read from `path`, if it hashes to `hash`.
+fn verified(path: &RelPath, buf: Vec<u8>, hash: &Hash) -> Result<Vec<u8>, StoreError> {
     let got = Hash::of(&buf);
     if &got != hash {
         return Err(StoreError::Verify {
@@ -1828,6 +1888,7 @@ pub fn read_chunk_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt;
 
     fn p(s: &str) -> RelPath {
         RelPath::new(s).unwrap()
@@ -1860,6 +1921,45 @@ mod tests {
             store.remove_temps(),
             0,
             "a refused install leaves no temp file"
+        );
+    }
+
+    #[test]
+    fn a_served_chunk_is_hashed_again_unless_its_file_is_as_hashed_and_settled() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"0123456789").unwrap();
+        let f = File::open(&file).unwrap();
+        let hashed = stat_of(&sys::fstat(f.as_fd()).unwrap()).local;
+        let (path, right, wrong) = (p("f"), Hash::of(b"2345"), Hash::of(b"else"));
+        let later = hashed.ctime_ns + SETTLED.as_nanos() as i64;
+        let read = |hash: &Hash, local: Option<&LocalStat>, now: i64| {
+            served_chunk_at(&f, &path, (2, 4, hash), local, now)
+        };
+        // Unchanged and settled: the bytes as read, not hashed again (so a hash that does not
+        // match is not noticed here: the requester's check is the one that counts).
+        assert_eq!(read(&wrong, Some(&hashed), later).unwrap(), b"2345");
+        // Unknown stat, or changed too recently to tell: hashed.
+        for (local, now) in [(None, later), (Some(&hashed), later - 1)] {
+            assert!(matches!(
+                read(&wrong, local, now),
+                Err(StoreError::Verify { .. })
+            ));
+            assert_eq!(read(&right, local, now).unwrap(), b"2345");
+        }
+        // Written since (the size tells, whatever the clock's tick): hashed, and what no
+        // longer matches is refused.
+        let w = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        w.write_all_at(b"xy", 2).unwrap();
+        w.write_all_at(b"!", 10).unwrap();
+        let later = later + 10 * SETTLED.as_nanos() as i64;
+        assert!(matches!(
+            read(&right, Some(&hashed), later),
+            Err(StoreError::Verify { .. })
+        ));
+        assert_eq!(
+            read(&Hash::of(b"xy45"), Some(&hashed), later).unwrap(),
+            b"xy45"
         );
     }
 

@@ -396,7 +396,8 @@ fn reopen_after_close_keeps_everything() {
             folder: f.clone(),
             path: p("docs/a.txt"),
             offset: 11,
-            len: 6
+            len: 6,
+            local: Some(local),
         }]
     );
     drop(j);
@@ -759,6 +760,7 @@ fn the_chunk_index_follows_a_files_changes_and_deletion() {
         path: p(path),
         offset,
         len,
+        local: None,
     };
     j.commit(
         &f,
@@ -1427,7 +1429,8 @@ fn remove_folder_deletes_every_row_of_that_folder_and_only_that_folder() {
             folder: g.clone(),
             path: p("a"),
             offset: 0,
-            len: shared.len() as u32
+            len: shared.len() as u32,
+            local: None,
         }]
     );
     assert_eq!(

@@ -153,6 +153,16 @@ fn local_stat(at: &At<'_>, row: &Row<'_>, first: usize) -> Result<Option<LocalSt
     }))
 }
 
+/// [`local_stat`] of the record at `raw` (a stored path) of `folder`.
+pub(super) fn local_stat_of(
+    folder: &FolderId,
+    raw: &str,
+    row: &Row<'_>,
+    first: usize,
+) -> Result<Option<LocalStat>> {
+    local_stat(&At { folder, path: raw }, row, first)
+}
+
 /// The path in column 0 of a records row, as stored.
 fn path_text<'r>(folder: &FolderId, row: &'r Row<'_>) -> Result<&'r str> {
     row.get_ref(0)?.as_str().map_err(|e| JournalError::Corrupt {
