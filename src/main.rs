@@ -909,8 +909,12 @@ fn daemon(home: &Home) -> anyhow::Result<u8> {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 2 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 4 << 20);
     }
+    // The engine's threads run below the mount's request threads (D107): the thread that
+    // makes mounts is started first, at the daemon's own priority.
+    meshfs_daemon::priority::init();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .on_thread_start(meshfs_daemon::priority::background)
         .build()?;
     rt.block_on(control::run_daemon(home.clone()))?;
     Ok(0)

@@ -188,6 +188,8 @@ pub fn watch(
         }
     };
     let handler = move |res: notify::Result<notify::Event>| {
+        // The watcher's thread is the engine's: below the mount's request threads (D107).
+        crate::priority::background();
         send(res);
         if let Some(d) = nap.after_event(Instant::now()) {
             std::thread::sleep(d);

@@ -254,7 +254,11 @@ impl Engine {
                 ..Default::default()
             };
             let sink = Arc::new(crate::mounts::CaptureSink::new(rt.capture.clone()));
-            let m = meshfs_fuse::mount(rt.store.root(), mountpoint, opts, sink)?;
+            // Its request threads run at the daemon's own priority, above the engine's (D107).
+            let (root, point) = (rt.store.root().to_path_buf(), mountpoint.to_path_buf());
+            let m = crate::priority::in_foreground(move || {
+                meshfs_fuse::mount(&root, &point, opts, sink)
+            })?;
             rt.mount_slot.attach(m.handle());
             let status = crate::mounts::MountStatus::from(m.info());
             *slot = Some(m);

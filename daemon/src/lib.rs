@@ -32,6 +32,7 @@ pub mod mounts;
 pub mod ondemand;
 pub mod outbox;
 pub mod peers;
+pub mod priority;
 pub mod pending;
 pub mod progress;
 pub mod readout;

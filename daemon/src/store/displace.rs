@@ -506,7 +506,10 @@ impl Keeper {
             let state = self.state.clone();
             let spawned = std::thread::Builder::new()
                 .name("meshfs-keeper".into())
-                .spawn(move || run(state));
+                .spawn(move || {
+                    crate::priority::background();
+                    run(state)
+                });
             if spawned.is_err() {
                 s.running = false;
             }

@@ -93,6 +93,7 @@ pub fn start(
     let folders = Arc::downgrade(&folders);
     let name = format!("meshfs-keep-{}", folder.as_str());
     let spawned = std::thread::Builder::new().name(name).spawn(move || {
+        crate::priority::background();
         run(&folders, &folder, &vault, &switches, &kept, rx);
     });
     if let Err(e) = spawned {

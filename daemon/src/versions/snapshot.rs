@@ -119,7 +119,10 @@ impl Snapshots {
             runtime: tokio::runtime::Handle::try_current()
                 .map_err(|e| SnapshotError::Runtime(e.to_string()))?,
         });
-        let m = meshfs_fuse::mount_snapshot(entries, at_ns, mountpoint, content)?;
+        let point = mountpoint.to_path_buf();
+        let m = crate::priority::in_foreground(move || {
+            meshfs_fuse::mount_snapshot(entries, at_ns, &point, content)
+        })?;
         let point = m.mountpoint().to_path_buf();
         self.mounted
             .lock()
