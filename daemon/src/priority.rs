@@ -38,7 +38,9 @@ pub fn init() {
         Ok(_) => {
             let _ = FOREGROUND.set(Mutex::new(tx));
         }
-        Err(e) => tracing::warn!(error = %e, "no foreground thread: mounts run at the engine's priority"),
+        Err(e) => {
+            tracing::warn!(error = %e, "no foreground thread: mounts run at the engine's priority")
+        }
     }
 }
 
@@ -118,7 +120,10 @@ mod tests {
         .unwrap();
         assert_eq!(lowered, (mine + BACKGROUND_NICE).min(19));
         assert_eq!(started_in_foreground, mine);
-        assert_eq!(started_here, lowered, "a thread inherits its starter's value");
+        assert_eq!(
+            started_here, lowered,
+            "a thread inherits its starter's value"
+        );
         let again = std::thread::spawn(|| {
             background();
             std::thread::spawn(|| {
@@ -130,8 +135,15 @@ mod tests {
         })
         .join()
         .unwrap();
-        assert_eq!(again, lowered, "a lowered thread's thread is not lowered twice");
-        assert_eq!(meshfs_sys::thread_nice().unwrap(), mine, "only the lowered thread moved");
+        assert_eq!(
+            again, lowered,
+            "a lowered thread's thread is not lowered twice"
+        );
+        assert_eq!(
+            meshfs_sys::thread_nice().unwrap(),
+            mine,
+            "only the lowered thread moved"
+        );
         let caught = catch_unwind(|| in_foreground(|| panic!("inside")));
         assert!(caught.is_err(), "a panic comes back to the caller");
         assert_eq!(in_foreground(|| 7), 7, "and the foreground thread lives on");
