@@ -391,6 +391,36 @@ pub fn thread_cpu_time() -> std::time::Duration {
     std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
+/// The calling thread's nice value (`getpriority(PRIO_PROCESS, gettid())`: on Linux each
+/// thread has its own, and a thread it starts inherits it).
+pub fn thread_nice() -> io::Result<i32> {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    // -1 is a valid nice value: errno tells an error from it.
+    // SAFETY: __errno_location points at this thread's errno.
+    unsafe { *libc::__errno_location() = 0 };
+    // SAFETY: getpriority reads the scheduler's value for this thread, nothing in memory.
+    let n = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) };
+    if n == -1 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(0) {
+            return Err(e);
+        }
+    }
+    Ok(n)
+}
+
+/// Sets the calling thread's nice value (`setpriority(PRIO_PROCESS, gettid(), nice)`); only
+/// the thread and the threads it starts afterwards run at it. Without privilege a thread can
+/// only raise its value (lower its priority).
+pub fn set_thread_nice(nice: i32) -> io::Result<()> {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority changes this thread's scheduling weight, nothing in memory.
+    cvt(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) })?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,34 +466,4 @@ mod tests {
         let st = fstatat(fd.as_fd(), c"l", libc::AT_SYMLINK_NOFOLLOW).unwrap();
         assert_eq!(st.st_mode & libc::S_IFMT, libc::S_IFLNK);
     }
-}
-
-/// The calling thread's nice value (`getpriority(PRIO_PROCESS, gettid())`: on Linux each
-/// thread has its own, and a thread it starts inherits it).
-pub fn thread_nice() -> io::Result<i32> {
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::gettid() };
-    // -1 is a valid nice value: errno tells an error from it.
-    // SAFETY: __errno_location points at this thread's errno.
-    unsafe { *libc::__errno_location() = 0 };
-    // SAFETY: getpriority reads the scheduler's value for this thread, nothing in memory.
-    let n = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid as libc::id_t) };
-    if n == -1 {
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(0) {
-            return Err(e);
-        }
-    }
-    Ok(n)
-}
-
-/// Sets the calling thread's nice value (`setpriority(PRIO_PROCESS, gettid(), nice)`); only
-/// the thread and the threads it starts afterwards run at it. Without privilege a thread can
-/// only raise its value (lower its priority).
-pub fn set_thread_nice(nice: i32) -> io::Result<()> {
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::gettid() };
-    // SAFETY: setpriority changes this thread's scheduling weight, nothing in memory.
-    cvt(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) })?;
-    Ok(())
 }
