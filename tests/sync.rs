@@ -624,37 +624,56 @@ fn a_large_file_comes_over_the_bulk_lane_on_a_short_path() {
     let mut a = Device::new(&t, "a");
     let mut b = Device::new(&t, "b");
     pair(&a, &b);
-    let big = noise(24 << 20, 31);
-    write(&a.path("big.bin"), &big);
-    write(&a.path("small.txt"), b"small files ride in the index batch");
     a.start();
     b.start();
     wait_synced(&[&a, &b], 120);
-    assert_eq!(std::fs::read(b.path("big.bin")).unwrap(), big);
-    let lane = lane_of(&b, &a);
-    assert_eq!(lane["up"], true, "{lane}");
-    assert!(lane["fetches"].as_u64().unwrap() >= 1, "{lane}");
+    // Up once the session has settled (on a busy machine the devices' two first connections
+    // and a slow handshake can each cost a dial, redialed a second later).
+    until("b's lane to a is up", 30, || lane_of(&b, &a)["up"] == true);
+    write(&a.path("small.txt"), b"small files ride in the index batch");
+    let lane = lane_carries(&a, &b, 24 << 20, 31);
     assert!(
-        lane["bytes"].as_u64().unwrap() >= 24 << 20,
-        "the file's chunks did not come over the lane: {lane}"
+        lane["fetches"].as_u64().unwrap() >= 1 && lane["bytes"].as_u64().unwrap() >= 24 << 20,
+        "no file's chunks came over the lane: {lane}\n{}\n{}",
+        b.log(),
+        a.log()
     );
+    until("b's lane to a is up again", 30, || {
+        lane_of(&b, &a)["up"] == true
+    });
     let human = b.cli_ok(&["status"]);
     assert!(human.contains("bulk lane up ("), "{human}");
     // The lane's bytes are the peer's too.
     let received = b.status()["bytes_received"].as_u64().unwrap();
     assert!(received >= 24 << 20, "received {received}");
-    // And a second large file takes the same lane.
-    let more = noise(8 << 20, 32);
-    write(&a.path("more.bin"), &more);
-    wait_synced(&[&a, &b], 120);
-    assert_eq!(std::fs::read(b.path("more.bin")).unwrap(), more);
-    let again = lane_of(&b, &a);
+    // And a later large file takes the lane again.
+    let again = lane_carries(&a, &b, 8 << 20, 41);
     assert!(
-        again["bytes"].as_u64().unwrap() >= 32 << 20,
-        "the second file did not take the lane: {again}\n{}\n{}",
+        again["bytes"].as_u64().unwrap() >= lane["bytes"].as_u64().unwrap() + (8 << 20),
+        "no later file took the lane: {again}\n{}\n{}",
         b.log(),
         a.log()
     );
+}
+
+/// Writes files of `size` bytes into `a` until one comes to `b` over `b`'s lane whole (at most
+/// three: a fetch that finds the lane busy or being dialed again takes QUIC and leaves the lane
+/// to the next, as on a machine busy enough to slow a session's start); each arrives whole
+/// either way. Returns `b`'s lane figures after the last.
+fn lane_carries(a: &Device, b: &Device, size: usize, seed: u64) -> serde_json::Value {
+    let before = lane_of(b, a)["bytes"].as_u64().unwrap_or(0);
+    for i in 0..3 {
+        let data = noise(size, seed + i);
+        let name = format!("big-{seed}-{i}.bin");
+        write(&a.path(&name), &data);
+        wait_synced(&[a, b], 120);
+        assert_eq!(std::fs::read(b.path(&name)).unwrap(), data);
+        let lane = lane_of(b, a);
+        if lane["bytes"].as_u64().unwrap_or(0) >= before + size as u64 {
+            return lane;
+        }
+    }
+    lane_of(b, a)
 }
 
 /// A peer whose lane cannot be bound (its TCP port held by a program that accepts nothing and
@@ -674,15 +693,16 @@ fn a_large_file_comes_over_quic_when_the_lane_cannot_be_bound() {
     b.start();
     wait_synced(&[&a, &b], 120);
     assert_eq!(std::fs::read(b.path("big.bin")).unwrap(), big);
+    // The reason, once the dial has failed (on a busy machine the path can first look long,
+    // and be dialed a second or more later).
+    until("b says why its lane is down", 30, || {
+        lane_of(&b, &a)["down"]
+            .as_str()
+            .is_some_and(|w| w.contains("bulk lane"))
+    });
     let lane = lane_of(&b, &a);
     assert_eq!(lane["up"], false, "{lane}");
     assert_eq!(lane["fetches"], 0, "{lane}");
-    assert!(
-        lane["down"]
-            .as_str()
-            .is_some_and(|w| w.contains("bulk lane")),
-        "{lane}"
-    );
     assert!(
         a.log().contains("no bulk lane for peers' fetches"),
         "{}",

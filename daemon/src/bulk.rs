@@ -36,6 +36,8 @@ pub const LANE_MAX_RTT: Duration = Duration::from_millis(5);
 /// After a lane failed, how long fetches go on QUIC before it is dialed again, at most (a
 /// second after its first failure, doubled after each one in a row).
 pub const LANE_RETRY: Duration = Duration::from_secs(60);
+/// How long after a session starts a path that looked too long for a lane is looked at again.
+pub const SHORT_PATH_LOOK: Duration = Duration::from_secs(30);
 
 /// One session's lane to its peer.
 pub struct Lane {
@@ -124,31 +126,51 @@ pub fn register(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .insert(id, lane.clone());
-    if short {
-        // Dialed until it is first up, a failed dial again when its retry time comes, while
-        // the session lasts (a lane that fails later is dialed again by the next large fetch).
-        tokio::spawn(async move {
-            loop {
-                let mut state = lane.state.clone().lock_owned().await;
-                let up = matches!(*state, State::Up(_)) || lane.dial(&mut state).await;
-                let retry = match &*state {
-                    State::Down(until) => *until,
-                    _ => Instant::now(),
-                };
-                drop(state);
-                lane.dialing.store(false, Ordering::Relaxed);
-                let ours = lanes()
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&id)
-                    .is_some_and(|l| Arc::ptr_eq(l, &lane));
-                if up || !ours || lane.conn.close_reason().is_some() {
-                    return;
-                }
-                tokio::time::sleep_until(retry.into()).await;
+    // Dialed until it is first up, a failed dial again when its retry time comes, while the
+    // session lasts (a lane that fails later is dialed again by the next large fetch). A path
+    // that looks long at first is looked at again for the session's first
+    // [`SHORT_PATH_LOOK`]: its minimum RTT only falls, and one handshake on a busy machine
+    // can put a loopback's first samples above the bound.
+    let started = Instant::now();
+    // This session's lane is still the registered one, and its connection open.
+    let live = move |lane: &Arc<Lane>| {
+        let ours = lanes()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .is_some_and(|l| Arc::ptr_eq(l, lane));
+        ours && lane.conn.close_reason().is_none()
+    };
+    tokio::spawn(async move {
+        while !short_path(&lane.conn) {
+            if !live(&lane) || started.elapsed() > SHORT_PATH_LOOK {
+                return;
             }
-        });
-    }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        if !short {
+            lane.show(|f| f.down = None);
+        }
+        loop {
+            let mut state = lane.state.clone().lock_owned().await;
+            let up = match &*state {
+                State::Up(_) => true,
+                // A fetch's own dial failed meanwhile: its retry time holds.
+                State::Down(until) if Instant::now() < *until => false,
+                _ => lane.dial(&mut state).await,
+            };
+            let retry = match &*state {
+                State::Down(until) => *until,
+                _ => Instant::now(),
+            };
+            drop(state);
+            lane.dialing.store(false, Ordering::Relaxed);
+            if up || !live(&lane) {
+                return;
+            }
+            tokio::time::sleep_until(retry.into()).await;
+        }
+    });
     Registered(id)
 }
 
@@ -274,6 +296,11 @@ impl Lane {
     }
 
     fn show(&self, change: impl FnOnce(&mut LaneFigures)) {
+        // A lane of a connection already closed (one of two first connections, replaced) says
+        // nothing: status shows the session's own lane.
+        if self.conn.close_reason().is_some() {
+            return;
+        }
         change(
             shown()
                 .lock()
