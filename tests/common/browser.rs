@@ -216,14 +216,21 @@ impl Browser {
         );
     }
 
-    /// Clicks what `css` selects.
+    /// Clicks what `css` selects. The page redraws itself as the daemon's state changes: an
+    /// element redrawn between finding and clicking it is found again (a few times).
     pub fn click(&self, css: &str) {
-        let e = self.element(css);
-        self.session_call(
-            "POST",
-            &format!("/element/{e}/click"),
-            Some(serde_json::json!({})),
-        );
+        for _ in 0..5 {
+            let e = self.element(css);
+            let path = format!("/session/{}/element/{e}/click", self.session);
+            match self.call("POST", &path, Some(serde_json::json!({}))) {
+                Ok(_) => return,
+                Err(e) if e.contains("stale element reference") => {
+                    std::thread::sleep(std::time::Duration::from_millis(50))
+                }
+                Err(e) => panic!("POST {path}: {e}"),
+            }
+        }
+        panic!("{css} was redrawn at each of five clicks");
     }
 
     /// Sets the window's size in CSS pixels.
