@@ -444,7 +444,16 @@ impl Store {
     /// of it waits, as it does for a writer through the mount). `false` when nothing can be
     /// told (no such regular file, no leases on this filesystem).
     pub fn open_for_writing(&self, path: &RelPath) -> bool {
-        let Ok((dir, name)) = self.parent_and_name(path, false) else {
+        self.open_for_writing_in(&mut DirCache::default(), path)
+    }
+
+    /// [`Store::open_for_writing`] walking to the parent through `cache` (an apply asks this
+    /// of every file it writes: one directory walk per directory, not per file).
+    pub fn open_for_writing_in(&self, cache: &mut DirCache, path: &RelPath) -> bool {
+        let Ok(name) = cstr(path.file_name()) else {
+            return false;
+        };
+        let Ok(dir) = self.dir_in(cache, path.parent().as_ref(), false) else {
             return false;
         };
         displace::open_for_writing(&*dir, &name)

@@ -482,7 +482,7 @@ impl Deciding<'_> {
         }
         if self.rt.writers.has_writer(path) {
             tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
-        } else if self.rt.store.open_for_writing(path) {
+        } else if self.rt.store.open_for_writing_in(&mut self.dirs, path) {
             tracing::info!(folder = %self.folder, %path, "open for writing by another program; the remote version waits for it");
         } else {
             return Ok(false);
