@@ -92,9 +92,7 @@ impl Policy {
     /// When the loop must wake next (`None`: only for a message).
     pub fn wake_at(&self) -> Option<Instant> {
         let look = self.second_looks.iter().map(|(t, _)| *t).min();
-        let next = self
-            .next
-            .map(|n| self.gate().map_or(n, |gate| n.max(gate)));
+        let next = self.next.map(|n| self.gate().map_or(n, |gate| n.max(gate)));
         match (next, look) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -256,8 +254,7 @@ mod tests {
     }
 
     #[test]
-    fn a_steady_stream_is_captured_in_passes_a_busy_gap_apart_and_a_change_after_a_pause_at_once(
-    ) {
+    fn a_steady_stream_is_captured_in_passes_a_busy_gap_apart_and_a_change_after_a_pause_at_once() {
         let (mut pol, mut q) = (Policy::new(Q), Coalescer::default());
         let t0 = Instant::now();
         let ms = |n: u64| t0 + Duration::from_millis(n);
@@ -286,18 +283,31 @@ mod tests {
         // The stream ends: what is left is taken once the gap is over, nothing is lost.
         let wake = pol.wake_at().unwrap();
         assert!(wake >= ms(*passes.last().unwrap()) + BUSY_GAP);
-        assert!(pol.pass(&mut q, wake - Duration::from_millis(1), |_| false).paths.is_empty());
+        assert!(pol
+            .pass(&mut q, wake - Duration::from_millis(1), |_| false)
+            .paths
+            .is_empty());
         captured += pol.pass(&mut q, wake, |_| false).paths.len();
         captured += pol.pass(&mut q, ms(1000), |_| false).paths.len();
         assert_eq!(captured, 200);
         // After a pause a change is due after its quiet time alone, and so is a release.
         change(&mut pol, &mut q, "late".into(), ms(2000));
         assert_eq!(pol.wake_at(), Some(ms(2000) + Q));
-        assert_eq!(pol.pass(&mut q, ms(2000) + Q, |_| false).paths, vec![p("late")]);
-        pol.messages(&mut q, [CaptureMsg::Changed(p("saved"), Hint::Written)], ms(3000));
+        assert_eq!(
+            pol.pass(&mut q, ms(2000) + Q, |_| false).paths,
+            vec![p("late")]
+        );
+        pol.messages(
+            &mut q,
+            [CaptureMsg::Changed(p("saved"), Hint::Written)],
+            ms(3000),
+        );
         pol.messages(&mut q, [CaptureMsg::Released(p("saved"))], ms(3000));
         assert_eq!(pol.wake_at(), Some(ms(3000)));
-        assert_eq!(pol.pass(&mut q, ms(3000), |_| false).paths, vec![p("saved")]);
+        assert_eq!(
+            pol.pass(&mut q, ms(3000), |_| false).paths,
+            vec![p("saved")]
+        );
     }
 
     #[test]
