@@ -15,7 +15,7 @@ use crate::store::{stat_of, DirCache, LocalStat, Store};
 use meshfs_protocol::{FileKind, FileRecord, FolderId, Hash, RelPath, ShortId, INTERNAL_PREFIX};
 use meshfs_sync::reconcile::{new_local_version, Context};
 use meshfs_sys as sys;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::ControlFlow;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -160,24 +160,30 @@ pub fn scan(
             source,
         })?;
     } else {
-        let mut scopes: Vec<RelPath> = scopes.to_vec();
-        scopes.sort();
-        scopes.dedup();
-        // Drop scopes inside another scope.
-        let mut kept: Vec<RelPath> = Vec::new();
-        for s in scopes {
-            if !kept.iter().any(|k| s.is_within(k)) {
-                kept.push(s);
-            }
-        }
-        for scope in &kept {
+        // Scopes inside another scope are dropped (by their ancestors: a pass under a steady
+        // stream of changes has hundreds of scopes).
+        let all: HashSet<&RelPath> = scopes.iter().collect();
+        let mut kept: Vec<&RelPath> = all
+            .iter()
+            .copied()
+            .filter(|s| !s.ancestors().iter().any(|a| all.contains(a)))
+            .collect();
+        kept.sort();
+        // The scopes' parents are walked to once per scan, not once per scope.
+        let mut dirs = DirCache::default();
+        for &scope in &kept {
+            // Nothing is journaled below a file: one query instead of two.
+            let mut leaf = false;
             if let Some(s) = journal.get(t.folder, scope)? {
+                leaf = !s.record.deleted && s.record.kind != FileKind::Dir;
                 known.insert(scope.clone(), Known::from_stored(s));
             }
-            for s in journal.below(t.folder, scope)? {
-                known.insert(s.record.path.clone(), Known::from_stored(s));
+            if !leaf {
+                for s in journal.below(t.folder, scope)? {
+                    known.insert(s.record.path.clone(), Known::from_stored(s));
+                }
             }
-            if let Ok(Some(st)) = t.store.stat(scope) {
+            if let Ok(Some(st)) = t.store.stat_in(&mut dirs, scope) {
                 if let Some(kind) = st.kind {
                     if t.ignore.is_ignored(scope, kind == FileKind::Dir) {
                         continue;

@@ -293,6 +293,84 @@ fn a_directory_replaced_by_a_file_is_journaled_after_the_deletions_below_it() {
     assert!(at("d/x", true) < at("d", false), "{order:?}");
 }
 
+#[test]
+fn a_scan_of_many_scopes_finds_what_a_whole_scan_finds() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    // `a-b` sorts between `a` and `a/…` as text: a scope inside another is found by its
+    // ancestors, not by its neighbours in order.
+    for d in ["a/in", "a-b", "gone/deep", "x"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    for f in [
+        "a/1",
+        "a/in/2",
+        "a-b/3",
+        "gone/4",
+        "gone/deep/5",
+        "x/file",
+        "top",
+    ] {
+        std::fs::write(root.join(f), f.as_bytes()).unwrap();
+    }
+    let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let fx = Fixture::new(&root);
+    let (folder, t) = (&fx.folder, fx.target());
+    commit_all(&mut j, folder, &t);
+    // A tree removed, files edited, a file become a directory, new files.
+    std::fs::remove_dir_all(root.join("gone")).unwrap();
+    std::fs::write(root.join("a/in/2"), b"edited").unwrap();
+    std::fs::write(root.join("a-b/3"), b"edited too").unwrap();
+    std::fs::remove_file(root.join("top")).unwrap();
+    std::fs::create_dir(root.join("top")).unwrap();
+    std::fs::write(root.join("top/new"), b"new").unwrap();
+    std::fs::write(root.join("x/file2"), b"new").unwrap();
+    let p = |s: &str| meshfs_protocol::RelPath::new(s).unwrap();
+    // Every path the events would name, parents and children both, in no order.
+    let scopes: Vec<_> = [
+        "gone/deep/5",
+        "a/in/2",
+        "gone",
+        "a-b/3",
+        "gone/4",
+        "a",
+        "top",
+        "x/file2",
+        "gone/deep",
+        "top/new",
+        "a/in/2",
+    ]
+    .iter()
+    .map(|s| p(s))
+    .collect();
+    let changes = |r: meshfs_daemon::scanner::ScanReport| {
+        let mut v: Vec<(String, bool)> = r
+            .changes
+            .iter()
+            .map(|c| (c.record.path.to_string(), c.record.deleted))
+            .collect();
+        v.sort();
+        v
+    };
+    let scoped = changes(scan(&t, &j, &scopes).unwrap());
+    let whole = changes(scan(&t, &j, &[]).unwrap());
+    assert_eq!(scoped, whole);
+    let s = |p: &str, d: bool| (p.to_string(), d);
+    for want in [
+        s("gone", true),
+        s("gone/deep", true),
+        s("gone/deep/5", true),
+        s("gone/4", true),
+        s("a/in/2", false),
+        s("a-b/3", false),
+        s("top", false),
+        s("top/new", false),
+        s("x/file2", false),
+    ] {
+        assert!(scoped.contains(&want), "{want:?} not in {scoped:?}");
+    }
+}
+
 /// Sets `p`'s mtime to `secs` after the epoch.
 fn set_mtime(p: &std::path::Path, secs: u64) {
     let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
