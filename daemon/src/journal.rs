@@ -765,6 +765,21 @@ impl Journal {
         f(&self.conn).map_err(|e| classify(&self.path, e))
     }
 
+    /// [`Journal::read`] for many statements: inside one read transaction (unless one is open
+    /// already, [`Journal::begin_reads`]), so SQLite's WAL locks are taken once for all of
+    /// them rather than once per statement (an `fcntl` each way).
+    fn read_many<T>(&self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        self.read(|c| {
+            if !c.is_autocommit() {
+                return f(c);
+            }
+            let tx = c.unchecked_transaction()?;
+            let v = f(&tx)?;
+            tx.commit()?;
+            Ok(v)
+        })
+    }
+
     /// Holds one read transaction open until [`Journal::end_reads`], so that a batch's
     /// thousands of lookups take SQLite's WAL locks (an `fcntl` each on the shared-memory
     /// index) once rather than once per statement: they were a tenth of a receiving daemon's
@@ -1217,7 +1232,7 @@ impl Journal {
     /// The history operation of each of `sequences` that still has a history entry (pruned
     /// ones are absent).
     pub fn ops_of(&self, folder: &FolderId, sequences: &[u64]) -> Result<HashMap<u64, Op>> {
-        self.read(|c| {
+        self.read_many(|c| {
             let mut out = HashMap::new();
             let Some(key) = self.key(c, folder)? else {
                 return Ok(out);
