@@ -164,7 +164,11 @@ impl Policy {
         now: Instant,
         held_by_writer: impl Fn(&RelPath) -> bool,
     ) -> Pass {
-        if self.gate().is_some_and(|gate| now < gate) {
+        if let Some(gate) = self.gate().filter(|gate| now < *gate) {
+            // What waits (a second look's files too) is taken once the gap is over.
+            if !queue.is_empty() {
+                self.due_by(gate);
+            }
             return Pass::default();
         }
         let (rescan, ready, next) = queue.take_ready(now, self.quiet, OPEN_QUIET);
@@ -290,22 +294,51 @@ mod tests {
         captured += pol.pass(&mut q, wake, |_| false).paths.len();
         captured += pol.pass(&mut q, ms(1000), |_| false).paths.len();
         assert_eq!(captured, 200);
-        // After a pause a change is due after its quiet time alone, and so is a release.
-        change(&mut pol, &mut q, "late".into(), ms(2000));
-        assert_eq!(pol.wake_at(), Some(ms(2000) + Q));
+        // A new directory's second look that falls in a gap: its files are taken once the
+        // gap is over, though nothing else is queued.
+        pol.messages(&mut q, [CaptureMsg::NewDir(p("d"))], ms(1100));
+        pol.pass(&mut q, ms(1100) + Q, |_| false);
+        pol.messages(&mut q, [CaptureMsg::Changed(p("e"), Hint::Other)], ms(1101));
+        pol.pass(&mut q, ms(1101) + Q, |_| false);
+        let t1 = ms(1100) + NEW_DIR_SECOND_LOOK;
+        pol.messages(&mut q, [CaptureMsg::Changed(p("g"), Hint::Other)], t1 - Q);
+        assert_eq!(pol.pass(&mut q, t1, |_| false).paths, vec![p("g")]);
+        pol.messages(&mut q, [CaptureMsg::Changed(p("h"), Hint::Other)], t1 - Q);
         assert_eq!(
-            pol.pass(&mut q, ms(2000) + Q, |_| false).paths,
+            pol.pass(&mut q, t1 + Duration::from_millis(1), |_| false)
+                .paths,
+            vec![p("h")]
+        );
+        assert_eq!(
+            pol.due_looks(t1 + Duration::from_millis(1), |_| false),
+            vec![p("d")]
+        );
+        pol.looked(&mut q, vec![p("d/f")], t1 + Duration::from_millis(1));
+        assert!(pol
+            .pass(&mut q, t1 + Duration::from_millis(1), |_| false)
+            .paths
+            .is_empty());
+        let wake = pol
+            .wake_at()
+            .expect("the looked file waits for the gap, not for a message");
+        assert_eq!(wake, t1 + Duration::from_millis(1) + BUSY_GAP);
+        assert_eq!(pol.pass(&mut q, wake, |_| false).paths, vec![p("d/f")]);
+        // After a pause a change is due after its quiet time alone, and so is a release.
+        change(&mut pol, &mut q, "late".into(), ms(5000));
+        assert_eq!(pol.wake_at(), Some(ms(5000) + Q));
+        assert_eq!(
+            pol.pass(&mut q, ms(5000) + Q, |_| false).paths,
             vec![p("late")]
         );
         pol.messages(
             &mut q,
             [CaptureMsg::Changed(p("saved"), Hint::Written)],
-            ms(3000),
+            ms(6000),
         );
-        pol.messages(&mut q, [CaptureMsg::Released(p("saved"))], ms(3000));
-        assert_eq!(pol.wake_at(), Some(ms(3000)));
+        pol.messages(&mut q, [CaptureMsg::Released(p("saved"))], ms(6000));
+        assert_eq!(pol.wake_at(), Some(ms(6000)));
         assert_eq!(
-            pol.pass(&mut q, ms(3000), |_| false).paths,
+            pol.pass(&mut q, ms(6000), |_| false).paths,
             vec![p("saved")]
         );
     }
