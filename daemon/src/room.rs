@@ -79,6 +79,8 @@ pub struct Room {
     ledger: Mutex<Ledger>,
     /// How free and total bytes are read (`statvfs`; a table in tests).
     space: Space,
+    /// How long a reading stands ([`READING_FRESH`]).
+    fresh: Duration,
 }
 
 #[derive(Debug, Default)]
@@ -101,9 +103,14 @@ struct Reading {
 impl Room {
     /// No claims yet; `space` reads a filesystem's free and total bytes.
     pub fn new(space: Space) -> Arc<Room> {
+        Room::with_fresh(space, READING_FRESH)
+    }
+
+    fn with_fresh(space: Space, fresh: Duration) -> Arc<Room> {
         Arc::new(Room {
             ledger: Mutex::default(),
             space,
+            fresh,
         })
     }
 
@@ -135,7 +142,7 @@ impl Room {
             let recent = ledger
                 .readings
                 .get(dev)
-                .filter(|r| now.saturating_duration_since(r.at) < READING_FRESH)
+                .filter(|r| now.saturating_duration_since(r.at) < self.fresh)
                 .map(|r| (r.free.saturating_sub(r.written), r.total));
             if recent.is_some_and(|space| fits(space).is_ok()) {
                 continue;
@@ -313,7 +320,8 @@ mod tests {
             READS.fetch_add(1, Ordering::Relaxed);
             Some((FREE.load(Ordering::Relaxed), 1000 * MIB))
         }
-        let room = Room::new(disk);
+        // Readings that stand for an hour: nothing here depends on how fast the test runs.
+        let room = Room::with_fresh(disk, Duration::from_secs(3600));
         let place = Place {
             dev: 7,
             probe: PathBuf::from("/x"),
@@ -336,13 +344,15 @@ mod tests {
         let refused = room.claim(&[(&place, 40 * MIB)]).unwrap_err();
         assert_eq!((refused.free, refused.claimed), (450 * MIB, 420 * MIB));
         assert_eq!(READS.load(Ordering::Relaxed), 3);
-        // Once the reading is old, even a claim it would allow reads again: another program
-        // filled the disk.
         drop((most, more));
-        std::thread::sleep(READING_FRESH);
+        // A reading that no longer stands: even a claim it would allow reads again (another
+        // program filled the disk).
+        let room = Room::with_fresh(disk, Duration::ZERO);
+        FREE.store(500 * MIB, Ordering::Relaxed);
+        assert!(room.claim(&[(&place, MIB)]).is_ok());
         FREE.store(10 * MIB, Ordering::Relaxed);
         assert!(room.claim(&[(&place, MIB)]).is_err());
-        assert_eq!(READS.load(Ordering::Relaxed), 4);
+        assert_eq!(READS.load(Ordering::Relaxed), 5);
     }
 
     #[test]
