@@ -450,10 +450,7 @@ impl Store {
     /// [`Store::open_for_writing`] walking to the parent through `cache` (an apply asks this
     /// of every file it writes: one directory walk per directory, not per file).
     pub fn open_for_writing_in(&self, cache: &mut DirCache, path: &RelPath) -> bool {
-        let Ok(name) = cstr(path.file_name()) else {
-            return false;
-        };
-        let Ok(dir) = self.dir_in(cache, path.parent().as_ref(), false) else {
+        let Ok((dir, name)) = self.parent_and_name_in(cache, path, false) else {
             return false;
         };
         displace::open_for_writing(&*dir, &name)
@@ -477,7 +474,17 @@ impl Store {
         path: &RelPath,
         create: bool,
     ) -> Result<(Arc<OwnedFd>, CString), StoreError> {
-        let fd = self.open_dir(path.parent().as_ref(), create)?;
+        self.parent_and_name_in(&mut DirCache::default(), path, create)
+    }
+
+    /// [`Store::parent_and_name`] walking to the parent through `cache`.
+    fn parent_and_name_in(
+        &self,
+        cache: &mut DirCache,
+        path: &RelPath,
+        create: bool,
+    ) -> Result<(Arc<OwnedFd>, CString), StoreError> {
+        let fd = self.dir_in(cache, path.parent().as_ref(), create)?;
         Ok((fd, cstr(path.file_name())?))
     }
 
