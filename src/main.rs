@@ -476,6 +476,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let home = Home::resolve(cli.home.as_deref());
     let is_daemon = matches!(cli.command, Command::Daemon);
+    // A command whose output is cut short (`meshfs journal | head`, `status --json | grep -q`)
+    // ends quietly, as other tools do; before, its next `print!` panicked. The daemon and the
+    // demo (which runs daemons in this process) keep `SIGPIPE` ignored: they write to sockets.
+    if !matches!(cli.command, Command::Daemon | Command::Demo { .. }) {
+        meshfs_sys::default_sigpipe();
+    }
     let level = cli.log_level.clone().unwrap_or_else(|| {
         if is_daemon {
             "info".into()

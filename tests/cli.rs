@@ -96,6 +96,48 @@ fn commands_that_need_the_daemon_say_it_is_not_running_and_unknown_folders_are_n
 }
 
 #[test]
+fn a_command_whose_reader_has_gone_ends_quietly_and_the_daemon_keeps_serving() {
+    use std::os::unix::process::ExitStatusExt;
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    a.start();
+    // `meshfs journal | head -1`: the reader is gone before the command writes. Before, the
+    // command's next `print!` panicked (exit 101, a panic message and, with RUST_BACKTRACE
+    // set, a backtrace symbolized on the spot).
+    for args in [
+        &["completions", "bash"][..],
+        &["status", "--json"],
+        &["folder", "list", "--json"],
+        &["journal", "work"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = std::process::Command::new(bin())
+            .arg("--home")
+            .arg(&a.home)
+            .args(args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGPIPE),
+            "meshfs {args:?}: {:?}, {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.stderr.is_empty(),
+            "meshfs {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The daemon writes to sockets: SIGPIPE never ends it.
+    let st: serde_json::Value = serde_json::from_str(&ok(&a.home, &["status", "--json"])).unwrap();
+    assert!(st["folders"].is_array(), "{st}");
+}
+
+#[test]
 fn a_port_in_use_is_reported_with_the_field_to_change() {
     let t = tmp();
     let mut a = Device::new(&t, "a");

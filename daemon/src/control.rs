@@ -673,7 +673,7 @@ async fn blocking(
 /// Sends one request to the daemon of `home` and returns its reply; `Ok(None)` when no daemon
 /// is running there.
 pub fn request(home: &Home, req: &Request) -> Result<Option<serde_json::Value>, ControlError> {
-    use std::io::{BufRead, Write};
+    use std::io::BufRead;
     let path = home.control_socket();
     let stream = match std::os::unix::net::UnixStream::connect(&path) {
         Ok(s) => s,
@@ -693,8 +693,10 @@ pub fn request(home: &Home, req: &Request) -> Result<Option<serde_json::Value>, 
     };
     let mut line = serde_json::to_string(req).map_err(ControlError::Encode)?;
     line.push('\n');
-    let mut w = stream.try_clone().map_err(io)?;
-    w.write_all(line.as_bytes()).map_err(io)?;
+    // Not `write_all`: the command line lets `SIGPIPE` end it, and a daemon that closes the
+    // socket (stopping) is an error to report, not a silent death.
+    meshfs_sys::send_all_no_signal(std::os::fd::AsFd::as_fd(&stream), line.as_bytes())
+        .map_err(io)?;
     line.clear();
     std::io::BufReader::new(stream)
         .read_line(&mut line)

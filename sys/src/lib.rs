@@ -421,6 +421,41 @@ pub fn set_thread_nice(nice: i32) -> io::Result<()> {
     Ok(())
 }
 
+/// Writes all of `buf` to the socket `fd` with `send(…, MSG_NOSIGNAL)`: a peer that has closed
+/// its end is `EPIPE` here, never a `SIGPIPE` (which a command line tool that lets `SIGPIPE`
+/// end it, [`default_sigpipe`], would otherwise die of without a word).
+pub fn send_all_no_signal(fd: BorrowedFd<'_>, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: `buf` is a readable slice of `buf.len()` bytes for the whole call; `fd` is
+        // open for it (borrowed).
+        let n = unsafe {
+            libc::send(
+                fd.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
+/// Lets `SIGPIPE` end the process, as it ends `cat` or `ls`: a command whose reader has gone
+/// (`meshfs journal | head`) stops quietly instead of failing its next `print!`. Rust programs
+/// start with `SIGPIPE` ignored; a long-running process that writes to sockets keeps that.
+pub fn default_sigpipe() {
+    // SAFETY: installs the default disposition for one signal; no handler code runs in Rust.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
