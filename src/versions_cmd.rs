@@ -37,7 +37,9 @@ pub struct RestoreArgs {
 }
 
 fn rel(p: &str) -> anyhow::Result<RelPath> {
-    RelPath::normalized(p.trim_end_matches('/')).map_err(|e| anyhow!("path {p:?}: {e}"))
+    // The error names the path already (`path "../x" has a '.' or '..' component`).
+    RelPath::normalized(p.trim_end_matches('/'))
+        .map_err(|e| anyhow!("not a path in the folder: {e}"))
 }
 
 pub(crate) fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<Config> {

@@ -622,7 +622,7 @@ fn folder_path(p: &str) -> Result<meshfs_protocol::RelPath, String> {
             "{p:?} is the whole folder: to keep all of it here, turn on-demand off (`meshfs folder set FOLDER --no-on-demand`); to free its room, evict its directories"
         ));
     }
-    meshfs_protocol::RelPath::normalized(t).map_err(|e| format!("path {p:?}: {e}"))
+    meshfs_protocol::RelPath::normalized(t).map_err(|e| format!("not a path in the folder: {e}"))
 }
 
 /// `restore`: checks the paths, then restores.
@@ -636,8 +636,11 @@ async fn restore(
 ) -> Reply {
     use crate::versions::restore::Pick;
     let rel = |p: &str, what: &str| {
-        meshfs_protocol::RelPath::normalized(p.trim_end_matches('/'))
-            .map_err(|e| format!("{what} {p:?}: {e}"))
+        meshfs_protocol::RelPath::normalized(p.trim_end_matches('/')).map_err(|e| match what {
+            // The error names the path already.
+            "path" => format!("not a path in the folder: {e}"),
+            _ => format!("{what}: not a path in the folder: {e}"),
+        })
     };
     let path = match rel(path, "path") {
         Ok(p) => p,
