@@ -735,6 +735,7 @@ mod echo_tests {
                 size,
                 ..Default::default()
             },
+            nlink: 1,
         }
     }
 

@@ -885,7 +885,7 @@ impl Folders {
                     // A file with several names (a conflict copy is made as a hard link of
                     // the file it copies) written through one of them changed under the
                     // others too, and the watcher reports only the name it was written by.
-                    let others = other_names(&rt.store, &reader, folder, paths, &report.changes);
+                    let others = other_names(&reader, folder, paths, &report);
                     if !others.is_empty() {
                         let more = scanner::scan(&target, &reader, &others)?;
                         report.changes.extend(more.changes);
@@ -893,6 +893,7 @@ impl Folders {
                         report.unread.extend(more.unread);
                         report.placeholders.extend(more.placeholders);
                         report.contents.extend(more.contents);
+                        report.linked.extend(more.linked);
                     }
                 }
                 report
@@ -964,29 +965,30 @@ fn note_local_only(
     j.note_local_only(folder, &items)
 }
 
-/// The journal's other live names of the files among `changes` that have more than one link
-/// on disk, not among `scanned` already.
+/// The journal's other live names of the files among `report`'s changes that the scan saw
+/// with more than one link on disk (`ScanReport::linked`, from the scan's own stat: no second
+/// one per changed file), not among `scanned` already.
 fn other_names(
-    store: &crate::store::Store,
     journal: &Journal,
     folder: &FolderId,
     scanned: &[RelPath],
-    changes: &[Change],
+    report: &scanner::ScanReport,
 ) -> Vec<RelPath> {
-    use std::os::unix::fs::MetadataExt;
     let mut out: Vec<RelPath> = Vec::new();
-    for c in changes {
+    if report.linked.is_empty() {
+        // The scan saw no file with a second name: no other name to look up.
+        return out;
+    }
+    let linked: std::collections::HashSet<&RelPath> = report.linked.iter().collect();
+    for c in &report.changes {
         if c.record.deleted || c.record.kind != meshfs_protocol::FileKind::File {
             continue;
         }
-        let Ok(md) = std::fs::symlink_metadata(store.root().join(c.record.path.as_str())) else {
+        let (true, Some(local)) = (linked.contains(&c.record.path), c.local) else {
             continue;
         };
-        if md.nlink() < 2 {
-            continue;
-        }
         for p in journal
-            .paths_with_inode(folder, md.ino())
+            .paths_with_inode(folder, local.inode)
             .unwrap_or_default()
         {
             if p != c.record.path && !scanned.contains(&p) && !out.contains(&p) {

@@ -42,6 +42,10 @@ pub struct ScanReport {
     /// Inodes of files read for their content: not placeholders (any more: a placeholder
     /// truncated to nothing through the mount and written is local content in the same inode).
     pub contents: Vec<u64>,
+    /// Files seen with more than one name (hard links): a change of one changed the content
+    /// under its other names too, which the caller looks up (the watcher names only the path
+    /// that was written).
+    pub linked: Vec<RelPath>,
 }
 
 /// What reading a file for its content found.
@@ -138,6 +142,8 @@ struct Seen {
     path: RelPath,
     kind: FileKind,
     local: LocalStat,
+    /// A file with more than one name.
+    linked: bool,
 }
 
 /// Scans the given scopes (each a path whose subtree is examined; empty = the whole folder).
@@ -193,6 +199,7 @@ pub fn scan(
                         path: scope.clone(),
                         kind,
                         local: st.local,
+                        linked: kind == FileKind::File && st.nlink > 1,
                     });
                     if kind == FileKind::Dir {
                         let _ = walk(t, Some(scope), &mut seen, &mut report);
@@ -388,6 +395,7 @@ fn read_dir_into(
             path: rel,
             kind,
             local: st.local,
+            linked: kind == FileKind::File && st.nlink > 1,
         });
     }
     Ok(())
@@ -508,6 +516,9 @@ struct Diff<'a> {
 impl Diff<'_> {
     /// A file seen on disk, against what the journal knows at its path.
     fn file(&mut self, s: Seen, prev: Option<Known>) {
+        if s.linked {
+            self.report.linked.push(s.path.clone());
+        }
         let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
         match live_prev {
             Some(k) if k.s.kind == FileKind::File => {

@@ -153,6 +153,8 @@ pub struct Stat {
     pub kind: Option<FileKind>,
     /// Inode, size, times, permission bits.
     pub local: LocalStat,
+    /// Names the inode has (`st_nlink`): a file with more than one is a hard link.
+    pub nlink: u64,
 }
 
 /// The store of one replica directory.
@@ -320,6 +322,7 @@ pub fn stat_of(st: &libc::stat) -> Stat {
             ctime_ns: st.st_ctime * 1_000_000_000 + st.st_ctime_nsec,
             mode: st.st_mode & MODE_SYNC_MASK,
         },
+        nlink: st.st_nlink,
     }
 }
 

@@ -513,3 +513,31 @@ fn a_placeholder_is_never_read_as_content_a_touched_one_is_a_metadata_version_an
     assert!(r.changes.is_empty(), "{:?}", r.changes);
     assert_eq!(r.unread.len(), 1);
 }
+
+#[test]
+fn a_scan_names_the_files_it_saw_with_a_second_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    std::fs::create_dir_all(root.join("d")).unwrap();
+    std::fs::write(root.join("d/one"), b"alone").unwrap();
+    std::fs::write(root.join("d/a"), b"shared").unwrap();
+    std::fs::hard_link(root.join("d/a"), root.join("b")).unwrap();
+    let j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let fx = Fixture::new(&root);
+    let rel = |p: &str| meshfs_protocol::RelPath::new(p).unwrap();
+
+    // A whole scan and a scan of given paths: both from their own stat of each file.
+    let mut whole = scan(&fx.target(), &j, &[]).unwrap().linked;
+    whole.sort();
+    assert_eq!(whole, vec![rel("b"), rel("d/a")]);
+    let scoped = scan(&fx.target(), &j, &[rel("d/a"), rel("d/one")]).unwrap();
+    assert_eq!(scoped.linked, vec![rel("d/a")]);
+    assert_eq!(scoped.changes.len(), 2, "both files are new");
+
+    // The second name gone, the file is alone again.
+    std::fs::remove_file(root.join("b")).unwrap();
+    assert!(scan(&fx.target(), &j, &[rel("d")])
+        .unwrap()
+        .linked
+        .is_empty());
+}
