@@ -677,6 +677,7 @@ async fn blocking(
 /// is running there.
 pub fn request(home: &Home, req: &Request) -> Result<Option<serde_json::Value>, ControlError> {
     use std::io::BufRead;
+    use std::os::fd::AsFd;
     let path = home.control_socket();
     let stream = match std::os::unix::net::UnixStream::connect(&path) {
         Ok(s) => s,
@@ -698,8 +699,14 @@ pub fn request(home: &Home, req: &Request) -> Result<Option<serde_json::Value>, 
     line.push('\n');
     // Not `write_all`: the command line lets `SIGPIPE` end it, and a daemon that closes the
     // socket (stopping) is an error to report, not a silent death.
-    meshfs_sys::send_all_no_signal(std::os::fd::AsFd::as_fd(&stream), line.as_bytes())
-        .map_err(io)?;
+    let mut rest = line.as_bytes();
+    while !rest.is_empty() {
+        match meshfs_sys::send(stream.as_fd(), rest, libc::MSG_NOSIGNAL) {
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
     line.clear();
     std::io::BufReader::new(stream)
         .read_line(&mut line)

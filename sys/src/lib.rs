@@ -1,12 +1,12 @@
 //! The Linux system calls meshfs makes beyond std, as safe functions over borrowed descriptors.
 //!
-//! **What it owns.** The `unsafe` blocks of the engine's replica store and scanner, and of the
-//! calls the mount makes too (`meshfs-fuse` turns their `io::Error` into the errno it answers
-//! the kernel with, untouched): each wrapper
-//! takes `BorrowedFd`s (so the descriptor is open for the whole call) and `CStr` names (so
-//! every string is NUL-terminated), and returns what the kernel filled in only once the call
-//! succeeded. Each block says why the pointers it passes are valid; nothing else in a
-//! syscall can break memory safety.
+//! **What it owns.** The `unsafe` blocks of the engine's replica store and scanner, of the
+//! command line's `SIGPIPE` and control requests, and of the calls the mount makes too
+//! (`meshfs-fuse` turns their `io::Error` into the errno it answers the kernel with,
+//! untouched): each wrapper takes `BorrowedFd`s (so the descriptor is open for the whole call)
+//! and `CStr` names (so every string is NUL-terminated), and returns what the kernel filled in
+//! only once the call succeeded. Each block says why the pointers it passes are valid; nothing
+//! else in a syscall can break memory safety.
 //!
 //! **What it never does.** Decide anything: no retries, no fallbacks, no path handling. The
 //! wrappers are named after the syscall they make and keep its arguments; what an error means
@@ -421,31 +421,18 @@ pub fn set_thread_nice(nice: i32) -> io::Result<()> {
     Ok(())
 }
 
-/// Writes all of `buf` to the socket `fd` with `send(…, MSG_NOSIGNAL)`: a peer that has closed
-/// its end is `EPIPE` here, never a `SIGPIPE` (which a command line tool that lets `SIGPIPE`
-/// end it, [`default_sigpipe`], would otherwise die of without a word).
-pub fn send_all_no_signal(fd: BorrowedFd<'_>, mut buf: &[u8]) -> io::Result<()> {
-    while !buf.is_empty() {
-        // SAFETY: `buf` is a readable slice of `buf.len()` bytes for the whole call; `fd` is
-        // open for it (borrowed).
-        let n = unsafe {
-            libc::send(
-                fd.as_raw_fd(),
-                buf.as_ptr().cast(),
-                buf.len(),
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        buf = &buf[n as usize..];
+/// `send(fd, buf, flags)`: the bytes the socket took. With `MSG_NOSIGNAL` a peer that has
+/// closed its end is `EPIPE`, never a `SIGPIPE` (which ends a process that lets it,
+/// [`default_sigpipe`]).
+pub fn send(fd: BorrowedFd<'_>, buf: &[u8], flags: libc::c_int) -> io::Result<usize> {
+    // SAFETY: `buf` is a readable slice of `buf.len()` bytes for the whole call; `fd` is open
+    // for it (borrowed).
+    let n = unsafe { libc::send(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), flags) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
     }
-    Ok(())
 }
 
 /// Lets `SIGPIPE` end the process, as it ends `cat` or `ls`: a command whose reader has gone
@@ -469,6 +456,23 @@ mod tests {
         assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
         let err = openat(fd.as_fd(), c"missing", libc::O_RDONLY, 0).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn a_send_to_a_closed_socket_is_epipe_not_a_signal() {
+        use std::io::Read;
+        let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert_eq!(send(a.as_fd(), b"hello", libc::MSG_NOSIGNAL).unwrap(), 5);
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        drop(b);
+        // SIGPIPE's default would end this test process: MSG_NOSIGNAL makes it an error.
+        default_sigpipe();
+        let err = send(a.as_fd(), b"x", libc::MSG_NOSIGNAL).unwrap_err();
+        // SAFETY: restores what the test harness had (Rust ignores SIGPIPE).
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+        assert_eq!(err.raw_os_error(), Some(libc::EPIPE));
     }
 
     #[test]
