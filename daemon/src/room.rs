@@ -49,6 +49,15 @@ impl Place {
         })
     }
 
+    /// The filesystem of device `dev` (known from a descriptor's stat), asked for its free
+    /// space at `probe`.
+    pub fn on(dev: u64, probe: &Path) -> Place {
+        Place {
+            dev,
+            probe: probe.to_path_buf(),
+        }
+    }
+
     /// Its device number.
     pub fn dev(&self) -> u64 {
         self.dev

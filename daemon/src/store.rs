@@ -167,6 +167,9 @@ pub struct Store {
     keeper: Keeper,
     /// Permission bits a remote version never gets here ([`Store::local_mode`]).
     umask: std::sync::atomic::AtomicU32,
+    /// The filesystem temp files are made on ([`Store::temp_place`]), from the stat of the
+    /// descriptor they are made through; `None` if it could not be read.
+    temp_place: Option<crate::room::Place>,
 }
 
 pub use crate::config::DEFAULT_UMASK;
@@ -336,12 +339,17 @@ impl Store {
     pub fn open(root: &Path) -> Result<Store, StoreError> {
         std::fs::create_dir_all(root).map_err(|e| io_err(root.display(), e))?;
         sys::ignore_sigio();
+        let root_fd = open_path_dir(root)?;
+        let temp_place = fstat_dev(root_fd.as_fd())
+            .ok()
+            .map(|dev| crate::room::Place::on(dev, root));
         Ok(Store {
             root: root.to_path_buf(),
-            root_fd: open_path_dir(root)?,
+            root_fd,
             staging: None,
             keeper: Keeper::default(),
             umask: std::sync::atomic::AtomicU32::new(DEFAULT_UMASK),
+            temp_place,
         })
     }
 
@@ -362,6 +370,7 @@ impl Store {
         match staged {
             Ok((fd, dev, root_dev)) if dev == root_dev => {
                 let link = probe_unnamed(fd.as_fd());
+                store.temp_place = Some(crate::room::Place::on(dev, staging));
                 store.staging = Some(Staging {
                     path: staging.to_path_buf(),
                     fd: Arc::new(fd),
@@ -389,10 +398,12 @@ impl Store {
     }
 
     /// The filesystem temp files are written on (the staging directory's, else the
-    /// replica's): where a remote version's content needs its room.
-    pub fn temp_place(&self) -> Option<crate::room::Place> {
-        let dir = self.staging.as_ref().map_or(&self.root, |s| &s.path);
-        crate::room::Place::of(dir).ok()
+    /// replica's): where a remote version's content needs its room. Known since the store was
+    /// opened, from the descriptor temp files are made through (not a stat of its path for
+    /// each record an apply decides: 2 % of a receiver's samples in a first sync of 10,000
+    /// small files).
+    pub fn temp_place(&self) -> Option<&crate::room::Place> {
+        self.temp_place.as_ref()
     }
 
     /// Sets the permission bits remote versions never get here (owner bits are not taken:

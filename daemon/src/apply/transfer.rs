@@ -152,7 +152,7 @@ pub(super) fn prepare(
     let content = rt.store.temp_place().filter(|_| !meta.placeholder);
     let journal_place = folders.journal_place.as_ref();
     let mut wants: Vec<(&Place, u64)> = Vec::with_capacity(2);
-    if let Some(p) = &content {
+    if let Some(p) = content {
         wants.push((p, record.size));
     }
     if let Some(p) = journal_place {
