@@ -226,6 +226,9 @@ pub struct TempFile {
     /// placeholder evicting it, D92–D93): the old file is not handed over as a version that
     /// leaves ([`Store::on_displaced`]).
     pub same_version: bool,
+    /// An unnamed temp file's stat once [`Store::finish_temp`] has given it its mode and
+    /// times: nothing else can reach it before its install, which journals this stat.
+    finished: Option<LocalStat>,
 }
 
 impl TempFile {
@@ -661,6 +664,7 @@ impl Store {
                         flushing_from: 0,
                         claim: None,
                         same_version: false,
+                        finished: None,
                     })
                 }
                 // Out of space or descriptors is an error; anything else, a named file.
@@ -687,6 +691,7 @@ impl Store {
             flushing_from: 0,
             claim: None,
             same_version: false,
+            finished: None,
         })
     }
 
@@ -880,11 +885,23 @@ impl Store {
             Some(f) => f,
             None => self.temp_handle(t, false)?,
         };
-        f.set_len_checked(size).map_err(|e| io_err(&t.target, e))?;
         let mode = self.local_mode(mode, FileKind::File);
         set_mode_fd(f.as_fd(), mode).map_err(|e| io_err(&t.target, e))?;
         set_mtime_fd(f.as_fd(), mtime_ns).map_err(|e| io_err(&t.target, e))?;
+        // One stat after the mode and times: the size check, and for an unnamed file the stat
+        // its install journals (no second one under the folder lock).
+        let st = sys::fstat(f.as_fd()).map_err(|e| io_err(&t.target, e))?;
+        if st.st_size as u64 != size {
+            return Err(io_err(
+                &t.target,
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("temp file has {} bytes, expected {size}", st.st_size),
+                ),
+            ));
+        }
         if t.unnamed() {
+            t.finished = Some(stat_of(&st).local);
             t.file = Some(f);
         }
         Ok(())
@@ -1113,8 +1130,10 @@ impl Store {
         let via = staging.link.unwrap_or(LinkVia::ProcFd);
         let expect = clear_dir(dir, name, &t.target, expect)?;
         let fd = file.as_fd();
-        let ours = sys::fstat(fd).map_err(|e| io_err(&t.target, e))?;
-        let ours = stat_of(&ours).local;
+        let ours = match t.finished {
+            Some(ours) => ours,
+            None => stat_of(&sys::fstat(fd).map_err(|e| io_err(&t.target, e))?).local,
+        };
         if expect == Expect::Absent {
             match link_unnamed(fd, via, dir.as_fd(), name) {
                 Ok(()) => {}
@@ -1662,24 +1681,6 @@ impl Store {
     }
 }
 
-trait SetLenChecked {
-    fn set_len_checked(&self, size: u64) -> io::Result<()>;
-}
-
-impl SetLenChecked for File {
-    /// The temp file must already have exactly `size` bytes (chunks cover the whole file).
-    fn set_len_checked(&self, size: u64) -> io::Result<()> {
-        let len = self.metadata()?.len();
-        if len != size {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("temp file has {len} bytes, expected {size}"),
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// Gives the unnamed file `fd` the name `name` in `dir`; fails with `EEXIST` if it is taken.
 fn link_unnamed(
     fd: BorrowedFd<'_>,
@@ -2131,6 +2132,15 @@ mod tests {
             store
                 .finish_temp(&mut t, data.len() as u64, 0o640, 2_000_000_000)
                 .unwrap();
+            // The stat its install journals, taken here (outside the folder lock).
+            let finished = t
+                .finished
+                .expect("an unnamed temp file's stat once finished");
+            assert_eq!(
+                (finished.size, finished.mode & 0o777),
+                (data.len() as u64, 0o640)
+            );
+            assert_eq!(finished.mtime_ns, 2_000_000_000);
             batch.push((t, expect));
         }
         assert_eq!(
