@@ -37,9 +37,7 @@ pub struct RestoreArgs {
 }
 
 fn rel(p: &str) -> anyhow::Result<RelPath> {
-    // The error names the path already (`path "../x" has a '.' or '..' component`).
-    RelPath::normalized(p.trim_end_matches('/'))
-        .map_err(|e| anyhow!("not a path in the folder: {e}"))
+    control::user_path(p).map_err(anyhow::Error::msg)
 }
 
 pub(crate) fn require_folder(home: &Home, id: &FolderId) -> anyhow::Result<Config> {

@@ -613,6 +613,13 @@ fn unmount(e: &Engine, folder: &FolderId, mountpoint: Option<&Path>) -> Reply {
     }
 }
 
+/// A path of a folder as the user typed it (relative to the folder, a trailing `/` allowed),
+/// or why it is not one (the error names the path).
+pub fn user_path(p: &str) -> Result<meshfs_protocol::RelPath, String> {
+    meshfs_protocol::RelPath::normalized(p.trim_end_matches('/'))
+        .map_err(|e| format!("not a path in the folder: {e}"))
+}
+
 /// A path of a folder as the user typed it (relative to the folder). The folder itself is not
 /// a path a pin or an eviction takes: the whole folder kept local is a folder not on demand.
 fn folder_path(p: &str) -> Result<meshfs_protocol::RelPath, String> {
@@ -622,7 +629,7 @@ fn folder_path(p: &str) -> Result<meshfs_protocol::RelPath, String> {
             "{p:?} is the whole folder: to keep all of it here, turn on-demand off (`meshfs folder set FOLDER --no-on-demand`); to free its room, evict its directories"
         ));
     }
-    meshfs_protocol::RelPath::normalized(t).map_err(|e| format!("not a path in the folder: {e}"))
+    user_path(t)
 }
 
 /// `restore`: checks the paths, then restores.
@@ -635,18 +642,14 @@ async fn restore(
     to: Option<&str>,
 ) -> Reply {
     use crate::versions::restore::Pick;
-    let rel = |p: &str, what: &str| {
-        meshfs_protocol::RelPath::normalized(p.trim_end_matches('/')).map_err(|e| match what {
-            // The error names the path already.
-            "path" => format!("not a path in the folder: {e}"),
-            _ => format!("{what}: not a path in the folder: {e}"),
-        })
-    };
-    let path = match rel(path, "path") {
+    let path = match user_path(path) {
         Ok(p) => p,
         Err(e) => return Reply::Failed(e),
     };
-    let to = match to.map(|t| rel(t, "--to")).transpose() {
+    let to = match to
+        .map(|t| user_path(t).map_err(|e| format!("--to: {e}")))
+        .transpose()
+    {
         Ok(t) => t,
         Err(e) => return Reply::Failed(e),
     };

@@ -142,8 +142,8 @@ struct Seen {
     path: RelPath,
     kind: FileKind,
     local: LocalStat,
-    /// A file with more than one name.
-    linked: bool,
+    /// Names its inode has (a file with more than one is a hard link).
+    nlink: u64,
 }
 
 /// Scans the given scopes (each a path whose subtree is examined; empty = the whole folder).
@@ -199,7 +199,7 @@ pub fn scan(
                         path: scope.clone(),
                         kind,
                         local: st.local,
-                        linked: kind == FileKind::File && st.nlink > 1,
+                        nlink: st.nlink,
                     });
                     if kind == FileKind::Dir {
                         let _ = walk(t, Some(scope), &mut seen, &mut report);
@@ -395,7 +395,7 @@ fn read_dir_into(
             path: rel,
             kind,
             local: st.local,
-            linked: kind == FileKind::File && st.nlink > 1,
+            nlink: st.nlink,
         });
     }
     Ok(())
@@ -516,7 +516,7 @@ struct Diff<'a> {
 impl Diff<'_> {
     /// A file seen on disk, against what the journal knows at its path.
     fn file(&mut self, s: Seen, prev: Option<Known>) {
-        if s.linked {
+        if s.nlink > 1 {
             self.report.linked.push(s.path.clone());
         }
         let live_prev = prev.as_ref().filter(|k| !k.s.deleted);
