@@ -383,3 +383,50 @@ fn a_second_peers_version_held_for_a_won_conflicts_sibling_goes_on_when_the_firs
         assert_eq!(versions_of_f(d), want, "on {}", d.name);
     }
 }
+
+/// A remote version of a path the journal knows nothing of, where a program has just made a
+/// file and is still writing it (not captured yet): the install finds the file, it is
+/// captured, and the version is decided again against it (a conflict: a's version is kept
+/// beside it): b's bytes are never replaced, and both versions survive once the writer closes.
+#[test]
+fn a_new_file_being_written_before_its_capture_is_not_replaced_by_a_peer_version() {
+    let point = "apply.deciding@new.txt";
+    let (a, b) = pair_with_file(&format!("{point}=pause"));
+    write(&a.path("new.txt"), b"from a");
+    b.wait_paused(point, 30);
+    // b holds the folder's lock: its capture cannot journal the file made now.
+    let mut held = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(b.path("new.txt"))
+        .unwrap();
+    held.write_all(b"from b").unwrap();
+    b.resume(point);
+    // Decided again against b's file: a's version is kept beside it, b's is not touched.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !tree(&b.dir)
+        .keys()
+        .any(|k| k.starts_with("new.sync-conflict-"))
+    {
+        assert!(Instant::now() < deadline, "{}", b.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(read(&b, "new.txt"), b"from b");
+    held.write_all(b", still writing").unwrap();
+    drop(held);
+    wait_synced(&[&a, &b], 60);
+    for d in [&a, &b] {
+        let mut got: Vec<Vec<u8>> = tree(&d.dir)
+            .into_keys()
+            .filter(|k| k.starts_with("new"))
+            .map(|k| read(d, &k))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![b"from a".to_vec(), b"from b, still writing".to_vec()],
+            "on {}",
+            d.name
+        );
+    }
+}
