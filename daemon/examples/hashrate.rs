@@ -32,7 +32,7 @@ fn main() {
         let c = if read {
             chunker::chunk_reader(file, size).expect("chunk_reader")
         } else {
-            chunker::chunk_file(file, size).expect("chunk_file")
+            chunker::chunk_file(&file, size).expect("chunk_file")
         };
         let s = t.elapsed().as_secs_f64();
         println!(

@@ -134,7 +134,7 @@ const SEGMENT: u64 = 64 << 20;
 /// on, while a core is idle and the file is mostly in the page cache, read through a mapping and
 /// cut and hashed on two threads. Fails if the file was truncated or rewritten while it was read (its size, mtime or ctime moved): the caller sees the change
 /// again through its watcher and reads the new content then.
-pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
+pub fn chunk_file(file: &File, size_hint: u64) -> std::io::Result<Content> {
     let _busy = Hashing::enter();
     // The caller's stat already tells a small file: no second one for each of 100,000.
     if size_hint < MAP_FROM {
@@ -146,8 +146,8 @@ pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
     // cold: 64 files of 32 MiB, cache dropped, 1.96-2.83 s read against 2.45-2.71 s mapped
     // (page faults read ahead less eagerly than 1 MiB reads, even with MADV_WILLNEED).
     if before.len() < MAP_FROM || !Hashing::spare_core() {
-        let content = chunk_reader(&file, size_hint)?;
-        unchanged(&file, &before)?;
+        let content = chunk_reader(file, size_hint)?;
+        unchanged(file, &before)?;
         return Ok(content);
     }
     // Mapped only where the file is in the page cache already; a cold file is read, with the
@@ -157,18 +157,18 @@ pub fn chunk_file(file: File, size_hint: u64) -> std::io::Result<Content> {
     // rounds (0.48-0.63 s where the page cache landed on memory this VM had given back).
     // Read or mapped, a file that changed meanwhile is refused: a torn read must not become a
     // version that never existed on disk (the watcher's event for the change rescans it).
-    if !mostly_cached(&file, before.len()) {
+    if !mostly_cached(file, before.len()) {
         let reader = AdvisedReader {
-            file: &file,
+            file,
             pos: 0,
             advised: 0,
             size: before.len(),
         };
         let content = cut_here_hash_there_read(reader, size_hint)?;
-        unchanged(&file, &before)?;
+        unchanged(file, &before)?;
         return Ok(content);
     }
-    chunk_mapped(&file, &before, SEGMENT, Hashing::spare_core)
+    chunk_mapped(file, &before, SEGMENT, Hashing::spare_core)
 }
 
 /// Fails if `file`'s size, mtime or ctime moved since its stat `before`: it was written while
@@ -559,11 +559,14 @@ mod tests {
                 assert_eq!(got, want, "segment {segment}, helper thread {helper}");
             }
         }
-        assert_eq!(chunk_file(file_of(&data), data.len() as u64).unwrap(), want);
+        assert_eq!(
+            chunk_file(&file_of(&data), data.len() as u64).unwrap(),
+            want
+        );
         // Below MAP_FROM the file is read, with the same result.
         let small = &data[..(MAP_FROM - 1) as usize];
         assert_eq!(
-            chunk_file(file_of(small), small.len() as u64).unwrap(),
+            chunk_file(&file_of(small), small.len() as u64).unwrap(),
             chunk_bytes(small)
         );
     }
@@ -594,7 +597,7 @@ mod tests {
         f.set_len(3 << 20).unwrap();
         let zeros = vec![0u8; 3 << 20];
         assert!(!mostly_cached(&f, 3 << 20));
-        assert_eq!(chunk_file(f, 3 << 20).unwrap(), chunk_bytes(&zeros));
+        assert_eq!(chunk_file(&f, 3 << 20).unwrap(), chunk_bytes(&zeros));
     }
 
     #[test]

@@ -941,9 +941,8 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<Read>)> {
                         // back), rather than a version whose stat a later scan finds changed
                         // and journals again as a metadata change (a version of its own, that
                         // a peer's next version then conflicts with).
-                        let again = f.try_clone().ok();
-                        let c = chunker::chunk_file(f, job.local.size).ok()?;
-                        let after = sys::fstat(std::os::fd::AsFd::as_fd(&again?)).ok()?;
+                        let c = chunker::chunk_file(&f, job.local.size).ok()?;
+                        let after = sys::fstat(std::os::fd::AsFd::as_fd(&f)).ok()?;
                         let now = crate::store::stat_of(&after).local;
                         (now.size == job.local.size && now.mtime_ns == job.local.mtime_ns)
                             .then_some(Read::Content(c))

@@ -200,7 +200,7 @@ pub fn recover_pending(
                         st.local
                     }),
                     Some(None) => f
-                        .and_then(|f| crate::chunker::chunk_file(f, record.size).ok())
+                        .and_then(|f| crate::chunker::chunk_file(&f, record.size).ok())
                         .filter(|c| c.hash == record.hash)
                         .map(|_| st.local),
                     None => None,
