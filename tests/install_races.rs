@@ -385,11 +385,12 @@ fn a_second_peers_version_held_for_a_won_conflicts_sibling_goes_on_when_the_firs
 }
 
 /// A remote version of a path the journal knows nothing of, where a program has just made a
-/// file and is still writing it (not captured yet): the install finds the file, it is
-/// captured, and the version is decided again against it (a conflict: a's version is kept
-/// beside it): b's bytes are never replaced, and both versions survive once the writer closes.
+/// file and is still writing it (not captured yet: the capture of a file open for writing waits
+/// for its close): the remote version waits for the writer too, so neither is the file replaced
+/// nor a half-written version of it journaled and sent. Once the writer closes, both versions
+/// survive on both devices.
 #[test]
-fn a_new_file_being_written_before_its_capture_is_not_replaced_by_a_peer_version() {
+fn a_new_file_being_written_before_its_capture_waits_for_its_writer() {
     let point = "apply.deciding@new.txt";
     let (a, b) = pair_with_file(&format!("{point}=pause"));
     write(&a.path("new.txt"), b"from a");
@@ -402,17 +403,19 @@ fn a_new_file_being_written_before_its_capture_is_not_replaced_by_a_peer_version
         .unwrap();
     held.write_all(b"from b").unwrap();
     b.resume(point);
-    // Decided again against b's file: a's version is kept beside it, b's is not touched.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !tree(&b.dir)
-        .keys()
-        .any(|k| k.starts_with("new.sync-conflict-"))
-    {
+    while !b.log().contains("open for writing by another program") {
         assert!(Instant::now() < deadline, "{}", b.log());
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(read(&b, "new.txt"), b"from b");
     held.write_all(b", still writing").unwrap();
+    // Nothing of b's file reached the journal while it was being written.
+    let rows = b.journal(&["--path", "new.txt"]);
+    assert!(
+        rows.iter().all(|e| !e["source"].is_null()),
+        "a half-written version was journaled: {rows:#?}"
+    );
     drop(held);
     wait_synced(&[&a, &b], 60);
     for d in [&a, &b] {

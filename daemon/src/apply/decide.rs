@@ -2,9 +2,7 @@
 //! content (metadata, directories, symlinks, deletions, copies of local losers), journaling
 //! them as they are done. File contents become [`Transfer`]s for step 2.
 
-use super::transfer::{
-    expect_of, prepare, seen_of, skip_or_fail, ApplyError, Look, Meta, Sources, Transfer,
-};
+use super::transfer::{prepare, seen_of, skip_or_fail, ApplyError, Look, Meta, Sources, Transfer};
 use crate::failpoint;
 use crate::folder::{FolderError, FolderRt, Folders, Wait};
 use crate::ignore::{IgnoreRules, IGNORE_FILE};
@@ -487,26 +485,13 @@ impl Deciding<'_> {
         }
         if self.rt.writers.has_writer(path) {
             tracing::info!(folder = %self.folder, %path, "open for writing through the mount; the remote version waits for its release");
-        } else if self.journaled_live(path)?
-            && self.rt.store.open_for_writing_in(&mut self.dirs, path)
-        {
+        } else if self.rt.store.open_for_writing_in(&mut self.dirs, path) {
             tracing::info!(folder = %self.folder, %path, "open for writing by another program; the remote version waits for it");
         } else {
             return Ok(false);
         }
         self.defer(remote, Wait::Writer)?;
         Ok(true)
-    }
-
-    /// Whether the journal holds a live version at `path`. Where it holds none, a remote
-    /// version is installed only where nothing is (`Expect::Absent`: the link or rename
-    /// refuses an existing name), so a file another program is writing there, not captured
-    /// yet, is never replaced: the install finds it, it is captured, and the version is
-    /// decided again (`StoreError::Changed`), this time against it. The writer check's open
-    /// of such a path, which is new here in all but a race, is spared (an `ENOENT` path walk
-    /// for every new file of a first sync, 3.9 % of a receiving daemon's samples).
-    fn journaled_live(&mut self, path: &RelPath) -> Result<bool, ApplyError> {
-        Ok(expect_of(self.stored(path)?.as_ref()) != Expect::Absent)
     }
 
     /// Holds `remote` until its path has no writer, or until its local content is here
