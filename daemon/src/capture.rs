@@ -89,6 +89,11 @@ const WATCHED: EventKindMask = EventKindMask::CORE.union(EventKindMask::ACCESS_C
 /// thread therefore naps (at most once per two naps' time), so that during a burst it is off
 /// the wait queue and the kernel only queues; it then reads everything at once. An isolated
 /// event is handled at once (the nap comes after it). D32 has the measurements.
+///
+/// An event that only echoes the mount's own writing of a file (its data changed, and the
+/// mount changed it lately) is followed by a longer nap, [`OWN_WRITE_NAP`]: a program writing
+/// a large file through the mount makes one event per WRITE request (one per MiB), and the
+/// kernel merges the same file's next ones while the thread is off the wait queue (D111).
 #[derive(Debug, Clone, Copy)]
 pub struct Nap {
     len: Duration,
@@ -110,10 +115,14 @@ impl Nap {
 
     /// How long to sleep now, after an event handled at `now`: `len` if the last nap ended
     /// at least two naps ago (so the thread reads at least two thirds of the time in a
-    /// burst, and the kernel's queue of 16,384 events drains), otherwise nothing.
-    pub fn after_event(&self, now: Instant) -> Option<Duration> {
+    /// burst, and the kernel's queue of 16,384 events drains), otherwise nothing; after an
+    /// echo of the mount's own writing (`own_write`), [`OWN_WRITE_NAP`].
+    pub fn after_event(&self, now: Instant, own_write: bool) -> Option<Duration> {
         if self.len.is_zero() {
             return None;
+        }
+        if own_write {
+            return Some(OWN_WRITE_NAP);
         }
         match self.last_end {
             Some(end) if now.saturating_duration_since(end) < 2 * self.len => None,
@@ -127,6 +136,11 @@ impl Nap {
     }
 }
 
+/// The watcher thread's nap after an echo of the mount's own writing ([`Nap`]). What arrives
+/// meanwhile waits at most this long: the mount reports its own changes itself, and a change
+/// behind its back is seen 10 ms later at worst.
+pub const OWN_WRITE_NAP: Duration = Duration::from_millis(10);
+
 /// Starts an inotify watcher on `root`, feeding `tx`; its thread naps as `nap` says. Every
 /// path it reports is also handed to `mount` (the folder's mount slot), which invalidates the
 /// kernel's caches of a change made behind the mount's back and drops the echoes of the
@@ -138,15 +152,24 @@ pub fn watch(
     mount: Arc<dyn meshfs_fuse::Invalidator>,
 ) -> notify::Result<RecommendedWatcher> {
     let root_buf = root.to_path_buf();
-    let send = move |res: notify::Result<notify::Event>| match res {
-        Ok(ev) => {
-            if ev.need_rescan() {
+    // Hands the event on; true if it only echoes the mount's own writing of a file.
+    let send = move |res: notify::Result<notify::Event>| -> bool {
+        let ev = match res {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::warn!(error = %e, "watcher error; rescanning");
                 let _ = tx.send(CaptureMsg::Rescan);
-                return;
+                return false;
             }
+        };
+        if ev.need_rescan() {
+            let _ = tx.send(CaptureMsg::Rescan);
+            return false;
+        }
+        {
             let hint = match ev.kind {
                 EventKind::Access(AccessKind::Close(AccessMode::Write)) => Hint::Closed,
-                EventKind::Access(_) => return,
+                EventKind::Access(_) => return false,
                 EventKind::Modify(ModifyKind::Data(_)) => Hint::Written,
                 // One end of a rename (inotify's cookie: a pair may follow). A watched
                 // directory's own move comes without one, after the pair.
@@ -164,6 +187,8 @@ pub fn watch(
                 .collect();
             // Whether the change was made behind the mount's back (always, with no mount).
             let foreign: Vec<bool> = rel.iter().map(|p| mount.invalidate_foreign(p)).collect();
+            let own_write =
+                hint == Hint::Written && !foreign.is_empty() && !foreign.contains(&true);
             // Two paths are a rename's two ends (notify pairs them): one message.
             match <[RelPath; 2]>::try_from(rel) {
                 Ok([from, to]) => {
@@ -181,17 +206,14 @@ pub fn watch(
                     }
                 }
             }
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "watcher error; rescanning");
-            let _ = tx.send(CaptureMsg::Rescan);
+            own_write
         }
     };
     let handler = move |res: notify::Result<notify::Event>| {
         // The watcher's thread is the engine's: below the mount's request threads (D107).
         crate::priority::background();
-        send(res);
-        if let Some(d) = nap.after_event(Instant::now()) {
+        let own_write = send(res);
+        if let Some(d) = nap.after_event(Instant::now(), own_write) {
             std::thread::sleep(d);
             nap.ended(Instant::now());
         }
@@ -540,18 +562,21 @@ mod tests {
         let ms = Duration::from_millis;
         let mut nap = Nap::for_quiet(ms(5));
         // The first event of a burst is handled, then the thread naps.
-        assert_eq!(nap.after_event(t0), Some(ms(1)));
+        assert_eq!(nap.after_event(t0, false), Some(ms(1)));
         nap.ended(t0 + ms(1));
         // Events read right after a nap are handled without one...
-        assert_eq!(nap.after_event(t0 + ms(2)), None);
+        assert_eq!(nap.after_event(t0 + ms(2), false), None);
+        // ...but an echo of the mount's own writing, whose next ones the kernel merges.
+        assert_eq!(nap.after_event(t0 + ms(2), true), Some(OWN_WRITE_NAP));
         // ...until two naps' length has passed since the last ended.
-        assert_eq!(nap.after_event(t0 + ms(3)), Some(ms(1)));
+        assert_eq!(nap.after_event(t0 + ms(3), false), Some(ms(1)));
         // A short quiet time shortens the nap; none without a quiet time.
         assert_eq!(
-            Nap::for_quiet(Duration::from_micros(600)).after_event(t0),
+            Nap::for_quiet(Duration::from_micros(600)).after_event(t0, false),
             Some(Duration::from_micros(300))
         );
-        assert_eq!(Nap::for_quiet(Duration::ZERO).after_event(t0), None);
+        assert_eq!(Nap::for_quiet(Duration::ZERO).after_event(t0, false), None);
+        assert_eq!(Nap::for_quiet(Duration::ZERO).after_event(t0, true), None);
     }
 
     #[test]
