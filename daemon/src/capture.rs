@@ -166,48 +166,45 @@ pub fn watch(
             let _ = tx.send(CaptureMsg::Rescan);
             return false;
         }
-        {
-            let hint = match ev.kind {
-                EventKind::Access(AccessKind::Close(AccessMode::Write)) => Hint::Closed,
-                EventKind::Access(_) => return false,
-                EventKind::Modify(ModifyKind::Data(_)) => Hint::Written,
-                // One end of a rename (inotify's cookie: a pair may follow). A watched
-                // directory's own move comes without one, after the pair.
-                EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::To))
-                    if ev.tracker().is_some() =>
-                {
-                    Hint::RenameEnd
-                }
-                _ => Hint::Other,
-            };
-            let rel: Vec<RelPath> = ev
-                .paths
-                .iter()
-                .filter_map(|p| relative(&root_buf, p))
-                .collect();
-            // Whether the change was made behind the mount's back (always, with no mount).
-            let foreign: Vec<bool> = rel.iter().map(|p| mount.invalidate_foreign(p)).collect();
-            let own_write =
-                hint == Hint::Written && !foreign.is_empty() && !foreign.contains(&true);
-            // Two paths are a rename's two ends (notify pairs them): one message.
-            match <[RelPath; 2]>::try_from(rel) {
-                Ok([from, to]) => {
-                    let _ = tx.send(CaptureMsg::Renamed(from, to));
-                }
-                Err(rel) => {
-                    // A directory made through the mount needs no second look: what is
-                    // created in it through the mount is reported by the mount.
-                    let new_dir = ev.kind == EventKind::Create(CreateKind::Folder);
-                    for (p, foreign) in rel.into_iter().zip(foreign) {
-                        let _ = tx.send(match new_dir && foreign {
-                            true => CaptureMsg::NewDir(p),
-                            false => CaptureMsg::Changed(p, hint),
-                        });
-                    }
+        let hint = match ev.kind {
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => Hint::Closed,
+            EventKind::Access(_) => return false,
+            EventKind::Modify(ModifyKind::Data(_)) => Hint::Written,
+            // One end of a rename (inotify's cookie: a pair may follow). A watched
+            // directory's own move comes without one, after the pair.
+            EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::To))
+                if ev.tracker().is_some() =>
+            {
+                Hint::RenameEnd
+            }
+            _ => Hint::Other,
+        };
+        let rel: Vec<RelPath> = ev
+            .paths
+            .iter()
+            .filter_map(|p| relative(&root_buf, p))
+            .collect();
+        // Whether the change was made behind the mount's back (always, with no mount).
+        let foreign: Vec<bool> = rel.iter().map(|p| mount.invalidate_foreign(p)).collect();
+        let own_write = hint == Hint::Written && !foreign.is_empty() && !foreign.contains(&true);
+        // Two paths are a rename's two ends (notify pairs them): one message.
+        match <[RelPath; 2]>::try_from(rel) {
+            Ok([from, to]) => {
+                let _ = tx.send(CaptureMsg::Renamed(from, to));
+            }
+            Err(rel) => {
+                // A directory made through the mount needs no second look: what is
+                // created in it through the mount is reported by the mount.
+                let new_dir = ev.kind == EventKind::Create(CreateKind::Folder);
+                for (p, foreign) in rel.into_iter().zip(foreign) {
+                    let _ = tx.send(match new_dir && foreign {
+                        true => CaptureMsg::NewDir(p),
+                        false => CaptureMsg::Changed(p, hint),
+                    });
                 }
             }
-            own_write
         }
+        own_write
     };
     let handler = move |res: notify::Result<notify::Event>| {
         // The watcher's thread is the engine's: below the mount's request threads (D107).
