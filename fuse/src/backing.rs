@@ -332,6 +332,24 @@ impl Shared {
         }
     }
 
+    /// A write through `h` reached its file: the path stays a recent change of the mount's
+    /// own while the file is being written, refreshed at most every quarter of
+    /// [`crate::recent::RECENT`], so that the watcher's echoes of a write longer than that stay
+    /// the mount's own (no invalidation each, and the watcher's long nap, D111), as those of the
+    /// first seconds after its open are.
+    pub(crate) fn writing(&self, h: &Handle) {
+        let now_ms = crate::recent::ms_now();
+        let every = (crate::recent::RECENT / 4).as_millis() as u64;
+        let last = h.told_ms.load(Ordering::Relaxed);
+        if last != 0 && now_ms.saturating_sub(last) < every {
+            return;
+        }
+        h.told_ms.store(now_ms, Ordering::Relaxed);
+        if let Some(path) = self.path_of(h.ino).and_then(|p| rel_path(&p)) {
+            lock(&self.recent).told(&path, Instant::now());
+        }
+    }
+
     /// Gives `ev` to the engine, remembering its paths as changed through the mount (the
     /// watcher's report of them is an echo: `MountHandle::invalidate_foreign`).
     pub(crate) fn report(&self, ev: ChangeEvent) {

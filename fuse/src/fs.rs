@@ -900,6 +900,7 @@ impl Filesystem for Passthrough {
             Ok(n) => {
                 f.wrote.store(true, Ordering::Relaxed);
                 reply.written(n as u32);
+                self.sh.writing(f);
             }
             Err(e) => reply.error(err(e)),
         }

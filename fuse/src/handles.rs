@@ -33,6 +33,9 @@ pub(crate) struct Handle {
     pub writable: bool,
     /// A write, fallocate or copy into it went through the mount.
     pub wrote: AtomicBool,
+    /// When a write through it last marked its path a recent change of the mount's own
+    /// (`Shared::writing`), in ms of [`crate::recent::ms_now`]; 0: never.
+    pub told_ms: AtomicU64,
     /// Reads and writes go through kernel passthrough (the mount never sees them).
     pub passthrough: bool,
     /// Held so the kernel's backing file lives as long as this open.
@@ -138,6 +141,7 @@ impl Handles {
                 fd,
                 writable,
                 wrote: AtomicBool::new(false),
+                told_ms: AtomicU64::new(0),
                 passthrough: backing.is_some(),
                 _backing: backing.clone(),
                 stream,

@@ -242,8 +242,9 @@ impl Invalidator for MountHandle {
     }
 
     /// Skipped when the mount reported `path` as its own change within the last two seconds
-    /// (`recent::RECENT`), now or after a few milliseconds (the watcher may see the backing
-    /// call before the request thread reports it); queued otherwise. So the kernel's long
+    /// (`recent::RECENT`; a file being written through the mount renews it, `Shared::writing`),
+    /// now or after a few milliseconds (the watcher may see the backing call before the request
+    /// thread reports it); queued otherwise. So the kernel's long
     /// entry and attribute TTLs hold for what the mount did, and a program writing the replica
     /// directory is seen through the mount as soon as the watcher reports it. A change behind
     /// the mount's back to a path changed through it in the two seconds before is seen when

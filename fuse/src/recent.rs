@@ -15,6 +15,13 @@ use std::time::{Duration, Instant};
 /// is still seen.
 pub(crate) const RECENT: Duration = Duration::from_secs(2);
 
+/// A monotonic clock in milliseconds for marks kept in atomics (never 0 once read).
+pub(crate) fn ms_now() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    start.elapsed().as_millis() as u64 + 1
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub(crate) struct Recent {
