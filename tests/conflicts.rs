@@ -297,9 +297,7 @@ fn five_devices_settle_a_three_way_conflict_with_one_entry_per_resolution_even_a
         if t0.elapsed() >= std::time::Duration::from_secs(60) {
             for d in &all {
                 eprintln!("== {} tree {:?}", d.name, tree(&d.dir));
-                let log = d.log();
-                let lines: Vec<&str> = log.lines().collect();
-                eprintln!("{}", lines[lines.len().saturating_sub(60)..].join("\n"));
+                eprintln!("{}", tail(&d.log(), 60));
             }
         }
         assert!(

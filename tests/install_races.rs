@@ -32,11 +32,14 @@ fn read(d: &Device, rel: &str) -> Vec<u8> {
     std::fs::read(d.path(rel)).unwrap_or_default()
 }
 
-/// Every version of `f` on `d`: the file and its conflict copies, contents sorted.
-fn versions_of_f(d: &Device) -> Vec<Vec<u8>> {
+/// Every version of `name` (a top-level file) on `d`: the file and its conflict copies
+/// (`STEM.sync-conflict-…`), contents sorted.
+fn versions_of(d: &Device, name: &str) -> Vec<Vec<u8>> {
+    let stem = name.rsplit_once('.').map_or(name, |(stem, _)| stem);
+    let copies = format!("{stem}.sync-conflict-");
     let mut v: Vec<Vec<u8>> = tree(&d.dir)
         .into_keys()
-        .filter(|k| k == "f" || k.starts_with("f.sync-conflict-"))
+        .filter(|k| k == name || k.starts_with(&copies))
         .map(|k| read(d, &k))
         .collect();
     v.sort();
@@ -98,7 +101,7 @@ fn a_write_between_the_check_and_the_rename_of_an_install_is_kept() {
     wait_synced(&[&a, &b], 60);
     let want = vec![b"from a".to_vec(), b"from b, during the install".to_vec()];
     for d in [&a, &b] {
-        assert_eq!(versions_of_f(d), want, "on {}", d.name);
+        assert_eq!(versions_of(d, "f"), want, "on {}", d.name);
     }
 }
 
@@ -130,7 +133,7 @@ fn a_program_that_holds_the_file_open_for_writing_keeps_its_bytes() {
     wait_synced(&[&a, &b], 60);
     let want = vec![b"base and b's line".to_vec(), b"from a".to_vec()];
     for d in [&a, &b] {
-        assert_eq!(versions_of_f(d), want, "on {}", d.name);
+        assert_eq!(versions_of(d, "f"), want, "on {}", d.name);
     }
 }
 
@@ -327,8 +330,8 @@ fn a_local_edit_made_while_a_won_conflict_waits_for_its_sibling_is_not_overwritt
     versions_only_move_forward(&c);
     // Both writes are kept on both devices. ("from c" may be kept too: a's own resolution
     // of the first conflict carries it, and meets c's edit as a concurrent version.)
-    let kept = versions_of_f(&c);
-    assert_eq!(versions_of_f(a), kept);
+    let kept = versions_of(&c, "f");
+    assert_eq!(versions_of(a, "f"), kept);
     for w in [
         &b"from a"[..],
         &b"from c, edited while a's bytes were on their way"[..],
@@ -365,7 +368,7 @@ fn a_second_peers_version_held_for_a_won_conflicts_sibling_goes_on_when_the_firs
     }
     others[0].stop();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !versions_of_f(&c).contains(&b"from b".to_vec()) {
+    while !versions_of(&c, "f").contains(&b"from b".to_vec()) {
         assert!(
             Instant::now() < deadline,
             "b's version never reached c once a had left\n{}",
@@ -380,7 +383,7 @@ fn a_second_peers_version_held_for_a_won_conflicts_sibling_goes_on_when_the_firs
     versions_only_move_forward(&c);
     let want = vec![b"from a".to_vec(), b"from b".to_vec(), b"from c".to_vec()];
     for d in [a, b, &c] {
-        assert_eq!(versions_of_f(d), want, "on {}", d.name);
+        assert_eq!(versions_of(d, "f"), want, "on {}", d.name);
     }
 }
 
@@ -419,14 +422,8 @@ fn a_new_file_being_written_before_its_capture_waits_for_its_writer() {
     drop(held);
     wait_synced(&[&a, &b], 60);
     for d in [&a, &b] {
-        let mut got: Vec<Vec<u8>> = tree(&d.dir)
-            .into_keys()
-            .filter(|k| k.starts_with("new"))
-            .map(|k| read(d, &k))
-            .collect();
-        got.sort();
         assert_eq!(
-            got,
+            versions_of(d, "new.txt"),
             vec![b"from a".to_vec(), b"from b, still writing".to_vec()],
             "on {}",
             d.name

@@ -501,7 +501,8 @@ pub fn wait_synced(devs: &[&Device], secs: u64) {
     }
 }
 
-fn tail(s: &str, n: usize) -> String {
+/// The last `n` lines of `s` (a device's log, for a failing test's message).
+pub fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
