@@ -534,17 +534,23 @@ impl Store {
     /// [`Store::open_file`] walking to the parent through `cache`.
     pub fn open_file_in(&self, cache: &mut DirCache, path: &RelPath) -> Result<File, StoreError> {
         let dir = self.dir_in(cache, path.parent().as_ref(), false)?;
-        let fd = sys::openat(
-            dir.as_fd(),
-            &cstr(path.file_name())?,
-            libc::O_RDONLY | libc::O_NOFOLLOW,
-            0,
-        )
+        let name = cstr(path.file_name())?;
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW;
+        // Reading a file to sync it is not the user's access: its access time stays (a mail
+        // reader's "new mail" is atime older than mtime; a scan would clear it on every file,
+        // and dirty every inode it read). The flag needs the file's owner (or CAP_FOWNER): a
+        // file of another user in the folder is read as before.
+        let fd = match sys::openat(dir.as_fd(), &name, flags | libc::O_NOATIME, 0) {
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                sys::openat(dir.as_fd(), &name, flags, 0)
+            }
+            r => r,
+        }
         .map_err(|e| io_err(path, e))?;
         Ok(File::from(fd))
     }
 
-    /// Opens a regular file for reading (never through a symlink).
+    /// Opens a regular file for reading (never through a symlink), leaving its access time.
     pub fn open_file(&self, path: &RelPath) -> Result<File, StoreError> {
         self.open_file_in(&mut DirCache::default(), path)
     }
@@ -1952,6 +1958,52 @@ mod tests {
             store.remove_temps(),
             0,
             "a refused install leaves no temp file"
+        );
+    }
+
+    #[test]
+    fn reading_a_file_to_sync_it_leaves_its_access_time() {
+        use std::io::Read;
+        use std::time::{Duration, SystemTime};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let old = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let atime = |name: &str| {
+            std::fs::metadata(dir.path().join(name))
+                .unwrap()
+                .accessed()
+                .unwrap()
+        };
+        for name in ["synced", "read"] {
+            std::fs::write(dir.path().join(name), b"mail").unwrap();
+            // Older than the file's mtime: a relatime mount updates it on the next read.
+            let f = File::options()
+                .write(true)
+                .open(dir.path().join(name))
+                .unwrap();
+            f.set_times(std::fs::FileTimes::new().set_accessed(old))
+                .unwrap();
+        }
+        std::fs::read(dir.path().join("read")).unwrap();
+        if atime("read") == old {
+            eprintln!("this filesystem keeps no access times (noatime): nothing to tell apart");
+            return;
+        }
+        let mut got = Vec::new();
+        store
+            .open_file(&p("synced"))
+            .unwrap()
+            .read_to_end(&mut got)
+            .unwrap();
+        assert_eq!(got, b"mail");
+        let hash = meshfs_protocol::Hash::of(b"mail");
+        store
+            .read_chunk_in(&mut DirCache::default(), &p("synced"), 0, 4, &hash)
+            .unwrap();
+        assert_eq!(
+            atime("synced"),
+            old,
+            "the daemon's read is not the user's access"
         );
     }
 
