@@ -701,10 +701,12 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, inline: &
             tracing::debug!(path = %r.path, sequence = r.sequence, op = ?ops.get(&r.sequence), by = %r.modified_by, "not inline: not new or a duplicate");
             continue;
         }
-        let d = match rt
-            .store
-            .read_chunk_in(&mut dirs, &r.path, 0, r.size as u32, &r.hash)
-        {
+        // What the scan read to hash it, if it kept it (D113); else read again.
+        let kept = rt.store.fresh().take(&r.hash);
+        let d = match kept.map(Ok).unwrap_or_else(|| {
+            rt.store
+                .read_chunk_in(&mut dirs, &r.path, 0, r.size as u32, &r.hash)
+        }) {
             Ok(d) => d,
             Err(e) => {
                 tracing::debug!(path = %r.path, sequence = r.sequence, error = %e, "not inline: unreadable");

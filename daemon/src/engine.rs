@@ -1099,7 +1099,8 @@ type Journaled = (
 
 /// Shows the traffic counters every link as it comes and goes, so a peer's bytes outlive its
 /// connection (the sessions wake `peer_changed` when a link is registered or ends), and ticks
-/// the folders' progress about once a second.
+/// the folders' progress about once a second (and drops the small contents their scans kept
+/// too long, D113).
 async fn traffic_loop(engine: Arc<Engine>) {
     let mut stopping = engine.net.stopping.subscribe();
     let mut last_tick = Instant::now();
@@ -1117,6 +1118,7 @@ async fn traffic_loop(engine: Arc<Engine>) {
         // Remote versions kept from before a restart wait for their peer's link; nothing
         // else wakes them when no local change comes.
         for rt in engine.folders.all() {
+            rt.store.fresh().sweep();
             let capturing = rt
                 .capture_pending
                 .load(std::sync::atomic::Ordering::Relaxed)

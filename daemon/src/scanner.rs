@@ -941,11 +941,29 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<Read>)> {
                         // back), rather than a version whose stat a later scan finds changed
                         // and journals again as a metadata change (a version of its own, that
                         // a peer's next version then conflicts with).
-                        let c = chunker::chunk_file(&f, job.local.size).ok()?;
+                        let (c, kept) = if job.local.size <= crate::chunks::INLINE_FILE_BYTES {
+                            // Small enough to ride its index batch: the bytes read are kept
+                            // for it (D113), so the batch need not read the file again.
+                            let mut data = Vec::with_capacity(job.local.size as usize + 1);
+                            std::io::Read::read_to_end(
+                                &mut std::io::Read::take(&f, job.local.size + 1),
+                                &mut data,
+                            )
+                            .ok()?;
+                            let c = chunker::chunk_reader(&data[..], job.local.size).ok()?;
+                            (c, Some(data))
+                        } else {
+                            (chunker::chunk_file(&f, job.local.size).ok()?, None)
+                        };
                         let after = sys::fstat(std::os::fd::AsFd::as_fd(&f)).ok()?;
                         let now = crate::store::stat_of(&after).local;
-                        (now.size == job.local.size && now.mtime_ns == job.local.mtime_ns)
-                            .then_some(Read::Content(c))
+                        if now.size != job.local.size || now.mtime_ns != job.local.mtime_ns {
+                            return None;
+                        }
+                        if let Some(data) = kept.filter(|_| c.chunks.len() == 1) {
+                            store.fresh().put(c.hash, data);
+                        }
+                        Some(Read::Content(c))
                     });
                 if content.is_none() {
                     tracing::debug!(path = %job.path, "vanished, unreadable or written while hashing; will be picked up by the next event");

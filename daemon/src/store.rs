@@ -33,7 +33,10 @@
 //! durable with one `syncfs`, renames them, then fsyncs each touched directory once.
 
 mod displace;
+mod fresh;
 mod placeholder;
+
+pub use fresh::Fresh;
 
 use crate::failpoint;
 use crate::room::Claim;
@@ -170,6 +173,8 @@ pub struct Store {
     /// The filesystem temp files are made on ([`Store::temp_place`]), from the stat of the
     /// descriptor they are made through; `None` if it could not be read.
     temp_place: Option<crate::room::Place>,
+    /// Small files' content as the scan read it, for the index batch that announces them.
+    fresh: Fresh,
 }
 
 pub use crate::config::DEFAULT_UMASK;
@@ -353,7 +358,13 @@ impl Store {
             keeper: Keeper::default(),
             umask: std::sync::atomic::AtomicU32::new(DEFAULT_UMASK),
             temp_place,
+            fresh: Fresh::default(),
         })
+    }
+
+    /// Small files' content as the scan read it ([`Fresh`], D113).
+    pub fn fresh(&self) -> &Fresh {
+        &self.fresh
     }
 
     /// Opens the replica at `root` with `staging` (created if missing; it must not be inside

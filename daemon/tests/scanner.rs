@@ -541,3 +541,23 @@ fn a_scan_names_the_files_it_saw_with_a_second_name() {
         .linked
         .is_empty());
 }
+
+#[test]
+fn a_scan_keeps_what_it_read_of_small_files_for_their_index_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("replica");
+    std::fs::create_dir_all(&root).unwrap();
+    let small = b"a small file's content".to_vec();
+    let big: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(root.join("small"), &small).unwrap();
+    std::fs::write(root.join("big"), &big).unwrap();
+    let mut j = Journal::open(&dir.path().join("journal.db")).unwrap();
+    let fx = Fixture::new(&root);
+    let (folder, t) = (&fx.folder, fx.target());
+    commit_all(&mut j, folder, &t);
+
+    let hash = meshfs_protocol::Hash::of(&small);
+    assert_eq!(fx.store.fresh().bytes(), small.len(), "only the small file is kept");
+    assert_eq!(fx.store.fresh().take(&hash), Some(small), "the bytes its hash was made of");
+    assert_eq!(fx.store.fresh().bytes(), 0);
+}
