@@ -95,6 +95,10 @@ def summarize(recs):
             writes = [r.get("write_s") for r in ok if r.get("write_s") is not None]
             if writes:
                 s["write_median"] = statistics.median(writes)
+            durable = [r["durable_s"] for r in ok if r.get("durable_s") is not None]
+            if durable:
+                s["durable_median"] = statistics.median(durable)
+                s["durable_min"], s["durable_max"] = min(durable), max(durable)
             content = [r.get("content_s") for r in ok if r.get("content_s") is not None]
             if content:
                 s["content_median"] = statistics.median(content)
@@ -156,9 +160,10 @@ def _metric(s, scen):
 def table(prof, summ, meta):
     lines = []
     runs = meta.get("runs", "?")
-    lines.append(f"| scenario | tool | time: median (min–max) | × fastest | wire MB | CPU s | "
+    lines.append(f"| scenario | tool | time: median (min–max) | × fastest | to durable: median "
+                 f"(min–max) | × fastest | wire MB | CPU s | "
                  f"CPU s/GB sender | CPU s/GB receivers | peak RSS MB | verified | notes |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for scen in ORDER:
         if scen not in summ:
             continue
@@ -169,17 +174,24 @@ def table(prof, summ, meta):
                           if not t.startswith("meshfs") and t not in FLOORS), default=None)
         # meshfs's floor is its own carriers' (D105): QUIC, and TCP for large fetches on a short
         # path; the faster of the two measured is the floor it is held to.
+        # The same step timed until the destinations' data was also on disk (`sync -f` right
+        # after the tool said it was done; see `ChainRun.make_durable`).
+        dur = {t: s.get("durable_median") for t, s in tools.items()
+               if s.get("durable_median") and scen != "latency"}
+        fastest_d = min((v for t, v in dur.items() if t not in FLOORS), default=None)
+        best_other_d = min((v for t, v in dur.items()
+                            if not t.startswith("meshfs") and t not in FLOORS), default=None)
         floors = [(vals[t], t) for t in ("wire-copy", "wire-copy-tcp") if vals.get(t)]
         floor, floor_tool = min(floors) if floors else (None, None)
         for tool in sorted(tools, key=_tool_key):
             s = tools[tool]
             notes = []
             if s.get("na"):
-                lines.append(f"| {scen} | {tool} | n/a | | | | | | | | {_clean(s['na'])} |")
+                lines.append(f"| {scen} | {tool} | n/a | | | | | | | | | | {_clean(s['na'])} |")
                 continue
             if s["n_ok"] == 0:
                 err = _clean(s["errors"][0] if s["errors"] else "failed")
-                lines.append(f"| {scen} | {tool} | **failed** | | | | | | | 0/{s['n']} | {err} |")
+                lines.append(f"| {scen} | {tool} | **failed** | | | | | | | | | 0/{s['n']} | {err} |")
                 continue
             if scen == "latency":
                 t = f"p50 {s['p50']:.0f} ms, p90 {s['p90']:.0f} ms (n={s['n_samples']})"
@@ -191,6 +203,13 @@ def table(prof, summ, meta):
             ratio = f"{v / fastest:.2f}×" if v and fastest else "–"
             if tool.startswith("meshfs") and v and best_other:
                 ratio += f" (vs best other {v / best_other:.2f}×)"
+            d = dur.get(tool)
+            t_d, ratio_d = "–", "–"
+            if d:
+                t_d = f"{_fmt_s(d)} s ({_fmt_s(s['durable_min'])}–{_fmt_s(s['durable_max'])})"
+                ratio_d = f"{d / fastest_d:.2f}×" if fastest_d else "–"
+                if tool.startswith("meshfs") and best_other_d:
+                    ratio_d += f" (vs best other {d / best_other_d:.2f}×)"
             if tool.startswith("meshfs") and v and floor:
                 notes.append(f"{v / floor:.2f}× the transport's floor ({floor_tool})")
             if tool in FLOORS:
@@ -208,7 +227,8 @@ def table(prof, summ, meta):
                 notes.append(f"{s['meta_diffs']} files differ in mode/mtime")
             rss = f"{s['rss_kb'] / 1024:.0f}" if s.get("rss_kb") else "–"
             gb_send, gb_recv = _fmt_gb(s)
-            lines.append(f"| {scen} | {tool} | {t} | {ratio} | {_fmt_mb(s.get('wire'))} | "
+            lines.append(f"| {scen} | {tool} | {t} | {ratio} | {t_d} | {ratio_d} | "
+                         f"{_fmt_mb(s.get('wire'))} | "
                          f"{s.get('cpu', 0):.1f} | {gb_send} | {gb_recv} | {rss} | "
                          f"{s['verified']}/{s['n']} | "
                          f"{_clean('; '.join(notes), 400)} |")

@@ -43,6 +43,10 @@ SCENARIOS = {
     "latency": ("latency", "small new file written on A until its content is readable on B"),
     "write-small": ("write", "{small} copied into A (`cp -a`, timed) until all readable on B"),
     "write-large": ("write-l", "{big} copied into A (`cp -a`, timed) until readable on B"),
+    # A set made beside A (same filesystem, untimed, flushed) and moved in with `mv` (timed):
+    # issue #46's "a file moved into the folder until the peer holds it", capture included.
+    "move-small": ("move", "{small} moved into A (`mv`, timed) until all readable on B"),
+    "move-large": ("move-l", "{big} moved into A (`mv`, timed) until readable on B"),
     "fanout": ("fanout", "fan-out to 3 peers: initial sync A -> B, C and D, {rename}"),
     "fanout-warm": ("fan-w", "fan-out to 3 peers: initial sync A -> B, C and D, {rename}, "
                              "page cache warm"),
@@ -66,14 +70,20 @@ CHAINS = {
               "empty": True},
     "write-l": {"dataset": "big", "hosts": 2, "steps": ["seed-write", "write-large"],
                 "empty": True},
+    "move": {"dataset": "small", "hosts": 2, "steps": ["seed-move", "move-small"],
+             "empty": True},
+    "move-l": {"dataset": "big", "hosts": 2, "steps": ["seed-move", "move-large"],
+               "empty": True},
 }
 # A chain's name is part of its replicas' paths, which hold the daemons' control sockets: kept
 # short (a Unix socket address is at most 107 bytes), hence "-w" for the warm variants
 # ("fan-w" for the fan-out's).
 CHAIN_ORDER = ["small", "small-w", "large", "large-w", "mixed", "mixed-w", "tree", "tree-w",
-               "rename", "fanout", "fan-w", "scan", "write", "write-l", "latency"]
+               "rename", "fanout", "fan-w", "scan", "write", "write-l", "move", "move-l",
+               "latency"]
 # Syncthing with a shorter watcher delay only differs where the watcher matters.
-WATCHER_ONLY = {"delta", "rename", "latency", "write-small", "write-large"}
+WATCHER_ONLY = {"delta", "rename", "latency", "write-small", "write-large", "move-small",
+                "move-large"}
 # Through mounts on both sides: initial sync, files written in mount A, a directory renamed in
 # mount A, and the latency from a write in mount A to the content readable in mount B.
 MOUNT_SCENARIOS = {"initial-small", "write-small", "rename", "latency"}
@@ -333,6 +343,17 @@ class ChainRun:
                                  "reported in sync")
             time.sleep(interval)
 
+    def make_durable(self, t1):
+        """Flushes the destinations' filesystems (`sync -f`: syncfs(2)) and returns when
+        their data is on disk. A tool's step is timed twice: until the destinations are
+        readable (the tool says it is done), and until they are also durable (right after,
+        this). meshfs makes every file durable before it reports a batch applied; rsync
+        leaves its writes in the page cache. Returns t1 plus the flush's time."""
+        t = time.monotonic()
+        for root in sorted({str(self.roots[d]) for d in self.dsts}):
+            subprocess.run(["sync", "-f", root], timeout=600, check=False)
+        return t1 + (time.monotonic() - t)
+
     def sizes_pred(self, expected, under=None):
         def pred():
             return all(tree.sizes(self.views[d], under) == expected for d in self.dsts)
@@ -369,6 +390,8 @@ class ChainRun:
                 t_content, t1 = self.wait_converged(pred, timeout, since=since, t0=t0)
             except BenchError as e:
                 raise StepFailed(str(e), meter.end(), time.monotonic() - t0)
+        # Right away, before the meter reads its counters: the flush's time adds to t1.
+        t_durable = self.make_durable(t1)
         m = meter.end(client)
         if quick_verify is not None:
             ver = {}
@@ -381,7 +404,8 @@ class ChainRun:
             ok = all(v["content_diffs"] == 0 for v in ver.values())
         else:
             ok, ver = self.verify(expected_manifest)
-        rec = dict(m, wall_s=round(t1 - t0, 3), verified=ok, verify=ver,
+        rec = dict(m, wall_s=round(t1 - t0, 3), durable_s=round(t_durable - t0, 3),
+                   verified=ok, verify=ver,
                    dropped_caches=bool(drop and ctx.drop_caches), **(extra or {}))
         if t_content is not None:
             rec["content_s"] = round(t_content - t0, 3)
@@ -710,6 +734,43 @@ def chain_write(cr, done):
 def chain_write_l(cr, done):
     """`chain_write` with the big set: one 512 MiB file copied into A until B holds it."""
     write_into_a(cr, done, "write-large")
+
+
+def chain_move(cr, done):
+    """The small set moved into A while the tool runs (A starts empty): the set is copied
+    beside A (the same filesystem, outside the replica) and flushed, untimed; then `mv` of its
+    entries into A starts the clock, until every file is on B. One-shot tools move first
+    (untimed) and are timed by their run."""
+    move_into_a(cr, done, "move-small")
+
+
+def chain_move_l(cr, done):
+    """`chain_move` with the big set: one 512 MiB file moved into A until B holds it."""
+    move_into_a(cr, done, "move-large")
+
+
+def move_into_a(cr, done, scenario):
+    tool = cr.tool
+    incoming = cr.base / "incoming"
+    sh(["cp", "-a", "--", f"{cr.ds.data}/.", str(incoming)], timeout=cr.timeout)
+    subprocess.run(["sync", "-f", str(incoming)], timeout=600, check=False)
+    cr.transfer("seed-move", cr.sizes_pred({}), mutate=tool.start if tool.continuous else None)
+    done.append("seed-move")
+    time.sleep(cr.ctx.quiet_s)
+    exp = {k: v for k, v in cr.ds.manifest.items() if not tree.is_internal(k)}
+    sizes = tree.sizes(str(cr.ds.data))
+    extra = {}
+
+    def mutate():
+        t = time.monotonic()
+        entries = sorted(os.listdir(incoming))
+        sh(["mv", "-t", cr.views["A"], "--"] + [str(incoming / e) for e in entries],
+           timeout=cr.timeout)
+        extra["write_s"] = round(time.monotonic() - t, 3)
+
+    cr.transfer(scenario, cr.sizes_pred(sizes), mutate=mutate, expected_manifest=exp,
+                extra=extra)
+    done.append(scenario)
 
 
 def write_into_a(cr, done, scenario):
