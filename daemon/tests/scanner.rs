@@ -557,7 +557,15 @@ fn a_scan_keeps_what_it_read_of_small_files_for_their_index_batch() {
     commit_all(&mut j, folder, &t);
 
     let hash = meshfs_protocol::Hash::of(&small);
-    assert_eq!(fx.store.fresh().bytes(), small.len(), "only the small file is kept");
-    assert_eq!(fx.store.fresh().take(&hash), Some(small), "the bytes its hash was made of");
+    assert_eq!(
+        fx.store.fresh().bytes(),
+        small.len(),
+        "only the small file is kept"
+    );
+    assert_eq!(
+        fx.store.fresh().take(&hash),
+        Some(small),
+        "the bytes its hash was made of"
+    );
     assert_eq!(fx.store.fresh().bytes(), 0);
 }
