@@ -750,33 +750,32 @@ def chain_move_l(cr, done):
 
 
 def move_into_a(cr, done, scenario):
-    tool = cr.tool
     incoming = cr.base / "incoming"
     sh(["cp", "-a", "--", f"{cr.ds.data}/.", str(incoming)], timeout=cr.timeout)
     subprocess.run(["sync", "-f", str(incoming)], timeout=600, check=False)
-    cr.transfer("seed-move", cr.sizes_pred({}), mutate=tool.start if tool.continuous else None)
-    done.append("seed-move")
-    time.sleep(cr.ctx.quiet_s)
-    exp = {k: v for k, v in cr.ds.manifest.items() if not tree.is_internal(k)}
-    sizes = tree.sizes(str(cr.ds.data))
-    extra = {}
 
-    def mutate():
-        t = time.monotonic()
+    def place():
         entries = sorted(os.listdir(incoming))
         sh(["mv", "-t", cr.views["A"], "--"] + [str(incoming / e) for e in entries],
            timeout=cr.timeout)
-        extra["write_s"] = round(time.monotonic() - t, 3)
 
-    cr.transfer(scenario, cr.sizes_pred(sizes), mutate=mutate, expected_manifest=exp,
-                extra=extra)
-    done.append(scenario)
+    into_a(cr, done, scenario, "seed-move", place)
 
 
 def write_into_a(cr, done, scenario):
+    def place():
+        sh(["cp", "-a", "--", f"{cr.ds.data}/.", cr.views["A"]], timeout=cr.timeout)
+
+    into_a(cr, done, scenario, "seed-write", place)
+
+
+def into_a(cr, done, scenario, seed, place):
+    """A seed sync of the empty A (untimed for the tables), then `place()` puts the dataset into
+    A: the step is timed from it (for one-shot tools, from their run after it) until B holds
+    the set; `write_s` is what `place()` took."""
     tool = cr.tool
-    cr.transfer("seed-write", cr.sizes_pred({}), mutate=tool.start if tool.continuous else None)
-    done.append("seed-write")
+    cr.transfer(seed, cr.sizes_pred({}), mutate=tool.start if tool.continuous else None)
+    done.append(seed)
     time.sleep(cr.ctx.quiet_s)
     exp = {k: v for k, v in cr.ds.manifest.items() if not tree.is_internal(k)}
     sizes = tree.sizes(str(cr.ds.data))
@@ -784,7 +783,7 @@ def write_into_a(cr, done, scenario):
 
     def mutate():
         t = time.monotonic()
-        sh(["cp", "-a", "--", f"{cr.ds.data}/.", cr.views["A"]], timeout=cr.timeout)
+        place()
         extra["write_s"] = round(time.monotonic() - t, 3)
 
     cr.transfer(scenario, cr.sizes_pred(sizes), mutate=mutate, expected_manifest=exp,
