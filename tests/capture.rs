@@ -125,6 +125,30 @@ fn each_local_operation_becomes_exactly_the_expected_journal_entries() {
             ("delete", "a")
         ])
     );
+
+    // Moved in from outside the folder (the same filesystem): created here, contents and all,
+    // with no pair to wait for (D114). Moved out: deleted.
+    let outside = t.path().join("outside");
+    std::fs::create_dir_all(outside.join("tree/sub")).unwrap();
+    write(&outside.join("tree/sub/m"), b"moved in");
+    write(&outside.join("n"), b"moved in too");
+    let s = last_seq(&d);
+    std::fs::rename(outside.join("tree"), d.path("tree")).unwrap();
+    std::fs::rename(outside.join("n"), d.path("n")).unwrap();
+    let mut got = ops(&settle(&d, s));
+    got.sort();
+    assert_eq!(
+        got,
+        pairs(&[
+            ("create", "n"),
+            ("create", "tree"),
+            ("create", "tree/sub"),
+            ("create", "tree/sub/m")
+        ])
+    );
+    let s = last_seq(&d);
+    std::fs::rename(d.path("n"), outside.join("n")).unwrap();
+    assert_eq!(ops(&settle(&d, s)), pairs(&[("delete", "n")]));
 }
 
 #[test]

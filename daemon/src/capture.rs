@@ -69,11 +69,41 @@ pub enum Hint {
     Other,
 }
 
+/// Which rename ends the watcher has seen, to tell a move into the folder from one end of a
+/// rename inside it (D114). inotify queues a rename inside the watched tree as its old name
+/// (`IN_MOVED_FROM`) and right after it its new name (`IN_MOVED_TO`, the same cookie), and
+/// notify hands on the new name followed, in the same breath, by both ends together. A new
+/// name whose cookie is not the last old name's has no pair to wait for: a file or a tree moved
+/// in from outside the folder. notify matches the pair the same way (the last old name only).
+#[derive(Debug, Default)]
+pub struct RenameEnds {
+    last_from: Option<usize>,
+}
+
+impl RenameEnds {
+    /// The hint for a rename's end with inotify's `cookie`: `from` its old name, else its new
+    /// one.
+    pub fn end(&mut self, from: bool, cookie: usize) -> Hint {
+        if from {
+            self.last_from = Some(cookie);
+            return Hint::RenameEnd;
+        }
+        if self.last_from == Some(cookie) {
+            self.last_from = None;
+            Hint::RenameEnd
+        } else {
+            // Moved in: created here, as far as this folder knows.
+            Hint::Other
+        }
+    }
+}
+
 /// How long one end of a rename waits for the message with both ends. The watcher hands on a
 /// rename as three events (the old name, the new name, then both), and between them its thread
 /// may nap or be preempted: under load a capture pass took a moved directory's old name alone,
 /// journaled its files as deleted and then the new name's as created, and the content crossed
-/// the wire again. Only a rename into or out of the folder pays this wait.
+/// the wire again. Only a rename out of the folder pays this wait: one into it is told apart
+/// at once ([`RenameEnds`]).
 pub const RENAME_PAIR_WAIT: Duration = Duration::from_millis(200);
 
 /// The events watched: changes, and a file closed after writing (its "done" hint). Not opens
@@ -152,8 +182,9 @@ pub fn watch(
     mount: Arc<dyn meshfs_fuse::Invalidator>,
 ) -> notify::Result<RecommendedWatcher> {
     let root_buf = root.to_path_buf();
+    let mut renames = RenameEnds::default();
     // Hands the event on; true if it only echoes the mount's own writing of a file.
-    let send = move |res: notify::Result<notify::Event>| -> bool {
+    let mut send = move |res: notify::Result<notify::Event>| -> bool {
         let ev = match res {
             Ok(ev) => ev,
             Err(e) => {
@@ -172,10 +203,11 @@ pub fn watch(
             EventKind::Modify(ModifyKind::Data(_)) => Hint::Written,
             // One end of a rename (inotify's cookie: a pair may follow). A watched
             // directory's own move comes without one, after the pair.
-            EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::To))
-                if ev.tracker().is_some() =>
-            {
-                Hint::RenameEnd
+            EventKind::Modify(ModifyKind::Name(mode @ (RenameMode::From | RenameMode::To))) => {
+                match ev.tracker() {
+                    Some(cookie) => renames.end(mode == RenameMode::From, cookie),
+                    None => Hint::Other,
+                }
             }
             _ => Hint::Other,
         };
@@ -742,6 +774,29 @@ impl Echoes {
     /// Whether the engine made the directory `path` lately. Consumes the expectation.
     pub fn made_dir(&self, path: &RelPath) -> bool {
         self.lock().dirs.take(path).is_some()
+    }
+}
+
+#[cfg(test)]
+mod rename_end_tests {
+    use super::*;
+
+    #[test]
+    fn a_new_name_without_its_old_one_is_a_move_in_and_waits_for_nothing() {
+        let mut r = RenameEnds::default();
+        // A rename inside the folder: the old name, then the new one with its cookie.
+        assert_eq!(r.end(true, 7), Hint::RenameEnd);
+        assert_eq!(r.end(false, 7), Hint::RenameEnd);
+        // Moved in from outside: a new name alone.
+        assert_eq!(r.end(false, 8), Hint::Other);
+        // Moved out: an old name alone waits for a pair that does not come.
+        assert_eq!(r.end(true, 9), Hint::RenameEnd);
+        // A move in right after it is not taken for its pair.
+        assert_eq!(r.end(false, 10), Hint::Other);
+        // The old name's pair, later in the queue, still is.
+        assert_eq!(r.end(true, 11), Hint::RenameEnd);
+        assert_eq!(r.end(false, 11), Hint::RenameEnd);
+        assert_eq!(r.end(false, 11), Hint::Other, "each old name pairs once");
     }
 }
 
