@@ -51,8 +51,9 @@ const MAX_REQUEST_FRAME: usize = 40 << 10;
 /// `Error` of at most `MAX_ERROR_MESSAGE_LEN`.
 const MAX_RESPONSE_FRAME: usize = meshfs_protocol::MAX_CHUNK_LEN as usize + (16 << 10);
 
-/// Largest file whose content rides inside the index batch that announces it.
-pub const INLINE_FILE_BYTES: u64 = 64 << 10;
+/// Largest file whose content rides inside the index batch that announces it: the largest
+/// whose bytes the scan keeps for it (D113).
+pub const INLINE_FILE_BYTES: u64 = crate::store::Fresh::FILE_BYTES;
 /// Most inline bytes (as sent, after compression) in one index batch: with the records'
 /// 2 MiB this stays well under the frame limit.
 pub const INLINE_BATCH_BYTES: usize = 8 << 20;

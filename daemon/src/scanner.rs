@@ -941,7 +941,7 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<Read>)> {
                         // back), rather than a version whose stat a later scan finds changed
                         // and journals again as a metadata change (a version of its own, that
                         // a peer's next version then conflicts with).
-                        let (c, kept) = if job.local.size <= crate::chunks::INLINE_FILE_BYTES {
+                        let (c, kept) = if job.local.size <= crate::store::Fresh::FILE_BYTES {
                             // Small enough to ride its index batch: the bytes read are kept
                             // for it (D113), so the batch need not read the file again.
                             let mut data = Vec::with_capacity(job.local.size as usize + 1);

@@ -62,6 +62,10 @@ impl Inner {
 }
 
 impl Fresh {
+    /// The largest file whose content is kept: the largest that rides an index batch
+    /// (`chunks::INLINE_FILE_BYTES` is this).
+    pub const FILE_BYTES: u64 = 64 << 10;
+
     /// Keeps `data`, whose hash is `hash`, if it fits.
     pub fn put(&self, hash: Hash, data: Vec<u8>) {
         let mut inner = self.inner.lock_anyway();
