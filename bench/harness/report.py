@@ -157,6 +157,21 @@ def _metric(s, scen):
     return s.get("median")
 
 
+def _ratio(tool, vals):
+    """`tool`'s time in `vals` (tool: time) as a multiple of the fastest contender's, and for
+    meshfs also of the best other tool's."""
+    v = vals.get(tool)
+    fastest = min((x for t, x in vals.items() if t not in FLOORS), default=None)
+    if not v or not fastest:
+        return "–"
+    out = f"{v / fastest:.2f}×"
+    best_other = min((x for t, x in vals.items()
+                      if not t.startswith("meshfs") and t not in FLOORS), default=None)
+    if tool.startswith("meshfs") and best_other:
+        out += f" (vs best other {v / best_other:.2f}×)"
+    return out
+
+
 def table(prof, summ, meta):
     lines = []
     runs = meta.get("runs", "?")
@@ -169,18 +184,12 @@ def table(prof, summ, meta):
             continue
         tools = summ[scen]
         vals = {t: _metric(s, scen) for t, s in tools.items() if _metric(s, scen)}
-        fastest = min((v for t, v in vals.items() if t not in FLOORS), default=None)
-        best_other = min((v for t, v in vals.items()
-                          if not t.startswith("meshfs") and t not in FLOORS), default=None)
         # meshfs's floor is its own carriers' (D105): QUIC, and TCP for large fetches on a short
         # path; the faster of the two measured is the floor it is held to.
         # The same step timed until the destinations' data was also on disk (`sync -f` right
         # after the tool said it was done; see `ChainRun.make_durable`).
         dur = {t: s.get("durable_median") for t, s in tools.items()
                if s.get("durable_median") and scen != "latency"}
-        fastest_d = min((v for t, v in dur.items() if t not in FLOORS), default=None)
-        best_other_d = min((v for t, v in dur.items()
-                            if not t.startswith("meshfs") and t not in FLOORS), default=None)
         floors = [(vals[t], t) for t in ("wire-copy", "wire-copy-tcp") if vals.get(t)]
         floor, floor_tool = min(floors) if floors else (None, None)
         for tool in sorted(tools, key=_tool_key):
@@ -200,16 +209,12 @@ def table(prof, summ, meta):
             else:
                 t = f"{_fmt_s(s['median'])} s ({_fmt_s(s['min'])}–{_fmt_s(s['max'])})"
             v = vals.get(tool)
-            ratio = f"{v / fastest:.2f}×" if v and fastest else "–"
-            if tool.startswith("meshfs") and v and best_other:
-                ratio += f" (vs best other {v / best_other:.2f}×)"
+            ratio = _ratio(tool, vals)
             d = dur.get(tool)
-            t_d, ratio_d = "–", "–"
+            t_d = "–"
             if d:
                 t_d = f"{_fmt_s(d)} s ({_fmt_s(s['durable_min'])}–{_fmt_s(s['durable_max'])})"
-                ratio_d = f"{d / fastest_d:.2f}×" if fastest_d else "–"
-                if tool.startswith("meshfs") and best_other_d:
-                    ratio_d += f" (vs best other {d / best_other_d:.2f}×)"
+            ratio_d = _ratio(tool, dur)
             if tool.startswith("meshfs") and v and floor:
                 notes.append(f"{v / floor:.2f}× the transport's floor ({floor_tool})")
             if tool in FLOORS:

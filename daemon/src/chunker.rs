@@ -54,6 +54,16 @@ impl Content {
     }
 }
 
+/// [`chunk_reader`] of a small file read whole into memory, with the bytes read: a file of
+/// `size` bytes (from the caller's stat) is one read, and its bytes can go on (D113).
+pub fn chunk_whole(mut file: &File, size: u64) -> std::io::Result<(Content, Vec<u8>)> {
+    // One byte more than the stat said: a file that grew meanwhile is read as it is now.
+    let mut data = Vec::with_capacity(size as usize + 1);
+    Read::read_to_end(&mut Read::take(&mut file, size + 1), &mut data)?;
+    let content = chunk_reader(&data[..], size)?;
+    Ok((content, data))
+}
+
 /// Hashes and chunks everything `reader` yields. `size_hint` picks the chunk sizes; the
 /// result describes exactly the bytes read.
 pub fn chunk_reader(mut reader: impl Read, size_hint: u64) -> std::io::Result<Content> {

@@ -703,11 +703,13 @@ pub(crate) fn attach_inline(folders: &Folders, batch: &mut IndexBatch, inline: &
             continue;
         }
         // What the scan read to hash it, if it kept it (D113); else read again.
-        let kept = rt.store.fresh().take(&r.hash);
-        let d = match kept.map(Ok).unwrap_or_else(|| {
-            rt.store
-                .read_chunk_in(&mut dirs, &r.path, 0, r.size as u32, &r.hash)
-        }) {
+        let read = match rt.store.fresh().take(&r.hash) {
+            Some(kept) => Ok(kept),
+            None => rt
+                .store
+                .read_chunk_in(&mut dirs, &r.path, 0, r.size as u32, &r.hash),
+        };
+        let d = match read {
             Ok(d) => d,
             Err(e) => {
                 tracing::debug!(path = %r.path, sequence = r.sequence, error = %e, "not inline: unreadable");

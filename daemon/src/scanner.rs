@@ -944,13 +944,7 @@ fn hash_all(store: &Store, jobs: Vec<HashJob>) -> Vec<(HashJob, Option<Read>)> {
                         let (c, kept) = if job.local.size <= crate::store::Fresh::FILE_BYTES {
                             // Small enough to ride its index batch: the bytes read are kept
                             // for it (D113), so the batch need not read the file again.
-                            let mut data = Vec::with_capacity(job.local.size as usize + 1);
-                            std::io::Read::read_to_end(
-                                &mut std::io::Read::take(&f, job.local.size + 1),
-                                &mut data,
-                            )
-                            .ok()?;
-                            let c = chunker::chunk_reader(&data[..], job.local.size).ok()?;
+                            let (c, data) = chunker::chunk_whole(&f, job.local.size).ok()?;
                             (c, Some(data))
                         } else {
                             (chunker::chunk_file(&f, job.local.size).ok()?, None)

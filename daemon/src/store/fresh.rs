@@ -68,14 +68,15 @@ impl Fresh {
 
     /// Keeps `data`, whose hash is `hash`, if it fits.
     pub fn put(&self, hash: Hash, data: Vec<u8>) {
+        let now = Instant::now();
         let mut inner = self.inner.lock_anyway();
-        inner.sweep(Instant::now());
+        inner.sweep(now);
         if inner.bytes + data.len() > BUDGET || inner.by_hash.contains_key(&hash) {
             return;
         }
         inner.bytes += data.len();
         inner.by_hash.insert(hash, data);
-        inner.order.push_back((Instant::now(), hash));
+        inner.order.push_back((now, hash));
     }
 
     /// The content of `hash`, if it was kept (and is no longer).
