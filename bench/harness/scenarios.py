@@ -22,8 +22,8 @@ from pathlib import Path
 
 from . import datasets, tree
 from .netns import HOSTS, ns_of
-from .util import (CLIENT_PIDS, BenchError, descendants, drop_caches, loadavg, log, proc_status, sh,
-                   tail)
+from .util import (CLIENT_PIDS, BenchError, back_memory, descendants, drop_caches, loadavg, log,
+                   proc_status, sh, tail)
 
 SCENARIOS = {
     # name: (chain, description)
@@ -370,6 +370,7 @@ class ChainRun:
         timeout = timeout or self.timeout
         if drop and ctx.drop_caches:
             drop_caches()
+        back_memory()
         meter = Meter(ctx, tool)
         client = None
         t_content = None

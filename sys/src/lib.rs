@@ -313,6 +313,13 @@ pub fn sync_file_range(
     cvt(unsafe { libc::sync_file_range(fd.as_raw_fd(), offset, nbytes, flags) }).map(drop)
 }
 
+/// `fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, len)`: gives the file its blocks for `len` bytes
+/// now, without changing its size.
+pub fn preallocate(fd: BorrowedFd<'_>, len: i64) -> io::Result<()> {
+    // SAFETY: integer arguments only; the descriptor is borrowed for the call.
+    cvt(unsafe { libc::fallocate(fd.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, len) }).map(drop)
+}
+
 /// `posix_fadvise(fd, offset, len, POSIX_FADV_WILLNEED)`: starts reading the range into the
 /// page cache. Advice only: the caller may ignore a failure.
 pub fn fadvise_willneed(fd: BorrowedFd<'_>, offset: i64, len: i64) -> io::Result<()> {

@@ -62,6 +62,10 @@ pub(super) fn assemble(
                     rt.store.make_placeholder(&mut temp, r.size, &r.hash)?;
                     return Ok((temp, Vec::new()));
                 }
+                if let Err(e) = rt.store.preallocate_temp(&mut temp, meta.record.size) {
+                    rt.store.discard_temp(temp);
+                    return Err(e);
+                }
                 if copies.is_empty() {
                     return Ok((temp, Vec::new()));
                 }
