@@ -286,7 +286,13 @@ impl Lane {
     }
 
     fn failed(&self, state: &mut State, why: String) {
-        tracing::info!(peer = %self.peer.short(), %why, "bulk lane down; large fetches take QUIC streams until it is dialed again");
+        if self.conn.close_reason().is_some() {
+            // The lane of a connection already replaced (one of two crossed first dials): the
+            // session's own lane is another, and it is not down.
+            tracing::debug!(peer = %self.peer.short(), %why, "the bulk lane of a closed connection was not bound");
+        } else {
+            tracing::info!(peer = %self.peer.short(), %why, "bulk lane down; large fetches take QUIC streams until it is dialed again");
+        }
         let n = self.failures.fetch_add(1, Ordering::Relaxed).min(6);
         *state = State::Down(Instant::now() + Duration::from_secs(1 << n).min(LANE_RETRY));
         self.show(|f| {

@@ -2305,7 +2305,9 @@ mod tests {
             store.finish_temp(&mut t, size, 0o644, 0),
             Err(StoreError::Incomplete { .. })
         ));
-        store.write_temp(&mut t, half as u64, &data[half..]).unwrap();
+        store
+            .write_temp(&mut t, half as u64, &data[half..])
+            .unwrap();
         store.finish_temp(&mut t, size, 0o644, 0).unwrap();
         let r = store.install(vec![(t, Expect::Absent)]).pop().unwrap();
         assert!(r.is_ok());
