@@ -48,9 +48,7 @@ fn setup_as(
         write(&p, data);
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode)).unwrap();
     }
-    let mut set = vec!["folder", "set", "work"];
-    set.extend(set_args);
-    ok(&b.home, &set);
+    set_work(&b.home, set_args);
     pair(&a, &b);
     Device::start_together(&mut [&mut a, &mut b]);
     let mnt = t.path().join("mnt-b");
@@ -555,7 +553,7 @@ fn a_crash_right_after_a_placeholder_is_installed_is_completed_at_restart_and_th
     let mut b = Device::new(&t, "b");
     let data = noise(1 << 20, 50);
     write(&a.path("far.bin"), &data);
-    ok(&b.home, &["folder", "set", "work", "--on-demand"]);
+    set_work(&b.home, &["--on-demand"]);
     pair(&a, &b);
     // Killed between the rename of the placeholder into place and the journal's commit.
     b.arm("install.after_rename@far.bin=abort");
@@ -816,7 +814,7 @@ fn a_file_is_fetched_from_every_connected_peer_that_holds_it_at_once() {
     let mut b = Device::new(&t, "b");
     let mut c = Device::new(&t, "c");
     write(&a.path("big.bin"), &big);
-    ok(&b.home, &["folder", "set", "work", "--on-demand"]);
+    set_work(&b.home, &["--on-demand"]);
     pair(&a, &b);
     pair(&a, &c);
     pair(&b, &c);
@@ -1349,9 +1347,7 @@ fn a_conflict_with_a_version_not_local_here_whose_content_no_device_holds_takes_
 fn third(t: &std::sync::Arc<tempfile::TempDir>, od: &mut OnDemand, set_args: &[&str]) -> Device {
     let mut c = Device::new(t, "c");
     if !set_args.is_empty() {
-        let mut set = vec!["folder", "set", "work"];
-        set.extend(set_args);
-        ok(&c.home, &set);
+        set_work(&c.home, set_args);
     }
     pair(&od.a, &c);
     pair(&od.b, &c);
@@ -1360,6 +1356,19 @@ fn third(t: &std::sync::Arc<tempfile::TempDir>, od: &mut OnDemand, set_args: &[&
     c.start();
     in_sync(&c, 60);
     c
+}
+
+/// `meshfs folder set work SET_ARGS` on the device at `home`, with no free floor unless they
+/// give one: these devices share the machine's disk, and the default floor (5 % of it) made
+/// them evict what they had just fetched whenever the disk was nearly full. A test of the floor
+/// sets its own.
+fn set_work(home: &Path, set_args: &[&str]) {
+    let mut set = vec!["folder", "set", "work"];
+    set.extend(set_args);
+    if set_args.iter().any(|a| a.starts_with("--on-demand")) && !set_args.contains(&"--min-free") {
+        set.extend(["--min-free", "0"]);
+    }
+    ok(home, &set);
 }
 
 /// Waits until `d`'s journal holds a version of `path` of `size` bytes.
