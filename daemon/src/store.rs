@@ -1882,9 +1882,10 @@ pub fn space(path: &Path) -> Option<(u64, u64)> {
 }
 
 /// How long before now a file's last change must lie for its unchanged stat to stand for its
-/// content: a write in the same tick of the kernel's coarse clock as the change the stat
-/// shows leaves mtime and ctime as they were.
-pub const SETTLED: std::time::Duration = std::time::Duration::from_secs(1);
+/// content: a write in the same tick of the kernel's coarse clock (a few ms) as the change the
+/// stat shows leaves mtime and ctime as they were. Short enough that a file moved or copied in
+/// is served unhashed while its peers fetch it (D106).
+pub const SETTLED: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// [`read_chunk_of`] for a chunk served to a peer from the file its location names (`f`, at
 /// `path`). When the file's stat is `hashed` (the stat under which the journaled version was
