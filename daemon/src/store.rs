@@ -760,23 +760,29 @@ impl Store {
         })
     }
 
+    /// The temp file `t`'s descriptor for writing, opened again if it was closed.
+    fn writable<'t>(&self, t: &'t mut TempFile) -> Result<&'t File, StoreError> {
+        if t.file.is_none() {
+            t.file = Some(self.temp_handle(t, true)?);
+        }
+        match &t.file {
+            Some(f) => Ok(f),
+            None => unreachable!("set just above"),
+        }
+    }
+
     /// Gives the temp file `t` the disk blocks of its `size` bytes before its content is
     /// written (`fallocate` keeping its size, so only written bytes count as its content),
     /// from [`PREALLOCATE_FROM`] bytes on. Buffered writes into blocks a file already has skip
-    /// the filesystem's per-page reservation of delayed allocation: a third less of the
-    /// receiver's CPU for writing a large file on ext4 (`bench/README.md`, D115). A full disk
+    /// the filesystem's per-page reservation of delayed allocation: on ext4 a third less CPU in
+    /// the writes of a large file (D115). A full disk
     /// is an error now, before anything was received; a filesystem without `fallocate` is
     /// written as before.
     pub fn preallocate_temp(&self, t: &mut TempFile, size: u64) -> Result<(), StoreError> {
         if size < PREALLOCATE_FROM {
             return Ok(());
         }
-        if t.file.is_none() {
-            t.file = Some(self.temp_handle(t, true)?);
-        }
-        let Some(f) = t.file.as_ref() else {
-            unreachable!()
-        };
+        let f = self.writable(t)?;
         match sys::preallocate(f.as_fd(), size.min(i64::MAX as u64) as i64) {
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
                 Err(io_err(&t.target, e))
@@ -787,12 +793,7 @@ impl Store {
 
     /// Writes `data`, one verified chunk, at `offset` into the temp file.
     pub fn write_temp(&self, t: &mut TempFile, offset: u64, data: &[u8]) -> Result<(), StoreError> {
-        if t.file.is_none() {
-            t.file = Some(self.temp_handle(t, true)?);
-        }
-        let Some(f) = t.file.as_ref() else {
-            unreachable!()
-        };
+        let f = self.writable(t)?;
         f.write_all_at(data, offset)
             .map_err(|e| io_err(&t.target, e))?;
         t.wrote(data.len() as u64);
@@ -847,12 +848,7 @@ impl Store {
                 }
             }
         }
-        if t.file.is_none() {
-            t.file = Some(self.temp_handle(t, true)?);
-        }
-        let Some(out) = t.file.as_ref() else {
-            unreachable!()
-        };
+        let out = self.writable(t)?;
         let lanes = if copies.len() >= PARALLEL_COPY_FROM {
             2
         } else {
