@@ -784,10 +784,19 @@ impl Store {
         }
         let f = self.writable(t)?;
         match sys::preallocate(f.as_fd(), size.min(i64::MAX as u64) as i64) {
+            Ok(()) => {
+                // The blocks are taken from the disk's free space now: the room promised to
+                // this file is let go of at once (its writes then let go of nothing more), or
+                // it would count twice against every other claim until the file was written.
+                if let Some(c) = &t.claim {
+                    c.written(size);
+                }
+                Ok(())
+            }
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
                 Err(io_err(&t.target, e))
             }
-            _ => Ok(()),
+            Err(_) => Ok(()),
         }
     }
 
@@ -2288,12 +2297,19 @@ mod tests {
         let mut t = store
             .create_temp_in(&mut DirCache::default(), &p("big"), false)
             .unwrap();
+        // The room promised to it, as an apply claims it.
+        let room = crate::room::Room::new(space);
+        let place = crate::room::Place::of(dir.path()).unwrap();
+        let claim = Arc::new(room.claim(&[(&place, size)]).unwrap().remove(0));
+        t.set_claim(claim.clone());
         store.preallocate_temp(&mut t, size).unwrap();
         let meta = std::fs::metadata(dir.path().join(t.name.to_str().unwrap())).unwrap();
-        // Its blocks are there (on a filesystem that preallocates), its size is not.
+        // Its blocks are there (on a filesystem that preallocates), its size is not; the room
+        // promised to it is let go of as the blocks are taken (else it counted twice).
         assert_eq!(meta.len(), 0);
         if meta.blocks() > 0 {
             assert!(meta.blocks() * 512 >= size, "{} blocks", meta.blocks());
+            assert_eq!((claim.left(), room.claimed(&place)), (0, 0));
         }
         // Half written: not covered, refused; the size counts only written bytes.
         let half = (size / 2) as usize;
