@@ -775,9 +775,8 @@ impl Store {
     /// written (`fallocate` keeping its size, so only written bytes count as its content),
     /// from [`PREALLOCATE_FROM`] bytes on. Buffered writes into blocks a file already has skip
     /// the filesystem's per-page reservation of delayed allocation: on ext4 a third less CPU in
-    /// the writes of a large file (D115). A full disk
-    /// is an error now, before anything was received; a filesystem without `fallocate` is
-    /// written as before.
+    /// the writes of a large file (D115). A full disk is an error now, before anything was
+    /// received; a filesystem without `fallocate` is written as before.
     pub fn preallocate_temp(&self, t: &mut TempFile, size: u64) -> Result<(), StoreError> {
         if size < PREALLOCATE_FROM {
             return Ok(());
