@@ -755,3 +755,52 @@ fn a_lane_broken_in_the_middle_of_a_fetch_leaves_the_rest_to_quic() {
         "the whole file counted as carried by the lane: {lane}"
     );
 }
+
+/// A device that starts listening late (B is up and dialing it; A's first scan of a fresh
+/// folder holds its start back a while) is connected to once: B's dial in flight is given up as
+/// soon as A's own dial connects. Completed, it landed as a second connection hundreds of ms
+/// later (its handshake's retransmission), and the crossed dials' rule closed one of the two —
+/// mid-sync, restarting the session and sending every batch again without its content.
+#[test]
+fn a_peer_that_listens_late_is_connected_once_and_its_first_sync_is_not_restarted() {
+    let t = tmp();
+    let mut a = Device::new(&t, "a");
+    let mut b = Device::new(&t, "b");
+    for i in 0..400 {
+        write(&a.path(&format!("d{}/f{i:03}", i / 100)), &[i as u8; 2048]);
+    }
+    pair(&a, &b);
+    for d in [&mut a, &mut b] {
+        d.env
+            .push(("RUST_LOG".into(), "info,meshfs_daemon::peers=debug".into()));
+    }
+    b.start();
+    // B dials A (not listening yet) for a while: its dial loop is in the middle of an attempt.
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    a.start();
+    wait_synced(&[&a, &b], 60);
+    for i in (0..400).step_by(37) {
+        let p = format!("d{}/f{i:03}", i / 100);
+        assert_eq!(
+            std::fs::read(b.path(&p)).unwrap(),
+            vec![i as u8; 2048],
+            "{p}"
+        );
+    }
+    // Past any handshake retransmission still in flight.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    for d in [&a, &b] {
+        let log = d.log();
+        assert_eq!(
+            log.matches("peer connected").count(),
+            1,
+            "{}: connected once:\n{log}",
+            d.name
+        );
+        assert!(
+            !log.contains("another connection to a connected peer"),
+            "{}: a second connection to the same peer:\n{log}",
+            d.name
+        );
+    }
+}

@@ -75,7 +75,19 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, stop: Arc<Notify>) {
         // next one back once the path returns (QUIC backs its Initial retransmissions off).
         let attempt = retrying.then_some(RETRY_ATTEMPT);
         let outcome = tokio::select! {
-            r = discovery::dial::race(&net.endpoint, peer, &candidates, attempt) => Some(r),
+            // Given up (`None`) if the peer's own dial connects before any attempt has shaken
+            // hands: completed, this one would land as a second connection (its handshake
+            // retransmitted hundreds of ms later, when the peer began listening after this
+            // dial's first packet), and the crossed dials' rule would close one of the two,
+            // the first maybe, restarting its session mid-sync. A dial already shaken hands
+            // goes on: the peer may count it already, and the rule decides as before.
+            r = discovery::dial::race_until(
+                &net.endpoint,
+                peer,
+                &candidates,
+                attempt,
+                connected_meanwhile(&net, &peer),
+            ) => r,
             // The host's network changed under the attempt: start over with what is true now.
             _ = network.changed() => None,
             _ = stop.notified() => return,
@@ -122,6 +134,18 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, stop: Arc<Notify>) {
             }
         }
         backoff = (backoff * 2).min(max);
+    }
+}
+
+/// Returns once `peer` is connected (a link registered, whoever dialed it).
+async fn connected_meanwhile(net: &Net, peer: &DeviceId) {
+    loop {
+        // Made before the check: a registration between the two still wakes it.
+        let changed = net.peer_changed.notified();
+        if net.is_connected(peer) {
+            return;
+        }
+        changed.await;
     }
 }
 

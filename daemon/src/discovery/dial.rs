@@ -55,6 +55,24 @@ pub async fn race(
     candidates: &[Candidate],
     attempt: Option<Duration>,
 ) -> Result<Won, Vec<Lost>> {
+    match race_until(endpoint, peer, candidates, attempt, std::future::pending()).await {
+        Some(r) => r,
+        None => unreachable!("a pending future never gives the race up"),
+    }
+}
+
+/// [`race`], given up (`None`) when `give_up` completes before any attempt's TLS handshake
+/// has: the peer never counts such a dial as a connection (it waits for our greeting,
+/// `Handshaken::greet`), so nothing is left behind. Once an attempt has shaken hands, its
+/// greeting and the race's end are not given up.
+pub async fn race_until(
+    endpoint: &quinn::Endpoint,
+    peer: DeviceId,
+    candidates: &[Candidate],
+    attempt: Option<Duration>,
+    give_up: impl std::future::Future<Output = ()>,
+) -> Option<Result<Won, Vec<Lost>>> {
+    tokio::pin!(give_up);
     let candidates = &candidates[..candidates.len().min(MAX_CANDIDATES)];
     let mut lost = Vec::new();
     let mut running = tokio::task::JoinSet::new();
@@ -96,7 +114,7 @@ pub async fn race(
         tokio::select! {
             done = running.join_next() => {
                 let Some(done) = done else {
-                    return Err(lost);
+                    return Some(Err(lost));
                 };
                 let Ok((i, r)) = done else { continue };
                 waiting.remove(&i);
@@ -106,7 +124,7 @@ pub async fn race(
                         // The others are dropped before their hello.
                         running.abort_all();
                         let cut: Vec<Candidate> = waiting.iter().map(|&j| candidates[j]).collect();
-                        return match shaken.greet().await {
+                        return Some(match shaken.greet().await {
                             Ok(established) => Ok(Won {
                                 established,
                                 addr: c.addr,
@@ -125,7 +143,7 @@ pub async fn race(
                                 }));
                                 Err(lost)
                             }
-                        };
+                        });
                     }
                     Err(error) => {
                         lost.push(Lost { addr: c.addr, source: c.source, error });
@@ -134,7 +152,7 @@ pub async fn race(
                             start(next, &mut running, &mut waiting);
                             next += 1;
                         } else if running.is_empty() {
-                            return Err(lost);
+                            return Some(Err(lost));
                         }
                     }
                 }
@@ -142,6 +160,11 @@ pub async fn race(
             _ = stagger => {
                 start(next, &mut running, &mut waiting);
                 next += 1;
+            }
+            // No attempt has shaken hands (that arm awaits its greeting in place).
+            _ = &mut give_up => {
+                running.abort_all();
+                return None;
             }
         }
     }
