@@ -286,7 +286,7 @@ impl Lane {
     }
 
     fn failed(&self, state: &mut State, why: String) {
-        if self.conn.close_reason().is_some() {
+        if self.replaced() {
             // The lane of a connection already replaced (one of two crossed first dials): the
             // session's own lane is another, and it is not down.
             tracing::debug!(peer = %self.peer.short(), %why, "the bulk lane of a closed connection was not bound");
@@ -301,10 +301,14 @@ impl Lane {
         });
     }
 
+    /// Its connection is closed: one of two first connections, replaced by the other.
+    fn replaced(&self) -> bool {
+        self.conn.close_reason().is_some()
+    }
+
     fn show(&self, change: impl FnOnce(&mut LaneFigures)) {
-        // A lane of a connection already closed (one of two first connections, replaced) says
-        // nothing: status shows the session's own lane.
-        if self.conn.close_reason().is_some() {
+        // A replaced connection's lane says nothing: status shows the session's own lane.
+        if self.replaced() {
             return;
         }
         change(

@@ -81,7 +81,7 @@ pub async fn dial_loop(net: Arc<Net>, peer: DeviceId, stop: Arc<Notify>) {
             // dial's first packet), and the crossed dials' rule would close one of the two,
             // the first maybe, restarting its session mid-sync. A dial already shaken hands
             // goes on: the peer may count it already, and the rule decides as before.
-            r = discovery::dial::race_until(
+            r = discovery::dial::race(
                 &net.endpoint,
                 peer,
                 &candidates,

@@ -762,13 +762,11 @@ impl Store {
 
     /// The temp file `t`'s descriptor for writing, opened again if it was closed.
     fn writable<'t>(&self, t: &'t mut TempFile) -> Result<&'t File, StoreError> {
-        if t.file.is_none() {
-            t.file = Some(self.temp_handle(t, true)?);
-        }
-        match &t.file {
-            Some(f) => Ok(f),
-            None => unreachable!("set just above"),
-        }
+        let f = match t.file.take() {
+            Some(f) => f,
+            None => self.temp_handle(t, true)?,
+        };
+        Ok(t.file.insert(f))
     }
 
     /// Gives the temp file `t` the disk blocks of its `size` bytes before its content is

@@ -48,24 +48,11 @@ pub struct Lost {
 /// off after `attempt` if given. Returns the winner, if any, and every attempt that failed
 /// before the race ended. A device that answers and then refuses (our certificate, a crossed
 /// dial, its daemon stopping) ends the race with that answer: its other addresses would say
-/// the same.
-pub async fn race(
-    endpoint: &quinn::Endpoint,
-    peer: DeviceId,
-    candidates: &[Candidate],
-    attempt: Option<Duration>,
-) -> Result<Won, Vec<Lost>> {
-    match race_until(endpoint, peer, candidates, attempt, std::future::pending()).await {
-        Some(r) => r,
-        None => unreachable!("a pending future never gives the race up"),
-    }
-}
-
-/// [`race`], given up (`None`) when `give_up` completes before any attempt's TLS handshake
+/// the same. Given up (`None`) when `give_up` completes before any attempt's TLS handshake
 /// has: the peer never counts such a dial as a connection (it waits for our greeting,
 /// `Handshaken::greet`), so nothing is left behind. Once an attempt has shaken hands, its
 /// greeting and the race's end are not given up.
-pub async fn race_until(
+pub async fn race(
     endpoint: &quinn::Endpoint,
     peer: DeviceId,
     candidates: &[Candidate],
@@ -210,9 +197,9 @@ mod tests {
             },
         ];
         let t0 = Instant::now();
-        let won = race(&ea, b.device_id, &candidates, None)
+        let won = race(&ea, b.device_id, &candidates, None, std::future::pending())
             .await
-            .ok()
+            .and_then(Result::ok)
             .unwrap();
         assert_eq!(won.addr, eb.local_addr().unwrap());
         assert_eq!(won.source, Source::Incoming);
@@ -252,15 +239,21 @@ mod tests {
                 source: Source::Lan,
             },
         ];
-        let won = race(&ea, b.device_id, &candidates, None)
+        let won = race(&ea, b.device_id, &candidates, None, std::future::pending())
             .await
-            .ok()
+            .and_then(Result::ok)
             .unwrap();
         assert_eq!(won.established.peer, b.device_id);
-        let lost = race(&ea, b.device_id, &candidates[..1], None)
-            .await
-            .err()
-            .unwrap();
+        let lost = race(
+            &ea,
+            b.device_id,
+            &candidates[..1],
+            None,
+            std::future::pending(),
+        )
+        .await
+        .and_then(Result::err)
+        .unwrap();
         assert!(
             matches!(lost[0].error, TransportError::WrongDevice { .. }),
             "{:?}",

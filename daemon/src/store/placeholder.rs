@@ -46,14 +46,11 @@ impl Store {
                 size: 0,
             });
         }
-        if t.file.is_none() {
-            t.file = Some(self.temp_handle(t, true)?);
-        }
-        let Some(f) = t.file.as_ref() else {
-            unreachable!()
-        };
-        f.set_len(size).map_err(|e| io_err(&t.target, e))?;
-        sys::fsetxattr(f.as_fd(), PLACEHOLDER, &hash.0).map_err(|e| io_err(&t.target, e))?;
+        let f = self.writable(t)?;
+        let made = f
+            .set_len(size)
+            .and_then(|()| sys::fsetxattr(f.as_fd(), PLACEHOLDER, &hash.0));
+        made.map_err(|e| io_err(&t.target, e))?;
         t.written = size;
         Ok(())
     }
